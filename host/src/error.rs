@@ -1,0 +1,129 @@
+//! The one error type of gradclip. Every message says what to change.
+
+use crate::dtype::DType;
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = core::result::Result<T, E>;
+
+/// Everything that can go wrong in a gradclip call.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor has a null address but elements.
+    #[error("tensor {index} has a null address and {len} elements: pass its real buffer, or a length of 0")]
+    NullPointer {
+        /// Position in the tensor list.
+        index: usize,
+        /// Its element count.
+        len: u64,
+    },
+    /// A tensor's address is not a multiple of its element size.
+    #[error("tensor {index} starts at {addr:#x}, which is not aligned to its {dtype} element size ({size} bytes): pass a view that starts on an element boundary")]
+    Misaligned {
+        /// Position in the tensor list.
+        index: usize,
+        /// Its start address.
+        addr: u64,
+        /// Its element type.
+        dtype: DType,
+        /// Required alignment.
+        size: u64,
+    },
+    /// A tensor's byte range wraps around the address space.
+    #[error("tensor {index} ({len} elements at {addr:#x}) runs past the end of the address space: check its length")]
+    AddressOverflow {
+        /// Position in the tensor list.
+        index: usize,
+        /// Its start address.
+        addr: u64,
+        /// Its element count.
+        len: u64,
+    },
+    /// A dtype code that gradclip does not know.
+    #[error("unknown dtype code {code}: gradclip takes bf16 (0), f16 (1), f32 (2) and f64 (3)")]
+    UnknownDtype {
+        /// The code given.
+        code: u32,
+    },
+    /// p is NaN or below 1.
+    #[error("norm type p = {p} is not supported: use p >= 1 (1, 2, any finite p, or infinity)")]
+    InvalidNormType {
+        /// The p given.
+        p: f64,
+    },
+    /// max_norm is negative or NaN.
+    #[error("max_norm = {max_norm} is invalid: it must be a non-negative number (0 zeroes the gradients, infinity leaves them unchanged)")]
+    InvalidMaxNorm {
+        /// The value given.
+        max_norm: f64,
+    },
+    /// The same memory appears twice in a clip call.
+    #[error("tensors {first} and {second} overlap in memory: a clip would scale the shared elements twice; pass each gradient once")]
+    Overlap {
+        /// Position of one tensor.
+        first: usize,
+        /// Position of the other.
+        second: usize,
+    },
+    /// More tensors than the table's 32-bit indices hold.
+    #[error("{count} tensors in one call exceed the limit of {max}: split the list into several calls")]
+    TooManyTensors {
+        /// Tensors given.
+        count: usize,
+        /// The limit.
+        max: u64,
+    },
+    /// More block tasks than one launch grid holds.
+    #[error("the tensors need {tasks} blocks, more than one launch holds ({max}): split the list into several calls")]
+    TooManyTasks {
+        /// Tasks needed.
+        tasks: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A buffer lives in another CUDA context (another device) than the engine's stream.
+    #[error("tensor {index} belongs to another CUDA context (device {found}) than the engine's stream (device {expected}): use an engine on that tensor's device")]
+    WrongContext {
+        /// Position in the tensor list.
+        index: usize,
+        /// Ordinal of the engine's device.
+        expected: usize,
+        /// Ordinal of the tensor's device.
+        found: usize,
+    },
+    /// The total norm is NaN or infinite and `error_if_nonfinite` was set; no gradient changed.
+    #[error("the total norm of order {norm_type} is non-finite ({norm}); no gradient was changed. Set error_if_nonfinite = false to clip anyway")]
+    NonFiniteNorm {
+        /// The norm found.
+        norm: f64,
+        /// The norm order, as text.
+        norm_type: String,
+    },
+    /// A per-tensor output or other argument has the wrong length.
+    #[error("{what} has {found} entries but {expected} are needed")]
+    LengthMismatch {
+        /// What was passed.
+        what: &'static str,
+        /// Entries needed.
+        expected: usize,
+        /// Entries found.
+        found: usize,
+    },
+    /// No CUDA driver library or no device.
+    #[error("no CUDA GPU is available ({reason}); use the CPU backend (gradclip::cpu)")]
+    NoGpu {
+        /// What was missing.
+        reason: String,
+    },
+    /// A kernel that the host needs is missing from the embedded PTX (a build mismatch).
+    #[error("kernel {name} is missing from the embedded PTX: rebuild gradclip ({source})")]
+    MissingKernel {
+        /// Kernel name.
+        name: &'static str,
+        /// Driver error.
+        source: cudarc::driver::DriverError,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA driver error: {0}")]
+    Cuda(#[from] cudarc::driver::DriverError),
+}

@@ -1,0 +1,261 @@
+//! The safe GPU API: validate, plan (or reuse the last plan), upload, launch, hand back a
+//! device-side result.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use gradclip_kernels::abi::{NormOutput, NormParams, flags};
+
+use super::buffers::{DeviceGrad, DeviceGradMut};
+use super::kernels::{self, KernelSet};
+use super::launch::{self, Tables};
+use super::words::{as_words, from_words};
+use crate::error::{Error, Result};
+use crate::norm::{ClipOptions, NormReport, NormType, validate_max_norm};
+use crate::plan::{RawTensor, check_disjoint, plan};
+
+/// Words of one [`NormOutput`].
+const OUT_WORDS: usize = size_of::<NormOutput>() / 8;
+
+/// A norm computed on the GPU, still in device memory. Nothing waits for it until [`read`].
+///
+/// [`read`]: DeviceNorm::read
+#[derive(Debug)]
+pub struct DeviceNorm {
+    out: CudaSlice<u64>,
+    per_tensor: Option<CudaSlice<f64>>,
+}
+
+impl DeviceNorm {
+    /// Waits for the result and copies it to the host.
+    pub fn read(&self) -> Result<NormReport> {
+        let stream = self.out.stream();
+        let words = stream.clone_dtoh(&self.out)?;
+        let out: NormOutput = from_words(&words);
+        let per_tensor = match &self.per_tensor {
+            Some(p) => Some(stream.clone_dtoh(p)?),
+            None => None,
+        };
+        Ok(NormReport { norm: out.norm, coef: out.coef, nonfinite: out.nonfinite != 0, per_tensor })
+    }
+
+    /// The device buffer holding the result: word 0 is the norm's f64 bits, word 1 the clip
+    /// coefficient's, word 2 the non-finite flag (low 32 bits). Use it in later kernels to skip
+    /// a step without a host synchronization.
+    pub fn device_words(&self) -> &CudaSlice<u64> {
+        &self.out
+    }
+
+    /// Per-tensor norms in device memory, when asked for.
+    pub fn device_per_tensor(&self) -> Option<&CudaSlice<f64>> {
+        self.per_tensor.as_ref()
+    }
+}
+
+/// Reusable device tables: grown when a call needs more, never shrunk.
+#[derive(Debug, Default)]
+struct Workspace {
+    tensors: Option<CudaSlice<u64>>,
+    tasks: Option<CudaSlice<u64>>,
+    partials: Option<CudaSlice<u64>>,
+}
+
+fn ensure(stream: &Arc<CudaStream>, buf: &mut Option<CudaSlice<u64>>, words: usize) -> Result<()> {
+    let words = words.max(1);
+    if buf.as_ref().is_none_or(|b| b.len() < words) {
+        *buf = None; // free first: the old table is no longer needed
+        // SAFETY: u64 has no invalid bit patterns; the contents are written before any read.
+        *buf = Some(unsafe { stream.alloc::<u64>(words) }?);
+    }
+    Ok(())
+}
+
+/// The plan last uploaded, to skip planning and uploading when the same list comes back.
+#[derive(Debug, Default)]
+struct Uploaded {
+    tensors: Vec<RawTensor>,
+    num_tasks: usize,
+    disjoint: bool,
+}
+
+/// Computes gradient norms and clips on one CUDA stream.
+///
+/// ```no_run
+/// use gradclip::{ClipOptions, gpu::{DeviceGradMut, GpuEngine}};
+/// let ctx = cudarc::driver::CudaContext::new(0)?;
+/// let stream = ctx.default_stream();
+/// let mut a = stream.clone_htod(&vec![half::bf16::from_f32(3.0); 1000])?;
+/// let mut b = stream.clone_htod(&vec![4.0f32; 10])?;
+/// let mut engine = GpuEngine::new(stream.clone())?;
+/// let mut grads: [&mut dyn DeviceGradMut; 2] = [&mut a, &mut b];
+/// let norm = engine.clip_grad_norm(&mut grads, 1.0, &ClipOptions::default())?;
+/// println!("norm = {}", norm.read()?.norm); // the only host synchronization
+/// # Ok::<(), gradclip::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct GpuEngine {
+    stream: Arc<CudaStream>,
+    kernels: Arc<KernelSet>,
+    ws: Workspace,
+    uploaded: Uploaded,
+}
+
+impl GpuEngine {
+    /// An engine that launches on `stream` (ordered with the caller's other work there).
+    pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
+        let kernels = kernels::load(stream.context())?;
+        Ok(GpuEngine { stream, kernels, ws: Workspace::default(), uploaded: Uploaded::default() })
+    }
+
+    /// An engine on the default stream of device `ordinal`, or [`Error::NoGpu`].
+    pub fn on_device(ordinal: usize) -> Result<Self> {
+        if !super::gpu_available() {
+            return Err(Error::NoGpu { reason: "no CUDA driver library or no device".into() });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        Self::new(ctx.default_stream())
+    }
+
+    /// The engine's stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The loaded kernels (for [`super::tools`]).
+    pub fn kernels(&self) -> &KernelSet {
+        &self.kernels
+    }
+
+    fn check_context(&self, index: usize, ctx: &Arc<CudaContext>) -> Result<()> {
+        let mine = self.stream.context();
+        if ctx.cu_ctx() != mine.cu_ctx() {
+            return Err(Error::WrongContext { index, expected: mine.ordinal(), found: ctx.ordinal() });
+        }
+        Ok(())
+    }
+
+    /// The total norm of `grads`, left on the device.
+    pub fn total_norm(&mut self, grads: &[&dyn DeviceGrad], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
+        for (i, g) in grads.iter().enumerate() {
+            self.check_context(i, g.context())?;
+        }
+        let stream = self.stream.clone();
+        let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter().map(|g| g.as_raw(&stream)).unzip();
+        // SAFETY: every buffer is a live cudarc allocation of this context (checked above),
+        // borrowed until the guards drop after the launches.
+        unsafe { self.total_norm_raw(&raws, norm_type, per_tensor) }
+    }
+
+    /// Computes the total norm and scales every gradient in place by
+    /// `min(1, max_norm / (norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`.
+    pub fn clip_grad_norm(&mut self, grads: &mut [&mut dyn DeviceGradMut], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
+        for (i, g) in grads.iter().enumerate() {
+            self.check_context(i, g.context())?;
+        }
+        let stream = self.stream.clone();
+        let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter_mut().map(|g| g.as_raw_mut(&stream)).unzip();
+        // SAFETY: as in total_norm; the buffers are borrowed mutably, and overlap between views
+        // of one allocation is checked by clip_grad_norm_raw.
+        unsafe { self.clip_grad_norm_raw(&raws, max_norm, opts) }
+    }
+
+    /// [`GpuEngine::total_norm`] over raw device addresses.
+    ///
+    /// # Safety
+    /// Every tensor must be device memory of this engine's context, readable for `len` elements,
+    /// and not written by other work until the work this call enqueues on the stream completes.
+    pub unsafe fn total_norm_raw(&mut self, tensors: &[RawTensor], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
+        let norm_type = norm_type.validated()?;
+        let num_tasks = self.upload(tensors, false)?;
+        // SAFETY: the caller's contract covers memory validity; upload planned these tensors.
+        unsafe { self.run(norm_type, num_tasks, per_tensor, 0.0, 0) }
+    }
+
+    /// [`GpuEngine::clip_grad_norm`] over raw device addresses.
+    ///
+    /// # Safety
+    /// As [`GpuEngine::total_norm_raw`], and the tensors must be writable (overlap is checked).
+    pub unsafe fn clip_grad_norm_raw(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
+        validate_max_norm(max_norm)?;
+        let norm_type = opts.norm_type.validated()?;
+        let num_tasks = self.upload(tensors, true)?;
+        let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
+        // SAFETY: as total_norm_raw; upload checked that the tensors are disjoint.
+        let norm = unsafe { self.run(norm_type, num_tasks, opts.per_tensor_norms, max_norm, f) }?;
+        if num_tasks > 0 {
+            let t = self.tables();
+            let (out, _g) = norm.out.device_ptr(&self.stream);
+            // SAFETY: finalize wrote `out` earlier on this stream; tensors are disjoint and
+            // writable (caller + upload's check).
+            unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out) }?;
+        }
+        if opts.error_if_nonfinite {
+            let r = norm.read()?;
+            if r.nonfinite {
+                return Err(Error::NonFiniteNorm { norm: r.norm, norm_type: norm_type.to_string() });
+            }
+        }
+        Ok(norm)
+    }
+
+    /// Plans and uploads `tensors` unless they are the list uploaded last; returns the task count.
+    fn upload(&mut self, tensors: &[RawTensor], need_disjoint: bool) -> Result<usize> {
+        if self.uploaded.tensors == tensors {
+            if need_disjoint && !self.uploaded.disjoint {
+                check_disjoint(tensors)?;
+                self.uploaded.disjoint = true;
+            }
+            return Ok(self.uploaded.num_tasks);
+        }
+        if need_disjoint {
+            check_disjoint(tensors)?;
+        }
+        let plan = plan(tensors)?;
+        let (tw, kw) = (as_words(&plan.tensors), as_words(&plan.tasks));
+        ensure(&self.stream, &mut self.ws.tensors, tw.len())?;
+        ensure(&self.stream, &mut self.ws.tasks, kw.len())?;
+        ensure(&self.stream, &mut self.ws.partials, plan.tasks.len() * 4)?;
+        // Forget the old plan first: if an upload fails, nothing stale is reused.
+        self.uploaded = Uploaded::default();
+        if !tw.is_empty() {
+            let mut dst = self.ws.tensors.as_mut().expect("ensured").slice_mut(..tw.len());
+            self.stream.memcpy_htod(tw, &mut dst)?;
+        }
+        if !kw.is_empty() {
+            let mut dst = self.ws.tasks.as_mut().expect("ensured").slice_mut(..kw.len());
+            self.stream.memcpy_htod(kw, &mut dst)?;
+        }
+        self.uploaded = Uploaded { tensors: tensors.to_vec(), num_tasks: plan.tasks.len(), disjoint: need_disjoint };
+        Ok(plan.tasks.len())
+    }
+
+    fn tables(&self) -> Tables {
+        let ptr = |b: &Option<CudaSlice<u64>>| b.as_ref().map_or(0, |b| b.device_ptr(&self.stream).0);
+        Tables { tensors: ptr(&self.ws.tensors), tasks: ptr(&self.ws.tasks), partials: ptr(&self.ws.partials) }
+    }
+
+    /// # Safety
+    /// The uploaded plan's tensors are readable device memory of this context (caller).
+    unsafe fn run(&mut self, norm_type: NormType, num_tasks: usize, per_tensor: bool, max_norm: f64, flags: u32) -> Result<DeviceNorm> {
+        let num_tensors = self.uploaded.tensors.len();
+        // SAFETY: u64/f64 have no invalid bit patterns; the finalize kernel writes every word.
+        let mut out = unsafe { self.stream.alloc::<u64>(OUT_WORDS) }?;
+        let mut per = if per_tensor && num_tensors > 0 { Some(unsafe { self.stream.alloc::<f64>(num_tensors) }?) } else { None };
+        let t = self.tables();
+        let params = NormParams { p: norm_type.p(), max_norm, num_tasks: num_tasks as u64, num_tensors: num_tensors as u64, flags, reserved: 0 };
+        {
+            let (out_ptr, _g1) = out.device_ptr_mut(&self.stream);
+            let per_ptr = per.as_mut().map(|p| p.device_ptr_mut(&self.stream));
+            if num_tasks > 0 {
+                // SAFETY: the plan was uploaded on this stream, partials has num_tasks slots
+                // (upload's ensure), and the caller vouches for the tensors.
+                unsafe { launch::partials(&self.stream, &self.kernels, norm_type, &t, num_tasks as u32) }?;
+            }
+            // SAFETY: after partials on this stream; out/per were just allocated for this call.
+            unsafe {
+                launch::finalize(&self.stream, &self.kernels, norm_type, &t, per_ptr.as_ref().map_or(0, |p| p.0), out_ptr, &params)
+            }?;
+        }
+        Ok(DeviceNorm { out, per_tensor: per })
+    }
+}

@@ -1,0 +1,123 @@
+//! The PTX built from `kernels-gpu` and the single table of its entry-point names.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::Ptx;
+
+use crate::error::{Error, Result};
+
+/// The kernels' PTX, compiled from Rust by this crate's build script (rustc's nvptx64 target).
+pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gradclip_kernels.ptx"));
+
+/// Every kernel the host launches. Names live here and nowhere else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(missing_docs)]
+pub enum Kernel {
+    PartialsL1,
+    PartialsL2,
+    PartialsInf,
+    PartialsP,
+    FinalizeL1,
+    FinalizeL2,
+    FinalizeInf,
+    FinalizeP,
+    Scale,
+    Fill,
+    StreamRead,
+    BaselineMax,
+    BaselineSumsq,
+}
+
+impl Kernel {
+    /// All kernels, in table order.
+    pub const ALL: [Kernel; 13] = [
+        Kernel::PartialsL1,
+        Kernel::PartialsL2,
+        Kernel::PartialsInf,
+        Kernel::PartialsP,
+        Kernel::FinalizeL1,
+        Kernel::FinalizeL2,
+        Kernel::FinalizeInf,
+        Kernel::FinalizeP,
+        Kernel::Scale,
+        Kernel::Fill,
+        Kernel::StreamRead,
+        Kernel::BaselineMax,
+        Kernel::BaselineSumsq,
+    ];
+
+    /// The PTX entry-point name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Kernel::PartialsL1 => "gradclip_partials_l1",
+            Kernel::PartialsL2 => "gradclip_partials_l2",
+            Kernel::PartialsInf => "gradclip_partials_inf",
+            Kernel::PartialsP => "gradclip_partials_p",
+            Kernel::FinalizeL1 => "gradclip_finalize_l1",
+            Kernel::FinalizeL2 => "gradclip_finalize_l2",
+            Kernel::FinalizeInf => "gradclip_finalize_inf",
+            Kernel::FinalizeP => "gradclip_finalize_p",
+            Kernel::Scale => "gradclip_scale",
+            Kernel::Fill => "gradclip_fill",
+            Kernel::StreamRead => "gradclip_stream_read",
+            Kernel::BaselineMax => "gradclip_baseline_max",
+            Kernel::BaselineSumsq => "gradclip_baseline_sumsq",
+        }
+    }
+}
+
+/// The loaded module of one context.
+#[derive(Debug)]
+pub struct KernelSet {
+    functions: Vec<CudaFunction>,
+}
+
+impl KernelSet {
+    /// The function of `k`.
+    pub fn get(&self, k: Kernel) -> &CudaFunction {
+        &self.functions[Kernel::ALL.iter().position(|&x| x == k).expect("Kernel::ALL lists every kernel")]
+    }
+}
+
+type Cache = Mutex<Vec<(usize, Arc<KernelSet>)>>;
+static LOADED: Cache = Mutex::new(Vec::new());
+
+/// The kernels of `ctx`, loading (and JIT-compiling) the PTX once per context.
+pub fn load(ctx: &Arc<CudaContext>) -> Result<Arc<KernelSet>> {
+    let key = ctx.cu_ctx() as usize;
+    let mut cache = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, set)) = cache.iter().find(|(k, _)| *k == key) {
+        return Ok(set.clone());
+    }
+    let module = ctx.load_module(Ptx::from_src(PTX))?;
+    let functions = Kernel::ALL
+        .iter()
+        .map(|k| module.load_function(k.name()).map_err(|source| Error::MissingKernel { name: k.name(), source }))
+        .collect::<Result<Vec<_>>>()?;
+    let set = Arc::new(KernelSet { functions });
+    cache.push((key, set.clone()));
+    Ok(set)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every name the host can ask for is an entry point of the embedded PTX, and no entry point
+    /// is unknown to the host (checked on the PTX text, so it runs without a GPU).
+    #[test]
+    fn kernel_table_matches_the_ptx() {
+        let entries: Vec<&str> = PTX
+            .lines()
+            .filter_map(|l| l.strip_prefix(".visible .entry "))
+            .map(|l| l.trim_end_matches('(').trim())
+            .collect();
+        for k in Kernel::ALL {
+            assert!(entries.contains(&k.name()), "{} missing from PTX", k.name());
+        }
+        assert_eq!(entries.len(), Kernel::ALL.len(), "PTX has entries the host does not know: {entries:?}");
+        assert!(!PTX.contains(".extern .func"));
+        assert!(PTX.contains(".target sm_80"));
+    }
+}

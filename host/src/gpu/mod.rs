@@ -1,0 +1,27 @@
+//! The CUDA backend, in three layers as cudarc itself is built:
+//! - [`kernels`]: the embedded PTX and the one table of kernel names;
+//! - [`launch`]: one `unsafe fn` per kernel, whose `# Safety` lists what the launch relies on;
+//! - [`engine`]: the safe API ([`GpuEngine`], [`DeviceNorm`]) that checks every input and then
+//!   calls [`launch`], saying at each call which check covers which precondition.
+//!
+//! [`buffers`] adapts cudarc's typed device buffers; [`tools`] holds the fill, streaming-read and
+//! eager-baseline launches that tests and benchmarks use.
+
+pub mod buffers;
+pub mod engine;
+pub mod kernels;
+pub mod launch;
+pub mod tools;
+mod words;
+
+pub use buffers::{DeviceGrad, DeviceGradMut};
+pub use engine::{DeviceNorm, GpuEngine};
+
+/// True when the CUDA driver library loads and reports at least one device.
+pub fn gpu_available() -> bool {
+    // SAFETY: only probes whether the library can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return false;
+    }
+    matches!(cudarc::driver::CudaContext::device_count(), Ok(n) if n > 0)
+}

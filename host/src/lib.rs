@@ -1,0 +1,46 @@
+//! # gradclip
+//!
+//! The global norm of a model's gradients, and clipping them in place, over any number of
+//! tensors of mixed dtypes, in a constant number of fused kernel launches (2 for the norm, 3 for
+//! norm + clip), accumulated in f64, deterministic to the bit, with no host synchronization.
+//!
+//! - [`gpu::GpuEngine`]: CUDA through `cudarc` (driver API, loaded at run time: builds and runs
+//!   where no CUDA is installed). Kernels are Rust, compiled to PTX at build time.
+//! - [`cpu::Cpu`]: the same reduction on host memory, bit-identical to the GPU.
+//! - [`plan`]: the pure tensor-list planner both share.
+//!
+//! ```
+//! use gradclip::{NormType, cpu::{Cpu, HostGrad}};
+//! let a = [3.0f64];
+//! let b = [half::f16::from_f32(4.0)];
+//! let r = Cpu::new().total_norm(&[HostGrad::from(&a[..]), HostGrad::from(&b[..])], NormType::L2, false).unwrap();
+//! assert_eq!(r.norm, 5.0);
+//! ```
+#![warn(missing_docs)]
+
+pub mod cpu;
+pub mod dtype;
+pub mod error;
+pub mod gpu;
+pub mod norm;
+pub mod plan;
+
+pub use dtype::{DType, GradElement};
+pub use error::{Error, Result};
+pub use norm::{ClipOptions, NormReport, NormType};
+
+/// Which backend [`Backend::detect`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// A CUDA driver and at least one device.
+    Gpu,
+    /// No usable GPU: the CPU backend.
+    Cpu,
+}
+
+impl Backend {
+    /// The GPU when a CUDA driver library loads and reports a device, else the CPU.
+    pub fn detect() -> Backend {
+        if gpu::gpu_available() { Backend::Gpu } else { Backend::Cpu }
+    }
+}

@@ -1,0 +1,155 @@
+//! The tensor-list table: a pure function from tensors to the kernels' task table, and the
+//! checks that make a table safe to launch.
+
+use gradclip_kernels::abi::{ChunkTask, TensorDesc};
+use gradclip_kernels::geometry::Frame;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// A tensor by address: what the raw entry points take and what every typed one reduces to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RawTensor {
+    /// Address of element 0 (device address for the GPU, host address for the CPU backend).
+    pub addr: u64,
+    /// Number of elements.
+    pub len: u64,
+    /// Element type.
+    pub dtype: DType,
+}
+
+impl RawTensor {
+    fn end(&self) -> u64 {
+        self.addr + self.len * self.dtype.size()
+    }
+}
+
+/// The largest grid a launch takes along x.
+pub const MAX_TASKS: u64 = i32::MAX as u64;
+
+/// The kernels' view of a tensor list.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// One entry per tensor, in the caller's order.
+    pub tensors: Vec<TensorDesc>,
+    /// One entry per block, tensor after tensor.
+    pub tasks: Vec<ChunkTask>,
+}
+
+/// Builds the table for `tensors`, rejecting null, misaligned and wrapping ranges.
+///
+/// ```
+/// use gradclip::{DType, plan::{RawTensor, plan}};
+/// let p = plan(&[RawTensor { addr: 0x1000, len: 100_000, dtype: DType::F32 }]).unwrap();
+/// assert_eq!(p.tasks.len(), 7); // 400 KB in 64 KiB blocks
+/// ```
+pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
+    if tensors.len() as u64 > u32::MAX as u64 {
+        return Err(Error::TooManyTensors { count: tensors.len(), max: u32::MAX as u64 });
+    }
+    let mut descs = Vec::with_capacity(tensors.len());
+    let mut total: u64 = 0;
+    for (index, t) in tensors.iter().enumerate() {
+        let size = t.dtype.size();
+        if t.len > 0 && t.addr == 0 {
+            return Err(Error::NullPointer { index, len: t.len });
+        }
+        if t.addr % size != 0 {
+            return Err(Error::Misaligned { index, addr: t.addr, dtype: t.dtype, size });
+        }
+        if t.len.checked_mul(size).and_then(|b| t.addr.checked_add(b)).is_none() {
+            return Err(Error::AddressOverflow { index, addr: t.addr, len: t.len });
+        }
+        let frame = Frame::new(t.addr, t.len, size);
+        let n = frame.num_chunks();
+        descs.push(TensorDesc {
+            addr: t.addr,
+            len: t.len,
+            first_task: total,
+            num_tasks: n as u32,
+            dtype: t.dtype.code(),
+            phase: frame.phase as u32,
+            reserved: 0,
+        });
+        total += n;
+        if total > MAX_TASKS {
+            return Err(Error::TooManyTasks { tasks: total, max: MAX_TASKS });
+        }
+    }
+    let mut tasks = Vec::with_capacity(total as usize);
+    for (i, d) in descs.iter().enumerate() {
+        tasks.extend((0..d.num_tasks).map(|chunk| ChunkTask { tensor: i as u32, chunk }));
+    }
+    Ok(Plan { tensors: descs, tasks })
+}
+
+/// Fails if two non-empty tensors share any byte (a clip would scale those elements twice).
+pub fn check_disjoint(tensors: &[RawTensor]) -> Result<()> {
+    let mut order: Vec<usize> = (0..tensors.len()).filter(|&i| tensors[i].len > 0).collect();
+    order.sort_unstable_by_key(|&i| tensors[i].addr);
+    for w in order.windows(2) {
+        let (a, b) = (&tensors[w[0]], &tensors[w[1]]);
+        if b.addr < a.end() {
+            let (first, second) = if w[0] < w[1] { (w[0], w[1]) } else { (w[1], w[0]) };
+            return Err(Error::Overlap { first, second });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gradclip_kernels::abi::CHUNK_VECS;
+    use proptest::prelude::*;
+
+    fn t(addr: u64, len: u64, dtype: DType) -> RawTensor {
+        RawTensor { addr, len, dtype }
+    }
+
+    #[test]
+    fn rejects_bad_tensors_with_their_index() {
+        assert!(matches!(plan(&[t(16, 1, DType::F32), t(0, 3, DType::F32)]), Err(Error::NullPointer { index: 1, .. })));
+        assert!(matches!(plan(&[t(0x1002, 3, DType::F32)]), Err(Error::Misaligned { index: 0, .. })));
+        assert!(matches!(plan(&[t(u64::MAX - 15, 16, DType::F64)]), Err(Error::AddressOverflow { .. })));
+        assert!(plan(&[t(0, 0, DType::F64)]).unwrap().tasks.is_empty());
+    }
+
+    #[test]
+    fn overlaps_are_found_in_any_order() {
+        let a = t(0x1000, 100, DType::F32);
+        let b = t(0x1000 + 396, 4, DType::F32);
+        assert!(matches!(check_disjoint(&[b, t(0x9000, 1, DType::Bf16), a]), Err(Error::Overlap { first: 0, second: 2 })));
+        assert!(check_disjoint(&[a, t(0x1000 + 400, 4, DType::F32)]).is_ok());
+        assert!(matches!(check_disjoint(&[a, a]), Err(Error::Overlap { .. })));
+        assert!(check_disjoint(&[t(0x1000, 0, DType::F32), a]).is_ok());
+    }
+
+    #[test]
+    fn huge_tensor_plans_without_overflow() {
+        let p = plan(&[t(1 << 40, 5_000_000_000, DType::Bf16)]).unwrap();
+        assert_eq!(p.tasks.len() as u64, (5_000_000_000u64 / 8).div_ceil(CHUNK_VECS));
+        assert_eq!(p.tasks.last().unwrap().chunk as u64, p.tasks.len() as u64 - 1);
+    }
+
+    proptest! {
+        /// Tasks enumerate each tensor's chunks in order, tensor after tensor, and the
+        /// per-tensor ranges in the table point at exactly those tasks.
+        #[test]
+        fn tasks_are_contiguous_per_tensor(lens in proptest::collection::vec(0u64..300_000, 0..40), offs in proptest::collection::vec(0u64..8, 40)) {
+            let tensors: Vec<_> = lens.iter().zip(&offs).enumerate()
+                .map(|(i, (&len, &o))| t(((i as u64 + 1) << 24) + o * 2, len, DType::Bf16)).collect();
+            let p = plan(&tensors).unwrap();
+            let mut next = 0u64;
+            for (i, d) in p.tensors.iter().enumerate() {
+                prop_assert_eq!(d.first_task, next);
+                prop_assert_eq!(d.phase as u64, offs[i] % 8);
+                for c in 0..d.num_tasks {
+                    prop_assert_eq!(p.tasks[(d.first_task + c as u64) as usize], ChunkTask { tensor: i as u32, chunk: c });
+                }
+                next += d.num_tasks as u64;
+            }
+            prop_assert_eq!(next, p.tasks.len() as u64);
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! Types and constants shared by the host and the kernels, defined once here.
+//!
+//! Every type is `#[repr(C)]`, has no padding (checked at compile time below) and holds only
+//! integers and floats, so any bit pattern the host writes is a valid value on the device.
+
+/// Threads per block of the partial-norm and scale kernels.
+pub const BLOCK_THREADS: u32 = 256;
+/// Threads of the single block that reduces all partials to the global norm.
+pub const FINAL_THREADS: u32 = 1024;
+/// Threads per warp on every NVIDIA GPU gradclip supports.
+pub const WARP_THREADS: u32 = 32;
+/// Bytes moved by one vector load: 16 (`ld.global.v4.u32`).
+pub const VEC_BYTES: u64 = 16;
+/// 16-byte vectors per block task: 64 KiB of gradient per block, whatever the dtype.
+pub const CHUNK_VECS: u64 = 4096;
+/// Vector loads each thread issues before it accumulates them (memory-level parallelism).
+pub const LOAD_UNROLL: usize = 4;
+
+
+/// Added to the norm before dividing, as `torch.nn.utils.clip_grad_norm_` does.
+pub const CLIP_EPS: f64 = 1e-6;
+
+/// Element type codes as stored in [`TensorDesc::dtype`].
+pub mod dtype_code {
+    /// bfloat16
+    pub const BF16: u32 = 0;
+    /// IEEE binary16
+    pub const F16: u32 = 1;
+    /// IEEE binary32
+    pub const F32: u32 = 2;
+    /// IEEE binary64
+    pub const F64: u32 = 3;
+}
+
+/// Bits of [`NormParams::flags`].
+pub mod flags {
+    /// Compute the clip coefficient from `max_norm`.
+    pub const CLIP: u32 = 1;
+    /// Mark the scale as skipped when the norm is not finite (`error_if_nonfinite`).
+    pub const ERROR_IF_NONFINITE: u32 = 2;
+}
+
+/// One gradient tensor as the kernels see it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TensorDesc {
+    /// Address of element 0 (device address on the GPU, host address on the CPU).
+    pub addr: u64,
+    /// Number of elements.
+    pub len: u64,
+    /// Index of this tensor's first [`ChunkTask`] (its tasks are contiguous).
+    pub first_task: u64,
+    /// Number of block tasks of this tensor.
+    pub num_tasks: u32,
+    /// One of [`dtype_code`].
+    pub dtype: u32,
+    /// Elements between the previous 16-byte boundary and element 0: `(addr % 16) / size`.
+    pub phase: u32,
+    /// Keeps the struct free of padding.
+    pub reserved: u32,
+}
+
+/// One block's work: chunk `chunk` of tensor `tensor`. 8-byte aligned like every table type.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ChunkTask {
+    /// Index into the tensor table.
+    pub tensor: u32,
+    /// Chunk index within the tensor (see [`crate::geometry`]).
+    pub chunk: u32,
+}
+
+/// An accumulator as stored between kernels: four 64-bit words whose meaning depends on the norm.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Partial {
+    /// Encoded accumulator state (see [`crate::accum`]).
+    pub words: [u64; 4],
+}
+
+/// Scalars of the finalize kernel, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct NormParams {
+    /// The p of the p-norm (ignored by the L1, L2 and inf kernels).
+    pub p: f64,
+    /// Clip threshold (used when [`flags::CLIP`] is set).
+    pub max_norm: f64,
+    /// Number of block tasks (= partials).
+    pub num_tasks: u64,
+    /// Number of tensors.
+    pub num_tensors: u64,
+    /// Any of [`flags`].
+    pub flags: u32,
+    /// Keeps the struct free of padding.
+    pub reserved: u32,
+}
+
+/// What one norm call leaves in device memory: read it when you want, no sync needed before.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct NormOutput {
+    /// The total norm, in f64.
+    pub norm: f64,
+    /// `min(1, max_norm / (norm + 1e-6))` (NaN when the norm is NaN); 1 when no clip was asked.
+    pub coef: f64,
+    /// 1 when the norm is NaN or infinite.
+    pub nonfinite: u32,
+    /// 1 when the scale kernel must leave every gradient untouched (`error_if_nonfinite`).
+    pub skip_scale: u32,
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<TensorDesc>() == 40);
+    assert!(core::mem::size_of::<ChunkTask>() == 8);
+    assert!(core::mem::size_of::<Partial>() == 32);
+    assert!(core::mem::size_of::<NormParams>() == 40);
+    assert!(core::mem::size_of::<NormOutput>() == 24);
+    assert!(BLOCK_THREADS % WARP_THREADS == 0 && FINAL_THREADS % WARP_THREADS == 0);
+    assert!((BLOCK_THREADS / WARP_THREADS).is_power_of_two());
+    assert!((FINAL_THREADS / WARP_THREADS).is_power_of_two());
+    assert!(CHUNK_VECS <= u32::MAX as u64);
+};

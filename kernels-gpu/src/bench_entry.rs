@@ -1,0 +1,145 @@
+//! Kernels that the benchmarks and GPU tests need beside the engine: a deterministic fill, a
+//! plain streaming read (the bandwidth reference) and the per-tensor two-pass eager baseline.
+//! None of them is used by the library's clip path.
+
+use core::arch::asm;
+
+use crate::abi::dtype_code;
+use crate::device::{block_idx, grid_dim, thread_idx};
+use crate::dtype::{Bf16, Element, F16, F32, F64};
+use crate::fill;
+
+#[inline(always)]
+fn global_thread() -> (u64, u64) {
+    let t = block_idx() as u64 * 256 + thread_idx() as u64;
+    (t, grid_dim() as u64 * 256)
+}
+
+#[inline(always)]
+unsafe fn fill_as<E: Element>(addr: u64, len: u64, seed: u64, scale: f64) {
+    let (mut i, stride) = global_thread();
+    while i < len {
+        // SAFETY: the caller owns len elements at addr.
+        unsafe { ((addr + i * E::SIZE) as *mut E::Bits).write(E::from_f64(fill::value(seed, i, scale))) };
+        i += stride;
+    }
+}
+
+/// Fills `len` elements at `addr` with [`fill::value`]; blocks of 256 threads, any grid.
+///
+/// # Safety
+/// `addr` must hold `len` writable elements of type `dtype`.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn gradclip_fill(addr: u64, len: u64, dtype: u32, seed: u64, scale: f64) {
+    unsafe {
+        match dtype {
+            dtype_code::BF16 => fill_as::<Bf16>(addr, len, seed, scale),
+            dtype_code::F16 => fill_as::<F16>(addr, len, seed, scale),
+            dtype_code::F32 => fill_as::<F32>(addr, len, seed, scale),
+            dtype_code::F64 => fill_as::<F64>(addr, len, seed, scale),
+            _ => {}
+        }
+    }
+}
+
+/// Reads `nvec` 16-byte vectors at 16-byte-aligned `addr` with 4 loads in flight per thread and
+/// writes their XOR to `sink` only if it equals an impossible marker (keeps the loads alive).
+///
+/// # Safety
+/// `addr` must hold `nvec * 16` readable bytes; `sink` one writable u32.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn gradclip_stream_read(addr: u64, nvec: u64, sink: *mut u32, marker: u32) {
+    let (mut g, stride) = global_thread();
+    let mut x = 0u32;
+    while g + 3 * stride < nvec {
+        let mut v = [[0u32; 4]; 4];
+        for (k, slot) in v.iter_mut().enumerate() {
+            *slot = unsafe { ld_nc(addr + (g + k as u64 * stride) * 16) };
+        }
+        for w in v {
+            x ^= w[0] ^ w[1] ^ w[2] ^ w[3];
+        }
+        g += 4 * stride;
+    }
+    while g < nvec {
+        let w = unsafe { ld_nc(addr + g * 16) };
+        x ^= w[0] ^ w[1] ^ w[2] ^ w[3];
+        g += stride;
+    }
+    if x == marker {
+        unsafe { sink.write(x) };
+    }
+}
+
+#[inline(always)]
+unsafe fn ld_nc(addr: u64) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: forwarded from gradclip_stream_read's contract.
+    unsafe {
+        asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
+            options(readonly, nostack, preserves_flags));
+    }
+    [a, b, c, d]
+}
+
+#[inline(always)]
+unsafe fn baseline_max_as<E: Element>(addr: u64, len: u64, out: *mut u32) {
+    let (mut i, stride) = global_thread();
+    let mut m = 0.0f32;
+    while i < len {
+        let a = E::widen(unsafe { ((addr + i * E::SIZE) as *const E::Bits).read() }).abs() as f32;
+        if a > m {
+            m = a;
+        }
+        i += stride;
+    }
+    // Non-negative floats order like their bits, so an integer max is a float max.
+    unsafe { asm!("red.global.max.u32 [{p}], {v};", p = in(reg64) out, v = in(reg32) m.to_bits()) };
+}
+
+#[inline(always)]
+unsafe fn baseline_sumsq_as<E: Element>(addr: u64, len: u64, max_bits: *const u32, out: *mut f32) {
+    let (mut i, stride) = global_thread();
+    let m = f32::from_bits(unsafe { max_bits.read() });
+    let inv = if m > 0.0 { 1.0 / m } else { 0.0 };
+    let mut s = 0.0f32;
+    while i < len {
+        let x = E::widen(unsafe { ((addr + i * E::SIZE) as *const E::Bits).read() }) as f32 * inv;
+        s += x * x;
+        i += stride;
+    }
+    unsafe { asm!("red.global.add.f32 [{p}], {v};", p = in(reg64) out, v = in(reg32) s) };
+}
+
+/// Eager baseline pass 1 for one tensor: `atomicMax` of |x| (as f32 bits) into `out`.
+///
+/// # Safety
+/// `addr` must hold `len` elements of `dtype`; `out` one u32.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn gradclip_baseline_max(addr: u64, len: u64, dtype: u32, out: *mut u32) {
+    unsafe {
+        match dtype {
+            dtype_code::BF16 => baseline_max_as::<Bf16>(addr, len, out),
+            dtype_code::F16 => baseline_max_as::<F16>(addr, len, out),
+            dtype_code::F32 => baseline_max_as::<F32>(addr, len, out),
+            _ => baseline_max_as::<F64>(addr, len, out),
+        }
+    }
+}
+
+/// Eager baseline pass 2 for one tensor: `atomicAdd` of the sum of (x / max)^2 into `out`.
+///
+/// # Safety
+/// As [`gradclip_baseline_max`], after it, with `max_bits` its output.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn gradclip_baseline_sumsq(addr: u64, len: u64, dtype: u32, max_bits: *const u32, out: *mut f32) {
+    unsafe {
+        match dtype {
+            dtype_code::BF16 => baseline_sumsq_as::<Bf16>(addr, len, max_bits, out),
+            dtype_code::F16 => baseline_sumsq_as::<F16>(addr, len, max_bits, out),
+            dtype_code::F32 => baseline_sumsq_as::<F32>(addr, len, max_bits, out),
+            _ => baseline_sumsq_as::<F64>(addr, len, max_bits, out),
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! GPU-only building blocks: thread indices, warp shuffles, the block reduction through dynamic
+//! shared memory, and the memory [`Source`] over device pointers.
+
+use core::arch::asm;
+use core::arch::nvptx;
+use core::marker::PhantomData;
+
+use crate::abi::{Partial, WARP_THREADS};
+use crate::accum::Accumulator;
+use crate::dtype::Element;
+use crate::lane::{Source, SourceMut};
+
+#[inline(always)]
+pub fn thread_idx() -> u32 {
+    // SAFETY: reads a special register; always valid inside a kernel.
+    unsafe { nvptx::_thread_idx_x() }
+}
+
+#[inline(always)]
+pub fn block_idx() -> u32 {
+    // SAFETY: reads a special register; always valid inside a kernel.
+    unsafe { nvptx::_block_idx_x() }
+}
+
+#[inline(always)]
+pub fn grid_dim() -> u32 {
+    // SAFETY: reads a special register; always valid inside a kernel.
+    unsafe { nvptx::_grid_dim_x() }
+}
+
+/// `__syncthreads()`.
+///
+/// # Safety
+/// Every thread of the block must reach the same call.
+#[inline(always)]
+pub unsafe fn sync_threads() {
+    unsafe { nvptx::_syncthreads() }
+}
+
+#[inline(always)]
+fn shfl_down_u32(v: u32, off: u32) -> u32 {
+    let r: u32;
+    // SAFETY: all 32 lanes of the warp execute the callers of this function together (full mask).
+    unsafe {
+        asm!("shfl.sync.down.b32 {r}, {v}, {off}, 31, -1;", r = out(reg32) r, v = in(reg32) v, off = in(reg32) off);
+    }
+    r
+}
+
+#[inline(always)]
+fn shfl_down_partial(p: Partial, off: u32) -> Partial {
+    let mut out = Partial::default();
+    // Indexed (not zipped) so the words stay in registers.
+    for k in 0..4 {
+        let w = p.words[k];
+        let lo = shfl_down_u32(w as u32, off) as u64;
+        let hi = shfl_down_u32((w >> 32) as u32, off) as u64;
+        out.words[k] = lo | (hi << 32);
+    }
+    out
+}
+
+/// Lane 0 ends with the shuffle-down tree of the warp's values, offsets `first_off`, ..., 2, 1.
+/// Must be called by all 32 lanes.
+#[inline(always)]
+pub fn warp_reduce<A: Accumulator>(mut a: A, p: f64, first_off: u32) -> A {
+    let mut off = first_off;
+    while off > 0 {
+        let other = A::decode(&shfl_down_partial(a.encode(), off), p);
+        a = a.merge(other);
+        off /= 2;
+    }
+    a
+}
+
+/// Thread 0 ends with the block's total (the tree of [`crate::model::block_tree`]).
+///
+/// # Safety
+/// All threads of a block of `WARPS` warps call it together, with `WARPS` [`Partial`]s of dynamic
+/// shared memory given at launch.
+#[inline(always)]
+pub unsafe fn block_reduce<A: Accumulator, const WARPS: u32>(a: A, p: f64) -> A {
+    let a = warp_reduce(a, p, WARP_THREADS / 2);
+    let smem = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<Partial>();
+    let lane = thread_idx() % WARP_THREADS;
+    let warp = thread_idx() / WARP_THREADS;
+    // SAFETY: warp < WARPS slots exist (caller's launch contract); the barrier orders the
+    // writes before warp 0 reads them.
+    unsafe {
+        if lane == 0 {
+            smem.add(warp as usize).write_volatile(a.encode());
+        }
+        sync_threads();
+    }
+    if warp != 0 {
+        return a;
+    }
+    let mine = if lane < WARPS {
+        // SAFETY: written above by warp `lane`'s lane 0.
+        let part = unsafe { smem.add(lane as usize).read_volatile() };
+        A::decode(&part, p)
+    } else {
+        A::identity(p)
+    };
+    warp_reduce(mine, p, WARPS / 2)
+}
+
+/// 16-byte read-only load through the non-coherent path (the gradients do not change during a
+/// norm kernel).
+///
+/// # Safety
+/// `addr` must be a 16-byte-aligned global address of 16 readable bytes.
+#[inline(always)]
+unsafe fn ld_nc_v4(addr: u64) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ld.global.nc.L1::no_allocate.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
+            options(readonly, nostack, preserves_flags));
+    }
+    [a, b, c, d]
+}
+
+/// 16-byte coherent load (the scale pass reads what it then overwrites).
+#[inline(always)]
+unsafe fn ld_v4(addr: u64) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
+            options(readonly, nostack, preserves_flags));
+    }
+    [a, b, c, d]
+}
+
+#[inline(always)]
+unsafe fn st_v4(addr: u64, v: [u32; 4]) {
+    unsafe {
+        asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3], p = in(reg64) addr,
+            options(nostack, preserves_flags));
+    }
+}
+
+/// A tensor in device memory. `base` is the 16-byte boundary at or below element 0.
+pub struct DeviceTensor<E> {
+    addr: u64,
+    base: u64,
+    _e: PhantomData<E>,
+}
+
+impl<E: Element> DeviceTensor<E> {
+    #[inline(always)]
+    pub fn new(addr: u64, phase: u64) -> Self {
+        DeviceTensor { addr, base: addr - phase * E::SIZE, _e: PhantomData }
+    }
+}
+
+// SAFETY (both impls): the host guarantees that addr..addr+len*size is device memory of this
+// context; full vectors lie inside it and are 16-byte aligned by construction of the frame.
+impl<E: Element> Source<E> for DeviceTensor<E> {
+    #[inline(always)]
+    unsafe fn load_vec(&self, g: u64) -> E::Vector {
+        let raw = unsafe { ld_nc_v4(self.base + g * 16) };
+        // SAFETY: every Vector type is 16 bytes of plain integers.
+        unsafe { core::mem::transmute_copy(&raw) }
+    }
+    #[inline(always)]
+    unsafe fn load_elem(&self, i: u64) -> E::Bits {
+        unsafe { ((self.addr + i * E::SIZE) as *const E::Bits).read() }
+    }
+}
+
+/// A tensor the scale pass rewrites in place.
+pub struct DeviceTensorMut<E>(pub DeviceTensor<E>);
+
+impl<E: Element> Source<E> for DeviceTensorMut<E> {
+    #[inline(always)]
+    unsafe fn load_vec(&self, g: u64) -> E::Vector {
+        let raw = unsafe { ld_v4(self.0.base + g * 16) };
+        // SAFETY: every Vector type is 16 bytes of plain integers.
+        unsafe { core::mem::transmute_copy(&raw) }
+    }
+    #[inline(always)]
+    unsafe fn load_elem(&self, i: u64) -> E::Bits {
+        unsafe { self.0.load_elem(i) }
+    }
+}
+
+impl<E: Element> SourceMut<E> for DeviceTensorMut<E> {
+    #[inline(always)]
+    unsafe fn store_vec(&self, g: u64, v: E::Vector) {
+        // SAFETY: every Vector type is 16 bytes of plain integers.
+        let raw: [u32; 4] = unsafe { core::mem::transmute_copy(&v) };
+        unsafe { st_v4(self.0.base + g * 16, raw) }
+    }
+    #[inline(always)]
+    unsafe fn store_elem(&self, i: u64, b: E::Bits) {
+        unsafe { ((self.0.addr + i * E::SIZE) as *mut E::Bits).write(b) }
+    }
+}

@@ -1,0 +1,119 @@
+//! One lane's walk over its share of a chunk: the per-thread loop of the partial-norm kernel,
+//! and of the CPU model, which calls it for every lane of a virtual block.
+
+use crate::abi::LOAD_UNROLL;
+use crate::accum::Accumulator;
+use crate::dtype::Element;
+use crate::geometry::Frame;
+
+/// Where a lane reads a tensor's elements from: device memory on the GPU, a slice on the host.
+pub trait Source<E: Element> {
+    /// Loads full vector `g` of the frame.
+    ///
+    /// # Safety
+    /// `g` must be a full vector of the tensor ([`Frame::is_full`]).
+    unsafe fn load_vec(&self, g: u64) -> E::Vector;
+    /// Loads element `i`.
+    ///
+    /// # Safety
+    /// `i` must be below the tensor's length.
+    unsafe fn load_elem(&self, i: u64) -> E::Bits;
+}
+
+#[inline(always)]
+fn push_vec<E: Element, A: Accumulator>(acc: &mut A, v: &E::Vector) {
+    for &b in v.as_ref() {
+        acc.push::<E>(b);
+    }
+}
+
+/// Pushes, in the fixed order, every element that lane `lane` of `threads` owns in chunk
+/// `chunk`: vectors `start + lane + k*threads`, each element in address order.
+///
+/// # Safety
+/// `src` must read the tensor that `frame` describes, and `chunk < frame.num_chunks()`.
+#[inline(always)]
+pub unsafe fn accumulate_lane<E, A, S>(src: &S, frame: &Frame, chunk: u64, lane: u64, threads: u64, acc: &mut A)
+where
+    E: Element,
+    A: Accumulator,
+    S: Source<E>,
+{
+    let (start, end) = frame.chunk_vecs(chunk);
+    let mut g = start + lane;
+    let span = (LOAD_UNROLL as u64 - 1) * threads;
+    // Interior vectors are full, so checking the first and the last of a group is enough.
+    while g + span < end && frame.is_full(g) && frame.is_full(g + span) {
+        let mut vs = [E::Vector::default(); LOAD_UNROLL];
+        for (k, v) in vs.iter_mut().enumerate() {
+            // SAFETY: g..=g+span are interior or checked-full vectors of this chunk.
+            *v = unsafe { src.load_vec(g + k as u64 * threads) };
+        }
+        for v in &vs {
+            push_vec::<E, A>(acc, v);
+        }
+        g += LOAD_UNROLL as u64 * threads;
+    }
+    while g < end {
+        if frame.is_full(g) {
+            // SAFETY: checked full just above.
+            let v = unsafe { src.load_vec(g) };
+            push_vec::<E, A>(acc, &v);
+        } else {
+            let (a, b) = frame.elems_of(g);
+            for i in a..b {
+                // SAFETY: elems_of returns indices below frame.len.
+                acc.push::<E>(unsafe { src.load_elem(i) });
+            }
+        }
+        g += threads;
+    }
+    acc.seal::<E>();
+}
+
+/// Where the scale pass reads and writes a tensor's elements.
+pub trait SourceMut<E: Element>: Source<E> {
+    /// Stores full vector `g`.
+    ///
+    /// # Safety
+    /// As [`Source::load_vec`], and no other lane may access vector `g` concurrently.
+    unsafe fn store_vec(&self, g: u64, v: E::Vector);
+    /// Stores element `i`.
+    ///
+    /// # Safety
+    /// As [`Source::load_elem`], and no other lane may access element `i` concurrently.
+    unsafe fn store_elem(&self, i: u64, b: E::Bits);
+}
+
+/// Multiplies every element lane `lane` owns in chunk `chunk` by the clip coefficient.
+///
+/// # Safety
+/// As [`accumulate_lane`], with `dst` writable and owned by this pass.
+#[inline(always)]
+pub unsafe fn scale_lane<E, S>(dst: &S, frame: &Frame, chunk: u64, lane: u64, threads: u64, coef32: f32, coef64: f64)
+where
+    E: Element,
+    S: SourceMut<E>,
+{
+    let (start, end) = frame.chunk_vecs(chunk);
+    let mut g = start + lane;
+    while g < end {
+        if frame.is_full(g) {
+            // SAFETY: full vector of this lane's chunk; lanes own disjoint vectors.
+            unsafe {
+                let mut v = dst.load_vec(g);
+                for b in v.as_mut() {
+                    *b = E::scale(*b, coef32, coef64);
+                }
+                dst.store_vec(g, v);
+            }
+        } else {
+            let (a, b) = frame.elems_of(g);
+            for i in a..b {
+                // SAFETY: i < len; vector g belongs to this lane only.
+                unsafe { dst.store_elem(i, E::scale(dst.load_elem(i), coef32, coef64)) };
+            }
+        }
+        g += threads;
+    }
+}

@@ -1,0 +1,46 @@
+//! The gradient-norm kernels of gradclip, written once in `no_std` Rust.
+//!
+//! The same source serves two backends:
+//! - compiled for `nvptx64-nvidia-cuda` it becomes the PTX that the `gradclip` host crate embeds
+//!   (the `#[no_mangle]` entry points live in [`entry`], which only exists on that target);
+//! - compiled for the host it is the CPU backend's reduction code: [`model`] runs the exact
+//!   per-lane order and reduction trees that the GPU runs, so the CPU result pins the bits the
+//!   GPU must produce.
+//!
+//! Layout: [`abi`] holds the `#[repr(C)]` types shared with the host, [`dtype`] the element
+//! encodings, [`math`] the exp2/log2 used by general p-norms, [`accum`] the f64 accumulators of
+//! each norm, [`geometry`] how a tensor is cut into block tasks and lanes, [`lane`] the per-thread
+//! loop, [`model`] the host-side reduction trees and [`scale`] the in-place clip arithmetic.
+#![no_std]
+#![feature(f16, core_intrinsics)]
+#![allow(internal_features)]
+#![cfg_attr(
+    target_arch = "nvptx64",
+    feature(abi_gpu_kernel, stdarch_nvptx, asm_experimental_arch, gpu_launch_sized_workgroup_mem, gpu_intrinsics)
+)]
+#![warn(missing_docs)]
+
+pub mod abi;
+pub mod accum;
+pub mod dtype;
+pub mod fill;
+pub mod geometry;
+pub mod lane;
+pub mod math;
+#[cfg(not(target_arch = "nvptx64"))]
+pub mod model;
+pub mod scale;
+
+#[cfg(target_arch = "nvptx64")]
+mod device;
+#[cfg(target_arch = "nvptx64")]
+pub mod entry;
+#[cfg(target_arch = "nvptx64")]
+pub mod bench_entry;
+
+#[cfg(target_arch = "nvptx64")]
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    // SAFETY: trap only aborts the kernel; the host sees a launch error instead of a hang.
+    unsafe { core::arch::nvptx::trap() }
+}
