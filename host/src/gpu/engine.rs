@@ -135,7 +135,7 @@ impl GpuEngine {
     }
 
     /// The total norm of `grads`, left on the device.
-    pub fn total_norm(&mut self, grads: &[&dyn DeviceGrad], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
+    pub fn total_norm(&mut self, grads: &[&(dyn DeviceGrad + '_)], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
         for (i, g) in grads.iter().enumerate() {
             self.check_context(i, g.context())?;
         }
@@ -148,7 +148,7 @@ impl GpuEngine {
 
     /// Computes the total norm and scales every gradient in place by
     /// `min(1, max_norm / (norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`.
-    pub fn clip_grad_norm(&mut self, grads: &mut [&mut dyn DeviceGradMut], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
+    pub fn clip_grad_norm(&mut self, grads: &mut [&mut (dyn DeviceGradMut + '_)], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
         for (i, g) in grads.iter().enumerate() {
             self.check_context(i, g.context())?;
         }

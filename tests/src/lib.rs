@@ -1,0 +1,265 @@
+//! Shared pieces of gradclip's integration tests: random gradient lists of every dtype at every
+//! 16-byte phase, the exact reference norm, and the clip rule written independently of the
+//! library (through the `half` crate).
+
+use gradclip::DType;
+use gradclip::cpu::{HostGrad, HostGradMut};
+use half::{bf16, f16};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// A host gradient: `data[start..]` is the tensor; `start` sets its 16-byte phase.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Grad {
+    /// bfloat16 values
+    Bf16(Vec<bf16>, usize),
+    /// f16 values
+    F16(Vec<f16>, usize),
+    /// f32 values
+    F32(Vec<f32>, usize),
+    /// f64 values
+    F64(Vec<f64>, usize),
+}
+
+impl Grad {
+    /// Builds a tensor of `dtype` from f64 values (rounded once), starting `start` elements into
+    /// its storage.
+    pub fn from_f64(dtype: DType, values: &[f64], start: usize) -> Grad {
+        let pad = |n: usize| n + start;
+        match dtype {
+            DType::Bf16 => {
+                let mut v = vec![bf16::ZERO; pad(values.len())];
+                v[start..].iter_mut().zip(values).for_each(|(d, &x)| *d = bf16::from_f64(x));
+                Grad::Bf16(v, start)
+            }
+            DType::F16 => {
+                let mut v = vec![f16::ZERO; pad(values.len())];
+                v[start..].iter_mut().zip(values).for_each(|(d, &x)| *d = f16::from_f64(x));
+                Grad::F16(v, start)
+            }
+            DType::F32 => {
+                let mut v = vec![0f32; pad(values.len())];
+                v[start..].iter_mut().zip(values).for_each(|(d, &x)| *d = x as f32);
+                Grad::F32(v, start)
+            }
+            DType::F64 => {
+                let mut v = vec![0f64; pad(values.len())];
+                v[start..].copy_from_slice(values);
+                Grad::F64(v, start)
+            }
+        }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Grad::Bf16(..) => DType::Bf16,
+            Grad::F16(..) => DType::F16,
+            Grad::F32(..) => DType::F32,
+            Grad::F64(..) => DType::F64,
+        }
+    }
+
+    /// Element offset of the tensor inside its storage.
+    pub fn start(&self) -> usize {
+        match self {
+            Grad::Bf16(_, s) | Grad::F16(_, s) | Grad::F32(_, s) | Grad::F64(_, s) => *s,
+        }
+    }
+
+    /// The tensor's values, widened exactly.
+    pub fn values(&self) -> Vec<f64> {
+        match self {
+            Grad::Bf16(v, s) => v[*s..].iter().map(|x| x.to_f64()).collect(),
+            Grad::F16(v, s) => v[*s..].iter().map(|x| x.to_f64()).collect(),
+            Grad::F32(v, s) => v[*s..].iter().map(|&x| x as f64).collect(),
+            Grad::F64(v, s) => v[*s..].to_vec(),
+        }
+    }
+
+    /// The raw bits of every element, for bitwise comparison.
+    pub fn bits(&self) -> Vec<u64> {
+        match self {
+            Grad::Bf16(v, s) => v[*s..].iter().map(|x| x.to_bits() as u64).collect(),
+            Grad::F16(v, s) => v[*s..].iter().map(|x| x.to_bits() as u64).collect(),
+            Grad::F32(v, s) => v[*s..].iter().map(|x| x.to_bits() as u64).collect(),
+            Grad::F64(v, s) => v[*s..].iter().map(|x| x.to_bits()).collect(),
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Grad::Bf16(v, s) => v.len() - s,
+            Grad::F16(v, s) => v.len() - s,
+            Grad::F32(v, s) => v.len() - s,
+            Grad::F64(v, s) => v.len() - s,
+        }
+    }
+
+    /// True for an empty tensor.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Read view for the CPU backend.
+    pub fn host(&self) -> HostGrad<'_> {
+        match self {
+            Grad::Bf16(v, s) => HostGrad::from(&v[*s..]),
+            Grad::F16(v, s) => HostGrad::from(&v[*s..]),
+            Grad::F32(v, s) => HostGrad::from(&v[*s..]),
+            Grad::F64(v, s) => HostGrad::from(&v[*s..]),
+        }
+    }
+
+    /// Write view for the CPU backend.
+    pub fn host_mut(&mut self) -> HostGradMut<'_> {
+        match self {
+            Grad::Bf16(v, s) => HostGradMut::from(&mut v[*s..]),
+            Grad::F16(v, s) => HostGradMut::from(&mut v[*s..]),
+            Grad::F32(v, s) => HostGradMut::from(&mut v[*s..]),
+            Grad::F64(v, s) => HostGradMut::from(&mut v[*s..]),
+        }
+    }
+
+    /// Byte offset of element 0 from the previous 16-byte boundary, in host memory.
+    pub fn host_phase_bytes(&self) -> u64 {
+        let addr = match self {
+            Grad::Bf16(v, s) => v[*s..].as_ptr() as u64,
+            Grad::F16(v, s) => v[*s..].as_ptr() as u64,
+            Grad::F32(v, s) => v[*s..].as_ptr() as u64,
+            Grad::F64(v, s) => v[*s..].as_ptr() as u64,
+        };
+        addr % 16
+    }
+
+    /// The same values stored so that element 0 sits `phase_bytes` after a 16-byte boundary
+    /// (to run the CPU model at the phase a device buffer has).
+    pub fn with_host_phase(&self, phase_bytes: u64) -> Grad {
+        let size = self.dtype().size();
+        for extra in 0..16 / size as usize {
+            let g = Grad::from_f64_bits(self.dtype(), &self.bits(), extra);
+            if g.host_phase_bytes() == phase_bytes {
+                return g;
+            }
+        }
+        panic!("no host offset gives phase {phase_bytes}");
+    }
+
+    fn from_f64_bits(dtype: DType, bits: &[u64], start: usize) -> Grad {
+        let n = bits.len() + start;
+        match dtype {
+            DType::Bf16 => {
+                let mut v = vec![bf16::ZERO; n];
+                v[start..].iter_mut().zip(bits).for_each(|(d, &b)| *d = bf16::from_bits(b as u16));
+                Grad::Bf16(v, start)
+            }
+            DType::F16 => {
+                let mut v = vec![f16::ZERO; n];
+                v[start..].iter_mut().zip(bits).for_each(|(d, &b)| *d = f16::from_bits(b as u16));
+                Grad::F16(v, start)
+            }
+            DType::F32 => {
+                let mut v = vec![0f32; n];
+                v[start..].iter_mut().zip(bits).for_each(|(d, &b)| *d = f32::from_bits(b as u32));
+                Grad::F32(v, start)
+            }
+            DType::F64 => {
+                let mut v = vec![0f64; n];
+                v[start..].iter_mut().zip(bits).for_each(|(d, &b)| *d = f64::from_bits(b));
+                Grad::F64(v, start)
+            }
+        }
+    }
+}
+
+/// A random gradient list: lengths mixing empty, tiny, odd and multi-block sizes, every dtype,
+/// random 16-byte phases, magnitudes spread over six decades per tensor.
+pub fn random_grads(seed: u64, count: usize, max_len: usize) -> Vec<Grad> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..count)
+        .map(|_| {
+            let dtype = DType::ALL[rng.random_range(0..4)];
+            let len = match rng.random_range(0..6) {
+                0 => rng.random_range(0..3),
+                1 => rng.random_range(0..64),
+                2 => rng.random_range(0..4096),
+                _ => rng.random_range(0..max_len.max(1)),
+            };
+            let scale = 10f64.powf(rng.random_range(-3.0..3.0));
+            let values: Vec<f64> = (0..len).map(|_| scale * (2.0 * rng.random::<f64>() - 1.0)).collect();
+            let start = rng.random_range(0..8);
+            Grad::from_f64(dtype, &values, start)
+        })
+        .collect()
+}
+
+/// Neumaier's compensated sum.
+pub fn compensated_sum(xs: impl Iterator<Item = f64>) -> f64 {
+    let (mut s, mut c) = (0.0f64, 0.0f64);
+    for x in xs {
+        let t = s + x;
+        c += if s.abs() >= x.abs() { (s - t) + x } else { (x - t) + s };
+        s = t;
+    }
+    s + c
+}
+
+/// The exact reference norm of all values: scaled by the largest |x| (no overflow), summed with
+/// compensation, with `powf` from the platform libm.
+pub fn reference_norm(grads: &[Grad], p: f64) -> f64 {
+    let values: Vec<f64> = grads.iter().flat_map(|g| g.values()).collect();
+    reference_norm_of(&values, p)
+}
+
+/// [`reference_norm`] of a flat list.
+pub fn reference_norm_of(values: &[f64], p: f64) -> f64 {
+    if values.iter().any(|x| x.is_nan()) {
+        return f64::NAN;
+    }
+    let m = values.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    if m == f64::INFINITY || p == f64::INFINITY || m == 0.0 {
+        return m;
+    }
+    let s = compensated_sum(values.iter().map(|x| (x.abs() / m).powf(p)));
+    m * s.powf(1.0 / p)
+}
+
+/// Relative error, with NaN == NaN and inf == inf counted as exact.
+pub fn rel_err(got: f64, want: f64) -> f64 {
+    if (got.is_nan() && want.is_nan()) || got == want {
+        0.0
+    } else {
+        ((got - want) / want).abs()
+    }
+}
+
+/// The tolerance gradclip promises for norm order p.
+pub fn tolerance(p: f64) -> f64 {
+    if p == 1.0 || p == 2.0 || p == f64::INFINITY { 1e-12 } else { 1e-10 }
+}
+
+/// What PyTorch's `_foreach_mul_` gives for one element and coefficient, computed through the
+/// `half` crate (independent of gradclip's own rounding code); NaN as CUDA's canonical NaN.
+pub fn torch_scaled_bits(dtype: DType, bits: u64, coef: f64) -> u64 {
+    match dtype {
+        DType::Bf16 => {
+            let r = bf16::from_bits(bits as u16).to_f32() * coef as f32;
+            if r.is_nan() { 0x7FFF } else { bf16::from_f32(r).to_bits() as u64 }
+        }
+        DType::F16 => {
+            let r = f16::from_bits(bits as u16).to_f32() * coef as f32;
+            if r.is_nan() { 0x7FFF } else { f16::from_f32(r).to_bits() as u64 }
+        }
+        DType::F32 => {
+            let r = f32::from_bits(bits as u32) * coef as f32;
+            if r.is_nan() { 0x7FFF_FFFF } else { r.to_bits() as u64 }
+        }
+        DType::F64 => {
+            let r = f64::from_bits(bits) * coef;
+            if r.is_nan() { 0x7FFF_FFFF_FFFF_FFFF } else { r.to_bits() }
+        }
+    }
+}
+
+/// The norm orders every test covers.
+pub const NORM_ORDERS: [f64; 5] = [1.0, 2.0, 3.0, 7.5, f64::INFINITY];

@@ -1,0 +1,302 @@
+//! The GPU backend on a real device: every result must equal the CPU model's bits at the same
+//! 16-byte phases (and so sit within tolerance of the exact reference, which the CPU suite pins).
+//! Without a CUDA GPU every test is reported as ignored, never as passed.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use gradclip::cpu::{Cpu, HostGrad, HostGradMut};
+use gradclip::gpu::{DeviceGrad, DeviceGradMut, GpuEngine};
+use gradclip::plan::RawTensor;
+use gradclip::{ClipOptions, DType, Error, NormType};
+use gradclip_tests::*;
+use half::{bf16, f16};
+use libtest_mimic::{Arguments, Failed, Trial};
+
+type TestResult = Result<(), Failed>;
+
+/// A gradient uploaded to the device: its whole storage, and the element where the tensor starts.
+enum DevGrad {
+    Bf16(CudaSlice<bf16>, usize),
+    F16(CudaSlice<f16>, usize),
+    F32(CudaSlice<f32>, usize),
+    F64(CudaSlice<f64>, usize),
+}
+
+impl DevGrad {
+    fn upload(stream: &Arc<CudaStream>, g: &Grad) -> DevGrad {
+        let s = g.start();
+        match g {
+            Grad::Bf16(v, _) => DevGrad::Bf16(stream.clone_htod(v).unwrap(), s),
+            Grad::F16(v, _) => DevGrad::F16(stream.clone_htod(v).unwrap(), s),
+            Grad::F32(v, _) => DevGrad::F32(stream.clone_htod(v).unwrap(), s),
+            Grad::F64(v, _) => DevGrad::F64(stream.clone_htod(v).unwrap(), s),
+        }
+    }
+    fn view(&self) -> Box<dyn DeviceGrad + '_> {
+        match self {
+            DevGrad::Bf16(d, s) => Box::new(d.slice(*s..)),
+            DevGrad::F16(d, s) => Box::new(d.slice(*s..)),
+            DevGrad::F32(d, s) => Box::new(d.slice(*s..)),
+            DevGrad::F64(d, s) => Box::new(d.slice(*s..)),
+        }
+    }
+    fn view_mut(&mut self) -> Box<dyn DeviceGradMut + '_> {
+        match self {
+            DevGrad::Bf16(d, s) => Box::new(d.slice_mut(*s..)),
+            DevGrad::F16(d, s) => Box::new(d.slice_mut(*s..)),
+            DevGrad::F32(d, s) => Box::new(d.slice_mut(*s..)),
+            DevGrad::F64(d, s) => Box::new(d.slice_mut(*s..)),
+        }
+    }
+    /// Byte offset of element 0 from the previous 16-byte boundary, in device memory.
+    fn phase_bytes(&self, stream: &CudaStream) -> u64 {
+        let (base, size, s) = match self {
+            DevGrad::Bf16(d, s) => (d.device_ptr(stream).0, 2, *s),
+            DevGrad::F16(d, s) => (d.device_ptr(stream).0, 2, *s),
+            DevGrad::F32(d, s) => (d.device_ptr(stream).0, 4, *s),
+            DevGrad::F64(d, s) => (d.device_ptr(stream).0, 8, *s),
+        };
+        (base + size * s as u64) % 16
+    }
+    fn download(&self, stream: &Arc<CudaStream>) -> Grad {
+        match self {
+            DevGrad::Bf16(d, s) => Grad::Bf16(stream.clone_dtoh(d).unwrap(), *s),
+            DevGrad::F16(d, s) => Grad::F16(stream.clone_dtoh(d).unwrap(), *s),
+            DevGrad::F32(d, s) => Grad::F32(stream.clone_dtoh(d).unwrap(), *s),
+            DevGrad::F64(d, s) => Grad::F64(stream.clone_dtoh(d).unwrap(), *s),
+        }
+    }
+}
+
+struct Gpu {
+    stream: Arc<CudaStream>,
+}
+
+impl Gpu {
+    fn engine(&self) -> GpuEngine {
+        GpuEngine::new(self.stream.clone()).expect("engine")
+    }
+    fn upload(&self, grads: &[Grad]) -> Vec<DevGrad> {
+        grads.iter().map(|g| DevGrad::upload(&self.stream, g)).collect()
+    }
+    /// Host copies of `grads` at the phases their device copies have.
+    fn host_twins(&self, grads: &[Grad], devs: &[DevGrad]) -> Vec<Grad> {
+        grads.iter().zip(devs).map(|(g, d)| g.with_host_phase(d.phase_bytes(&self.stream))).collect()
+    }
+}
+
+fn ensure(cond: bool, msg: impl FnOnce() -> String) -> TestResult {
+    if cond { Ok(()) } else { Err(msg().into()) }
+}
+
+fn cpu_norm(grads: &[Grad], p: f64, per_tensor: bool) -> gradclip::NormReport {
+    let views: Vec<HostGrad> = grads.iter().map(Grad::host).collect();
+    Cpu::new().total_norm(&views, NormType::from_p(p).unwrap(), per_tensor).unwrap()
+}
+
+fn gpu_norm(gpu: &Gpu, engine: &mut GpuEngine, devs: &[DevGrad], p: f64, per_tensor: bool) -> gradclip::NormReport {
+    let boxes: Vec<Box<dyn DeviceGrad + '_>> = devs.iter().map(|d| d.view()).collect();
+    let refs: Vec<&(dyn DeviceGrad + '_)> = boxes.iter().map(|b| b.as_ref()).collect();
+    let _ = gpu;
+    engine.total_norm(&refs, NormType::from_p(p).unwrap(), per_tensor).unwrap().read().unwrap()
+}
+
+fn same_bits(a: f64, b: f64) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+fn norms_equal_cpu_bits(gpu: &Gpu, grads: &[Grad]) -> TestResult {
+    let devs = gpu.upload(grads);
+    let twins = gpu.host_twins(grads, &devs);
+    let mut engine = gpu.engine();
+    for p in NORM_ORDERS {
+        let g = gpu_norm(gpu, &mut engine, &devs, p, true);
+        let c = cpu_norm(&twins, p, true);
+        ensure(same_bits(g.norm, c.norm), || format!("p={p}: GPU {:e} ({:#x}) != CPU {:e} ({:#x})", g.norm, g.norm.to_bits(), c.norm, c.norm.to_bits()))?;
+        let want = reference_norm(grads, p);
+        ensure(rel_err(g.norm, want) <= tolerance(p), || format!("p={p}: {:e} vs reference {want:e}", g.norm))?;
+        let (gp, cp) = (g.per_tensor.unwrap(), c.per_tensor.unwrap());
+        for (i, (a, b)) in gp.iter().zip(&cp).enumerate() {
+            ensure(same_bits(*a, *b), || format!("p={p} tensor {i}: GPU {a:e} != CPU {b:e}"))?;
+        }
+        // Same inputs again: the same bits (no atomics decide the order).
+        let again = gpu_norm(gpu, &mut engine, &devs, p, false);
+        ensure(same_bits(again.norm, g.norm), || format!("p={p}: run-to-run difference"))?;
+    }
+    Ok(())
+}
+
+fn random_norms(gpu: &Gpu) -> TestResult {
+    for seed in 0..6u64 {
+        let grads = random_grads(1000 + seed, 5 + 7 * seed as usize, 300_000);
+        norms_equal_cpu_bits(gpu, &grads)?;
+    }
+    Ok(())
+}
+
+fn edge_values(gpu: &Gpu) -> TestResult {
+    let lists: Vec<Vec<Grad>> = vec![
+        vec![Grad::from_f64(DType::Bf16, &vec![3.0e38; 70_001], 3), Grad::from_f64(DType::F32, &vec![-3.0e38; 5_003], 1)],
+        vec![Grad::from_f64(DType::F64, &vec![1e200; 9_999], 1), Grad::from_f64(DType::F64, &vec![1e-200; 333], 0)],
+        vec![Grad::from_f64(DType::F16, &[1.0, f64::INFINITY, 2.0], 5)],
+        vec![Grad::from_f64(DType::F32, &[1.0, f64::NAN], 2), Grad::from_f64(DType::Bf16, &[f64::INFINITY], 0)],
+        vec![Grad::from_f64(DType::F64, &[], 0), Grad::from_f64(DType::Bf16, &[], 1)],
+        (0..8).map(|s| Grad::from_f64(DType::F16, &(0..77).map(|i| i as f64 * 0.01).collect::<Vec<_>>(), s)).collect(),
+    ];
+    for grads in &lists {
+        norms_equal_cpu_bits(gpu, grads)?;
+    }
+    Ok(())
+}
+
+fn clip_equals_cpu_bits(gpu: &Gpu) -> TestResult {
+    for seed in 0..5u64 {
+        let grads = random_grads(2000 + seed, 4 + 5 * seed as usize, 200_000);
+        for (max_norm, p) in [(0.5, 2.0), (1e9, 2.0), (0.0, 1.0), (3.0, f64::INFINITY), (2.0, 3.0)] {
+            let mut devs = gpu.upload(&grads);
+            let mut twins = gpu.host_twins(&grads, &devs);
+            let opts = ClipOptions { norm_type: NormType::from_p(p).unwrap(), per_tensor_norms: true, ..Default::default() };
+            let g = {
+                let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
+                let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+                gpu.engine().clip_grad_norm(&mut refs, max_norm, &opts).unwrap().read().unwrap()
+            };
+            let c = {
+                let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+                Cpu::new().clip_grad_norm(&mut views, max_norm, &opts).unwrap()
+            };
+            ensure(same_bits(g.norm, c.norm) && same_bits(g.coef, c.coef), || format!("seed {seed} p={p}: GPU {g:?} vs CPU {c:?}"))?;
+            for (i, (d, t)) in devs.iter().zip(&twins).enumerate() {
+                let got = d.download(&gpu.stream).bits();
+                ensure(got == t.bits(), || format!("seed {seed} p={p} max_norm={max_norm}: tensor {i} differs from the CPU clip"))?;
+                let want: Vec<u64> = grads[i].bits().iter().map(|&b| torch_scaled_bits(grads[i].dtype(), b, c.coef)).collect();
+                ensure(got == want, || format!("tensor {i} differs from torch's rule"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn error_if_nonfinite(gpu: &Gpu) -> TestResult {
+    let grads = vec![Grad::from_f64(DType::F32, &vec![3.0; 1000], 0), Grad::from_f64(DType::Bf16, &[1.0, f64::NAN, 2.0], 1)];
+    let mut devs = gpu.upload(&grads);
+    let opts = ClipOptions { error_if_nonfinite: true, ..Default::default() };
+    let r = {
+        let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
+        let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+        gpu.engine().clip_grad_norm(&mut refs, 1.0, &opts)
+    };
+    ensure(matches!(r, Err(Error::NonFiniteNorm { .. })), || format!("expected NonFiniteNorm, got {r:?}"))?;
+    for (d, g) in devs.iter().zip(&grads) {
+        ensure(d.download(&gpu.stream).bits() == g.bits(), || "a gradient changed".into())?;
+    }
+    Ok(())
+}
+
+fn million_tensors(gpu: &Gpu) -> TestResult {
+    let n = 1_000_000usize;
+    let values: Vec<f64> = (0..4 * n).map(|i| ((i * 2_654_435_761) % 1999) as f64 / 1000.0 - 1.0).collect();
+    let host = Grad::from_f64(DType::Bf16, &values, 0).with_host_phase(0);
+    let dev = DevGrad::upload(&gpu.stream, &host);
+    let DevGrad::Bf16(storage, _) = &dev else { unreachable!() };
+    let base = storage.device_ptr(&gpu.stream).0;
+    let Grad::Bf16(hv, hs) = &host else { unreachable!() };
+    let hbase = hv[*hs..].as_ptr() as u64;
+    // Tensor i: elements [4i + i%3, 4i + 4), so lengths 4, 3, 2 at every phase.
+    let spans: Vec<(u64, u64)> = (0..n).map(|i| ((4 * i + i % 3) as u64, (4 - i % 3) as u64)).collect();
+    let raws: Vec<RawTensor> = spans.iter().map(|&(o, l)| RawTensor { addr: base + 2 * o, len: l, dtype: DType::Bf16 }).collect();
+    let mut engine = gpu.engine();
+    // SAFETY: every span lies inside `storage`, alive and unwritten during the call.
+    let g = unsafe { engine.total_norm_raw(&raws, NormType::L2, true) }.unwrap().read().unwrap();
+    let views: Vec<HostGrad> = spans
+        .iter()
+        .map(|&(o, l)| HostGrad::from(&hv[*hs + o as usize..*hs + (o + l) as usize]))
+        .collect();
+    let _ = hbase;
+    let c = Cpu::new().total_norm(&views, NormType::L2, true).unwrap();
+    ensure(same_bits(g.norm, c.norm), || format!("{:e} vs {:e}", g.norm, c.norm))?;
+    ensure(g.per_tensor == c.per_tensor, || "per-tensor norms differ".into())
+}
+
+fn huge_tensor(gpu: &Gpu) -> TestResult {
+    let len: u64 = (1 << 32) + 77;
+    let mut engine = gpu.engine();
+    // SAFETY: u16 bits; filled by the fill kernel before any read.
+    let mut d = unsafe { gpu.stream.alloc::<bf16>(len as usize + 1) }.unwrap();
+    let base = d.device_ptr(&gpu.stream).0 + 2; // start one element in: phase 2 bytes
+    let raw = RawTensor { addr: base, len, dtype: DType::Bf16 };
+    // SAFETY: raw lies inside d.
+    unsafe { gradclip::gpu::tools::fill(&gpu.stream, engine.kernels(), &raw, 99, 1.0) }.unwrap();
+    let host: Vec<bf16> = gpu.stream.clone_dtoh(&d).unwrap();
+    let twin = Grad::Bf16(host, 1).with_host_phase(2);
+    for p in [2.0, f64::INFINITY] {
+        // SAFETY: raw lies inside d, which is alive and not written meanwhile.
+        let g = unsafe { engine.total_norm_raw(&[raw], NormType::from_p(p).unwrap(), false) }.unwrap().read().unwrap();
+        let c = cpu_norm(std::slice::from_ref(&twin), p, false);
+        ensure(same_bits(g.norm, c.norm), || format!("p={p}: {:e} vs {:e}", g.norm, c.norm))?;
+    }
+    let opts = ClipOptions::default();
+    // SAFETY: as above; a single tensor cannot overlap another.
+    let g = unsafe { engine.clip_grad_norm_raw(&[raw], 1000.0, &opts) }.unwrap().read().unwrap();
+    let mut twin = twin;
+    let c = Cpu::new().clip_grad_norm(&mut [twin.host_mut()], 1000.0, &opts).unwrap();
+    ensure(same_bits(g.coef, c.coef) && g.coef < 1.0, || format!("coef {} vs {}", g.coef, c.coef))?;
+    let after: Vec<bf16> = gpu.stream.clone_dtoh(&d).unwrap();
+    let Grad::Bf16(tv, ts) = &twin else { unreachable!() };
+    ensure(after[1..] == tv[*ts..], || "clipped bits differ from the CPU clip".into())?;
+    drop(d.slice_mut(..));
+    Ok(())
+}
+
+fn wrong_context(gpu: &Gpu) -> TestResult {
+    let other = CudaContext::new_non_primary(0, 0).unwrap();
+    let foreign = other.default_stream().clone_htod(&[1.0f32; 4]).unwrap();
+    let mine = gpu.stream.clone_htod(&[1.0f32; 4]).unwrap();
+    let r = gpu.engine().total_norm(&[&mine, &foreign], NormType::L2, false);
+    ensure(matches!(r, Err(Error::WrongContext { index: 1, .. })), || format!("{r:?}"))
+}
+
+fn overlap_rejected(gpu: &Gpu) -> TestResult {
+    let d = gpu.stream.clone_htod(&[1.0f32; 64]).unwrap();
+    let base = d.device_ptr(&gpu.stream).0;
+    let a = RawTensor { addr: base, len: 40, dtype: DType::F32 };
+    let b = RawTensor { addr: base + 4 * 39, len: 10, dtype: DType::F32 };
+    // SAFETY: both lie inside d; the call must refuse before launching.
+    let r = unsafe { gpu.engine().clip_grad_norm_raw(&[a, b], 1.0, &ClipOptions::default()) };
+    ensure(matches!(r, Err(Error::Overlap { first: 0, second: 1 })), || format!("{r:?}"))?;
+    ensure(gpu.stream.clone_dtoh(&d).unwrap() == vec![1.0f32; 64], || "memory changed".into())
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let tests: Vec<(&str, fn(&Gpu) -> TestResult)> = vec![
+        ("random_lists_norm_bits_equal_cpu", random_norms),
+        ("edge_values_norm_bits_equal_cpu", edge_values),
+        ("clip_bits_equal_cpu_and_torch_rule", clip_equals_cpu_bits),
+        ("error_if_nonfinite_leaves_gradients", error_if_nonfinite),
+        ("one_million_tensors", million_tensors),
+        ("tensor_over_2_pow_32_elements", huge_tensor),
+        ("buffers_of_another_context_rejected", wrong_context),
+        ("overlapping_tensors_rejected", overlap_rejected),
+    ];
+    let gpu = if gradclip::gpu::gpu_available() {
+        let ctx = CudaContext::new(0).expect("CUDA context");
+        eprintln!("GPU tests on {}", ctx.name().unwrap_or_default());
+        Some(Arc::new(Gpu { stream: ctx.default_stream() }))
+    } else {
+        eprintln!("no CUDA GPU: the {} GPU tests are reported as ignored (skipped), not passed", tests.len());
+        None
+    };
+    let trials = tests
+        .into_iter()
+        .map(|(name, f)| match &gpu {
+            Some(g) => {
+                let g = g.clone();
+                Trial::test(name, move || f(&g))
+            }
+            None => Trial::test(name, || Ok(())).with_ignored_flag(true),
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
