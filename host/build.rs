@@ -13,6 +13,8 @@ use std::{env, fs};
 
 /// Oldest GPU architecture the PTX targets: Ampere (A100); Hopper JIT-compiles it at load.
 const TARGET_CPU: &str = "sm_80";
+/// PTX ISA 7.8 (CUDA 11.8): needed for the `L1::no_allocate` load hint; every CUDA 12+ driver JITs it.
+const PTX_ISA: &str = "ptx78";
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
@@ -35,7 +37,9 @@ fn main() {
     for var in ["RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR", "RUSTC_WORKSPACE_WRAPPER", "CARGO_BUILD_RUSTFLAGS"] {
         cmd.env_remove(var);
     }
-    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={TARGET_CPU}"));
+    // No debug info: a `.target sm_80, debug` module makes the driver JIT unoptimized code.
+    cmd.env("CARGO_PROFILE_RELEASE_DEBUG", "false");
+    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={TARGET_CPU}\x1f-Ctarget-feature=+{PTX_ISA}"));
     let status = cmd.status().expect("failed to start the nested cargo that builds the PTX");
     assert!(status.success(), "building the nvptx kernels failed (see the errors above)");
 

@@ -1,11 +1,14 @@
 //! Kernels that the benchmarks and GPU tests need beside the engine: a deterministic fill, a
-//! plain streaming read (the bandwidth reference) and the per-tensor two-pass eager baseline.
+//! plain streaming read (the bandwidth reference) and the per-tensor two-pass eager baseline
+//! (f32 math, vector loads, one atomic per warp: a fair stand-in for a framework's reduction).
 //! None of them is used by the library's clip path.
 
 use core::arch::asm;
 
 use crate::abi::dtype_code;
-use crate::device::{block_idx, grid_dim, thread_idx};
+use crate::device::{DeviceTensor, block_idx, grid_dim, shfl_down_u32, thread_idx};
+use crate::geometry::Frame;
+use crate::lane::Source;
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 use crate::fill;
 
@@ -83,33 +86,68 @@ unsafe fn ld_nc(addr: u64) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// Calls `f` on every element this thread owns, grid-striding over 16-byte vectors.
+#[inline(always)]
+unsafe fn for_each_elem<E: Element>(addr: u64, len: u64, mut f: impl FnMut(f32)) {
+    let frame = Frame::new(addr, len, E::SIZE);
+    let src = DeviceTensor::<E>::new(addr, frame.phase);
+    let (mut g, stride) = global_thread();
+    let n = frame.num_vecs();
+    while g < n {
+        // SAFETY: full vectors and indices below len, from the frame of this very tensor.
+        unsafe {
+            if frame.is_full(g) {
+                let v = src.load_vec(g);
+                for &b in v.as_ref() {
+                    f(E::to_f32(b));
+                }
+            } else {
+                let (a, b) = frame.elems_of(g);
+                for i in a..b {
+                    f(E::to_f32(src.load_elem(i)));
+                }
+            }
+        }
+        g += stride;
+    }
+}
+
+#[inline(always)]
+fn warp_fold(mut x: f32, op: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut off = 16;
+    while off > 0 {
+        x = op(x, f32::from_bits(shfl_down_u32(x.to_bits(), off)));
+        off /= 2;
+    }
+    x
+}
+
 #[inline(always)]
 unsafe fn baseline_max_as<E: Element>(addr: u64, len: u64, out: *mut u32) {
-    let (mut i, stride) = global_thread();
     let mut m = 0.0f32;
-    while i < len {
-        let a = E::widen(unsafe { ((addr + i * E::SIZE) as *const E::Bits).read() }).abs() as f32;
-        if a > m {
-            m = a;
-        }
-        i += stride;
+    unsafe { for_each_elem::<E>(addr, len, |x| m = m.max(x.abs())) };
+    let m = warp_fold(m, f32::max);
+    if thread_idx() % 32 == 0 {
+        // Non-negative floats order like their bits, so an integer max is a float max.
+        unsafe { asm!("red.global.max.u32 [{p}], {v};", p = in(reg64) out, v = in(reg32) m.to_bits()) };
     }
-    // Non-negative floats order like their bits, so an integer max is a float max.
-    unsafe { asm!("red.global.max.u32 [{p}], {v};", p = in(reg64) out, v = in(reg32) m.to_bits()) };
 }
 
 #[inline(always)]
 unsafe fn baseline_sumsq_as<E: Element>(addr: u64, len: u64, max_bits: *const u32, out: *mut f32) {
-    let (mut i, stride) = global_thread();
     let m = f32::from_bits(unsafe { max_bits.read() });
     let inv = if m > 0.0 { 1.0 / m } else { 0.0 };
     let mut s = 0.0f32;
-    while i < len {
-        let x = E::widen(unsafe { ((addr + i * E::SIZE) as *const E::Bits).read() }) as f32 * inv;
-        s += x * x;
-        i += stride;
+    unsafe {
+        for_each_elem::<E>(addr, len, |x| {
+            let y = x * inv;
+            s += y * y;
+        })
+    };
+    let s = warp_fold(s, |a, b| a + b);
+    if thread_idx() % 32 == 0 {
+        unsafe { asm!("red.global.add.f32 [{p}], {v};", p = in(reg64) out, v = in(reg32) s) };
     }
-    unsafe { asm!("red.global.add.f32 [{p}], {v};", p = in(reg64) out, v = in(reg32) s) };
 }
 
 /// Eager baseline pass 1 for one tensor: `atomicMax` of |x| (as f32 bits) into `out`.

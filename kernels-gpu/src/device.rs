@@ -38,7 +38,7 @@ pub unsafe fn sync_threads() {
 }
 
 #[inline(always)]
-fn shfl_down_u32(v: u32, off: u32) -> u32 {
+pub fn shfl_down_u32(v: u32, off: u32) -> u32 {
     let r: u32;
     // SAFETY: all 32 lanes of the warp execute the callers of this function together (full mask).
     unsafe {

@@ -34,6 +34,8 @@ pub trait Element: Copy + 'static {
     fn scale(bits: Self::Bits, coef32: f32, coef64: f64) -> Self::Bits;
     /// Rounds an f64 to this type (through f32 for the 16-bit types), NaN canonical.
     fn from_f64(x: f64) -> Self::Bits;
+    /// The value as f32 (rounded for f64): the opmath of framework kernels.
+    fn to_f32(bits: Self::Bits) -> f32;
 }
 
 /// bfloat16 (8-bit exponent, 7-bit mantissa).
@@ -102,6 +104,10 @@ impl Element for Bf16 {
     fn from_f64(x: f64) -> u16 {
         f32_to_bf16_bits(x as f32)
     }
+    #[inline(always)]
+    fn to_f32(bits: u16) -> f32 {
+        f32::from_bits((bits as u32) << 16)
+    }
 }
 
 impl Element for F16 {
@@ -129,6 +135,10 @@ impl Element for F16 {
     #[inline(always)]
     fn from_f64(x: f64) -> u16 {
         f32_to_f16_bits(x as f32)
+    }
+    #[inline(always)]
+    fn to_f32(bits: u16) -> f32 {
+        f16::from_bits(bits) as f32
     }
 }
 
@@ -158,6 +168,10 @@ impl Element for F32 {
     fn from_f64(x: f64) -> u32 {
         canon_f32(x as f32)
     }
+    #[inline(always)]
+    fn to_f32(bits: u32) -> f32 {
+        f32::from_bits(bits)
+    }
 }
 
 impl Element for F64 {
@@ -185,6 +199,10 @@ impl Element for F64 {
     #[inline(always)]
     fn from_f64(x: f64) -> u64 {
         canon_f64(x)
+    }
+    #[inline(always)]
+    fn to_f32(bits: u64) -> f32 {
+        f64::from_bits(bits) as f32
     }
 }
 

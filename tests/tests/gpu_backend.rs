@@ -268,6 +268,87 @@ fn overlap_rejected(gpu: &Gpu) -> TestResult {
     ensure(gpu.stream.clone_dtoh(&d).unwrap() == vec![1.0f32; 64], || "memory changed".into())
 }
 
+/// Kernel nodes of a captured graph: the launch budget made visible.
+fn kernel_nodes(graph: &cudarc::driver::CudaGraph) -> usize {
+    use cudarc::driver::sys;
+    let mut n = 0usize;
+    // SAFETY: the graph is alive; the first call asks for the count, the second fills `nodes`.
+    unsafe {
+        sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut n).result().unwrap();
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        sys::cuGraphGetNodes(graph.cu_graph(), nodes.as_mut_ptr(), &mut n).result().unwrap();
+        nodes
+            .iter()
+            .filter(|&&node| {
+                let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+                sys::cuGraphNodeGetType(node, &mut t).result().unwrap();
+                t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL
+            })
+            .count()
+    }
+}
+
+/// The whole clip (and the norm alone) captured in CUDA graphs: 3 and 2 kernels whatever the
+/// dtype mix, correct on every replay, and seeing new gradient values on each.
+fn graph_capture(_: &Gpu) -> TestResult {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    // Its own context, so that turning off cudarc's per-buffer events touches no other test.
+    let ctx = CudaContext::new_non_primary(0, 0).unwrap();
+    // SAFETY: every buffer of this context is used on one stream only.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap();
+    let gpu = Gpu { stream: stream.clone() };
+    let mut grads = random_grads(77, 9, 100_000);
+    grads.retain(|g| !g.is_empty());
+    let devs = gpu.upload(&grads);
+    let raws: Vec<RawTensor> = devs
+        .iter()
+        .zip(&grads)
+        .map(|(d, g)| {
+            let (base, size) = match d {
+                DevGrad::Bf16(b, _) => (b.device_ptr(&stream).0, 2),
+                DevGrad::F16(b, _) => (b.device_ptr(&stream).0, 2),
+                DevGrad::F32(b, _) => (b.device_ptr(&stream).0, 4),
+                DevGrad::F64(b, _) => (b.device_ptr(&stream).0, 8),
+            };
+            RawTensor { addr: base + size * g.start() as u64, len: g.len() as u64, dtype: g.dtype() }
+        })
+        .collect();
+    let mut engine = GpuEngine::new(stream.clone()).unwrap();
+    let mut out = gradclip::gpu::DeviceNorm::new(&stream, raws.len()).unwrap();
+    let opts = ClipOptions::default();
+    // First call plans and uploads the table; the captured ones reuse it and allocate nothing.
+    // SAFETY (all raw calls): raws point into `devs`, alive for the whole test.
+    unsafe { engine.clip_grad_norm_raw_into(&raws, 1e30, &opts, &mut out) }.unwrap();
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).unwrap();
+    unsafe { engine.total_norm_raw_into(&raws, NormType::L2, &mut out) }.unwrap();
+    let norm_graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).unwrap();
+    unsafe { engine.clip_grad_norm_raw_into(&raws, 0.5, &opts, &mut out) }.unwrap();
+    let clip_graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    ensure(kernel_nodes(&norm_graph) == 2, || format!("norm graph has {} kernels", kernel_nodes(&norm_graph)))?;
+    ensure(kernel_nodes(&clip_graph) == 3, || format!("clip graph has {} kernels", kernel_nodes(&clip_graph)))?;
+
+    let mut current = gpu.host_twins(&grads, &devs);
+    for replay in 0..3 {
+        norm_graph.launch().unwrap();
+        let g = out.read().unwrap();
+        let c = cpu_norm(&current, 2.0, true);
+        ensure(same_bits(g.norm, c.norm), || format!("replay {replay}: {:e} vs {:e}", g.norm, c.norm))?;
+        ensure(g.per_tensor == c.per_tensor, || format!("replay {replay}: per-tensor norms differ"))?;
+        clip_graph.launch().unwrap();
+        let r = {
+            let mut views: Vec<HostGradMut> = current.iter_mut().map(Grad::host_mut).collect();
+            Cpu::new().clip_grad_norm(&mut views, 0.5, &opts).unwrap()
+        };
+        ensure(same_bits(out.read().unwrap().coef, r.coef), || format!("replay {replay}: coefficient differs"))?;
+        for (i, (d, t)) in devs.iter().zip(&current).enumerate() {
+            ensure(d.download(&stream).bits() == t.bits(), || format!("replay {replay}: tensor {i} differs"))?;
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let args = Arguments::from_args();
     let tests: Vec<(&str, fn(&Gpu) -> TestResult)> = vec![
@@ -279,6 +360,7 @@ fn main() {
         ("tensor_over_2_pow_32_elements", huge_tensor),
         ("buffers_of_another_context_rejected", wrong_context),
         ("overlapping_tensors_rejected", overlap_rejected),
+        ("graph_capture_three_kernels_and_replays", graph_capture),
     ];
     let gpu = if gradclip::gpu::gpu_available() {
         let ctx = CudaContext::new(0).expect("CUDA context");

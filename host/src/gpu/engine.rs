@@ -27,6 +27,16 @@ pub struct DeviceNorm {
 }
 
 impl DeviceNorm {
+    /// Storage for one result on `stream`, with room for `per_tensor` norms (0: none). Reuse it
+    /// with the `*_into` calls to avoid an allocation per call and to capture calls in a CUDA
+    /// graph.
+    pub fn new(stream: &Arc<CudaStream>, per_tensor: usize) -> Result<Self> {
+        // SAFETY: u64/f64 accept any bits; the finalize kernel writes every word before a read.
+        let out = unsafe { stream.alloc::<u64>(OUT_WORDS) }?;
+        let per_tensor = if per_tensor > 0 { Some(unsafe { stream.alloc::<f64>(per_tensor) }?) } else { None };
+        Ok(DeviceNorm { out, per_tensor })
+    }
+
     /// Waits for the result and copies it to the host.
     pub fn read(&self) -> Result<NormReport> {
         let stream = self.out.stream();
@@ -136,6 +146,15 @@ impl GpuEngine {
 
     /// The total norm of `grads`, left on the device.
     pub fn total_norm(&mut self, grads: &[&(dyn DeviceGrad + '_)], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
+        let mut out = DeviceNorm::new(&self.stream, if per_tensor { grads.len() } else { 0 })?;
+        self.total_norm_into(grads, norm_type, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`GpuEngine::total_norm`] into caller-owned storage (per-tensor norms when `out` has room
+    /// for exactly one per gradient). Allocates nothing when the same list comes back, so it can
+    /// be captured in a CUDA graph.
+    pub fn total_norm_into(&mut self, grads: &[&(dyn DeviceGrad + '_)], norm_type: NormType, out: &mut DeviceNorm) -> Result<()> {
         for (i, g) in grads.iter().enumerate() {
             self.check_context(i, g.context())?;
         }
@@ -143,20 +162,28 @@ impl GpuEngine {
         let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter().map(|g| g.as_raw(&stream)).unzip();
         // SAFETY: every buffer is a live cudarc allocation of this context (checked above),
         // borrowed until the guards drop after the launches.
-        unsafe { self.total_norm_raw(&raws, norm_type, per_tensor) }
+        unsafe { self.total_norm_raw_into(&raws, norm_type, out) }
     }
 
     /// Computes the total norm and scales every gradient in place by
     /// `min(1, max_norm / (norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`.
     pub fn clip_grad_norm(&mut self, grads: &mut [&mut (dyn DeviceGradMut + '_)], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
+        let mut out = DeviceNorm::new(&self.stream, if opts.per_tensor_norms { grads.len() } else { 0 })?;
+        self.clip_grad_norm_into(grads, max_norm, opts, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`GpuEngine::clip_grad_norm`] into caller-owned storage (see [`GpuEngine::total_norm_into`];
+    /// `opts.per_tensor_norms` is ignored: `out` decides).
+    pub fn clip_grad_norm_into(&mut self, grads: &mut [&mut (dyn DeviceGradMut + '_)], max_norm: f64, opts: &ClipOptions, out: &mut DeviceNorm) -> Result<()> {
         for (i, g) in grads.iter().enumerate() {
             self.check_context(i, g.context())?;
         }
         let stream = self.stream.clone();
         let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter_mut().map(|g| g.as_raw_mut(&stream)).unzip();
-        // SAFETY: as in total_norm; the buffers are borrowed mutably, and overlap between views
-        // of one allocation is checked by clip_grad_norm_raw.
-        unsafe { self.clip_grad_norm_raw(&raws, max_norm, opts) }
+        // SAFETY: as in total_norm_into; the buffers are borrowed mutably, and overlap between
+        // views of one allocation is checked by clip_grad_norm_raw_into.
+        unsafe { self.clip_grad_norm_raw_into(&raws, max_norm, opts, out) }
     }
 
     /// [`GpuEngine::total_norm`] over raw device addresses.
@@ -165,10 +192,22 @@ impl GpuEngine {
     /// Every tensor must be device memory of this engine's context, readable for `len` elements,
     /// and not written by other work until the work this call enqueues on the stream completes.
     pub unsafe fn total_norm_raw(&mut self, tensors: &[RawTensor], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
+        let mut out = DeviceNorm::new(&self.stream, if per_tensor { tensors.len() } else { 0 })?;
+        // SAFETY: forwarded.
+        unsafe { self.total_norm_raw_into(tensors, norm_type, &mut out) }?;
+        Ok(out)
+    }
+
+    /// [`GpuEngine::total_norm_into`] over raw device addresses.
+    ///
+    /// # Safety
+    /// As [`GpuEngine::total_norm_raw`].
+    pub unsafe fn total_norm_raw_into(&mut self, tensors: &[RawTensor], norm_type: NormType, out: &mut DeviceNorm) -> Result<()> {
         let norm_type = norm_type.validated()?;
+        check_out(out, tensors.len())?;
         let num_tasks = self.upload(tensors, false)?;
         // SAFETY: the caller's contract covers memory validity; upload planned these tensors.
-        unsafe { self.run(norm_type, num_tasks, per_tensor, 0.0, 0) }
+        unsafe { self.run(norm_type, num_tasks, 0.0, 0, out) }
     }
 
     /// [`GpuEngine::clip_grad_norm`] over raw device addresses.
@@ -176,26 +215,38 @@ impl GpuEngine {
     /// # Safety
     /// As [`GpuEngine::total_norm_raw`], and the tensors must be writable (overlap is checked).
     pub unsafe fn clip_grad_norm_raw(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
+        let mut out = DeviceNorm::new(&self.stream, if opts.per_tensor_norms { tensors.len() } else { 0 })?;
+        // SAFETY: forwarded.
+        unsafe { self.clip_grad_norm_raw_into(tensors, max_norm, opts, &mut out) }?;
+        Ok(out)
+    }
+
+    /// [`GpuEngine::clip_grad_norm_into`] over raw device addresses.
+    ///
+    /// # Safety
+    /// As [`GpuEngine::clip_grad_norm_raw`].
+    pub unsafe fn clip_grad_norm_raw_into(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions, out: &mut DeviceNorm) -> Result<()> {
         validate_max_norm(max_norm)?;
         let norm_type = opts.norm_type.validated()?;
+        check_out(out, tensors.len())?;
         let num_tasks = self.upload(tensors, true)?;
         let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
-        // SAFETY: as total_norm_raw; upload checked that the tensors are disjoint.
-        let norm = unsafe { self.run(norm_type, num_tasks, opts.per_tensor_norms, max_norm, f) }?;
+        // SAFETY: as total_norm_raw_into; upload checked that the tensors are disjoint.
+        unsafe { self.run(norm_type, num_tasks, max_norm, f, out) }?;
         if num_tasks > 0 {
             let t = self.tables();
-            let (out, _g) = norm.out.device_ptr(&self.stream);
+            let (out_ptr, _g) = out.out.device_ptr(&self.stream);
             // SAFETY: finalize wrote `out` earlier on this stream; tensors are disjoint and
             // writable (caller + upload's check).
-            unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out) }?;
+            unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out_ptr) }?;
         }
         if opts.error_if_nonfinite {
-            let r = norm.read()?;
+            let r = out.read()?;
             if r.nonfinite {
                 return Err(Error::NonFiniteNorm { norm: r.norm, norm_type: norm_type.to_string() });
             }
         }
-        Ok(norm)
+        Ok(())
     }
 
     /// Plans and uploads `tensors` unless they are the list uploaded last; returns the task count.
@@ -236,26 +287,28 @@ impl GpuEngine {
 
     /// # Safety
     /// The uploaded plan's tensors are readable device memory of this context (caller).
-    unsafe fn run(&mut self, norm_type: NormType, num_tasks: usize, per_tensor: bool, max_norm: f64, flags: u32) -> Result<DeviceNorm> {
+    unsafe fn run(&mut self, norm_type: NormType, num_tasks: usize, max_norm: f64, flags: u32, out: &mut DeviceNorm) -> Result<()> {
         let num_tensors = self.uploaded.tensors.len();
-        // SAFETY: u64/f64 have no invalid bit patterns; the finalize kernel writes every word.
-        let mut out = unsafe { self.stream.alloc::<u64>(OUT_WORDS) }?;
-        let mut per = if per_tensor && num_tensors > 0 { Some(unsafe { self.stream.alloc::<f64>(num_tensors) }?) } else { None };
         let t = self.tables();
         let params = NormParams { p: norm_type.p(), max_norm, num_tasks: num_tasks as u64, num_tensors: num_tensors as u64, flags, reserved: 0 };
-        {
-            let (out_ptr, _g1) = out.device_ptr_mut(&self.stream);
-            let per_ptr = per.as_mut().map(|p| p.device_ptr_mut(&self.stream));
-            if num_tasks > 0 {
-                // SAFETY: the plan was uploaded on this stream, partials has num_tasks slots
-                // (upload's ensure), and the caller vouches for the tensors.
-                unsafe { launch::partials(&self.stream, &self.kernels, norm_type, &t, num_tasks as u32) }?;
-            }
-            // SAFETY: after partials on this stream; out/per were just allocated for this call.
-            unsafe {
-                launch::finalize(&self.stream, &self.kernels, norm_type, &t, per_ptr.as_ref().map_or(0, |p| p.0), out_ptr, &params)
-            }?;
+        let (out_ptr, _g1) = out.out.device_ptr_mut(&self.stream);
+        let per_ptr = out.per_tensor.as_mut().map(|p| p.device_ptr_mut(&self.stream));
+        if num_tasks > 0 {
+            // SAFETY: the plan was uploaded on this stream, partials has num_tasks slots
+            // (upload's ensure), and the caller vouches for the tensors.
+            unsafe { launch::partials(&self.stream, &self.kernels, norm_type, &t, num_tasks as u32) }?;
         }
-        Ok(DeviceNorm { out, per_tensor: per })
+        // SAFETY: after partials on this stream; out holds one NormOutput and, if present,
+        // per-tensor room for num_tensors f64s (check_out).
+        unsafe { launch::finalize(&self.stream, &self.kernels, norm_type, &t, per_ptr.as_ref().map_or(0, |p| p.0), out_ptr, &params) }
+    }
+}
+
+fn check_out(out: &DeviceNorm, num_tensors: usize) -> Result<()> {
+    match &out.per_tensor {
+        Some(p) if p.len() != num_tensors => {
+            Err(Error::LengthMismatch { what: "the DeviceNorm's per-tensor buffer", expected: num_tensors, found: p.len() })
+        }
+        _ => Ok(()),
     }
 }

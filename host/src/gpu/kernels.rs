@@ -118,6 +118,6 @@ mod tests {
         }
         assert_eq!(entries.len(), Kernel::ALL.len(), "PTX has entries the host does not know: {entries:?}");
         assert!(!PTX.contains(".extern .func"));
-        assert!(PTX.contains(".target sm_80"));
+        assert!(PTX.contains(".target sm_80\n"), "PTX must target sm_80 without debug info");
     }
 }
