@@ -17,6 +17,8 @@
 //! assert_eq!(r.norm, 5.0);
 //! ```
 #![warn(missing_docs)]
+#![doc = "\n\n# README\n"]
+#![doc = include_str!("../../README.md")]
 
 pub mod cpu;
 pub mod dtype;
