@@ -21,6 +21,9 @@ fn main() {
     let kernels = manifest_dir.join("../kernels-gpu");
     println!("cargo:rerun-if-changed={}", kernels.join("src").display());
     println!("cargo:rerun-if-changed={}", kernels.join("Cargo.toml").display());
+    // Tuning knobs read by the kernel crate (see gradclip_kernels::abi).
+    println!("cargo:rerun-if-env-changed=GRADCLIP_CHUNK_VECS");
+    println!("cargo:rerun-if-env-changed=GRADCLIP_LOAD_UNROLL");
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let target_dir = out_dir.join("nvptx-target");
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());

@@ -1,4 +1,4 @@
-//! The result table and its JSON record.
+//! Result rows, the terminal table, the JSON record and the SVG chart.
 
 use std::path::{Path, PathBuf};
 
@@ -6,54 +6,121 @@ use serde::Serialize;
 
 use crate::workload::Workload;
 
-/// Median and (max - min) of a list of times.
-pub fn median_spread(ts: &[f64]) -> (f64, f64) {
+/// Median of a list (NaN when empty).
+pub fn median(ts: &[f64]) -> f64 {
     let mut v = ts.to_vec();
     v.sort_by(f64::total_cmp);
-    let med = if v.is_empty() { f64::NAN } else { v[v.len() / 2] };
-    let spread = v.last().copied().unwrap_or(f64::NAN) - v.first().copied().unwrap_or(f64::NAN);
-    (med, spread)
+    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
 }
 
 /// One measured method.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, Debug, Clone)]
 pub struct Row {
     /// What was timed.
     pub method: String,
-    /// Median time, ms.
+    /// Median time per call, ms.
     pub median_ms: f64,
-    /// Fastest run, ms.
+    /// Fastest, ms.
     pub min_ms: f64,
-    /// Slowest run, ms.
+    /// Slowest, ms.
     pub max_ms: f64,
-    /// Bytes the method must move.
+    /// Bytes the method must move per call.
     pub bytes: u64,
     /// bytes / median time, GB/s.
     pub gbps: f64,
-    /// gbps over the streaming-read reference's.
+    /// gbps over the streaming read's, same run.
     pub ratio_to_read: f64,
-    /// Kernel launches per call (0 on the CPU).
+    /// gbps over the device copy's, same run.
+    pub ratio_to_copy: f64,
+    /// Kernel launches per call.
     pub launches: usize,
-    /// Every timed run, ms.
+    /// Host time per call, microseconds (where measured).
+    pub host_us: Option<f64>,
+    /// Every timed value, ms.
     pub runs_ms: Vec<f64>,
 }
 
 impl Row {
     /// A row from raw times.
     pub fn new(method: &str, ts: &[f64], bytes: u64, launches: usize) -> Row {
-        let (median_ms, _) = median_spread(ts);
-        let min_ms = ts.iter().copied().fold(f64::INFINITY, f64::min);
-        let max_ms = ts.iter().copied().fold(0.0, f64::max);
+        let median_ms = median(ts);
         Row {
             method: method.into(),
             median_ms,
-            min_ms,
-            max_ms,
+            min_ms: ts.iter().copied().fold(f64::INFINITY, f64::min),
+            max_ms: ts.iter().copied().fold(0.0, f64::max),
             bytes,
             gbps: bytes as f64 / (median_ms * 1e-3) / 1e9,
             ratio_to_read: f64::NAN,
+            ratio_to_copy: f64::NAN,
             launches,
+            host_us: None,
             runs_ms: ts.to_vec(),
+        }
+    }
+
+    /// With a host time per call.
+    pub fn host(mut self, us: f64) -> Row {
+        self.host_us = Some(us);
+        self
+    }
+}
+
+/// One workload's measurements.
+#[derive(Serialize, Debug)]
+pub struct WorkloadResult {
+    /// Workload name.
+    pub workload: String,
+    /// Tensors.
+    pub tensors: usize,
+    /// Elements.
+    pub elements: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Device memory gradclip itself used (tables + result), bytes.
+    pub extra_device_bytes: u64,
+    /// Measurements.
+    pub rows: Vec<Row>,
+    /// Checks and derived numbers.
+    pub notes: Vec<String>,
+}
+
+impl WorkloadResult {
+    /// A result for `w`.
+    pub fn new(w: &Workload, rows: Vec<Row>, extra_device_bytes: u64, notes: Vec<String>) -> Self {
+        WorkloadResult { workload: w.name.clone(), tensors: w.tensors.len(), elements: w.elements(), bytes: w.bytes(), extra_device_bytes, rows, notes }
+    }
+
+    /// Prints the table.
+    pub fn print(&self) {
+        println!(
+            "\n{} | {} tensors, {:.3} G elements, {:.3} GB | gradclip device memory {:.1} KB",
+            self.workload,
+            self.tensors,
+            self.elements as f64 / 1e9,
+            self.bytes as f64 / 1e9,
+            self.extra_device_bytes as f64 / 1e3
+        );
+        println!(
+            "{:<32} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>9}",
+            "method", "median ms", "spread ms", "GB/s", "vs read", "vs copy", "launches", "host us"
+        );
+        for r in &self.rows {
+            let host = r.host_us.map_or("-".to_string(), |h| format!("{h:.1}"));
+            println!(
+                "{:<32} {:>10.4} {:>10.4} {:>9.0} {:>7.1}% {:>7.1}% {:>8} {:>9}",
+                r.method,
+                r.median_ms,
+                r.max_ms - r.min_ms,
+                r.gbps,
+                100.0 * r.ratio_to_read,
+                100.0 * r.ratio_to_copy,
+                r.launches,
+                host
+            );
+        }
+        for n in &self.notes {
+            println!("  - {n}");
         }
     }
 }
@@ -71,24 +138,16 @@ pub struct Record {
     pub commit: String,
     /// The command line.
     pub command: String,
-    /// Workload preset.
-    pub workload: String,
-    /// Tensors in the list.
-    pub tensors: usize,
-    /// Elements in the list.
-    pub elements: u64,
-    /// Bytes in the list.
-    pub bytes: u64,
-    /// Timed repetitions.
+    /// Timed repetitions per measurement.
     pub reps: usize,
-    /// Measurements.
-    pub rows: Vec<Row>,
-    /// Checks and derived numbers.
-    pub notes: Vec<String>,
+    /// Host microseconds to plan 100,000 new tensors.
+    pub plan_100k_tensors_us: f64,
+    /// Per workload.
+    pub workloads: Vec<WorkloadResult>,
 }
 
-fn today() -> String {
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+/// Today's UTC date, YYYY-MM-DD (Howard Hinnant's civil-from-days).
+pub fn today() -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let z = (secs / 86_400) as i64 + 719_468;
     let era = z.div_euclid(146_097);
@@ -102,54 +161,60 @@ fn today() -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
+fn slug(s: &str) -> String {
+    s.to_lowercase().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
+}
+
 impl Record {
-    /// A record of this run.
-    pub fn new(backend: &str, device: String, w: &Workload, reps: usize, rows: Vec<Row>, notes: Vec<String>) -> Record {
-        Record {
-            date: today(),
-            backend: backend.into(),
-            device,
-            commit: env!("GRADCLIP_COMMIT").into(),
-            command: std::env::args().collect::<Vec<_>>().join(" "),
-            workload: w.name.clone(),
-            tensors: w.tensors.len(),
-            elements: w.elements(),
-            bytes: w.bytes(),
-            reps,
-            rows,
-            notes,
-        }
-    }
-
-    /// bench/results/<date>-<device>-<workload>.json
+    /// bench/results/<date>-<device>.json
     pub fn default_path(&self) -> PathBuf {
-        let slug = |s: &str| s.to_lowercase().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect::<String>();
-        PathBuf::from(format!("bench/results/{}-{}-{}.json", self.date, slug(&self.device), slug(&self.workload)))
+        PathBuf::from(format!("bench/results/{}-{}.json", self.date, slug(&self.device)))
     }
 
-    /// Writes the record as pretty JSON.
-    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+    /// Writes the record as pretty JSON, and the chart beside it (same name, .svg).
+    pub fn write(&self, path: &Path) -> Result<PathBuf, String> {
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
+            std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
         }
-        std::fs::write(path, serde_json::to_string_pretty(self).expect("serializable"))
+        std::fs::write(path, serde_json::to_string_pretty(self).expect("serializable")).map_err(|e| e.to_string())?;
+        let svg = path.with_extension("svg");
+        self.chart(&svg)?;
+        Ok(svg)
     }
 
-    /// The terminal table.
-    pub fn print(&self) {
-        println!(
-            "\n{} on {} | {} tensors, {:.3} G elements, {:.2} GB | commit {} | {}",
-            self.workload, self.device, self.tensors, self.elements as f64 / 1e9, self.bytes as f64 / 1e9, self.commit, self.date
-        );
-        println!("{:<38} {:>10} {:>10} {:>10} {:>9} {:>8} {:>9}", "method", "median ms", "min ms", "max ms", "GB/s", "vs read", "launches");
-        for r in &self.rows {
-            println!(
-                "{:<38} {:>10.3} {:>10.3} {:>10.3} {:>9.0} {:>7.1}% {:>9}",
-                r.method, r.median_ms, r.min_ms, r.max_ms, r.gbps, 100.0 * r.ratio_to_read, r.launches
-            );
-        }
-        for n in &self.notes {
-            println!("  - {n}");
-        }
+    /// Horizontal bars: each method's bandwidth as a share of the streaming read, per workload.
+    fn chart(&self, path: &Path) -> Result<(), String> {
+        use plotters::prelude::*;
+        let bars: Vec<(String, f64)> = self
+            .workloads
+            .iter()
+            .flat_map(|w| w.rows.iter().filter(|r| !r.method.starts_with("streaming")).map(move |r| (format!("{} | {}", w.workload, r.method), 100.0 * r.ratio_to_read)))
+            .collect();
+        let h = 80 + 22 * bars.len() as u32;
+        let root = SVGBackend::new(path, (1100, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let title = format!("gradclip on {} ({}, {}): bandwidth as % of a streaming read", self.device, self.date, self.commit);
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(420)
+            .build_cartesian_2d(0.0..110.0, 0..bars.len())
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(bars.len())
+            .y_label_formatter(&|i| bars.get(*i).map(|b| b.0.clone()).unwrap_or_default())
+            .x_desc("% of streaming-read bandwidth (same run)")
+            .draw()
+            .map_err(|e| e.to_string())?;
+        chart
+            .draw_series(bars.iter().enumerate().map(|(i, (name, pct))| {
+                let color = if name.contains("eager") { RED.mix(0.6) } else if name.contains("copy") { BLUE.mix(0.4) } else { GREEN.mix(0.7) };
+                Rectangle::new([(0.0, i), (pct.min(110.0), i + 1)], color.filled())
+            }))
+            .map_err(|e| e.to_string())?;
+        root.present().map_err(|e| e.to_string())
     }
 }

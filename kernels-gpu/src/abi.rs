@@ -12,9 +12,27 @@ pub const WARP_THREADS: u32 = 32;
 /// Bytes moved by one vector load: 16 (`ld.global.v4.u32`).
 pub const VEC_BYTES: u64 = 16;
 /// 16-byte vectors per block task: 64 KiB of gradient per block, whatever the dtype.
-pub const CHUNK_VECS: u64 = 4096;
+/// (`GRADCLIP_CHUNK_VECS` at build time overrides it, for tuning runs only: the value changes the
+/// summation order, so the CPU and GPU must be built with the same one, as one build does.)
+pub const CHUNK_VECS: u64 = parse_or(option_env!("GRADCLIP_CHUNK_VECS"), 4096);
 /// Vector loads each thread issues before it accumulates them (memory-level parallelism).
-pub const LOAD_UNROLL: usize = 4;
+/// (`GRADCLIP_LOAD_UNROLL` at build time overrides it, for tuning runs.)
+pub const LOAD_UNROLL: usize = parse_or(option_env!("GRADCLIP_LOAD_UNROLL"), 4) as usize;
+
+/// A decimal build-time setting, or `default` when unset.
+const fn parse_or(s: Option<&str>, default: u64) -> u64 {
+    let Some(s) = s else { return default };
+    let b = s.as_bytes();
+    let mut v = 0u64;
+    let mut i = 0;
+    while i < b.len() {
+        assert!(b[i].is_ascii_digit(), "tuning settings are decimal numbers");
+        v = v * 10 + (b[i] - b'0') as u64;
+        i += 1;
+    }
+    assert!(v > 0, "tuning settings are positive");
+    v
+}
 
 
 /// Added to the norm before dividing, as `torch.nn.utils.clip_grad_norm_` does.
@@ -119,5 +137,5 @@ const _: () = {
     assert!(BLOCK_THREADS % WARP_THREADS == 0 && FINAL_THREADS % WARP_THREADS == 0);
     assert!((BLOCK_THREADS / WARP_THREADS).is_power_of_two());
     assert!((FINAL_THREADS / WARP_THREADS).is_power_of_two());
-    assert!(CHUNK_VECS <= u32::MAX as u64);
+    assert!(CHUNK_VECS <= u32::MAX as u64 && CHUNK_VECS % BLOCK_THREADS as u64 == 0);
 };

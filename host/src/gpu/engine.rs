@@ -131,6 +131,12 @@ impl GpuEngine {
         &self.stream
     }
 
+    /// Device memory the engine holds for its tables (tensor list, tasks, partials), in bytes:
+    /// O(tensors + blocks), never proportional to the gradients' size.
+    pub fn workspace_bytes(&self) -> usize {
+        [&self.ws.tensors, &self.ws.tasks, &self.ws.partials].iter().map(|b| b.as_ref().map_or(0, |b| b.len() * 8)).sum()
+    }
+
     /// The loaded kernels (for [`super::tools`]).
     pub fn kernels(&self) -> &KernelSet {
         &self.kernels

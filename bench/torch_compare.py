@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""What PyTorch users run today, on the same gradient lists as gradclip-bench.
+
+Reads the workloads that `gradclip-bench --preset ... --dump-workloads FILE` writes, builds the
+gradients on the GPU (bf16/f16/f32/f64 as listed), and times with CUDA events (median of reps):
+  - eager two-pass: per tensor, max|g| then sum((g / max)^2), the way eager code computes a norm
+    without overflow (one launch or more per tensor per pass);
+  - torch.nn.utils.get_total_norm / clip_grad_norm_ with foreach=False and foreach=True.
+Writes a JSON record. Usage:
+  python3 bench/torch_compare.py workloads.json out.json [reps]
+"""
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "f64": torch.float64}
+
+
+def timed(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def host_us(fn, n=50):
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def eager_two_pass(grads):
+    total = torch.zeros((), device=grads[0].device, dtype=torch.float32)
+    for g in grads:
+        m = g.abs().max().float()
+        s = ((g.float() / m) ** 2).sum()
+        total += m * m * s
+    return total.sqrt()
+
+
+def run(w, reps):
+    grads = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t in w["tensors"]:
+        g = torch.empty(t["shape"], dtype=DTYPES[t["dtype"]], device="cuda")
+        g.uniform_(-1.0, 1.0, generator=gen)
+        grads.append(g)
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.empty(0, device="cuda", dtype=g.dtype))
+        p.grad = g
+        params.append(p)
+    nbytes = sum(g.numel() * g.element_size() for g in grads)
+    rows = []
+
+    def row(name, ts, moved, host=None):
+        med = statistics.median(ts)
+        rows.append({"method": name, "median_ms": med, "min_ms": min(ts), "max_ms": max(ts),
+                     "gbps": moved / (med * 1e-3) / 1e9, "host_us": host, "runs_ms": ts})
+
+    row("eager two-pass (max, then scaled sum of squares)", timed(lambda: eager_two_pass(grads), max(3, reps // 4)), 2 * nbytes)
+    for fe in (False, True):
+        f = lambda: torch.nn.utils.get_total_norm(grads, 2.0, foreach=fe)
+        row(f"torch get_total_norm foreach={fe}", timed(f, reps), nbytes, host_us(f))
+    for fe in (False, True):
+        f = lambda: torch.nn.utils.clip_grad_norm_(params, 1e-3, foreach=fe)
+        row(f"torch clip_grad_norm_ foreach={fe}", timed(f, reps), 3 * nbytes, host_us(f))
+    del grads, params
+    torch.cuda.empty_cache()
+    return {"workload": w["name"], "tensors": len(w["tensors"]), "bytes": nbytes, "rows": rows}
+
+
+def main():
+    src, dst = sys.argv[1], sys.argv[2]
+    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    workloads = json.load(open(src))
+    record = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "workloads": [],
+    }
+    for w in workloads:
+        r = run(w, reps)
+        record["workloads"].append(r)
+        print(f"\n{r['workload']} | {r['tensors']} tensors, {r['bytes'] / 1e9:.2f} GB")
+        for x in r["rows"]:
+            host = "-" if x["host_us"] is None else f"{x['host_us']:.0f}"
+            print(f"  {x['method']:<52} {x['median_ms']:>9.3f} ms {x['gbps']:>7.0f} GB/s  host {host} us")
+    json.dump(record, open(dst, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
