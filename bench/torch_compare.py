@@ -64,7 +64,8 @@ def run(w, reps):
         grads.append(g)
     params = []
     for g in grads:
-        p = torch.nn.Parameter(torch.empty(0, device="cuda", dtype=g.dtype))
+        # The parameter shares the gradient's storage: no extra memory, and clip only needs .grad.
+        p = torch.nn.Parameter(g.detach())
         p.grad = g
         params.append(p)
     nbytes = sum(g.numel() * g.element_size() for g in grads)

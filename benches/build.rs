@@ -15,4 +15,5 @@ fn main() {
     println!("cargo:rustc-env=GRADCLIP_COMMIT={commit}{}", if dirty { "-dirty" } else { "" });
     println!("cargo:rerun-if-changed=../.git/HEAD");
     println!("cargo:rerun-if-changed=../.git/index");
+    println!("cargo:rerun-if-changed=../.git/logs/HEAD");
 }

@@ -41,7 +41,7 @@ pub struct Plan {
 /// ```
 /// use gradclip::{DType, plan::{RawTensor, plan}};
 /// let p = plan(&[RawTensor { addr: 0x1000, len: 100_000, dtype: DType::F32 }]).unwrap();
-/// assert_eq!(p.tasks.len(), 7); // 400 KB in 64 KiB blocks
+/// assert_eq!(p.tasks.len(), 2); // 400 KB in 256 KiB blocks
 /// ```
 pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
     if tensors.len() as u64 > u32::MAX as u64 {

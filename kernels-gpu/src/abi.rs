@@ -11,13 +11,14 @@ pub const FINAL_THREADS: u32 = 1024;
 pub const WARP_THREADS: u32 = 32;
 /// Bytes moved by one vector load: 16 (`ld.global.v4.u32`).
 pub const VEC_BYTES: u64 = 16;
-/// 16-byte vectors per block task: 64 KiB of gradient per block, whatever the dtype.
+/// 16-byte vectors per block task: 256 KiB of gradient per block, whatever the dtype (measured
+/// best of 32/64/128/256 KiB on an H200: bench/NOTES.md).
 /// (`GRADCLIP_CHUNK_VECS` at build time overrides it, for tuning runs only: the value changes the
 /// summation order, so the CPU and GPU must be built with the same one, as one build does.)
-pub const CHUNK_VECS: u64 = parse_or(option_env!("GRADCLIP_CHUNK_VECS"), 4096);
+pub const CHUNK_VECS: u64 = parse_or(option_env!("GRADCLIP_CHUNK_VECS"), 16384);
 /// Vector loads each thread issues before it accumulates them (memory-level parallelism).
 /// (`GRADCLIP_LOAD_UNROLL` at build time overrides it, for tuning runs.)
-pub const LOAD_UNROLL: usize = parse_or(option_env!("GRADCLIP_LOAD_UNROLL"), 4) as usize;
+pub const LOAD_UNROLL: usize = parse_or(option_env!("GRADCLIP_LOAD_UNROLL"), 8) as usize;
 
 /// A decimal build-time setting, or `default` when unset.
 const fn parse_or(s: Option<&str>, default: u64) -> u64 {

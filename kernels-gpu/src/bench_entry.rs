@@ -54,14 +54,12 @@ pub unsafe extern "gpu-kernel" fn gradclip_fill(addr: u64, len: u64, dtype: u32,
 pub unsafe extern "gpu-kernel" fn gradclip_stream_read(addr: u64, nvec: u64, sink: *mut u32, marker: u32) {
     let (mut g, stride) = global_thread();
     let mut x = 0u32;
+    // Four loads in flight per thread, in named registers (an array would go to local memory).
     while g + 3 * stride < nvec {
-        let mut v = [[0u32; 4]; 4];
-        for (k, slot) in v.iter_mut().enumerate() {
-            *slot = unsafe { ld_nc(addr + (g + k as u64 * stride) * 16) };
-        }
-        for w in v {
-            x ^= w[0] ^ w[1] ^ w[2] ^ w[3];
-        }
+        let (a, b, c, d) = unsafe {
+            (ld_nc(addr + g * 16), ld_nc(addr + (g + stride) * 16), ld_nc(addr + (g + 2 * stride) * 16), ld_nc(addr + (g + 3 * stride) * 16))
+        };
+        x ^= (a[0] ^ a[1] ^ a[2] ^ a[3]) ^ (b[0] ^ b[1] ^ b[2] ^ b[3]) ^ (c[0] ^ c[1] ^ c[2] ^ c[3]) ^ (d[0] ^ d[1] ^ d[2] ^ d[3]);
         g += 4 * stride;
     }
     while g < nvec {

@@ -88,7 +88,12 @@ pub unsafe fn block_reduce<A: Accumulator, const WARPS: u32>(a: A, p: f64) -> A 
     // writes before warp 0 reads them.
     unsafe {
         if lane == 0 {
-            smem.add(warp as usize).write_volatile(a.encode());
+            // Word by word: a whole-struct volatile access would go through local memory.
+            let e = a.encode();
+            let slot = smem.add(warp as usize) as *mut u64;
+            for k in 0..4 {
+                slot.add(k).write_volatile(e.words[k]);
+            }
         }
         sync_threads();
     }
@@ -97,7 +102,11 @@ pub unsafe fn block_reduce<A: Accumulator, const WARPS: u32>(a: A, p: f64) -> A 
     }
     let mine = if lane < WARPS {
         // SAFETY: written above by warp `lane`'s lane 0.
-        let part = unsafe { smem.add(lane as usize).read_volatile() };
+        let slot = unsafe { smem.add(lane as usize) } as *const u64;
+        let mut part = Partial::default();
+        for k in 0..4 {
+            part.words[k] = unsafe { slot.add(k).read_volatile() };
+        }
         A::decode(&part, p)
     } else {
         A::identity(p)

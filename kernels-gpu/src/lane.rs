@@ -97,6 +97,23 @@ where
 {
     let (start, end) = frame.chunk_vecs(chunk);
     let mut g = start + lane;
+    let span = (LOAD_UNROLL as u64 - 1) * threads;
+    // As in accumulate_lane: several loads in flight before the first store.
+    while g + span < end && frame.is_full(g) && frame.is_full(g + span) {
+        let mut vs = [E::Vector::default(); LOAD_UNROLL];
+        for (k, v) in vs.iter_mut().enumerate() {
+            // SAFETY: interior or checked-full vectors of this lane's chunk.
+            *v = unsafe { dst.load_vec(g + k as u64 * threads) };
+        }
+        for (k, v) in vs.iter_mut().enumerate() {
+            for b in v.as_mut() {
+                *b = E::scale(*b, coef32, coef64);
+            }
+            // SAFETY: as above; lanes own disjoint vectors.
+            unsafe { dst.store_vec(g + k as u64 * threads, *v) };
+        }
+        g += LOAD_UNROLL as u64 * threads;
+    }
     while g < end {
         if frame.is_full(g) {
             // SAFETY: full vector of this lane's chunk; lanes own disjoint vectors.

@@ -86,6 +86,8 @@ struct Uploaded {
     tensors: Vec<RawTensor>,
     num_tasks: usize,
     disjoint: bool,
+    /// Device addresses of the tables, resolved once per upload (host time per call matters).
+    tables: Option<Tables>,
 }
 
 /// Computes gradient norms and clips on one CUDA stream.
@@ -282,11 +284,16 @@ impl GpuEngine {
             let mut dst = self.ws.tasks.as_mut().expect("ensured").slice_mut(..kw.len());
             self.stream.memcpy_htod(kw, &mut dst)?;
         }
-        self.uploaded = Uploaded { tensors: tensors.to_vec(), num_tasks: plan.tasks.len(), disjoint: need_disjoint };
+        let tables = self.resolve_tables();
+        self.uploaded = Uploaded { tensors: tensors.to_vec(), num_tasks: plan.tasks.len(), disjoint: need_disjoint, tables: Some(tables) };
         Ok(plan.tasks.len())
     }
 
     fn tables(&self) -> Tables {
+        self.uploaded.tables.unwrap_or_else(|| self.resolve_tables())
+    }
+
+    fn resolve_tables(&self) -> Tables {
         let ptr = |b: &Option<CudaSlice<u64>>| b.as_ref().map_or(0, |b| b.device_ptr(&self.stream).0);
         Tables { tensors: ptr(&self.ws.tensors), tasks: ptr(&self.ws.tasks), partials: ptr(&self.ws.partials) }
     }

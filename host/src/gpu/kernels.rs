@@ -118,6 +118,17 @@ mod tests {
         }
         assert_eq!(entries.len(), Kernel::ALL.len(), "PTX has entries the host does not know: {entries:?}");
         assert!(!PTX.contains(".extern .func"));
+        // No local memory (spills or arrays) in any kernel but the general-p ones, whose
+        // per-element log/exp path is allowed a stack.
+        let mut kernel = "";
+        for line in PTX.lines() {
+            if let Some(name) = line.strip_prefix(".visible .entry ") {
+                kernel = name.trim_end_matches('(').trim();
+            }
+            if line.contains(".local") && !kernel.ends_with("_p") {
+                panic!("kernel {kernel} uses local memory: {line}");
+            }
+        }
         assert!(PTX.contains(".target sm_80\n"), "PTX must target sm_80 without debug info");
     }
 }
