@@ -32,6 +32,9 @@ pub struct Row {
     pub ratio_to_read: f64,
     /// gbps over the device copy's, same run.
     pub ratio_to_copy: f64,
+    /// Bandwidth bound of the method's passes over its time: for a norm the streaming read; for
+    /// the clip one read at the read ceiling plus one read+write at the copy ceiling.
+    pub ratio_to_bound: Option<f64>,
     /// Kernel launches per call.
     pub launches: usize,
     /// Host time per call, microseconds (where measured).
@@ -53,6 +56,7 @@ impl Row {
             gbps: bytes as f64 / (median_ms * 1e-3) / 1e9,
             ratio_to_read: f64::NAN,
             ratio_to_copy: f64::NAN,
+            ratio_to_bound: None,
             launches,
             host_us: None,
             runs_ms: ts.to_vec(),
@@ -102,19 +106,21 @@ impl WorkloadResult {
             self.extra_device_bytes as f64 / 1e3
         );
         println!(
-            "{:<32} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>9}",
-            "method", "median ms", "spread ms", "GB/s", "vs read", "vs copy", "launches", "host us"
+            "{:<32} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}",
+            "method", "median ms", "spread ms", "GB/s", "vs read", "vs copy", "vs bound", "launches", "host us"
         );
         for r in &self.rows {
             let host = r.host_us.map_or("-".to_string(), |h| format!("{h:.1}"));
+            let bound = r.ratio_to_bound.map_or("-".to_string(), |b| format!("{:.1}%", 100.0 * b));
             println!(
-                "{:<32} {:>10.4} {:>10.4} {:>9.0} {:>7.1}% {:>7.1}% {:>8} {:>9}",
+                "{:<32} {:>10.4} {:>10.4} {:>9.0} {:>7.1}% {:>7.1}% {:>8} {:>8} {:>9}",
                 r.method,
                 r.median_ms,
                 r.max_ms - r.min_ms,
                 r.gbps,
                 100.0 * r.ratio_to_read,
                 100.0 * r.ratio_to_copy,
+                bound,
                 r.launches,
                 host
             );

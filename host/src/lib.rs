@@ -1,8 +1,8 @@
 //! # gradclip
 //!
 //! The global norm of a model's gradients, and clipping them in place, over any number of
-//! tensors of mixed dtypes, in a constant number of fused kernel launches (2 for the norm, 3 for
-//! norm + clip), accumulated in f64, deterministic to the bit, with no host synchronization.
+//! tensors of mixed dtypes, in a constant number of fused kernel launches (1 for the norm, 2 for
+//! norm + clip, +1 for optional per-tensor norms), accumulated in f64, deterministic to the bit, with no host synchronization.
 //!
 //! - [`gpu::GpuEngine`]: CUDA through `cudarc` (driver API, loaded at run time: builds and runs
 //!   where no CUDA is installed). Kernels are Rust, compiled to PTX at build time.

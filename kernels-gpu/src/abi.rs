@@ -5,8 +5,6 @@
 
 /// Threads per block of the partial-norm and scale kernels.
 pub const BLOCK_THREADS: u32 = 256;
-/// Threads of the single block that reduces all partials to the global norm.
-pub const FINAL_THREADS: u32 = 1024;
 /// Threads per warp on every NVIDIA GPU gradclip supports.
 pub const WARP_THREADS: u32 = 32;
 /// Bytes moved by one vector load: 16 (`ld.global.v4.u32`).
@@ -97,7 +95,11 @@ pub struct Partial {
     pub words: [u64; 4],
 }
 
-/// Scalars of the finalize kernel, passed by value.
+/// Bytes of dynamic shared memory every gradclip kernel launch needs: one [`Partial`] per warp
+/// for the block reduction, and a word for the last-block flag.
+pub const BLOCK_SMEM_BYTES: u32 = (BLOCK_THREADS / WARP_THREADS) * core::mem::size_of::<Partial>() as u32 + 16;
+
+/// Scalars of the norm kernel's final step.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct NormParams {
@@ -135,8 +137,7 @@ const _: () = {
     assert!(core::mem::size_of::<Partial>() == 32);
     assert!(core::mem::size_of::<NormParams>() == 40);
     assert!(core::mem::size_of::<NormOutput>() == 24);
-    assert!(BLOCK_THREADS % WARP_THREADS == 0 && FINAL_THREADS % WARP_THREADS == 0);
+    assert!(BLOCK_THREADS % WARP_THREADS == 0);
     assert!((BLOCK_THREADS / WARP_THREADS).is_power_of_two());
-    assert!((FINAL_THREADS / WARP_THREADS).is_power_of_two());
     assert!(CHUNK_VECS <= u32::MAX as u64 && CHUNK_VECS % BLOCK_THREADS as u64 == 0);
 };

@@ -114,6 +114,49 @@ pub unsafe fn block_reduce<A: Accumulator, const WARPS: u32>(a: A, p: f64) -> A 
     warp_reduce(mine, p, WARPS / 2)
 }
 
+/// `fence.acq_rel.gpu`: orders this thread's earlier memory operations before its later ones for
+/// every observer on the GPU (`__threadfence()`).
+#[inline(always)]
+pub fn fence_gpu() {
+    // SAFETY: a fence has no operands and no effect but ordering.
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack, preserves_flags)) }
+}
+
+/// `atomicAdd` on a global u32; returns the old value.
+///
+/// # Safety
+/// `ptr` must be a valid, 4-byte-aligned global address.
+#[inline(always)]
+pub unsafe fn atomic_add_u32(ptr: *mut u32, v: u32) -> u32 {
+    let old: u32;
+    unsafe { asm!("atom.global.add.u32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) ptr, v = in(reg32) v, options(nostack, preserves_flags)) };
+    old
+}
+
+/// Loads a [`Partial`] from L2, bypassing L1: partials written by other blocks of the same launch
+/// must not be served from a line this SM cached in an earlier launch.
+///
+/// # Safety
+/// `ptr` must point to a readable, 8-byte-aligned `Partial` in global memory.
+#[inline(always)]
+pub unsafe fn ld_cg_partial(ptr: *const Partial) -> Partial {
+    let mut out = Partial::default();
+    for k in 0..4 {
+        let w: u64;
+        unsafe { asm!("ld.global.cg.u64 {w}, [{p}];", w = out(reg64) w, p = in(reg64) (ptr as *const u64).add(k), options(readonly, nostack, preserves_flags)) };
+        out.words[k] = w;
+    }
+    out
+}
+
+/// The word of dynamic shared memory after the `WARPS` reduction slots (the last-block flag).
+#[inline(always)]
+pub fn smem_flag<const WARPS: u32>() -> *mut u32 {
+    let base = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<Partial>();
+    // SAFETY: the launch gives WARPS partials plus 16 bytes (abi::BLOCK_SMEM_BYTES).
+    unsafe { base.add(WARPS as usize) as *mut u32 }
+}
+
 /// 16-byte read-only load through the non-coherent path (the gradients do not change during a
 /// norm kernel).
 ///

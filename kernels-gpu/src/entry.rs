@@ -1,21 +1,24 @@
-//! The kernel entry points (PTX `.entry` functions). Names are listed once in
-//! [`crate::abi::kernel_names`]-style constants on the host side; see `gradclip::kernels`.
+//! The kernel entry points (PTX `.entry` functions). The host names them in one table
+//! (`gradclip::gpu::kernels::Kernel`), checked against this PTX by a test.
 //!
-//! - `gradclip_partials_<norm>`: one block per [`ChunkTask`], writes one [`Partial`] per task.
-//! - `gradclip_finalize_<norm>`: block 0 reduces every partial to the norm and the clip
-//!   coefficient; blocks 1.. write per-tensor norms (one warp per tensor) when asked.
+//! - `gradclip_norm_<norm>`: one block per [`ChunkTask`] writes its [`Partial`]; the block that
+//!   finishes last (an atomic ticket, after a fence: the threadfence reduction) folds every
+//!   partial in a fixed order into the norm, the clip coefficient and the flags. One launch.
+//! - `gradclip_tensor_norms_<norm>`: per-tensor norms (one warp per tensor), only when asked.
 //! - `gradclip_scale`: one block per task, multiplies by the coefficient in device memory.
 
-use crate::abi::{BLOCK_THREADS, ChunkTask, FINAL_THREADS, NormOutput, NormParams, Partial, TensorDesc, WARP_THREADS, dtype_code};
+use crate::abi::{BLOCK_THREADS, ChunkTask, NormOutput, NormParams, Partial, TensorDesc, WARP_THREADS, dtype_code};
 use crate::accum::{Accumulator, Inf, L1, L2, PNorm};
-use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, block_reduce, grid_dim, thread_idx, warp_reduce};
+use crate::device::{
+    DeviceTensor, DeviceTensorMut, atomic_add_u32, block_idx, block_reduce, fence_gpu, grid_dim, ld_cg_partial, smem_flag, sync_threads, thread_idx,
+    warp_reduce,
+};
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, scale_lane};
 use crate::scale::{norm_output, scale_coefficients};
 
 const BLOCK_WARPS: u32 = BLOCK_THREADS / WARP_THREADS;
-const FINAL_WARPS: u32 = FINAL_THREADS / WARP_THREADS;
 
 #[inline(always)]
 unsafe fn lane_of<E: Element, A: Accumulator>(d: &TensorDesc, chunk: u64, acc: &mut A) {
@@ -25,64 +28,86 @@ unsafe fn lane_of<E: Element, A: Accumulator>(d: &TensorDesc, chunk: u64, acc: &
     unsafe { accumulate_lane::<E, A, _>(&src, &frame, chunk, thread_idx() as u64, BLOCK_THREADS as u64, acc) }
 }
 
+/// One block of the norm kernel: its task's partial, then, in whichever block finishes last, the
+/// fold of every partial in the fixed order of [`crate::model::final_reduce`].
 #[inline(always)]
-unsafe fn partials<A: Accumulator>(tensors: *const TensorDesc, tasks: *const ChunkTask, out: *mut Partial, p: f64) {
-    let b = block_idx() as usize;
-    // SAFETY: the grid has exactly one block per task; tasks name valid tensors.
-    let (task, d) = unsafe {
-        let task = tasks.add(b).read();
-        (task, tensors.add(task.tensor as usize).read())
-    };
-    let mut acc = A::identity(p);
-    let chunk = task.chunk as u64;
-    unsafe {
-        match d.dtype {
-            dtype_code::BF16 => lane_of::<Bf16, A>(&d, chunk, &mut acc),
-            dtype_code::F16 => lane_of::<F16, A>(&d, chunk, &mut acc),
-            dtype_code::F32 => lane_of::<F32, A>(&d, chunk, &mut acc),
-            dtype_code::F64 => lane_of::<F64, A>(&d, chunk, &mut acc),
-            _ => {}
-        }
-        let total = block_reduce::<A, BLOCK_WARPS>(acc, p);
-        if thread_idx() == 0 {
-            out.add(b).write(total.encode());
-        }
-    }
-}
-
-#[inline(always)]
-unsafe fn finalize<A: Accumulator>(
-    partials: *const Partial,
+unsafe fn norm<A: Accumulator>(
     tensors: *const TensorDesc,
-    per_tensor: *mut f64,
+    tasks: *const ChunkTask,
+    partials: *mut Partial,
+    counter: *mut u32,
     out: *mut NormOutput,
     params: NormParams,
 ) {
     let p = params.p;
-    if block_idx() == 0 {
+    if params.num_tasks > 0 {
+        let b = block_idx() as usize;
+        // SAFETY: the grid has exactly one block per task; tasks name valid tensors.
+        let (task, d) = unsafe {
+            let task = tasks.add(b).read();
+            (task, tensors.add(task.tensor as usize).read())
+        };
         let mut acc = A::identity(p);
-        let mut i = thread_idx() as u64;
-        while i < params.num_tasks {
-            // SAFETY: i < num_tasks partials were written by the partials kernel.
-            acc = acc.merge(A::decode(unsafe { &*partials.add(i as usize) }, p));
-            i += FINAL_THREADS as u64;
+        let chunk = task.chunk as u64;
+        unsafe {
+            match d.dtype {
+                dtype_code::BF16 => lane_of::<Bf16, A>(&d, chunk, &mut acc),
+                dtype_code::F16 => lane_of::<F16, A>(&d, chunk, &mut acc),
+                dtype_code::F32 => lane_of::<F32, A>(&d, chunk, &mut acc),
+                dtype_code::F64 => lane_of::<F64, A>(&d, chunk, &mut acc),
+                _ => {}
+            }
         }
-        let total = unsafe { block_reduce::<A, FINAL_WARPS>(acc, p) };
+        let total = unsafe { block_reduce::<A, BLOCK_WARPS>(acc, p) };
+        let flag = smem_flag::<BLOCK_WARPS>();
         if thread_idx() == 0 {
-            // SAFETY: out points to one NormOutput owned by this call.
-            unsafe { out.write(norm_output(total.norm(), &params)) };
+            // SAFETY: slot b is this block's; the counter is the engine's, zero between launches.
+            unsafe {
+                partials.add(b).write(total.encode());
+                // Publish the partial before taking a ticket (threadfence reduction).
+                fence_gpu();
+                let ticket = atomic_add_u32(counter, 1);
+                flag.write_volatile((ticket as u64 + 1 == params.num_tasks) as u32);
+            }
         }
-        return;
+        // SAFETY: every thread of the block reaches this barrier.
+        unsafe { sync_threads() };
+        if unsafe { flag.read_volatile() } == 0 {
+            return;
+        }
+        fence_gpu();
     }
-    if per_tensor.is_null() {
-        return;
+    let mut acc = A::identity(p);
+    let mut i = thread_idx() as u64;
+    while i < params.num_tasks {
+        // SAFETY: every block published its partial before its ticket; this block holds the last.
+        acc = acc.merge(A::decode(&unsafe { ld_cg_partial(partials.add(i as usize)) }, p));
+        i += BLOCK_THREADS as u64;
     }
-    let warps_total = (grid_dim() as u64 - 1) * FINAL_WARPS as u64;
+    let total = unsafe { block_reduce::<A, BLOCK_WARPS>(acc, p) };
+    if thread_idx() == 0 {
+        // SAFETY: out points to one NormOutput owned by this call; resetting the counter readies
+        // it for the next launch, which the stream orders after this one (an empty list never
+        // touched it, and may not have one).
+        unsafe {
+            out.write(norm_output(total.norm(), &params));
+            if params.num_tasks > 0 {
+                counter.write_volatile(0);
+            }
+        }
+    }
+}
+
+/// Per-tensor norms: one warp per tensor folds that tensor's partials.
+#[inline(always)]
+unsafe fn tensor_norms<A: Accumulator>(partials: *const Partial, tensors: *const TensorDesc, per_tensor: *mut f64, num_tensors: u64, p: f64) {
+    let warps_total = grid_dim() as u64 * BLOCK_WARPS as u64;
     let lane = (thread_idx() % WARP_THREADS) as u64;
-    let mut t = (block_idx() as u64 - 1) * FINAL_WARPS as u64 + (thread_idx() / WARP_THREADS) as u64;
+    let mut t = block_idx() as u64 * BLOCK_WARPS as u64 + (thread_idx() / WARP_THREADS) as u64;
     // Whole warps iterate together, so the shuffles in warp_reduce always have all 32 lanes.
-    while t < params.num_tensors {
-        // SAFETY: t < num_tensors; the tensor's tasks are [first_task, first_task + num_tasks).
+    while t < num_tensors {
+        // SAFETY: t < num_tensors; the tensor's tasks are [first_task, first_task + num_tasks),
+        // written by the norm kernel earlier on the stream.
         let d = unsafe { tensors.add(t as usize).read() };
         let mut acc = A::identity(p);
         let mut i = lane;
@@ -99,41 +124,42 @@ unsafe fn finalize<A: Accumulator>(
 }
 
 macro_rules! norm_kernels {
-    ($($partials:ident, $finalize:ident, $acc:ty;)*) => {$(
-        /// Partial-norm kernel: one block of `BLOCK_THREADS` per task, `BLOCK_WARPS` partials of
-        /// dynamic shared memory.
+    ($($norm:ident, $tensor_norms:ident, $acc:ty;)*) => {$(
+        /// Norm kernel: one block of `BLOCK_THREADS` per task (one block if there is none),
+        /// `BLOCK_SMEM_BYTES` of dynamic shared memory. Writes one partial per task; the block
+        /// that finishes last writes the norm, the clip coefficient and the flags to `out`.
         ///
         /// # Safety
         /// Launched by the gradclip host with a grid of one block per task of a plan built from
-        /// `tensors`, and `out` holding one partial per task.
+        /// `tensors`, `partials` holding one partial per task, and `counter` zero.
         #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $partials(tensors: *const TensorDesc, tasks: *const ChunkTask, out: *mut Partial, p: f64) {
-            unsafe { partials::<$acc>(tensors, tasks, out, p) }
-        }
-
-        /// Finalize kernel: blocks of `FINAL_THREADS`, `FINAL_WARPS` partials of dynamic shared
-        /// memory; block 0 writes `out`, the others write `per_tensor` (may be null).
-        ///
-        /// # Safety
-        /// As the partials kernel, after it, with `params` describing the same plan.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $finalize(
-            partials: *const Partial, tensors: *const TensorDesc, per_tensor: *mut f64, out: *mut NormOutput,
-            p: f64, max_norm: f64, num_tasks: u64, num_tensors: u64, flags: u32,
+        pub unsafe extern "gpu-kernel" fn $norm(
+            tensors: *const TensorDesc, tasks: *const ChunkTask, partials: *mut Partial, counter: *mut u32, out: *mut NormOutput,
+            p: f64, max_norm: f64, num_tasks: u64, flags: u32,
         ) {
             // Scalars, not the struct, cross the kernel ABI: rustc warns that by-value structs
             // have no stable gpu-kernel layout yet.
-            let params = NormParams { p, max_norm, num_tasks, num_tensors, flags, reserved: 0 };
-            unsafe { finalize::<$acc>(partials, tensors, per_tensor, out, params) }
+            let params = NormParams { p, max_norm, num_tasks, num_tensors: 0, flags, reserved: 0 };
+            unsafe { norm::<$acc>(tensors, tasks, partials, counter, out, params) }
+        }
+
+        /// Per-tensor norm kernel: blocks of `BLOCK_THREADS`, one warp per tensor, any grid.
+        ///
+        /// # Safety
+        /// After the norm kernel on the same stream with the same tables; `per_tensor` holds
+        /// `num_tensors` f64s.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $tensor_norms(partials: *const Partial, tensors: *const TensorDesc, per_tensor: *mut f64, num_tensors: u64, p: f64) {
+            unsafe { tensor_norms::<$acc>(partials, tensors, per_tensor, num_tensors, p) }
         }
     )*};
 }
 
 norm_kernels! {
-    gradclip_partials_l1, gradclip_finalize_l1, L1;
-    gradclip_partials_l2, gradclip_finalize_l2, L2;
-    gradclip_partials_inf, gradclip_finalize_inf, Inf;
-    gradclip_partials_p, gradclip_finalize_p, PNorm;
+    gradclip_norm_l1, gradclip_tensor_norms_l1, L1;
+    gradclip_norm_l2, gradclip_tensor_norms_l2, L2;
+    gradclip_norm_inf, gradclip_tensor_norms_inf, Inf;
+    gradclip_norm_p, gradclip_tensor_norms_p, PNorm;
 }
 
 #[inline(always)]

@@ -4,7 +4,7 @@
 //! GPU side, for reference: a warp combines lanes with `shfl.down` at offsets 16, 8, 4, 2, 1
 //! (lane l takes lane l+off); a block then combines its warps' totals the same way inside warp 0.
 
-use crate::abi::{BLOCK_THREADS, FINAL_THREADS, Partial, WARP_THREADS};
+use crate::abi::{BLOCK_THREADS, Partial, WARP_THREADS};
 use crate::accum::Accumulator;
 use crate::dtype::Element;
 use crate::geometry::Frame;
@@ -35,7 +35,6 @@ pub fn block_tree<A: Accumulator, const WARPS: usize>(lanes: &mut [A]) -> A {
 }
 
 const BLOCK_WARPS: usize = (BLOCK_THREADS / WARP_THREADS) as usize;
-const FINAL_WARPS: usize = (FINAL_THREADS / WARP_THREADS) as usize;
 
 /// The partial one block of the partial-norm kernel computes for chunk `chunk` of a tensor.
 ///
@@ -50,18 +49,19 @@ pub unsafe fn chunk_partial<E: Element, A: Accumulator, S: Source<E>>(src: &S, f
     block_tree::<A, BLOCK_WARPS>(&mut lanes)
 }
 
-/// The global total the finalize kernel's first block computes from all partials.
+/// The global total that the last block of the norm kernel computes from all partials: lane t
+/// merges partials t, t+256, ... in order, then the block tree.
 pub fn final_reduce<A: Accumulator>(partials: &[Partial], p: f64) -> A {
-    let mut lanes = [A::identity(p); FINAL_THREADS as usize];
+    let mut lanes = [A::identity(p); BLOCK_THREADS as usize];
     for (t, acc) in lanes.iter_mut().enumerate() {
-        for part in partials.iter().skip(t).step_by(FINAL_THREADS as usize) {
+        for part in partials.iter().skip(t).step_by(BLOCK_THREADS as usize) {
             *acc = acc.merge(A::decode(part, p));
         }
     }
-    block_tree::<A, FINAL_WARPS>(&mut lanes)
+    block_tree::<A, BLOCK_WARPS>(&mut lanes)
 }
 
-/// One tensor's total as a warp of the finalize kernel computes it from that tensor's partials.
+/// One tensor's total as a warp of the per-tensor-norm kernel computes it from that tensor's partials.
 pub fn tensor_reduce<A: Accumulator>(partials: &[Partial], p: f64) -> A {
     let mut lanes = [A::identity(p); WARP_THREADS as usize];
     for (t, acc) in lanes.iter_mut().enumerate() {

@@ -68,6 +68,8 @@ struct Workspace {
     tensors: Option<CudaSlice<u64>>,
     tasks: Option<CudaSlice<u64>>,
     partials: Option<CudaSlice<u64>>,
+    /// The norm kernel's last-block ticket: zeroed once, reset by every launch's last block.
+    counter: Option<CudaSlice<u32>>,
 }
 
 fn ensure(stream: &Arc<CudaStream>, buf: &mut Option<CudaSlice<u64>>, words: usize) -> Result<()> {
@@ -136,7 +138,8 @@ impl GpuEngine {
     /// Device memory the engine holds for its tables (tensor list, tasks, partials), in bytes:
     /// O(tensors + blocks), never proportional to the gradients' size.
     pub fn workspace_bytes(&self) -> usize {
-        [&self.ws.tensors, &self.ws.tasks, &self.ws.partials].iter().map(|b| b.as_ref().map_or(0, |b| b.len() * 8)).sum()
+        let tables: usize = [&self.ws.tensors, &self.ws.tasks, &self.ws.partials].iter().map(|b| b.as_ref().map_or(0, |b| b.len() * 8)).sum();
+        tables + self.ws.counter.as_ref().map_or(0, |_| 4)
     }
 
     /// The loaded kernels (for [`super::tools`]).
@@ -274,6 +277,9 @@ impl GpuEngine {
         ensure(&self.stream, &mut self.ws.tensors, tw.len())?;
         ensure(&self.stream, &mut self.ws.tasks, kw.len())?;
         ensure(&self.stream, &mut self.ws.partials, plan.tasks.len() * 4)?;
+        if self.ws.counter.is_none() {
+            self.ws.counter = Some(self.stream.alloc_zeros::<u32>(1)?);
+        }
         // Forget the old plan first: if an upload fails, nothing stale is reused.
         self.uploaded = Uploaded::default();
         if !tw.is_empty() {
@@ -295,7 +301,8 @@ impl GpuEngine {
 
     fn resolve_tables(&self) -> Tables {
         let ptr = |b: &Option<CudaSlice<u64>>| b.as_ref().map_or(0, |b| b.device_ptr(&self.stream).0);
-        Tables { tensors: ptr(&self.ws.tensors), tasks: ptr(&self.ws.tasks), partials: ptr(&self.ws.partials) }
+        let counter = self.ws.counter.as_ref().map_or(0, |b| b.device_ptr(&self.stream).0);
+        Tables { tensors: ptr(&self.ws.tensors), tasks: ptr(&self.ws.tasks), partials: ptr(&self.ws.partials), counter }
     }
 
     /// # Safety
@@ -305,15 +312,16 @@ impl GpuEngine {
         let t = self.tables();
         let params = NormParams { p: norm_type.p(), max_norm, num_tasks: num_tasks as u64, num_tensors: num_tensors as u64, flags, reserved: 0 };
         let (out_ptr, _g1) = out.out.device_ptr_mut(&self.stream);
-        let per_ptr = out.per_tensor.as_mut().map(|p| p.device_ptr_mut(&self.stream));
-        if num_tasks > 0 {
-            // SAFETY: the plan was uploaded on this stream, partials has num_tasks slots
-            // (upload's ensure), and the caller vouches for the tensors.
-            unsafe { launch::partials(&self.stream, &self.kernels, norm_type, &t, num_tasks as u32) }?;
+        // SAFETY: the plan was uploaded on this stream, partials has num_tasks slots and the
+        // counter is zero (upload; every launch's last block resets it), the caller vouches for
+        // the tensors, and out holds one NormOutput.
+        unsafe { launch::norm(&self.stream, &self.kernels, norm_type, &t, out_ptr, &params) }?;
+        if let Some(per) = out.per_tensor.as_mut() {
+            let (per_ptr, _g2) = per.device_ptr_mut(&self.stream);
+            // SAFETY: after the norm kernel on this stream; check_out sized per to num_tensors.
+            unsafe { launch::tensor_norms(&self.stream, &self.kernels, norm_type, &t, per_ptr, num_tensors as u64) }?;
         }
-        // SAFETY: after partials on this stream; out holds one NormOutput and, if present,
-        // per-tensor room for num_tensors f64s (check_out).
-        unsafe { launch::finalize(&self.stream, &self.kernels, norm_type, &t, per_ptr.as_ref().map_or(0, |p| p.0), out_ptr, &params) }
+        Ok(())
     }
 }
 
