@@ -220,7 +220,7 @@ impl Gpu {
         // ceiling, both measured above.
         let bound_ms = (bytes as f64 / (read_bw * 1e9) + 2.0 * bytes as f64 / (copy_bw * 1e9)) * 1e3;
         rows[4].ratio_to_bound = Some(bound_ms / rows[4].median_ms);
-        for r in rows.iter_mut().filter(|r| r.method.contains("norm") && r.method.starts_with("gradclip")) {
+        for r in rows.iter_mut().filter(|r| r.method.starts_with("gradclip") && r.method.ends_with("norm")) {
             r.ratio_to_bound = Some(r.ratio_to_read);
         }
         let speedup = median(&t_base) / median(&t_l2);
