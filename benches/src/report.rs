@@ -112,14 +112,15 @@ impl WorkloadResult {
         for r in &self.rows {
             let host = r.host_us.map_or("-".to_string(), |h| format!("{h:.1}"));
             let bound = r.ratio_to_bound.map_or("-".to_string(), |b| format!("{:.1}%", 100.0 * b));
+            let pct = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{:.1}%", 100.0 * x) };
             println!(
-                "{:<32} {:>10.4} {:>10.4} {:>9.0} {:>7.1}% {:>7.1}% {:>8} {:>8} {:>9}",
+                "{:<32} {:>10.4} {:>10.4} {:>9.0} {:>8} {:>8} {:>8} {:>8} {:>9}",
                 r.method,
                 r.median_ms,
                 r.max_ms - r.min_ms,
                 r.gbps,
-                100.0 * r.ratio_to_read,
-                100.0 * r.ratio_to_copy,
+                pct(r.ratio_to_read),
+                pct(r.ratio_to_copy),
                 bound,
                 r.launches,
                 host

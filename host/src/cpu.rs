@@ -77,12 +77,8 @@ impl<E: Element> HostTensor<E> {
 // the scale pass gives each vector to one lane of one task.
 impl<E: Element> Source<E> for HostTensor<E> {
     unsafe fn load_vec(&self, g: u64) -> E::Vector {
-        let first = self.frame.first_elem(g);
-        let mut v = E::Vector::default();
-        for (j, b) in v.as_mut().iter_mut().enumerate() {
-            *b = unsafe { self.ptr(first + j as u64).read() };
-        }
-        v
+        // One 16-byte read: a full vector is 16 contiguous bytes of the slice.
+        unsafe { (self.ptr(self.frame.first_elem(g)) as *const E::Vector).read_unaligned() }
     }
     unsafe fn load_elem(&self, i: u64) -> E::Bits {
         unsafe { self.ptr(i).read() }
@@ -91,10 +87,7 @@ impl<E: Element> Source<E> for HostTensor<E> {
 
 impl<E: Element> SourceMut<E> for HostTensor<E> {
     unsafe fn store_vec(&self, g: u64, v: E::Vector) {
-        let first = self.frame.first_elem(g);
-        for (j, b) in v.as_ref().iter().enumerate() {
-            unsafe { self.ptr(first + j as u64).write(*b) };
-        }
+        unsafe { (self.ptr(self.frame.first_elem(g)) as *mut E::Vector).write_unaligned(v) }
     }
     unsafe fn store_elem(&self, i: u64, b: E::Bits) {
         unsafe { self.ptr(i).write(b) }
