@@ -28,7 +28,7 @@ use rayon::prelude::*;
 use crate::dtype::{DType, GradElement};
 use crate::error::{Error, Result};
 use crate::norm::{ClipOptions, NormReport, NormType, validate_max_norm};
-use crate::plan::{Plan, RawTensor, plan};
+use crate::plan::{Plan, RawTensor, check_disjoint, plan};
 
 /// A read-only host gradient of any supported type.
 #[derive(Clone, Copy, Debug)]
@@ -186,10 +186,21 @@ impl Cpu {
     /// The total norm of `grads` (and, if asked, each one's norm).
     pub fn total_norm(&self, grads: &[HostGrad<'_>], norm_type: NormType, per_tensor: bool) -> Result<NormReport> {
         let raws: Vec<RawTensor> = grads.iter().map(|g| g.raw).collect();
-        let plan = plan(&raws)?;
-        let params = params(&plan, norm_type.validated()?, 0.0, 0);
+        // SAFETY: the HostGrads borrow their slices for this call.
+        unsafe { self.total_norm_raw(&raws, norm_type, per_tensor) }
+    }
+
+    /// [`Cpu::total_norm`] over raw host addresses (for bindings that own their memory).
+    ///
+    /// # Safety
+    /// Every tensor must be readable host memory of `len` elements of its dtype, not written
+    /// during the call.
+    pub unsafe fn total_norm_raw(&self, tensors: &[RawTensor], norm_type: NormType, per_tensor: bool) -> Result<NormReport> {
+        let norm_type = norm_type.validated()?;
+        let plan = plan(tensors)?;
+        let params = params(&plan, norm_type, 0.0, 0);
         with_accumulator!(norm_type, A => {
-            // SAFETY: the HostGrads borrow their slices for this call.
+            // SAFETY: the caller's contract.
             let parts = unsafe { partials::<A>(&plan, params.p) };
             Ok(report::<A>(&plan, &parts, &params, per_tensor).0)
         })
@@ -198,14 +209,25 @@ impl Cpu {
     /// Computes the total norm and scales every gradient by `min(1, max_norm / (norm + 1e-6))`,
     /// exactly as `torch.nn.utils.clip_grad_norm_`; returns what it found.
     pub fn clip_grad_norm(&self, grads: &mut [HostGradMut<'_>], max_norm: f64, opts: &ClipOptions) -> Result<NormReport> {
+        let raws: Vec<RawTensor> = grads.iter().map(|g| g.raw).collect();
+        // SAFETY: distinct &mut slices never overlap; they are borrowed mutably for this call.
+        unsafe { self.clip_grad_norm_raw(&raws, max_norm, opts) }
+    }
+
+    /// [`Cpu::clip_grad_norm`] over raw host addresses; overlapping tensors are rejected.
+    ///
+    /// # Safety
+    /// Every tensor must be writable host memory of `len` elements of its dtype, used by nothing
+    /// else during the call.
+    pub unsafe fn clip_grad_norm_raw(&self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions) -> Result<NormReport> {
         validate_max_norm(max_norm)?;
         let norm_type = opts.norm_type.validated()?;
-        let raws: Vec<RawTensor> = grads.iter().map(|g| g.raw).collect();
-        let plan = plan(&raws)?;
+        check_disjoint(tensors)?;
+        let plan = plan(tensors)?;
         let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
         let params = params(&plan, norm_type, max_norm, f);
         let (rep, scale) = with_accumulator!(norm_type, A => {
-            // SAFETY: the HostGradMuts borrow their slices mutably for this call.
+            // SAFETY: the caller's contract.
             let parts = unsafe { partials::<A>(&plan, params.p) };
             report::<A>(&plan, &parts, &params, opts.per_tensor_norms)
         });
@@ -213,7 +235,7 @@ impl Cpu {
             return Err(Error::NonFiniteNorm { norm: rep.norm, norm_type: norm_type.to_string() });
         }
         if scale {
-            // SAFETY: distinct &mut slices never overlap; they are borrowed for this call.
+            // SAFETY: checked disjoint above; writable per the caller's contract.
             unsafe { scale_all(&plan, rep.coef) };
         }
         Ok(rep)
@@ -222,12 +244,22 @@ impl Cpu {
     /// Scales every gradient by the coefficient for an already known `total_norm` (for example
     /// one all-reduced across shards); returns the coefficient.
     pub fn clip_grads_with_norm(&self, grads: &mut [HostGradMut<'_>], max_norm: f64, total_norm: f64) -> Result<f64> {
-        validate_max_norm(max_norm)?;
         let raws: Vec<RawTensor> = grads.iter().map(|g| g.raw).collect();
-        let plan = plan(&raws)?;
+        // SAFETY: as in clip_grad_norm.
+        unsafe { self.clip_grads_with_norm_raw(&raws, max_norm, total_norm) }
+    }
+
+    /// [`Cpu::clip_grads_with_norm`] over raw host addresses; overlapping tensors are rejected.
+    ///
+    /// # Safety
+    /// As [`Cpu::clip_grad_norm_raw`].
+    pub unsafe fn clip_grads_with_norm_raw(&self, tensors: &[RawTensor], max_norm: f64, total_norm: f64) -> Result<f64> {
+        validate_max_norm(max_norm)?;
+        check_disjoint(tensors)?;
+        let plan = plan(tensors)?;
         let coef = clip_coefficient(total_norm, max_norm);
         if coef != 1.0 {
-            // SAFETY: as in clip_grad_norm.
+            // SAFETY: checked disjoint above; writable per the caller's contract.
             unsafe { scale_all(&plan, coef) };
         }
         Ok(coef)

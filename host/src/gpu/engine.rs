@@ -214,11 +214,27 @@ impl GpuEngine {
     /// # Safety
     /// As [`GpuEngine::total_norm_raw`].
     pub unsafe fn total_norm_raw_into(&mut self, tensors: &[RawTensor], norm_type: NormType, out: &mut DeviceNorm) -> Result<()> {
-        let norm_type = norm_type.validated()?;
         check_out(out, tensors.len())?;
+        let stream = self.stream.clone();
+        let (o, _g1) = out.out.device_ptr_mut(&stream);
+        let per = out.per_tensor.as_mut().map(|p| p.device_ptr_mut(&stream));
+        // SAFETY: forwarded; o and per are this DeviceNorm's buffers, sized by check_out.
+        unsafe { self.total_norm_raw_at(tensors, norm_type, o, per.as_ref().map(|p| p.0)) }
+    }
+
+    /// [`GpuEngine::total_norm_raw`] writing the [`NormOutput`] at device address `out` (and,
+    /// with `per_tensor`, one f64 per tensor there): for bindings whose memory comes from another
+    /// allocator (PyTorch's caching allocator, say).
+    ///
+    /// # Safety
+    /// As [`GpuEngine::total_norm_raw`]; `out` must be 24 writable, 8-aligned bytes and
+    /// `per_tensor` room for `tensors.len()` f64s, device memory of this context, used by nothing
+    /// else until the enqueued work completes.
+    pub unsafe fn total_norm_raw_at(&mut self, tensors: &[RawTensor], norm_type: NormType, out: u64, per_tensor: Option<u64>) -> Result<()> {
+        let norm_type = norm_type.validated()?;
         let num_tasks = self.upload(tensors, false)?;
         // SAFETY: the caller's contract covers memory validity; upload planned these tensors.
-        unsafe { self.run(norm_type, num_tasks, 0.0, 0, out) }
+        unsafe { self.run(norm_type, num_tasks, 0.0, 0, out, per_tensor) }
     }
 
     /// [`GpuEngine::clip_grad_norm`] over raw device addresses.
@@ -237,27 +253,70 @@ impl GpuEngine {
     /// # Safety
     /// As [`GpuEngine::clip_grad_norm_raw`].
     pub unsafe fn clip_grad_norm_raw_into(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions, out: &mut DeviceNorm) -> Result<()> {
+        check_out(out, tensors.len())?;
+        let stream = self.stream.clone();
+        let (o, _g1) = out.out.device_ptr_mut(&stream);
+        let per = out.per_tensor.as_mut().map(|p| p.device_ptr_mut(&stream));
+        // SAFETY: forwarded; o and per are this DeviceNorm's buffers, sized by check_out.
+        unsafe { self.clip_grad_norm_raw_at(tensors, max_norm, opts, o, per.as_ref().map(|p| p.0)) }
+    }
+
+    /// [`GpuEngine::clip_grad_norm_raw`] writing its result at device addresses, as
+    /// [`GpuEngine::total_norm_raw_at`] (`opts.per_tensor_norms` is ignored: `per_tensor` decides).
+    ///
+    /// # Safety
+    /// As [`GpuEngine::clip_grad_norm_raw`] and [`GpuEngine::total_norm_raw_at`].
+    pub unsafe fn clip_grad_norm_raw_at(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions, out: u64, per_tensor: Option<u64>) -> Result<()> {
         validate_max_norm(max_norm)?;
         let norm_type = opts.norm_type.validated()?;
-        check_out(out, tensors.len())?;
         let num_tasks = self.upload(tensors, true)?;
         let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
-        // SAFETY: as total_norm_raw_into; upload checked that the tensors are disjoint.
-        unsafe { self.run(norm_type, num_tasks, max_norm, f, out) }?;
+        // SAFETY: as total_norm_raw_at; upload checked that the tensors are disjoint.
+        unsafe { self.run(norm_type, num_tasks, max_norm, f, out, per_tensor) }?;
         if num_tasks > 0 {
             let t = self.tables();
-            let (out_ptr, _g) = out.out.device_ptr(&self.stream);
-            // SAFETY: finalize wrote `out` earlier on this stream; tensors are disjoint and
-            // writable (caller + upload's check).
-            unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out_ptr) }?;
+            // SAFETY: the norm kernel wrote `out` earlier on this stream; tensors are disjoint
+            // and writable (caller + upload's check).
+            unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out) }?;
         }
         if opts.error_if_nonfinite {
-            let r = out.read()?;
-            if r.nonfinite {
+            // SAFETY: `out` is the caller's 24 bytes of device memory, written above.
+            let r = unsafe { self.read_output_at(out) }?;
+            if r.nonfinite != 0 {
                 return Err(Error::NonFiniteNorm { norm: r.norm, norm_type: norm_type.to_string() });
             }
         }
         Ok(())
+    }
+
+    /// Scales every tensor by the coefficient of the [`NormOutput`] at device address `out`
+    /// (written by the caller, e.g. from a norm all-reduced across ranks): the second half of
+    /// a clip, for `clip_grads_with_norm_`. One launch; nothing when the coefficient is 1.
+    ///
+    /// # Safety
+    /// As [`GpuEngine::clip_grad_norm_raw`]; `out` must hold a valid [`NormOutput`] in device
+    /// memory of this context, ordered before this call on the stream.
+    pub unsafe fn scale_raw_at(&mut self, tensors: &[RawTensor], out: u64) -> Result<()> {
+        let num_tasks = self.upload(tensors, true)?;
+        if num_tasks > 0 {
+            let t = self.tables();
+            // SAFETY: tables uploaded, tensors disjoint (upload), out valid (caller).
+            unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out) }?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the stream and reads the [`NormOutput`] at `out`.
+    ///
+    /// # Safety
+    /// `out` must be 24 readable bytes of device memory of this context.
+    unsafe fn read_output_at(&self, out: u64) -> Result<NormOutput> {
+        let mut words = [0u64; OUT_WORDS];
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: 24 bytes at `out` (caller); `words` is 24 bytes; synchronized below.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut words, out, self.stream.cu_stream()) }?;
+        self.stream.synchronize()?;
+        Ok(from_words(&words))
     }
 
     /// Plans and uploads `tensors` unless they are the list uploaded last; returns the task count.
@@ -307,19 +366,17 @@ impl GpuEngine {
 
     /// # Safety
     /// The uploaded plan's tensors are readable device memory of this context (caller).
-    unsafe fn run(&mut self, norm_type: NormType, num_tasks: usize, max_norm: f64, flags: u32, out: &mut DeviceNorm) -> Result<()> {
+    unsafe fn run(&mut self, norm_type: NormType, num_tasks: usize, max_norm: f64, flags: u32, out: u64, per_tensor: Option<u64>) -> Result<()> {
         let num_tensors = self.uploaded.tensors.len();
         let t = self.tables();
         let params = NormParams { p: norm_type.p(), max_norm, num_tasks: num_tasks as u64, num_tensors: num_tensors as u64, flags, reserved: 0 };
-        let (out_ptr, _g1) = out.out.device_ptr_mut(&self.stream);
         // SAFETY: the plan was uploaded on this stream, partials has num_tasks slots and the
         // counter is zero (upload; every launch's last block resets it), the caller vouches for
-        // the tensors, and out holds one NormOutput.
-        unsafe { launch::norm(&self.stream, &self.kernels, norm_type, &t, out_ptr, &params) }?;
-        if let Some(per) = out.per_tensor.as_mut() {
-            let (per_ptr, _g2) = per.device_ptr_mut(&self.stream);
-            // SAFETY: after the norm kernel on this stream; check_out sized per to num_tensors.
-            unsafe { launch::tensor_norms(&self.stream, &self.kernels, norm_type, &t, per_ptr, num_tensors as u64) }?;
+        // the tensors and for out (one NormOutput).
+        unsafe { launch::norm(&self.stream, &self.kernels, norm_type, &t, out, &params) }?;
+        if let Some(per) = per_tensor.filter(|_| num_tensors > 0) {
+            // SAFETY: after the norm kernel on this stream; per holds num_tensors f64s (caller).
+            unsafe { launch::tensor_norms(&self.stream, &self.kernels, norm_type, &t, per, num_tensors as u64) }?;
         }
         Ok(())
     }
