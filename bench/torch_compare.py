@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""What PyTorch users run today, on the same gradient lists as gradclip-bench.
+"""What PyTorch users run today, on the same gradient lists as gradclip-bench, and gradclip.torch
+beside it in the same process when it is installed.
 
 Reads the workloads that `gradclip-bench --preset ... --dump-workloads FILE` writes, builds the
 gradients on the GPU (bf16/f16/f32/f64 as listed), and times with CUDA events (median of reps):
@@ -15,6 +16,11 @@ import sys
 import time
 
 import torch
+
+try:  # gradclip's PyTorch binding, when installed: timed in the same process, on the same tensors
+    import gradclip.torch as gt
+except ImportError:
+    gt = None
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "f64": torch.float64}
 
@@ -83,6 +89,11 @@ def run(w, reps):
     for fe in (False, True):
         f = lambda: torch.nn.utils.clip_grad_norm_(params, 1e-3, foreach=fe)
         row(f"torch clip_grad_norm_ foreach={fe}", timed(f, reps), 3 * nbytes, host_us(f))
+    if gt is not None:
+        f = lambda: gt.get_total_norm(grads, 2.0)
+        row("gradclip.torch get_total_norm", timed(f, reps), nbytes, host_us(f))
+        f = lambda: gt.clip_grad_norm_(params, 1e-3)
+        row("gradclip.torch clip_grad_norm_", timed(f, reps), 3 * nbytes, host_us(f))
     del grads, params
     torch.cuda.empty_cache()
     return {"workload": w["name"], "tensors": len(w["tensors"]), "bytes": nbytes, "rows": rows}

@@ -249,6 +249,21 @@ impl Cpu {
         unsafe { self.clip_grads_with_norm_raw(&raws, max_norm, total_norm) }
     }
 
+    /// Multiplies every tensor by `coef` in place, as the clip's scale pass does (f32 math for
+    /// bf16/f16/f32, f64 for f64, one rounding); overlapping tensors are rejected.
+    ///
+    /// # Safety
+    /// As [`Cpu::clip_grad_norm_raw`].
+    pub unsafe fn scale_raw(&self, tensors: &[RawTensor], coef: f64) -> Result<()> {
+        check_disjoint(tensors)?;
+        let plan = plan(tensors)?;
+        if coef != 1.0 {
+            // SAFETY: checked disjoint above; writable per the caller's contract.
+            unsafe { scale_all(&plan, coef) };
+        }
+        Ok(())
+    }
+
     /// [`Cpu::clip_grads_with_norm`] over raw host addresses; overlapping tensors are rejected.
     ///
     /// # Safety

@@ -1,0 +1,196 @@
+"""Drop-in replacements for ``torch.nn.utils.clip_grad_norm_``, ``get_total_norm`` and
+``clip_grads_with_norm_``, running on gradclip's fused engine.
+
+Same signatures, same semantics, same return values. CUDA gradients run on the current
+stream of their device with no host synchronization (except ``error_if_nonfinite=True``, as in
+torch); CPU gradients use the CPU backend. Gradients the engine does not take (non-contiguous,
+complex, integer, fp8, other devices' kinds) go through torch's own code for that group: never
+silently wrong, only slower. ``foreach`` is accepted for compatibility and ignored.
+
+The norm is accumulated in f64 over all gradients at once, so it can differ from torch's (which
+accumulates per tensor in the gradient's dtype, then across tensors) by torch's rounding; the
+clip multiplies each element by the coefficient in f32 (f64 for f64 gradients) and rounds once,
+as torch's ``_foreach_mul_`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable, List, Optional, Union
+
+import torch
+
+from . import _native
+
+_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
+_TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+__all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
+
+
+def _as_list(tensors: _TensorOrTensors) -> List[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return list(tensors)
+
+
+def _grads(parameters: _TensorOrTensors) -> List[torch.Tensor]:
+    return [p.grad for p in _as_list(parameters) if p.grad is not None]
+
+
+def _native_ok(t: torch.Tensor) -> bool:
+    return t.dtype in _CODES and t.is_contiguous() and t.device.type in ("cpu", "cuda")
+
+
+def _lists(ts: List[torch.Tensor]):
+    return [t.data_ptr() for t in ts], [t.numel() for t in ts], [_CODES[t.dtype] for t in ts]
+
+
+def _overlap(ts: List[torch.Tensor]) -> bool:
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts if t.numel() > 0)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def _by_device(ts: List[torch.Tensor]):
+    groups = defaultdict(list)
+    for t in ts:
+        groups[t.device].append(t)
+    return groups
+
+
+def _result_dtype(ts: List[torch.Tensor]) -> torch.dtype:
+    dtype = ts[0].dtype
+    for t in ts[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    if not dtype.is_floating_point and not dtype.is_complex:
+        dtype = torch.get_default_dtype()
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def _check_p(norm_type: float) -> float:
+    p = float(norm_type)
+    if math.isnan(p) or p < 1.0:
+        raise ValueError(f"gradclip supports norm_type >= 1 (1, 2, any finite p, inf); got {norm_type}")
+    return p
+
+
+def _device_norm(device: torch.device, ts: List[torch.Tensor], p: float) -> torch.Tensor:
+    """The p-norm of every tensor in ``ts`` (all on ``device``) as a 0-dim f64 tensor there."""
+    fast = [t for t in ts if _native_ok(t)]
+    slow = [t for t in ts if not _native_ok(t)]
+    parts = []
+    if fast:
+        ptrs, lens, codes = _lists(fast)
+        if device.type == "cuda":
+            out = torch.empty(3, dtype=torch.float64, device=device)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            _native.cuda_total_norm(device.index, stream, ptrs, lens, codes, p, out.data_ptr())
+            parts.append(out[0])
+        else:
+            parts.append(torch.tensor(_native.cpu_total_norm(ptrs, lens, codes, p), dtype=torch.float64))
+    for t in slow:
+        x = t.to(torch.float64) if t.is_floating_point() else t
+        parts.append(torch.linalg.vector_norm(x, p).to(torch.float64))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.linalg.vector_norm(torch.stack(parts), p)
+
+
+def _nonfinite_error(norm_type: float) -> RuntimeError:
+    return RuntimeError(
+        f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it cannot be "
+        "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+        "`error_if_nonfinite=False`"
+    )
+
+
+def get_total_norm(
+    tensors: _TensorOrTensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None
+) -> torch.Tensor:
+    """The norm of all ``tensors`` together, as ``torch.nn.utils.get_total_norm``."""
+    ts = _as_list(tensors)
+    if len(ts) == 0:
+        return torch.tensor(0.0)
+    p = _check_p(norm_type)
+    groups = _by_device(ts)
+    first = ts[0].device
+    norms = [_device_norm(d, g, p).to(first) for d, g in groups.items()]
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), p)
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise _nonfinite_error(norm_type)
+    return total.to(_result_dtype(ts))
+
+
+def _scale_group(device: torch.device, ts: List[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every tensor of ``ts`` (on ``device``) by ``coef`` (0-dim f64), in place."""
+    fast = [t for t in ts if _native_ok(t)]
+    if fast and not _overlap(fast):
+        ptrs, lens, codes = _lists(fast)
+        if device.type == "cuda":
+            out = torch.zeros(3, dtype=torch.float64, device=device)
+            out[1] = coef.to(device)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            _native.cuda_scale(device.index, stream, ptrs, lens, codes, out.data_ptr())
+        else:
+            _native.cpu_scale(ptrs, lens, codes, float(coef))
+        rest = [t for t in ts if not _native_ok(t)]
+    else:
+        rest = ts
+    if rest:
+        # torch's own path (duplicates are scaled once per occurrence, as torch does).
+        torch._foreach_mul_(rest, coef.to(device))
+
+
+def clip_grads_with_norm_(
+    parameters: _TensorOrTensors, max_norm: float, total_norm: torch.Tensor, foreach: Optional[bool] = None
+) -> None:
+    """Scale every gradient by ``min(1, max_norm / (total_norm + 1e-6))``, as torch does."""
+    grads = _grads(parameters)
+    if len(grads) == 0:
+        return
+    max_norm = float(max_norm)
+    coef = torch.clamp(float(max_norm) / (total_norm.to(torch.float64) + 1e-6), max=1.0)
+    for device, ts in _by_device(grads).items():
+        _scale_group(device, ts, coef)
+
+
+def clip_grad_norm_(
+    parameters: _TensorOrTensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+) -> torch.Tensor:
+    """Clip the gradients' global norm in place and return it, as ``torch.nn.utils.clip_grad_norm_``."""
+    grads = _grads(parameters)
+    if len(grads) == 0:
+        return torch.tensor(0.0)
+    p = _check_p(norm_type)
+    max_norm = float(max_norm)
+    groups = _by_device(grads)
+    if len(groups) == 1:
+        (device, ts), = groups.items()
+        if all(_native_ok(t) for t in ts) and not _overlap(ts):
+            # The whole clip in one native call: norm and scale, no host synchronization on CUDA.
+            ptrs, lens, codes = _lists(ts)
+            if device.type == "cuda":
+                out = torch.empty(3, dtype=torch.float64, device=device)
+                stream = torch.cuda.current_stream(device).cuda_stream
+                try:
+                    _native.cuda_clip_grad_norm(device.index, stream, ptrs, lens, codes, max_norm, p, error_if_nonfinite, out.data_ptr())
+                except RuntimeError as e:
+                    if "non-finite" in str(e):
+                        raise _nonfinite_error(norm_type) from None
+                    raise
+                return out[0].to(_result_dtype(ts))
+            try:
+                norm, _ = _native.cpu_clip_grad_norm(ptrs, lens, codes, max_norm, p, error_if_nonfinite)
+            except RuntimeError as e:
+                if "non-finite" in str(e):
+                    raise _nonfinite_error(norm_type) from None
+                raise
+            return torch.tensor(norm, dtype=_result_dtype(ts))
+    total = get_total_norm(grads, norm_type, error_if_nonfinite)
+    clip_grads_with_norm_(parameters, max_norm, total)
+    return total

@@ -1,0 +1,165 @@
+"""gradclip.torch against torch.nn.utils computed in float64, on fresh random gradients of every
+dtype. Runs on CPU everywhere and on CUDA where a GPU is present (skipped, visibly, elsewhere)."""
+
+import math
+
+import pytest
+import torch
+
+import gradclip.torch as gt
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+NORMS = [1.0, 2.0, 3.0, math.inf]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+def make_params(seed, dtype, device, sizes=((3, 5), (0,), (1,), (17,), (64, 33), (4097,))):
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for i, s in enumerate(sizes):
+        p = torch.nn.Parameter(torch.zeros(s, dtype=dtype, device=device))
+        scale = 10.0 ** (i % 3 - 2)  # keeps even the L1 norm inside f16 range
+        p.grad = (torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+        params.append(p)
+    return params
+
+
+def f64_copies(params):
+    out = []
+    for p in params:
+        q = torch.nn.Parameter(p.detach().to(torch.float64).clone())
+        q.grad = p.grad.to(torch.float64).clone()  # a copy even when already f64
+        out.append(q)
+    return out
+
+
+def torch_f64_norm(params, p):
+    # torch refuses the inf-norm of a list holding an empty tensor (no identity for max); an
+    # empty tensor adds nothing to any norm, so the reference leaves it out (gradclip takes it).
+    return torch.nn.utils.get_total_norm([q.grad for q in f64_copies(params) if q.numel() > 0], p).item()
+
+
+def rel(a, b):
+    if math.isnan(a) and math.isnan(b) or a == b:
+        return 0.0
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", NORMS)
+def test_total_norm_matches_torch_in_float64(device, dtype, p):
+    for seed in range(3):
+        params = make_params(seed, dtype, device)
+        got = gt.get_total_norm([q.grad for q in params], p)
+        want = torch_f64_norm(params, p)
+        assert got.device.type == device and got.dim() == 0 and got.dtype == dtype
+        # The engine's f64 norm (relative error <= 1e-12 against torch's f64), returned in the
+        # gradients' dtype as torch returns it: within one rounding of that dtype.
+        ulp = {torch.float64: 1e-12, torch.float32: 2 ** -23, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+        assert rel(float(got), want) <= ulp, (float(got), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", NORMS)
+def test_clip_matches_torch_in_float64(device, dtype, p):
+    params = make_params(7, dtype, device)
+    ref = f64_copies(params)
+    before = [q.grad.clone() for q in params]
+    want_norm = torch.nn.utils.clip_grad_norm_([r for r in ref if r.numel() > 0], 0.5, p).item()
+    got_norm = gt.clip_grad_norm_(params, 0.5, p)
+    assert rel(float(got_norm), want_norm) <= max(TOL[dtype], 1e-12 if dtype == torch.float64 else TOL[dtype])
+    # f64 gradients get the engine's own f64 norm back, so the coefficient is known exactly and
+    # the clip must equal torch's rule bit for bit (the Rust suites check every dtype that way).
+    coef = min(1.0, 0.5 / (float(got_norm) + 1e-6))
+    for q, r, b in zip(params, ref, before):
+        if dtype == torch.float64:
+            assert torch.equal(q.grad, b * coef)
+        # And close to torch's own clip computed in float64.
+        assert torch.allclose(q.grad.double().cpu(), r.grad.cpu(), rtol=TOL[dtype], atol=torch.finfo(dtype).tiny)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_single_tensor_missing_grads_and_empty(device):
+    a = torch.nn.Parameter(torch.zeros(3, device=device))
+    a.grad = torch.tensor([3.0, 4.0, 0.0], device=device)
+    b = torch.nn.Parameter(torch.zeros(2, device=device))  # no grad: skipped
+    assert float(gt.clip_grad_norm_(a, 1.0)) == 5.0
+    assert float(gt.clip_grad_norm_([a, b], 100.0)) == pytest.approx(1.0, rel=1e-6)
+    assert float(gt.clip_grad_norm_([b], 1.0)) == 0.0
+    assert float(gt.get_total_norm([])) == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nonfinite(device, bad):
+    params = make_params(3, torch.float32, device)
+    params[3].grad[5] = bad
+    for p in NORMS:
+        n = float(gt.get_total_norm([q.grad for q in params], p))
+        assert math.isnan(n) if math.isnan(bad) else n == math.inf
+    before = [q.grad.clone() for q in params]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        gt.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+    for q, b in zip(params, before):
+        assert torch.equal(q.grad.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_max_norm_edges(device):
+    params = make_params(5, torch.float32, device)
+    before = [q.grad.clone() for q in params]
+    gt.clip_grad_norm_(params, math.inf)
+    assert all(torch.equal(q.grad, b) for q, b in zip(params, before))
+    gt.clip_grad_norm_(params, 0.0)
+    assert all(int(q.grad.count_nonzero()) == 0 for q in params)
+    with pytest.raises(ValueError):
+        gt.clip_grad_norm_(params, -1.0)
+    with pytest.raises(ValueError):
+        gt.clip_grad_norm_(params, 1.0, norm_type=0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_noncontiguous_complex_and_duplicates_follow_torch(device):
+    base = torch.randn(8, 6, dtype=torch.float64, device=device)
+    a = torch.nn.Parameter(torch.zeros(8, 3, dtype=torch.float64, device=device))
+    a.grad = base[:, ::2]  # non-contiguous view
+    c = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64, device=device))
+    c.grad = torch.randn(4, dtype=torch.complex64, device=device)
+    d = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64, device=device))
+    d.grad = torch.randn(5, dtype=torch.float64, device=device)
+    params = [a, c, d, d]  # d twice: torch counts and scales it twice
+    ref = []
+    for q in params:
+        r = torch.nn.Parameter(q.detach().clone())
+        r.grad = q.grad.clone()
+        ref.append(r)
+    ref[3] = ref[2]
+    want = float(torch.nn.utils.clip_grad_norm_(ref, 0.1))
+    got = float(gt.clip_grad_norm_(params, 0.1))
+    assert rel(got, want) < 1e-6
+    for q, r in zip(params, ref):
+        assert torch.allclose(q.grad, r.grad, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_step_matches_torch(device):
+    torch.manual_seed(0)
+    model_a = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(device).double()
+    model_b = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(device).double()
+    model_b.load_state_dict(model_a.state_dict())
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+    x = torch.randn(64, 16, dtype=torch.float64, device=device)
+    y = torch.randn(64, 4, dtype=torch.float64, device=device)
+    for _ in range(5):
+        for m, o, clip in ((model_a, opt_a, gt.clip_grad_norm_), (model_b, opt_b, torch.nn.utils.clip_grad_norm_)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            n = clip(m.parameters(), 0.05)
+            o.step()
+        assert rel(float(n), float(n)) == 0.0
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.allclose(pa, pb, rtol=1e-12, atol=1e-14)
