@@ -138,21 +138,28 @@ def _scale_group(device: torch.device, ts: List[torch.Tensor], coef: torch.Tenso
     else:
         rest = ts
     if rest:
-        # torch's own path (duplicates are scaled once per occurrence, as torch does).
-        torch._foreach_mul_(rest, coef.to(device))
+        if _overlap([t for t in rest if t.is_contiguous()]) or len({t.data_ptr() for t in rest}) < len(rest):
+            # Aliased gradients (a parameter listed twice): one multiply per occurrence, in order,
+            # as torch's CPU path does (its fused CUDA kernel races on aliased tensors).
+            for t in rest:
+                t.mul_(coef.to(device))
+        else:
+            torch._foreach_mul_(rest, coef.to(device))
+
+
+def _clip_grads(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    if len(grads) == 0:
+        return
+    coef = torch.clamp(float(max_norm) / (total_norm.to(torch.float64) + 1e-6), max=1.0)
+    for device, ts in _by_device(grads).items():
+        _scale_group(device, ts, coef)
 
 
 def clip_grads_with_norm_(
     parameters: _TensorOrTensors, max_norm: float, total_norm: torch.Tensor, foreach: Optional[bool] = None
 ) -> None:
     """Scale every gradient by ``min(1, max_norm / (total_norm + 1e-6))``, as torch does."""
-    grads = _grads(parameters)
-    if len(grads) == 0:
-        return
-    max_norm = float(max_norm)
-    coef = torch.clamp(float(max_norm) / (total_norm.to(torch.float64) + 1e-6), max=1.0)
-    for device, ts in _by_device(grads).items():
-        _scale_group(device, ts, coef)
+    _clip_grads(_grads(parameters), max_norm, total_norm)
 
 
 def clip_grad_norm_(
@@ -192,5 +199,6 @@ def clip_grad_norm_(
                 raise
             return torch.tensor(norm, dtype=_result_dtype(ts))
     total = get_total_norm(grads, norm_type, error_if_nonfinite)
-    clip_grads_with_norm_(parameters, max_norm, total)
+    # `parameters` may be a generator, already consumed: clip the list gathered above.
+    _clip_grads(grads, max_norm, total)
     return total
