@@ -68,6 +68,43 @@ def _result_dtype(ts: List[torch.Tensor]) -> torch.dtype:
     return dtype.to_real() if dtype.is_complex else dtype
 
 
+class _FastPlan:
+    """The native arguments for a list of contiguous, supported, non-aliased gradients on one
+    device, kept while the same storage comes back."""
+
+    __slots__ = ("key", "device", "ptrs", "lens", "codes", "dtype")
+
+    def __init__(self, key, device, dtype):
+        self.key = key
+        self.device = device
+        self.ptrs = [k[0] for k in key]
+        self.lens = [k[1] for k in key]
+        self.codes = [_CODES[k[2]] for k in key]
+        self.dtype = dtype
+
+
+_LAST_PLAN: List[_FastPlan] = []
+
+
+def _fast_plan(ts: List[torch.Tensor]) -> Optional[_FastPlan]:
+    """A plan for the one-call native path, or None when the list needs the general path.
+
+    The key (address, size, dtype, contiguity, device of every tensor) is all that is read per
+    call when the list comes back: a changed gradient changes its key, so the check is exact.
+    """
+    key = tuple((t.data_ptr(), t.numel(), t.dtype, t.is_contiguous(), t.get_device()) for t in ts)
+    if _LAST_PLAN and _LAST_PLAN[0].key == key:
+        return _LAST_PLAN[0]
+    device = ts[0].device
+    if device.type not in ("cpu", "cuda") or any(k[4] != key[0][4] or not k[3] or k[2] not in _CODES for k in key):
+        return None
+    if _overlap(ts):
+        return None
+    plan = _FastPlan(key, device, _result_dtype(ts))
+    _LAST_PLAN[:] = [plan]
+    return plan
+
+
 def _check_p(norm_type: float) -> float:
     p = float(norm_type)
     if math.isnan(p) or p < 1.0:
@@ -113,6 +150,15 @@ def get_total_norm(
     if len(ts) == 0:
         return torch.tensor(0.0)
     p = _check_p(norm_type)
+    plan = _fast_plan(ts)
+    if plan is not None and not error_if_nonfinite:
+        device = plan.device
+        if device.type == "cuda":
+            out = torch.empty(3, dtype=torch.float64, device=device)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            _native.cuda_total_norm(device.index, stream, plan.ptrs, plan.lens, plan.codes, p, out.data_ptr())
+            return out[0].to(plan.dtype)
+        return torch.tensor(_native.cpu_total_norm(plan.ptrs, plan.lens, plan.codes, p), dtype=plan.dtype)
     groups = _by_device(ts)
     first = ts[0].device
     norms = [_device_norm(d, g, p).to(first) for d, g in groups.items()]
@@ -175,29 +221,22 @@ def clip_grad_norm_(
         return torch.tensor(0.0)
     p = _check_p(norm_type)
     max_norm = float(max_norm)
-    groups = _by_device(grads)
-    if len(groups) == 1:
-        (device, ts), = groups.items()
-        if all(_native_ok(t) for t in ts) and not _overlap(ts):
-            # The whole clip in one native call: norm and scale, no host synchronization on CUDA.
-            ptrs, lens, codes = _lists(ts)
+    plan = _fast_plan(grads)
+    if plan is not None:
+        # The whole clip in one native call: norm and scale, no host synchronization on CUDA.
+        device = plan.device
+        try:
             if device.type == "cuda":
                 out = torch.empty(3, dtype=torch.float64, device=device)
                 stream = torch.cuda.current_stream(device).cuda_stream
-                try:
-                    _native.cuda_clip_grad_norm(device.index, stream, ptrs, lens, codes, max_norm, p, error_if_nonfinite, out.data_ptr())
-                except RuntimeError as e:
-                    if "non-finite" in str(e):
-                        raise _nonfinite_error(norm_type) from None
-                    raise
-                return out[0].to(_result_dtype(ts))
-            try:
-                norm, _ = _native.cpu_clip_grad_norm(ptrs, lens, codes, max_norm, p, error_if_nonfinite)
-            except RuntimeError as e:
-                if "non-finite" in str(e):
-                    raise _nonfinite_error(norm_type) from None
-                raise
-            return torch.tensor(norm, dtype=_result_dtype(ts))
+                _native.cuda_clip_grad_norm(device.index, stream, plan.ptrs, plan.lens, plan.codes, max_norm, p, error_if_nonfinite, out.data_ptr())
+                return out[0].to(plan.dtype)
+            norm, _ = _native.cpu_clip_grad_norm(plan.ptrs, plan.lens, plan.codes, max_norm, p, error_if_nonfinite)
+            return torch.tensor(norm, dtype=plan.dtype)
+        except RuntimeError as e:
+            if "non-finite" in str(e):
+                raise _nonfinite_error(norm_type) from None
+            raise
     total = get_total_norm(grads, norm_type, error_if_nonfinite)
     # `parameters` may be a generator, already consumed: clip the list gathered above.
     _clip_grads(grads, max_norm, total)
