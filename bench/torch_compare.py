@@ -86,21 +86,25 @@ def run(w, reps):
     for fe in (False, True):
         f = lambda: torch.nn.utils.get_total_norm(grads, 2.0, foreach=fe)
         row(f"torch get_total_norm foreach={fe}", timed(f, reps), nbytes, host_us(f))
-    def clip_limit():
-        # Half the current norm: the first call halves every gradient, after which each call's
-        # coefficient is norm / (norm + 1e-6) < 1, so every timed call scales every element
-        # (torch always does; gradclip skips the scale only when the coefficient is exactly 1).
-        return 0.5 * float(torch.nn.utils.get_total_norm(grads, 2.0))
+    def clipper(clip):
+        # A limit 10% below the current norm at every call (same schedule for every method):
+        # each call must scale every element. A fixed limit converges to a coefficient of 1,
+        # where torch still rewrites every gradient and gradclip rightly skips the write.
+        state = [float(torch.nn.utils.get_total_norm(grads, 2.0))]
+
+        def f():
+            state[0] *= 0.9
+            return clip(params, state[0])
+
+        return f
 
     for fe in (False, True):
-        mn = clip_limit()
-        f = lambda: torch.nn.utils.clip_grad_norm_(params, mn, foreach=fe)
+        f = clipper(lambda ps, mn: torch.nn.utils.clip_grad_norm_(ps, mn, foreach=fe))
         row(f"torch clip_grad_norm_ foreach={fe}", timed(f, reps), 3 * nbytes, host_us(f))
     if gt is not None:
         f = lambda: gt.get_total_norm(grads, 2.0)
         row("gradclip.torch get_total_norm", timed(f, reps), nbytes, host_us(f))
-        mn = clip_limit()
-        f = lambda: gt.clip_grad_norm_(params, mn)
+        f = clipper(gt.clip_grad_norm_)
         row("gradclip.torch clip_grad_norm_", timed(f, reps), 3 * nbytes, host_us(f))
     del grads, params
     torch.cuda.empty_cache()
