@@ -105,6 +105,12 @@ def _fast_plan(ts: List[torch.Tensor]) -> Optional[_FastPlan]:
     return plan
 
 
+def _cuda_out(device: torch.device):
+    """A fresh 24-byte result buffer on ``device`` (the engine's NormOutput: norm, coefficient,
+    flags) from torch's allocator, and the handle of torch's current stream there."""
+    return torch.empty(3, dtype=torch.float64, device=device), torch.cuda.current_stream(device).cuda_stream
+
+
 def _check_p(norm_type: float) -> float:
     p = float(norm_type)
     if math.isnan(p) or p < 1.0:
@@ -120,8 +126,7 @@ def _device_norm(device: torch.device, ts: List[torch.Tensor], p: float) -> torc
     if fast:
         ptrs, lens, codes = _lists(fast)
         if device.type == "cuda":
-            out = torch.empty(3, dtype=torch.float64, device=device)
-            stream = torch.cuda.current_stream(device).cuda_stream
+            out, stream = _cuda_out(device)
             _native.cuda_total_norm(device.index, stream, ptrs, lens, codes, p, out.data_ptr())
             parts.append(out[0])
         else:
@@ -154,8 +159,7 @@ def get_total_norm(
     if plan is not None and not error_if_nonfinite:
         device = plan.device
         if device.type == "cuda":
-            out = torch.empty(3, dtype=torch.float64, device=device)
-            stream = torch.cuda.current_stream(device).cuda_stream
+            out, stream = _cuda_out(device)
             _native.cuda_total_norm(device.index, stream, plan.ptrs, plan.lens, plan.codes, p, out.data_ptr())
             return out[0].to(plan.dtype)
         return torch.tensor(_native.cpu_total_norm(plan.ptrs, plan.lens, plan.codes, p), dtype=plan.dtype)
@@ -174,9 +178,9 @@ def _scale_group(device: torch.device, ts: List[torch.Tensor], coef: torch.Tenso
     if fast and not _overlap(fast):
         ptrs, lens, codes = _lists(fast)
         if device.type == "cuda":
-            out = torch.zeros(3, dtype=torch.float64, device=device)
+            out, stream = _cuda_out(device)
+            out.zero_()
             out[1] = coef.to(device)
-            stream = torch.cuda.current_stream(device).cuda_stream
             _native.cuda_scale(device.index, stream, ptrs, lens, codes, out.data_ptr())
         else:
             _native.cpu_scale(ptrs, lens, codes, float(coef))
@@ -227,8 +231,7 @@ def clip_grad_norm_(
         device = plan.device
         try:
             if device.type == "cuda":
-                out = torch.empty(3, dtype=torch.float64, device=device)
-                stream = torch.cuda.current_stream(device).cuda_stream
+                out, stream = _cuda_out(device)
                 _native.cuda_clip_grad_norm(device.index, stream, plan.ptrs, plan.lens, plan.codes, max_norm, p, error_if_nonfinite, out.data_ptr())
                 return out[0].to(plan.dtype)
             norm, _ = _native.cpu_clip_grad_norm(plan.ptrs, plan.lens, plan.codes, max_norm, p, error_if_nonfinite)
