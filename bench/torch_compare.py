@@ -7,7 +7,7 @@ gradients on the GPU (bf16/f16/f32/f64 as listed), and times with CUDA events (m
   - eager two-pass: per tensor, max|g| then sum((g / max)^2), the way eager code computes a norm
     without overflow (one launch or more per tensor per pass);
   - torch.nn.utils.get_total_norm / clip_grad_norm_ with foreach=False and foreach=True;
-  - torch.compile of get_total_norm (lists of at most 600 tensors; compile time reported apart);
+  - torch.compile of get_total_norm (lists of at most 300 tensors; compile time reported apart);
   - gradclip.torch, when installed;
 with the host time per call and the peak extra device memory of each, then a host-time sweep
 over 100, 1,000 and 10,000 gradients. Writes a JSON record and, with matplotlib, a PNG chart.
@@ -103,7 +103,7 @@ def run(w, reps):
     for fe in (False, True):
         f = lambda: torch.nn.utils.get_total_norm(grads, 2.0, foreach=fe)
         row(f"torch get_total_norm foreach={fe}", timed(f, reps), nbytes, host_us(f), fn=f)
-    if len(grads) <= 600:
+    if len(grads) <= 300:
         try:
             compiled = torch.compile(lambda gs: torch.nn.utils.get_total_norm(gs, 2.0, foreach=True))
             t = time.perf_counter()
