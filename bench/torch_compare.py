@@ -145,8 +145,8 @@ def host_sweep():
     for n in (100, 1000, 10000):
         params = []
         for _ in range(n):
-            p = torch.nn.Parameter(torch.empty(0, device="cuda"))
-            p.grad = torch.randn(1024, device="cuda")
+            p = torch.nn.Parameter(torch.empty(1024, device="cuda"))
+            p.grad = torch.randn_like(p)
             params.append(p)
         grads = [p.grad for p in params]
         r = {"tensors": n}
