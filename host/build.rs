@@ -37,14 +37,23 @@ fn main() {
         .arg(&target_dir)
         .args(["--", "--emit=asm"]);
     // The outer build's flags and target settings are for the host, never for the kernels.
-    for var in ["RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR", "RUSTC_WORKSPACE_WRAPPER", "CARGO_BUILD_RUSTFLAGS"] {
+    for var in [
+        "RUSTFLAGS",
+        "CARGO_BUILD_TARGET",
+        "CARGO_TARGET_DIR",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "CARGO_BUILD_RUSTFLAGS",
+    ] {
         cmd.env_remove(var);
     }
     // No debug info: a `.target sm_80, debug` module makes the driver JIT unoptimized code.
     cmd.env("CARGO_PROFILE_RELEASE_DEBUG", "false");
     // A high unroll threshold fully unrolls the per-lane batches of LOAD_UNROLL vectors, so they
     // stay in registers instead of a local-memory array (checked by the PTX test in gpu::kernels).
-    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={TARGET_CPU}\x1f-Ctarget-feature=+{PTX_ISA}\x1f-Cllvm-args=-unroll-threshold=4000"));
+    cmd.env(
+        "CARGO_ENCODED_RUSTFLAGS",
+        format!("-Ctarget-cpu={TARGET_CPU}\x1f-Ctarget-feature=+{PTX_ISA}\x1f-Cllvm-args=-unroll-threshold=4000"),
+    );
     let status = cmd.status().expect("failed to start the nested cargo that builds the PTX");
     assert!(status.success(), "building the nvptx kernels failed (see the errors above)");
 

@@ -11,7 +11,10 @@ use rayon::prelude::*;
 
 /// 64 tensors of 1 M elements: 128 MB of bf16 or 256 MB of f32, well past the caches.
 fn data<T: Send>(make: impl Fn(f64) -> T + Sync) -> Vec<Vec<T>> {
-    (0..64u64).into_par_iter().map(|t| (0..1u64 << 20).map(|i| make(fill::value(t, i, 1.0))).collect()).collect()
+    (0..64u64)
+        .into_par_iter()
+        .map(|t| (0..1u64 << 20).map(|i| make(fill::value(t, i, 1.0))).collect())
+        .collect()
 }
 
 fn plain_read<T: Sync>(tensors: &[Vec<T>]) -> u64 {
@@ -19,7 +22,8 @@ fn plain_read<T: Sync>(tensors: &[Vec<T>]) -> u64 {
         .par_iter()
         .map(|v| {
             // SAFETY: any initialized memory can be read as bytes, and bytes as aligned u64s.
-            let (head, mid, tail) = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(&v[..])).align_to::<u64>() };
+            let (head, mid, tail) =
+                unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(&v[..])).align_to::<u64>() };
             mid.iter().fold(head.len() as u64 ^ tail.len() as u64, |a, &w| a ^ w)
         })
         .reduce(|| 0, |a, b| a ^ b)

@@ -6,7 +6,13 @@ use gradclip::DType;
 use gradclip::plan::{RawTensor, check_disjoint, plan};
 
 fn list(n: u64) -> Vec<RawTensor> {
-    (0..n).map(|i| RawTensor { addr: (i + 1) << 24 | (i % 8) * 2, len: 1000 + (i * 7919) % 500_000, dtype: DType::Bf16 }).collect()
+    (0..n)
+        .map(|i| RawTensor {
+            addr: ((i + 1) << 24) | ((i % 8) * 2),
+            len: 1000 + (i * 7919) % 500_000,
+            dtype: DType::Bf16,
+        })
+        .collect()
 }
 
 fn bench(c: &mut Criterion) {

@@ -31,7 +31,8 @@ impl HostData {
     fn fold(&self) -> u64 {
         fn words<T>(v: &[T]) -> u64 {
             // SAFETY: any initialized memory can be read as bytes, and bytes as aligned u64s.
-            let (head, mid, tail) = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)).align_to::<u64>() };
+            let (head, mid, tail) =
+                unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)).align_to::<u64>() };
             let ends = head.iter().chain(tail).fold(0u64, |a, &b| a.rotate_left(8) ^ b as u64);
             mid.iter().fold(ends, |a, &w| a ^ w)
         }
@@ -84,11 +85,19 @@ pub fn run(w: &Workload, reps: usize) -> WorkloadResult {
     let t_inf = time_ms(reps, || {
         std::hint::black_box(cpu.total_norm(&views, NormType::Inf, false).expect("valid views"));
     });
-    let mut rows = vec![Row::new("plain multi-threaded read", &t_read, bytes, 0), Row::new("gradclip CPU L2 norm", &t_l2, bytes, 0), Row::new("gradclip CPU inf norm", &t_inf, bytes, 0)];
+    let mut rows = vec![
+        Row::new("plain multi-threaded read", &t_read, bytes, 0),
+        Row::new("gradclip CPU L2 norm", &t_l2, bytes, 0),
+        Row::new("gradclip CPU inf norm", &t_inf, bytes, 0),
+    ];
     let read_bw = rows[0].gbps;
     for r in rows.iter_mut() {
         r.ratio_to_read = r.gbps / read_bw;
     }
-    let notes = vec![format!("CPU backend on {} threads; median of {reps}: L2 {:.2} ms", rayon::current_num_threads(), median(&t_l2))];
+    let notes = vec![format!(
+        "CPU backend on {} threads; median of {reps}: L2 {:.2} ms",
+        rayon::current_num_threads(),
+        median(&t_l2)
+    )];
     WorkloadResult::new(w, rows, 0, notes)
 }

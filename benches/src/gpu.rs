@@ -35,7 +35,12 @@ impl Gpu {
         let stream = ctx.default_stream();
         let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let l2_bytes = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64;
-        Ok(Gpu { ctx, stream, sms, l2_bytes })
+        Ok(Gpu {
+            ctx,
+            stream,
+            sms,
+            l2_bytes,
+        })
     }
 
     pub fn name(&self) -> String {
@@ -86,7 +91,10 @@ impl Gpu {
             factor *= 2;
         }
         let w = if factor > 1 {
-            notes.push(format!("scaled down {factor}x to fit the {:.1} GB free on the device", free as f64 / 1e9));
+            notes.push(format!(
+                "scaled down {factor}x to fit the {:.1} GB free on the device",
+                free as f64 / 1e9
+            ));
             w0.scaled_down(factor)
         } else {
             w0.clone()
@@ -103,9 +111,13 @@ impl Gpu {
             for (i, t) in w.tensors.iter().enumerate() {
                 // SAFETY: bytes, filled by the fill kernel before any read.
                 let b = unsafe { self.stream.alloc::<u8>(t.bytes().max(1) as usize) }?;
-                let raw = RawTensor { addr: b.device_ptr(&self.stream).0, len: t.len(), dtype: t.dtype() };
+                let raw = RawTensor {
+                    addr: b.device_ptr(&self.stream).0,
+                    len: t.len(),
+                    dtype: t.dtype(),
+                };
                 // SAFETY: raw covers b.
-                unsafe { tools::fill(&self.stream, engine.kernels(), &raw, (c * 1_000_003 + i as u64) as u64, 1.0) }?;
+                unsafe { tools::fill(&self.stream, engine.kernels(), &raw, c * 1_000_003 + i as u64, 1.0) }?;
                 buffers.push(b);
                 raws.push(raw);
             }
@@ -116,7 +128,11 @@ impl Gpu {
         // SAFETY: bytes, filled before reads.
         let mut flat = unsafe { self.stream.alloc::<u8>(flat_bytes as usize) }?;
         let flat_addr = flat.device_ptr(&self.stream).0;
-        let flat_raw = RawTensor { addr: flat_addr, len: flat_bytes / 2, dtype: DType::Bf16 };
+        let flat_raw = RawTensor {
+            addr: flat_addr,
+            len: flat_bytes / 2,
+            dtype: DType::Bf16,
+        };
         // SAFETY: flat_raw covers flat.
         unsafe { tools::fill(&self.stream, engines[0].kernels(), &flat_raw, 7, 1.0) }?;
         let mut sink = self.stream.alloc_zeros::<u32>(1)?;
@@ -143,7 +159,9 @@ impl Gpu {
         let half = (flat_bytes / 2).min(bytes) as usize;
         let t_copy = self.time(s.reps, batch, |_| {
             let (src, mut dst) = flat.split_at_mut(half);
-            self.stream.memcpy_dtod(&src.slice(..half), &mut dst.slice_mut(..half)).map_err(Into::into)
+            self.stream
+                .memcpy_dtod(&src.slice(..half), &mut dst.slice_mut(..half))
+                .map_err(Into::into)
         })?;
 
         let mut outs: Vec<DeviceNorm> = (0..copies).map(|_| DeviceNorm::new(&self.stream, 0)).collect::<Result<_, _>>()?;
@@ -170,8 +188,12 @@ impl Gpu {
             unsafe { engines[c].clip_grad_norm_raw_into(&sets[c], norm * 0.5, &opts, &mut outs[c]) }
         })?;
         bar.set_message(format!("{}: host time", w.name));
-        let host_norm = self.host_us(s.host_calls, || unsafe { engines[0].total_norm_raw_into(&sets[0], NormType::L2, &mut outs[0]) })?;
-        let host_clip = self.host_us(s.host_calls, || unsafe { engines[0].clip_grad_norm_raw_into(&sets[0], f64::INFINITY, &opts, &mut outs[0]) })?;
+        let host_norm = self.host_us(s.host_calls, || unsafe {
+            engines[0].total_norm_raw_into(&sets[0], NormType::L2, &mut outs[0])
+        })?;
+        let host_clip = self.host_us(s.host_calls, || unsafe {
+            engines[0].clip_grad_norm_raw_into(&sets[0], f64::INFINITY, &opts, &mut outs[0])
+        })?;
 
         bar.set_message(format!("{}: eager baseline", w.name));
         let mut scratch = self.stream.alloc_zeros::<u32>(2 * w.tensors.len())?;
@@ -197,7 +219,10 @@ impl Gpu {
             ((fused_now - base_norm) / fused_now).abs()
         ));
         if copies > 1 {
-            notes.push(format!("{copies} copies of the list rotated between calls (4x the {} MB L2)", self.l2_bytes >> 20));
+            notes.push(format!(
+                "{copies} copies of the list rotated between calls (4x the {} MB L2)",
+                self.l2_bytes >> 20
+            ));
         }
         if batch > 1 {
             notes.push(format!("GPU time per call from {batch} back-to-back calls between events"));
@@ -209,7 +234,12 @@ impl Gpu {
             Row::new("gradclip L2 norm", &t_l2, bytes, 1).host(host_norm),
             Row::new("gradclip inf norm", &t_inf, bytes, 1),
             Row::new("gradclip clip (norm + scale)", &t_clip, 3 * bytes, 2).host(host_clip),
-            Row::new("eager per-tensor two-pass L2", &t_base, 2 * bytes, 2 * w.tensors.iter().filter(|t| t.len() > 0).count()),
+            Row::new(
+                "eager per-tensor two-pass L2",
+                &t_base,
+                2 * bytes,
+                2 * w.tensors.iter().filter(|t| t.len() > 0).count(),
+            ),
         ];
         let (read_bw, copy_bw) = (rows[0].gbps, rows[1].gbps);
         for r in rows.iter_mut() {
@@ -220,11 +250,16 @@ impl Gpu {
         // ceiling, both measured above.
         let bound_ms = (bytes as f64 / (read_bw * 1e9) + 2.0 * bytes as f64 / (copy_bw * 1e9)) * 1e3;
         rows[4].ratio_to_bound = Some(bound_ms / rows[4].median_ms);
-        for r in rows.iter_mut().filter(|r| r.method.starts_with("gradclip") && r.method.ends_with("norm")) {
+        for r in rows
+            .iter_mut()
+            .filter(|r| r.method.starts_with("gradclip") && r.method.ends_with("norm"))
+        {
             r.ratio_to_bound = Some(r.ratio_to_read);
         }
         let speedup = median(&t_base) / median(&t_l2);
-        notes.push(format!("fused L2 norm {speedup:.1}x faster than the eager per-tensor two-pass baseline"));
+        notes.push(format!(
+            "fused L2 norm {speedup:.1}x faster than the eager per-tensor two-pass baseline"
+        ));
         Ok(WorkloadResult::new(&w, rows, engines[0].workspace_bytes() as u64 + 24, notes))
     }
 }

@@ -60,7 +60,10 @@ fn workloads(args: &Args) -> Result<Vec<Workload>, String> {
         match p.as_str() {
             "all" => out.extend(PRESETS.iter().filter_map(|n| workload::preset(n))),
             "small-1000" => out.push(workload::small_1000()),
-            name => out.push(workload::preset(name).ok_or_else(|| format!("unknown preset {name:?}; presets: {}, small-1000, all", PRESETS.join(", ")))?),
+            name => out.push(
+                workload::preset(name)
+                    .ok_or_else(|| format!("unknown preset {name:?}; presets: {}, small-1000, all", PRESETS.join(", ")))?,
+            ),
         }
     }
     for f in &args.shapes {
@@ -71,7 +74,11 @@ fn workloads(args: &Args) -> Result<Vec<Workload>, String> {
 
 fn plan_100k_us() -> f64 {
     let raws: Vec<gradclip::plan::RawTensor> = (0..100_000u64)
-        .map(|i| gradclip::plan::RawTensor { addr: (i + 1) << 20, len: 1000 + i % 5000, dtype: gradclip::DType::Bf16 })
+        .map(|i| gradclip::plan::RawTensor {
+            addr: (i + 1) << 20,
+            len: 1000 + i % 5000,
+            dtype: gradclip::DType::Bf16,
+        })
         .collect();
     let mut best = f64::INFINITY;
     for _ in 0..5 {
@@ -97,7 +104,11 @@ fn run(args: &Args) -> Result<(Record, bool), String> {
     if use_gpu {
         let g = gpu::Gpu::new().map_err(|e| e.to_string())?;
         device = g.name();
-        let s = gpu::Settings { reps: args.reps, baseline_reps: args.baseline_reps, host_calls: args.host_calls };
+        let s = gpu::Settings {
+            reps: args.reps,
+            baseline_reps: args.baseline_reps,
+            host_calls: args.host_calls,
+        };
         for w in &list {
             results.push(g.run(w, &s, &bar).map_err(|e| format!("{}: {e}", w.name))?);
             bar.inc(1);
@@ -106,7 +117,11 @@ fn run(args: &Args) -> Result<(Record, bool), String> {
         device = "host CPU".to_string();
         println!("no GPU in use: running the CPU backend on scaled-down workloads so they finish in seconds");
         for w in &list {
-            let factor = if args.cpu_scale_down > 0 { args.cpu_scale_down } else { (w.bytes() / (100 << 20)).max(1) };
+            let factor = if args.cpu_scale_down > 0 {
+                args.cpu_scale_down
+            } else {
+                (w.bytes() / (100 << 20)).max(1)
+            };
             bar.set_message(w.name.clone());
             results.push(cpu::run(&w.scaled_down(factor), args.reps.min(5)));
             bar.inc(1);
@@ -135,7 +150,10 @@ fn main() {
             std::process::exit(1);
         }
     };
-    println!("{} on {} | commit {} | {}", record.backend, record.device, record.commit, record.date);
+    println!(
+        "{} on {} | commit {} | {}",
+        record.backend, record.device, record.commit, record.date
+    );
     for w in &record.workloads {
         w.print();
     }

@@ -92,7 +92,15 @@ pub struct WorkloadResult {
 impl WorkloadResult {
     /// A result for `w`.
     pub fn new(w: &Workload, rows: Vec<Row>, extra_device_bytes: u64, notes: Vec<String>) -> Self {
-        WorkloadResult { workload: w.name.clone(), tensors: w.tensors.len(), elements: w.elements(), bytes: w.bytes(), extra_device_bytes, rows, notes }
+        WorkloadResult {
+            workload: w.name.clone(),
+            tensors: w.tensors.len(),
+            elements: w.elements(),
+            bytes: w.bytes(),
+            extra_device_bytes,
+            rows,
+            notes,
+        }
     }
 
     /// Prints the table.
@@ -112,7 +120,13 @@ impl WorkloadResult {
         for r in &self.rows {
             let host = r.host_us.map_or("-".to_string(), |h| format!("{h:.1}"));
             let bound = r.ratio_to_bound.map_or("-".to_string(), |b| format!("{:.1}%", 100.0 * b));
-            let pct = |x: f64| if x.is_nan() { "-".to_string() } else { format!("{:.1}%", 100.0 * x) };
+            let pct = |x: f64| {
+                if x.is_nan() {
+                    "-".to_string()
+                } else {
+                    format!("{:.1}%", 100.0 * x)
+                }
+            };
             println!(
                 "{:<32} {:>10.4} {:>10.4} {:>9.0} {:>8} {:>8} {:>8} {:>8} {:>9}",
                 r.method,
@@ -155,7 +169,10 @@ pub struct Record {
 
 /// Today's UTC date, YYYY-MM-DD (Howard Hinnant's civil-from-days).
 pub fn today() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let z = (secs / 86_400) as i64 + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -169,7 +186,10 @@ pub fn today() -> String {
 }
 
 fn slug(s: &str) -> String {
-    s.to_lowercase().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
+    s.to_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect()
 }
 
 impl Record {
@@ -195,12 +215,20 @@ impl Record {
         let bars: Vec<(String, f64)> = self
             .workloads
             .iter()
-            .flat_map(|w| w.rows.iter().filter(|r| !r.method.starts_with("streaming")).map(move |r| (format!("{} | {}", w.workload, r.method), 100.0 * r.ratio_to_read)))
+            .flat_map(|w| {
+                w.rows
+                    .iter()
+                    .filter(|r| !r.method.starts_with("streaming"))
+                    .map(move |r| (format!("{} | {}", w.workload, r.method), 100.0 * r.ratio_to_read))
+            })
             .collect();
         let h = 80 + 22 * bars.len() as u32;
         let root = SVGBackend::new(path, (1100, h)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let title = format!("gradclip on {} ({}, {}): bandwidth as % of a streaming read", self.device, self.date, self.commit);
+        let title = format!(
+            "gradclip on {} ({}, {}): bandwidth as % of a streaming read",
+            self.device, self.date, self.commit
+        );
         let mut chart = ChartBuilder::on(&root)
             .caption(title, ("sans-serif", 16))
             .margin(10)
@@ -218,7 +246,13 @@ impl Record {
             .map_err(|e| e.to_string())?;
         chart
             .draw_series(bars.iter().enumerate().map(|(i, (name, pct))| {
-                let color = if name.contains("eager") { RED.mix(0.6) } else if name.contains("copy") { BLUE.mix(0.4) } else { GREEN.mix(0.7) };
+                let color = if name.contains("eager") {
+                    RED.mix(0.6)
+                } else if name.contains("copy") {
+                    BLUE.mix(0.4)
+                } else {
+                    GREEN.mix(0.7)
+                };
                 Rectangle::new([(0.0, i), (pct.min(110.0), i + 1)], color.filled())
             }))
             .map_err(|e| e.to_string())?;

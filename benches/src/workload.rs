@@ -72,7 +72,10 @@ impl Workload {
                 TensorSpec { shape, ..t.clone() }
             })
             .collect();
-        Workload { name: format!("{} (1/{factor} scale)", self.name), tensors }
+        Workload {
+            name: format!("{} (1/{factor} scale)", self.name),
+            tensors,
+        }
     }
 
     /// Reads a JSON file: `{"name": ..., "tensors": [{"name", "shape", "dtype"}, ...]}` or just
@@ -81,12 +84,25 @@ impl Workload {
         let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
         let w: Workload = serde_json::from_str(&text)
             .or_else(|_| {
-                serde_json::from_str::<Vec<TensorSpec>>(&text).map(|tensors| Workload { name: path.display().to_string(), tensors })
+                serde_json::from_str::<Vec<TensorSpec>>(&text).map(|tensors| Workload {
+                    name: path.display().to_string(),
+                    tensors,
+                })
             })
-            .map_err(|e| format!("{}: expected {{\"name\", \"tensors\": [{{\"name\", \"shape\", \"dtype\"}}]}}: {e}", path.display()))?;
+            .map_err(|e| {
+                format!(
+                    "{}: expected {{\"name\", \"tensors\": [{{\"name\", \"shape\", \"dtype\"}}]}}: {e}",
+                    path.display()
+                )
+            })?;
         for t in &w.tensors {
             if parse_dtype(&t.dtype).is_none() {
-                return Err(format!("{}: tensor {} has dtype {:?}; use bf16, f16, f32 or f64", path.display(), t.name, t.dtype));
+                return Err(format!(
+                    "{}: tensor {} has dtype {:?}; use bf16, f16, f32 or f64",
+                    path.display(),
+                    t.name,
+                    t.dtype
+                ));
             }
         }
         Ok(w)
@@ -94,7 +110,14 @@ impl Workload {
 }
 
 /// Names of the built-in presets.
-pub const PRESETS: [&str; 6] = ["seed-500", "llama3-70b-fsdp8", "qwen3-30b-a3b-ep8", "lora-70b-r16", "gpt2-124m", "mixed"];
+pub const PRESETS: [&str; 6] = [
+    "seed-500",
+    "llama3-70b-fsdp8",
+    "qwen3-30b-a3b-ep8",
+    "lora-70b-r16",
+    "gpt2-124m",
+    "mixed",
+];
 
 /// The preset called `name`.
 pub fn preset(name: &str) -> Option<Workload> {
@@ -113,10 +136,17 @@ struct Builder(Vec<TensorSpec>);
 
 impl Builder {
     fn add(&mut self, name: impl Into<String>, shape: &[u64], dtype: &str) {
-        self.0.push(TensorSpec { name: name.into(), shape: shape.to_vec(), dtype: dtype.into() });
+        self.0.push(TensorSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtype: dtype.into(),
+        });
     }
     fn done(self, name: &str) -> Workload {
-        Workload { name: name.into(), tensors: self.0 }
+        Workload {
+            name: name.into(),
+            tensors: self.0,
+        }
     }
 }
 

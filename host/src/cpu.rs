@@ -39,7 +39,14 @@ pub struct HostGrad<'a> {
 
 impl<'a, T: GradElement> From<&'a [T]> for HostGrad<'a> {
     fn from(s: &'a [T]) -> Self {
-        HostGrad { raw: RawTensor { addr: s.as_ptr() as u64, len: s.len() as u64, dtype: T::DTYPE }, _data: PhantomData }
+        HostGrad {
+            raw: RawTensor {
+                addr: s.as_ptr() as u64,
+                len: s.len() as u64,
+                dtype: T::DTYPE,
+            },
+            _data: PhantomData,
+        }
     }
 }
 
@@ -52,7 +59,14 @@ pub struct HostGradMut<'a> {
 
 impl<'a, T: GradElement> From<&'a mut [T]> for HostGradMut<'a> {
     fn from(s: &'a mut [T]) -> Self {
-        HostGradMut { raw: RawTensor { addr: s.as_mut_ptr() as u64, len: s.len() as u64, dtype: T::DTYPE }, _data: PhantomData }
+        HostGradMut {
+            raw: RawTensor {
+                addr: s.as_mut_ptr() as u64,
+                len: s.len() as u64,
+                dtype: T::DTYPE,
+            },
+            _data: PhantomData,
+        }
     }
 }
 
@@ -65,7 +79,11 @@ struct HostTensor<E> {
 
 impl<E: Element> HostTensor<E> {
     fn new(addr: u64, frame: Frame) -> Self {
-        HostTensor { addr, frame, _e: PhantomData }
+        HostTensor {
+            addr,
+            frame,
+            _e: PhantomData,
+        }
     }
     fn ptr(&self, i: u64) -> *mut E::Bits {
         (self.addr + i * E::SIZE) as *mut E::Bits
@@ -98,10 +116,22 @@ impl<E: Element> SourceMut<E> for HostTensor<E> {
 macro_rules! with_element {
     ($dtype:expr, $E:ident => $body:expr) => {
         match $dtype {
-            DType::Bf16 => { type $E = k::Bf16; $body }
-            DType::F16 => { type $E = k::F16; $body }
-            DType::F32 => { type $E = k::F32; $body }
-            DType::F64 => { type $E = k::F64; $body }
+            DType::Bf16 => {
+                type $E = k::Bf16;
+                $body
+            }
+            DType::F16 => {
+                type $E = k::F16;
+                $body
+            }
+            DType::F32 => {
+                type $E = k::F32;
+                $body
+            }
+            DType::F64 => {
+                type $E = k::F64;
+                $body
+            }
         }
     };
 }
@@ -110,10 +140,22 @@ macro_rules! with_element {
 macro_rules! with_accumulator {
     ($norm:expr, $A:ident => $body:expr) => {
         match $norm {
-            NormType::L1 => { type $A = L1; $body }
-            NormType::L2 => { type $A = L2; $body }
-            NormType::Inf => { type $A = Inf; $body }
-            NormType::P(_) => { type $A = PNorm; $body }
+            NormType::L1 => {
+                type $A = L1;
+                $body
+            }
+            NormType::L2 => {
+                type $A = L2;
+                $body
+            }
+            NormType::Inf => {
+                type $A = Inf;
+                $body
+            }
+            NormType::P(_) => {
+                type $A = PNorm;
+                $body
+            }
         }
     };
 }
@@ -150,7 +192,15 @@ fn report<A: Accumulator>(plan: &Plan, parts: &[Partial], params: &NormParams, p
             .collect()
     });
     let scale = scale_coefficients(&out).is_some();
-    (NormReport { norm: out.norm, coef: out.coef, nonfinite: out.nonfinite != 0, per_tensor }, scale)
+    (
+        NormReport {
+            norm: out.norm,
+            coef: out.coef,
+            nonfinite: out.nonfinite != 0,
+            per_tensor,
+        },
+        scale,
+    )
 }
 
 /// Multiplies every element of `plan` by `coef`, in parallel over tasks.
@@ -232,7 +282,10 @@ impl Cpu {
             report::<A>(&plan, &parts, &params, opts.per_tensor_norms)
         });
         if rep.nonfinite && opts.error_if_nonfinite {
-            return Err(Error::NonFiniteNorm { norm: rep.norm, norm_type: norm_type.to_string() });
+            return Err(Error::NonFiniteNorm {
+                norm: rep.norm,
+                norm_type: norm_type.to_string(),
+            });
         }
         if scale {
             // SAFETY: checked disjoint above; writable per the caller's contract.

@@ -34,7 +34,10 @@ impl DType {
 
     /// The type with kernel code `code`.
     pub fn from_code(code: u32) -> Result<Self> {
-        DType::ALL.into_iter().find(|d| d.code() == code).ok_or(Error::UnknownDtype { code })
+        DType::ALL
+            .into_iter()
+            .find(|d| d.code() == code)
+            .ok_or(Error::UnknownDtype { code })
     }
 
     /// Bytes per element.

@@ -18,7 +18,9 @@ pub enum Error {
         len: u64,
     },
     /// A tensor's address is not a multiple of its element size.
-    #[error("tensor {index} starts at {addr:#x}, which is not aligned to its {dtype} element size ({size} bytes): pass a view that starts on an element boundary")]
+    #[error(
+        "tensor {index} starts at {addr:#x}, which is not aligned to its {dtype} element size ({size} bytes): pass a view that starts on an element boundary"
+    )]
     Misaligned {
         /// Position in the tensor list.
         index: usize,
@@ -82,7 +84,9 @@ pub enum Error {
         max: u64,
     },
     /// A buffer lives in another CUDA context (another device) than the engine's stream.
-    #[error("tensor {index} belongs to another CUDA context (device {found}) than the engine's stream (device {expected}): use an engine on that tensor's device")]
+    #[error(
+        "tensor {index} belongs to another CUDA context (device {found}) than the engine's stream (device {expected}): use an engine on that tensor's device"
+    )]
     WrongContext {
         /// Position in the tensor list.
         index: usize,
@@ -92,7 +96,9 @@ pub enum Error {
         found: usize,
     },
     /// The total norm is NaN or infinite and `error_if_nonfinite` was set; no gradient changed.
-    #[error("the total norm of order {norm_type} is non-finite ({norm}); no gradient was changed. Set error_if_nonfinite = false to clip anyway")]
+    #[error(
+        "the total norm of order {norm_type} is non-finite ({norm}); no gradient was changed. Set error_if_nonfinite = false to clip anyway"
+    )]
     NonFiniteNorm {
         /// The norm found.
         norm: f64,

@@ -74,12 +74,20 @@ pub struct ClipOptions {
 
 impl Default for ClipOptions {
     fn default() -> Self {
-        ClipOptions { norm_type: NormType::L2, error_if_nonfinite: false, per_tensor_norms: false }
+        ClipOptions {
+            norm_type: NormType::L2,
+            error_if_nonfinite: false,
+            per_tensor_norms: false,
+        }
     }
 }
 
 pub(crate) fn validate_max_norm(max_norm: f64) -> Result<()> {
-    if max_norm.is_nan() || max_norm < 0.0 { Err(Error::InvalidMaxNorm { max_norm }) } else { Ok(()) }
+    if max_norm.is_nan() || max_norm < 0.0 {
+        Err(Error::InvalidMaxNorm { max_norm })
+    } else {
+        Ok(())
+    }
 }
 
 /// What a norm or clip call found.

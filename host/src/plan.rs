@@ -45,7 +45,10 @@ pub struct Plan {
 /// ```
 pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
     if tensors.len() as u64 > u32::MAX as u64 {
-        return Err(Error::TooManyTensors { count: tensors.len(), max: u32::MAX as u64 });
+        return Err(Error::TooManyTensors {
+            count: tensors.len(),
+            max: u32::MAX as u64,
+        });
     }
     let mut descs = Vec::with_capacity(tensors.len());
     let mut total: u64 = 0;
@@ -55,10 +58,19 @@ pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
             return Err(Error::NullPointer { index, len: t.len });
         }
         if t.addr % size != 0 {
-            return Err(Error::Misaligned { index, addr: t.addr, dtype: t.dtype, size });
+            return Err(Error::Misaligned {
+                index,
+                addr: t.addr,
+                dtype: t.dtype,
+                size,
+            });
         }
         if t.len.checked_mul(size).and_then(|b| t.addr.checked_add(b)).is_none() {
-            return Err(Error::AddressOverflow { index, addr: t.addr, len: t.len });
+            return Err(Error::AddressOverflow {
+                index,
+                addr: t.addr,
+                len: t.len,
+            });
         }
         let frame = Frame::new(t.addr, t.len, size);
         let n = frame.num_chunks();
@@ -73,7 +85,10 @@ pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
         });
         total += n;
         if total > MAX_TASKS {
-            return Err(Error::TooManyTasks { tasks: total, max: MAX_TASKS });
+            return Err(Error::TooManyTasks {
+                tasks: total,
+                max: MAX_TASKS,
+            });
         }
     }
     let mut tasks = Vec::with_capacity(total as usize);
@@ -109,9 +124,15 @@ mod tests {
 
     #[test]
     fn rejects_bad_tensors_with_their_index() {
-        assert!(matches!(plan(&[t(16, 1, DType::F32), t(0, 3, DType::F32)]), Err(Error::NullPointer { index: 1, .. })));
+        assert!(matches!(
+            plan(&[t(16, 1, DType::F32), t(0, 3, DType::F32)]),
+            Err(Error::NullPointer { index: 1, .. })
+        ));
         assert!(matches!(plan(&[t(0x1002, 3, DType::F32)]), Err(Error::Misaligned { index: 0, .. })));
-        assert!(matches!(plan(&[t(u64::MAX - 15, 16, DType::F64)]), Err(Error::AddressOverflow { .. })));
+        assert!(matches!(
+            plan(&[t(u64::MAX - 15, 16, DType::F64)]),
+            Err(Error::AddressOverflow { .. })
+        ));
         assert!(plan(&[t(0, 0, DType::F64)]).unwrap().tasks.is_empty());
     }
 
@@ -119,7 +140,10 @@ mod tests {
     fn overlaps_are_found_in_any_order() {
         let a = t(0x1000, 100, DType::F32);
         let b = t(0x1000 + 396, 4, DType::F32);
-        assert!(matches!(check_disjoint(&[b, t(0x9000, 1, DType::Bf16), a]), Err(Error::Overlap { first: 0, second: 2 })));
+        assert!(matches!(
+            check_disjoint(&[b, t(0x9000, 1, DType::Bf16), a]),
+            Err(Error::Overlap { first: 0, second: 2 })
+        ));
         assert!(check_disjoint(&[a, t(0x1000 + 400, 4, DType::F32)]).is_ok());
         assert!(matches!(check_disjoint(&[a, a]), Err(Error::Overlap { .. })));
         assert!(check_disjoint(&[t(0x1000, 0, DType::F32), a]).is_ok());

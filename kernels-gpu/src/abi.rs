@@ -33,7 +33,6 @@ const fn parse_or(s: Option<&str>, default: u64) -> u64 {
     v
 }
 
-
 /// Added to the norm before dividing, as `torch.nn.utils.clip_grad_norm_` does.
 pub const CLIP_EPS: f64 = 1e-6;
 
@@ -137,7 +136,7 @@ const _: () = {
     assert!(core::mem::size_of::<Partial>() == 32);
     assert!(core::mem::size_of::<NormParams>() == 40);
     assert!(core::mem::size_of::<NormOutput>() == 24);
-    assert!(BLOCK_THREADS % WARP_THREADS == 0);
+    assert!(BLOCK_THREADS.is_multiple_of(WARP_THREADS));
     assert!((BLOCK_THREADS / WARP_THREADS).is_power_of_two());
-    assert!(CHUNK_VECS <= u32::MAX as u64 && CHUNK_VECS % BLOCK_THREADS as u64 == 0);
+    assert!(CHUNK_VECS <= u32::MAX as u64 && CHUNK_VECS.is_multiple_of(BLOCK_THREADS as u64));
 };

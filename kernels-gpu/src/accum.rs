@@ -62,11 +62,15 @@ impl Accumulator for L1 {
     }
     #[inline(always)]
     fn encode(self) -> Partial {
-        Partial { words: [self.sum.to_bits(), 0, 0, 0] }
+        Partial {
+            words: [self.sum.to_bits(), 0, 0, 0],
+        }
     }
     #[inline(always)]
     fn decode(p: &Partial, _: f64) -> Self {
-        L1 { sum: f64::from_bits(p.words[0]) }
+        L1 {
+            sum: f64::from_bits(p.words[0]),
+        }
     }
     #[inline(always)]
     fn norm(self) -> f64 {
@@ -94,7 +98,11 @@ pub struct L2 {
 impl Accumulator for L2 {
     #[inline(always)]
     fn identity(_: f64) -> Self {
-        L2 { big: 0.0, med: 0.0, small: 0.0 }
+        L2 {
+            big: 0.0,
+            med: 0.0,
+            small: 0.0,
+        }
     }
     #[inline(always)]
     fn push<E: Element>(&mut self, bits: E::Bits) {
@@ -117,11 +125,17 @@ impl Accumulator for L2 {
     }
     #[inline(always)]
     fn merge(self, o: Self) -> Self {
-        L2 { big: self.big + o.big, med: self.med + o.med, small: self.small + o.small }
+        L2 {
+            big: self.big + o.big,
+            med: self.med + o.med,
+            small: self.small + o.small,
+        }
     }
     #[inline(always)]
     fn encode(self) -> Partial {
-        Partial { words: [self.big.to_bits(), self.med.to_bits(), self.small.to_bits(), 0] }
+        Partial {
+            words: [self.big.to_bits(), self.med.to_bits(), self.small.to_bits(), 0],
+        }
     }
     #[inline(always)]
     fn decode(p: &Partial, _: f64) -> Self {
@@ -186,15 +200,23 @@ impl Accumulator for Inf {
     }
     #[inline(always)]
     fn merge(self, o: Self) -> Self {
-        Inf { native: 0, key: if o.key > self.key { o.key } else { self.key } }
+        Inf {
+            native: 0,
+            key: if o.key > self.key { o.key } else { self.key },
+        }
     }
     #[inline(always)]
     fn encode(self) -> Partial {
-        Partial { words: [self.key, 0, 0, 0] }
+        Partial {
+            words: [self.key, 0, 0, 0],
+        }
     }
     #[inline(always)]
     fn decode(p: &Partial, _: f64) -> Self {
-        Inf { native: 0, key: p.words[0] }
+        Inf {
+            native: 0,
+            key: p.words[0],
+        }
     }
     #[inline(always)]
     fn norm(self) -> f64 {
@@ -233,7 +255,12 @@ impl PNorm {
 impl Accumulator for PNorm {
     #[inline(always)]
     fn identity(p: f64) -> Self {
-        PNorm { s: 0.0, e: 0.0, flags: 0, p }
+        PNorm {
+            s: 0.0,
+            e: 0.0,
+            flags: 0,
+            p,
+        }
     }
     #[inline(always)]
     fn push<E: Element>(&mut self, bits: E::Bits) {
@@ -265,7 +292,9 @@ impl Accumulator for PNorm {
     }
     #[inline(always)]
     fn encode(self) -> Partial {
-        Partial { words: [self.s.to_bits(), self.e.to_bits(), self.flags, 0] }
+        Partial {
+            words: [self.s.to_bits(), self.e.to_bits(), self.flags, 0],
+        }
     }
     #[inline(always)]
     fn decode(p: &Partial, norm_p: f64) -> Self {

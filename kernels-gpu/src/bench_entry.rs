@@ -7,10 +7,10 @@ use core::arch::asm;
 
 use crate::abi::dtype_code;
 use crate::device::{DeviceTensor, block_idx, grid_dim, shfl_down_u32, thread_idx};
-use crate::geometry::Frame;
-use crate::lane::Source;
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 use crate::fill;
+use crate::geometry::Frame;
+use crate::lane::Source;
 
 #[inline(always)]
 fn global_thread() -> (u64, u64) {
@@ -57,7 +57,12 @@ pub unsafe extern "gpu-kernel" fn gradclip_stream_read(addr: u64, nvec: u64, sin
     // Four loads in flight per thread, in named registers (an array would go to local memory).
     while g + 3 * stride < nvec {
         let (a, b, c, d) = unsafe {
-            (ld_nc(addr + g * 16), ld_nc(addr + (g + stride) * 16), ld_nc(addr + (g + 2 * stride) * 16), ld_nc(addr + (g + 3 * stride) * 16))
+            (
+                ld_nc(addr + g * 16),
+                ld_nc(addr + (g + stride) * 16),
+                ld_nc(addr + (g + 2 * stride) * 16),
+                ld_nc(addr + (g + 3 * stride) * 16),
+            )
         };
         x ^= (a[0] ^ a[1] ^ a[2] ^ a[3]) ^ (b[0] ^ b[1] ^ b[2] ^ b[3]) ^ (c[0] ^ c[1] ^ c[2] ^ c[3]) ^ (d[0] ^ d[1] ^ d[2] ^ d[3]);
         g += 4 * stride;

@@ -129,7 +129,9 @@ pub fn fence_gpu() {
 #[inline(always)]
 pub unsafe fn atomic_add_u32(ptr: *mut u32, v: u32) -> u32 {
     let old: u32;
-    unsafe { asm!("atom.global.add.u32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) ptr, v = in(reg32) v, options(nostack, preserves_flags)) };
+    unsafe {
+        asm!("atom.global.add.u32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) ptr, v = in(reg32) v, options(nostack, preserves_flags))
+    };
     old
 }
 
@@ -143,7 +145,9 @@ pub unsafe fn ld_cg_partial(ptr: *const Partial) -> Partial {
     let mut out = Partial::default();
     for k in 0..4 {
         let w: u64;
-        unsafe { asm!("ld.global.cg.u64 {w}, [{p}];", w = out(reg64) w, p = in(reg64) (ptr as *const u64).add(k), options(readonly, nostack, preserves_flags)) };
+        unsafe {
+            asm!("ld.global.cg.u64 {w}, [{p}];", w = out(reg64) w, p = in(reg64) (ptr as *const u64).add(k), options(readonly, nostack, preserves_flags))
+        };
         out.words[k] = w;
     }
     out
@@ -204,7 +208,11 @@ pub struct DeviceTensor<E> {
 impl<E: Element> DeviceTensor<E> {
     #[inline(always)]
     pub fn new(addr: u64, phase: u64) -> Self {
-        DeviceTensor { addr, base: addr - phase * E::SIZE, _e: PhantomData }
+        DeviceTensor {
+            addr,
+            base: addr - phase * E::SIZE,
+            _e: PhantomData,
+        }
     }
 }
 

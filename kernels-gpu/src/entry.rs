@@ -10,8 +10,8 @@
 use crate::abi::{BLOCK_THREADS, ChunkTask, NormOutput, NormParams, Partial, TensorDesc, WARP_THREADS, dtype_code};
 use crate::accum::{Accumulator, Inf, L1, L2, PNorm};
 use crate::device::{
-    DeviceTensor, DeviceTensorMut, atomic_add_u32, block_idx, block_reduce, fence_gpu, grid_dim, ld_cg_partial, smem_flag, sync_threads, thread_idx,
-    warp_reduce,
+    DeviceTensor, DeviceTensorMut, atomic_add_u32, block_idx, block_reduce, fence_gpu, grid_dim, ld_cg_partial, smem_flag, sync_threads,
+    thread_idx, warp_reduce,
 };
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 use crate::geometry::Frame;
@@ -100,7 +100,13 @@ unsafe fn norm<A: Accumulator>(
 
 /// Per-tensor norms: one warp per tensor folds that tensor's partials.
 #[inline(always)]
-unsafe fn tensor_norms<A: Accumulator>(partials: *const Partial, tensors: *const TensorDesc, per_tensor: *mut f64, num_tensors: u64, p: f64) {
+unsafe fn tensor_norms<A: Accumulator>(
+    partials: *const Partial,
+    tensors: *const TensorDesc,
+    per_tensor: *mut f64,
+    num_tensors: u64,
+    p: f64,
+) {
     let warps_total = grid_dim() as u64 * BLOCK_WARPS as u64;
     let lane = (thread_idx() % WARP_THREADS) as u64;
     let mut t = block_idx() as u64 * BLOCK_WARPS as u64 + (thread_idx() / WARP_THREADS) as u64;

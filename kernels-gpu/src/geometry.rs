@@ -27,19 +27,31 @@ impl Frame {
     /// The frame of `len` elements of `size` bytes starting at address `addr` (aligned to `size`).
     #[inline(always)]
     pub const fn new(addr: u64, len: u64, size: u64) -> Self {
-        Frame { len, phase: (addr % VEC_BYTES) / size, lanes: VEC_BYTES / size }
+        Frame {
+            len,
+            phase: (addr % VEC_BYTES) / size,
+            lanes: VEC_BYTES / size,
+        }
     }
 
     /// The frame given its phase directly (as stored in a [`crate::abi::TensorDesc`]).
     #[inline(always)]
     pub const fn with_phase(len: u64, phase: u64, size: u64) -> Self {
-        Frame { len, phase, lanes: VEC_BYTES / size }
+        Frame {
+            len,
+            phase,
+            lanes: VEC_BYTES / size,
+        }
     }
 
     /// Vectors touched by the tensor (0 for an empty tensor).
     #[inline(always)]
     pub const fn num_vecs(&self) -> u64 {
-        if self.len == 0 { 0 } else { (self.phase + self.len).div_ceil(self.lanes) }
+        if self.len == 0 {
+            0
+        } else {
+            (self.phase + self.len).div_ceil(self.lanes)
+        }
     }
 
     /// Block tasks of the tensor.
@@ -68,7 +80,7 @@ impl Frame {
     pub fn elems_of(&self, g: u64) -> (u64, u64) {
         let lo = g * self.lanes;
         let hi = lo + self.lanes;
-        let first = if lo > self.phase { lo - self.phase } else { 0 };
+        let first = lo.saturating_sub(self.phase);
         let end_pos = if hi < self.phase + self.len { hi } else { self.phase + self.len };
         (first, end_pos - self.phase)
     }

@@ -16,7 +16,13 @@
 #![allow(internal_features)]
 #![cfg_attr(
     target_arch = "nvptx64",
-    feature(abi_gpu_kernel, stdarch_nvptx, asm_experimental_arch, gpu_launch_sized_workgroup_mem, gpu_intrinsics)
+    feature(
+        abi_gpu_kernel,
+        stdarch_nvptx,
+        asm_experimental_arch,
+        gpu_launch_sized_workgroup_mem,
+        gpu_intrinsics
+    )
 )]
 #![warn(missing_docs)]
 
@@ -32,11 +38,11 @@ pub mod model;
 pub mod scale;
 
 #[cfg(target_arch = "nvptx64")]
+pub mod bench_entry;
+#[cfg(target_arch = "nvptx64")]
 mod device;
 #[cfg(target_arch = "nvptx64")]
 pub mod entry;
-#[cfg(target_arch = "nvptx64")]
-pub mod bench_entry;
 
 #[cfg(target_arch = "nvptx64")]
 #[panic_handler]

@@ -26,5 +26,10 @@ pub fn norm_output(norm: f64, params: &crate::abi::NormParams) -> NormOutput {
         1.0
     };
     let skip = nonfinite && params.flags & flags::ERROR_IF_NONFINITE != 0;
-    NormOutput { norm, coef, nonfinite: nonfinite as u32, skip_scale: skip as u32 }
+    NormOutput {
+        norm,
+        coef,
+        nonfinite: nonfinite as u32,
+        skip_scale: skip as u32,
+    }
 }

@@ -15,7 +15,9 @@ use pyo3::prelude::*;
 
 fn to_py(e: Error) -> PyErr {
     match e {
-        Error::Cuda(_) | Error::NoGpu { .. } | Error::MissingKernel { .. } | Error::NonFiniteNorm { .. } => PyRuntimeError::new_err(e.to_string()),
+        Error::Cuda(_) | Error::NoGpu { .. } | Error::MissingKernel { .. } | Error::NonFiniteNorm { .. } => {
+            PyRuntimeError::new_err(e.to_string())
+        }
         _ => PyValueError::new_err(e.to_string()),
     }
 }
@@ -27,7 +29,13 @@ fn raws(ptrs: &[u64], lens: &[u64], dtypes: &[u32]) -> PyResult<Vec<RawTensor>> 
     ptrs.iter()
         .zip(lens)
         .zip(dtypes)
-        .map(|((&addr, &len), &code)| Ok(RawTensor { addr, len, dtype: DType::from_code(code).map_err(to_py)? }))
+        .map(|((&addr, &len), &code)| {
+            Ok(RawTensor {
+                addr,
+                len,
+                dtype: DType::from_code(code).map_err(to_py)?,
+            })
+        })
         .collect()
 }
 
@@ -37,26 +45,50 @@ fn cpu_total_norm(py: Python<'_>, ptrs: Vec<u64>, lens: Vec<u64>, dtypes: Vec<u3
     let t = raws(&ptrs, &lens, &dtypes)?;
     let norm_type = NormType::from_p(p).map_err(to_py)?;
     // SAFETY: the Python caller passes live, contiguous CPU tensors it keeps alive for the call.
-    py.detach(|| unsafe { Cpu::new().total_norm_raw(&t, norm_type, false) }).map(|r| r.norm).map_err(to_py)
+    py.detach(|| unsafe { Cpu::new().total_norm_raw(&t, norm_type, false) })
+        .map(|r| r.norm)
+        .map_err(to_py)
 }
 
 /// Norm and in-place clip of host tensors; returns (norm, coefficient).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-fn cpu_clip_grad_norm(py: Python<'_>, ptrs: Vec<u64>, lens: Vec<u64>, dtypes: Vec<u32>, max_norm: f64, p: f64, error_if_nonfinite: bool) -> PyResult<(f64, f64)> {
+fn cpu_clip_grad_norm(
+    py: Python<'_>,
+    ptrs: Vec<u64>,
+    lens: Vec<u64>,
+    dtypes: Vec<u32>,
+    max_norm: f64,
+    p: f64,
+    error_if_nonfinite: bool,
+) -> PyResult<(f64, f64)> {
     let t = raws(&ptrs, &lens, &dtypes)?;
-    let opts = ClipOptions { norm_type: NormType::from_p(p).map_err(to_py)?, error_if_nonfinite, per_tensor_norms: false };
+    let opts = ClipOptions {
+        norm_type: NormType::from_p(p).map_err(to_py)?,
+        error_if_nonfinite,
+        per_tensor_norms: false,
+    };
     // SAFETY: as cpu_total_norm; the tensors are the caller's gradients, written by nobody else.
-    let r = py.detach(|| unsafe { Cpu::new().clip_grad_norm_raw(&t, max_norm, &opts) }).map_err(to_py)?;
+    let r = py
+        .detach(|| unsafe { Cpu::new().clip_grad_norm_raw(&t, max_norm, &opts) })
+        .map_err(to_py)?;
     Ok((r.norm, r.coef))
 }
 
 /// In-place scale of host tensors for a known total norm; returns the coefficient.
 #[pyfunction]
-fn cpu_clip_grads_with_norm(py: Python<'_>, ptrs: Vec<u64>, lens: Vec<u64>, dtypes: Vec<u32>, max_norm: f64, total_norm: f64) -> PyResult<f64> {
+fn cpu_clip_grads_with_norm(
+    py: Python<'_>,
+    ptrs: Vec<u64>,
+    lens: Vec<u64>,
+    dtypes: Vec<u32>,
+    max_norm: f64,
+    total_norm: f64,
+) -> PyResult<f64> {
     let t = raws(&ptrs, &lens, &dtypes)?;
     // SAFETY: as cpu_clip_grad_norm.
-    py.detach(|| unsafe { Cpu::new().clip_grads_with_norm_raw(&t, max_norm, total_norm) }).map_err(to_py)
+    py.detach(|| unsafe { Cpu::new().clip_grads_with_norm_raw(&t, max_norm, total_norm) })
+        .map_err(to_py)
 }
 
 /// In-place scale of host tensors by `coef`.
@@ -86,7 +118,16 @@ fn with_engine<R>(device: usize, stream: usize, f: impl FnOnce(&mut GpuEngine) -
 /// Total norm of CUDA tensors on PyTorch's stream; writes the 24-byte NormOutput at `out`.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-fn cuda_total_norm(py: Python<'_>, device: usize, stream: usize, ptrs: Vec<u64>, lens: Vec<u64>, dtypes: Vec<u32>, p: f64, out: u64) -> PyResult<()> {
+fn cuda_total_norm(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    ptrs: Vec<u64>,
+    lens: Vec<u64>,
+    dtypes: Vec<u32>,
+    p: f64,
+    out: u64,
+) -> PyResult<()> {
     let t = raws(&ptrs, &lens, &dtypes)?;
     let norm_type = NormType::from_p(p).map_err(to_py)?;
     // SAFETY: the tensors and `out` are live CUDA memory of `device` that PyTorch's caching
@@ -110,9 +151,17 @@ fn cuda_clip_grad_norm(
     out: u64,
 ) -> PyResult<()> {
     let t = raws(&ptrs, &lens, &dtypes)?;
-    let opts = ClipOptions { norm_type: NormType::from_p(p).map_err(to_py)?, error_if_nonfinite, per_tensor_norms: false };
+    let opts = ClipOptions {
+        norm_type: NormType::from_p(p).map_err(to_py)?,
+        error_if_nonfinite,
+        per_tensor_norms: false,
+    };
     // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
-    py.detach(|| with_engine(device, stream, |e| unsafe { e.clip_grad_norm_raw_at(&t, max_norm, &opts, out, None) }))
+    py.detach(|| {
+        with_engine(device, stream, |e| unsafe {
+            e.clip_grad_norm_raw_at(&t, max_norm, &opts, out, None)
+        })
+    })
 }
 
 /// In-place scale of CUDA tensors by the coefficient in the NormOutput at `out`.

@@ -86,7 +86,10 @@ fn lengths_zero_one_odd_and_every_phase() {
                 for p in NORM_ORDERS {
                     let got = norm_of(&g, p);
                     let want = reference_norm(&g, p);
-                    assert!(rel_err(got, want) <= tolerance(p), "{dtype} len {len} start {start} p {p}: {got} vs {want}");
+                    assert!(
+                        rel_err(got, want) <= tolerance(p),
+                        "{dtype} len {len} start {start} p {p}: {got} vs {want}"
+                    );
                 }
             }
         }
@@ -96,7 +99,13 @@ fn lengths_zero_one_odd_and_every_phase() {
 #[test]
 fn no_spurious_overflow_or_underflow() {
     // Squares of these overflow f32 (bf16/f32 near 3e38) or f64 (1e200) or underflow (1e-200).
-    let cases: [(DType, f64); 5] = [(DType::Bf16, 3.0e38), (DType::F32, 3.0e38), (DType::F64, 1e200), (DType::F64, 1e-200), (DType::F16, 6.0e4)];
+    let cases: [(DType, f64); 5] = [
+        (DType::Bf16, 3.0e38),
+        (DType::F32, 3.0e38),
+        (DType::F64, 1e200),
+        (DType::F64, 1e-200),
+        (DType::F16, 6.0e4),
+    ];
     for (dtype, mag) in cases {
         let values: Vec<f64> = (0..10_001).map(|i| mag * (0.5 + (i % 17) as f64 / 40.0)).collect();
         let g = vec![Grad::from_f64(dtype, &values, 1)];
@@ -131,9 +140,15 @@ fn nan_and_inf_make_the_norm_nonfinite() {
 
 #[test]
 fn error_if_nonfinite_leaves_every_gradient_untouched() {
-    let mut grads = vec![Grad::from_f64(DType::F32, &[3.0, 4.0], 0), Grad::from_f64(DType::Bf16, &[f64::NAN, 1.0], 1)];
+    let mut grads = vec![
+        Grad::from_f64(DType::F32, &[3.0, 4.0], 0),
+        Grad::from_f64(DType::Bf16, &[f64::NAN, 1.0], 1),
+    ];
     let before = grads.clone();
-    let opts = ClipOptions { error_if_nonfinite: true, ..ClipOptions::default() };
+    let opts = ClipOptions {
+        error_if_nonfinite: true,
+        ..ClipOptions::default()
+    };
     let err = clip(&mut grads, 1.0, &opts).unwrap_err();
     assert!(matches!(err, Error::NonFiniteNorm { .. }), "{err}");
     assert!(err.to_string().contains("error_if_nonfinite"));
@@ -162,7 +177,10 @@ fn max_norm_edge_cases() {
     // Invalid values are typed errors.
     for m in [-1.0, f64::NAN] {
         let mut g = base.clone();
-        assert!(matches!(clip(&mut g, m, &ClipOptions::default()), Err(Error::InvalidMaxNorm { .. })));
+        assert!(matches!(
+            clip(&mut g, m, &ClipOptions::default()),
+            Err(Error::InvalidMaxNorm { .. })
+        ));
         assert_eq!(g, base);
     }
 }
@@ -185,7 +203,16 @@ fn empty_lists_and_empty_tensors() {
         assert_eq!(norm_of(&empties, p), 0.0);
     }
     let mut none: Vec<HostGradMut> = Vec::new();
-    let rep = Cpu::new().clip_grad_norm(&mut none, 1.0, &ClipOptions { per_tensor_norms: true, ..Default::default() }).unwrap();
+    let rep = Cpu::new()
+        .clip_grad_norm(
+            &mut none,
+            1.0,
+            &ClipOptions {
+                per_tensor_norms: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
     assert_eq!((rep.norm, rep.coef), (0.0, 1.0));
     assert_eq!(rep.per_tensor, Some(vec![]));
 }
@@ -196,7 +223,9 @@ fn a_million_tensors_in_one_call() {
     let storage: Vec<bf16> = (0..3 * n).map(|i| bf16::from_f32(((i % 7) as f32 - 3.0) * 0.25)).collect();
     let views: Vec<HostGrad> = (0..n).map(|i| HostGrad::from(&storage[3 * i + (i % 2)..3 * i + 3])).collect();
     let rep = Cpu::new().total_norm(&views, NormType::L2, true).unwrap();
-    let flat: Vec<f64> = (0..n).flat_map(|i| storage[3 * i + (i % 2)..3 * i + 3].iter().map(|x| x.to_f64())).collect();
+    let flat: Vec<f64> = (0..n)
+        .flat_map(|i| storage[3 * i + (i % 2)..3 * i + 3].iter().map(|x| x.to_f64()))
+        .collect();
     assert!(rel_err(rep.norm, reference_norm_of(&flat, 2.0)) <= 1e-12);
     assert_eq!(rep.per_tensor.unwrap().len(), n);
 }
@@ -204,13 +233,20 @@ fn a_million_tensors_in_one_call() {
 #[test]
 fn clip_grads_with_a_given_norm() {
     let mut a = vec![2.0f64, -4.0];
-    let coef = Cpu::new().clip_grads_with_norm(&mut [HostGradMut::from(&mut a[..])], 1.0, 8.0).unwrap();
+    let coef = Cpu::new()
+        .clip_grads_with_norm(&mut [HostGradMut::from(&mut a[..])], 1.0, 8.0)
+        .unwrap();
     assert_eq!(coef, 1.0 / (8.0 + 1e-6));
     assert_eq!(a, vec![2.0 * coef, -4.0 * coef]);
 }
 
 #[test]
 fn misaligned_raw_tensors_are_rejected_by_the_planner() {
-    let e = gradclip::plan::plan(&[gradclip::plan::RawTensor { addr: 0x1001, len: 4, dtype: DType::F16 }]).unwrap_err();
+    let e = gradclip::plan::plan(&[gradclip::plan::RawTensor {
+        addr: 0x1001,
+        len: 4,
+        dtype: DType::F16,
+    }])
+    .unwrap_err();
     assert!(e.to_string().contains("not aligned"), "{e}");
 }

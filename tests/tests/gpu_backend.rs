@@ -82,7 +82,11 @@ impl Gpu {
     }
     /// Host copies of `grads` at the phases their device copies have.
     fn host_twins(&self, grads: &[Grad], devs: &[DevGrad]) -> Vec<Grad> {
-        grads.iter().zip(devs).map(|(g, d)| g.with_host_phase(d.phase_bytes(&self.stream))).collect()
+        grads
+            .iter()
+            .zip(devs)
+            .map(|(g, d)| g.with_host_phase(d.phase_bytes(&self.stream)))
+            .collect()
     }
 }
 
@@ -99,7 +103,11 @@ fn gpu_norm(gpu: &Gpu, engine: &mut GpuEngine, devs: &[DevGrad], p: f64, per_ten
     let boxes: Vec<Box<dyn DeviceGrad + '_>> = devs.iter().map(|d| d.view()).collect();
     let refs: Vec<&(dyn DeviceGrad + '_)> = boxes.iter().map(|b| b.as_ref()).collect();
     let _ = gpu;
-    engine.total_norm(&refs, NormType::from_p(p).unwrap(), per_tensor).unwrap().read().unwrap()
+    engine
+        .total_norm(&refs, NormType::from_p(p).unwrap(), per_tensor)
+        .unwrap()
+        .read()
+        .unwrap()
 }
 
 fn same_bits(a: f64, b: f64) -> bool {
@@ -113,9 +121,19 @@ fn norms_equal_cpu_bits(gpu: &Gpu, grads: &[Grad]) -> TestResult {
     for p in NORM_ORDERS {
         let g = gpu_norm(gpu, &mut engine, &devs, p, true);
         let c = cpu_norm(&twins, p, true);
-        ensure(same_bits(g.norm, c.norm), || format!("p={p}: GPU {:e} ({:#x}) != CPU {:e} ({:#x})", g.norm, g.norm.to_bits(), c.norm, c.norm.to_bits()))?;
+        ensure(same_bits(g.norm, c.norm), || {
+            format!(
+                "p={p}: GPU {:e} ({:#x}) != CPU {:e} ({:#x})",
+                g.norm,
+                g.norm.to_bits(),
+                c.norm,
+                c.norm.to_bits()
+            )
+        })?;
         let want = reference_norm(grads, p);
-        ensure(rel_err(g.norm, want) <= tolerance(p), || format!("p={p}: {:e} vs reference {want:e}", g.norm))?;
+        ensure(rel_err(g.norm, want) <= tolerance(p), || {
+            format!("p={p}: {:e} vs reference {want:e}", g.norm)
+        })?;
         let (gp, cp) = (g.per_tensor.unwrap(), c.per_tensor.unwrap());
         for (i, (a, b)) in gp.iter().zip(&cp).enumerate() {
             ensure(same_bits(*a, *b), || format!("p={p} tensor {i}: GPU {a:e} != CPU {b:e}"))?;
@@ -137,12 +155,23 @@ fn random_norms(gpu: &Gpu) -> TestResult {
 
 fn edge_values(gpu: &Gpu) -> TestResult {
     let lists: Vec<Vec<Grad>> = vec![
-        vec![Grad::from_f64(DType::Bf16, &vec![3.0e38; 70_001], 3), Grad::from_f64(DType::F32, &vec![-3.0e38; 5_003], 1)],
-        vec![Grad::from_f64(DType::F64, &vec![1e200; 9_999], 1), Grad::from_f64(DType::F64, &vec![1e-200; 333], 0)],
+        vec![
+            Grad::from_f64(DType::Bf16, &vec![3.0e38; 70_001], 3),
+            Grad::from_f64(DType::F32, &vec![-3.0e38; 5_003], 1),
+        ],
+        vec![
+            Grad::from_f64(DType::F64, &vec![1e200; 9_999], 1),
+            Grad::from_f64(DType::F64, &vec![1e-200; 333], 0),
+        ],
         vec![Grad::from_f64(DType::F16, &[1.0, f64::INFINITY, 2.0], 5)],
-        vec![Grad::from_f64(DType::F32, &[1.0, f64::NAN], 2), Grad::from_f64(DType::Bf16, &[f64::INFINITY], 0)],
+        vec![
+            Grad::from_f64(DType::F32, &[1.0, f64::NAN], 2),
+            Grad::from_f64(DType::Bf16, &[f64::INFINITY], 0),
+        ],
         vec![Grad::from_f64(DType::F64, &[], 0), Grad::from_f64(DType::Bf16, &[], 1)],
-        (0..8).map(|s| Grad::from_f64(DType::F16, &(0..77).map(|i| i as f64 * 0.01).collect::<Vec<_>>(), s)).collect(),
+        (0..8)
+            .map(|s| Grad::from_f64(DType::F16, &(0..77).map(|i| i as f64 * 0.01).collect::<Vec<_>>(), s))
+            .collect(),
     ];
     for grads in &lists {
         norms_equal_cpu_bits(gpu, grads)?;
@@ -156,7 +185,11 @@ fn clip_equals_cpu_bits(gpu: &Gpu) -> TestResult {
         for (max_norm, p) in [(0.5, 2.0), (1e9, 2.0), (0.0, 1.0), (3.0, f64::INFINITY), (2.0, 3.0)] {
             let mut devs = gpu.upload(&grads);
             let mut twins = gpu.host_twins(&grads, &devs);
-            let opts = ClipOptions { norm_type: NormType::from_p(p).unwrap(), per_tensor_norms: true, ..Default::default() };
+            let opts = ClipOptions {
+                norm_type: NormType::from_p(p).unwrap(),
+                per_tensor_norms: true,
+                ..Default::default()
+            };
             let g = {
                 let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
                 let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
@@ -166,11 +199,19 @@ fn clip_equals_cpu_bits(gpu: &Gpu) -> TestResult {
                 let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
                 Cpu::new().clip_grad_norm(&mut views, max_norm, &opts).unwrap()
             };
-            ensure(same_bits(g.norm, c.norm) && same_bits(g.coef, c.coef), || format!("seed {seed} p={p}: GPU {g:?} vs CPU {c:?}"))?;
+            ensure(same_bits(g.norm, c.norm) && same_bits(g.coef, c.coef), || {
+                format!("seed {seed} p={p}: GPU {g:?} vs CPU {c:?}")
+            })?;
             for (i, (d, t)) in devs.iter().zip(&twins).enumerate() {
                 let got = d.download(&gpu.stream).bits();
-                ensure(got == t.bits(), || format!("seed {seed} p={p} max_norm={max_norm}: tensor {i} differs from the CPU clip"))?;
-                let want: Vec<u64> = grads[i].bits().iter().map(|&b| torch_scaled_bits(grads[i].dtype(), b, c.coef)).collect();
+                ensure(got == t.bits(), || {
+                    format!("seed {seed} p={p} max_norm={max_norm}: tensor {i} differs from the CPU clip")
+                })?;
+                let want: Vec<u64> = grads[i]
+                    .bits()
+                    .iter()
+                    .map(|&b| torch_scaled_bits(grads[i].dtype(), b, c.coef))
+                    .collect();
                 ensure(got == want, || format!("tensor {i} differs from torch's rule"))?;
             }
         }
@@ -179,15 +220,23 @@ fn clip_equals_cpu_bits(gpu: &Gpu) -> TestResult {
 }
 
 fn error_if_nonfinite(gpu: &Gpu) -> TestResult {
-    let grads = vec![Grad::from_f64(DType::F32, &vec![3.0; 1000], 0), Grad::from_f64(DType::Bf16, &[1.0, f64::NAN, 2.0], 1)];
+    let grads = vec![
+        Grad::from_f64(DType::F32, &vec![3.0; 1000], 0),
+        Grad::from_f64(DType::Bf16, &[1.0, f64::NAN, 2.0], 1),
+    ];
     let mut devs = gpu.upload(&grads);
-    let opts = ClipOptions { error_if_nonfinite: true, ..Default::default() };
+    let opts = ClipOptions {
+        error_if_nonfinite: true,
+        ..Default::default()
+    };
     let r = {
         let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
         let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
         gpu.engine().clip_grad_norm(&mut refs, 1.0, &opts)
     };
-    ensure(matches!(r, Err(Error::NonFiniteNorm { .. })), || format!("expected NonFiniteNorm, got {r:?}"))?;
+    ensure(matches!(r, Err(Error::NonFiniteNorm { .. })), || {
+        format!("expected NonFiniteNorm, got {r:?}")
+    })?;
     for (d, g) in devs.iter().zip(&grads) {
         ensure(d.download(&gpu.stream).bits() == g.bits(), || "a gradient changed".into())?;
     }
@@ -205,7 +254,14 @@ fn million_tensors(gpu: &Gpu) -> TestResult {
     let hbase = hv[*hs..].as_ptr() as u64;
     // Tensor i: elements [4i + i%3, 4i + 4), so lengths 4, 3, 2 at every phase.
     let spans: Vec<(u64, u64)> = (0..n).map(|i| ((4 * i + i % 3) as u64, (4 - i % 3) as u64)).collect();
-    let raws: Vec<RawTensor> = spans.iter().map(|&(o, l)| RawTensor { addr: base + 2 * o, len: l, dtype: DType::Bf16 }).collect();
+    let raws: Vec<RawTensor> = spans
+        .iter()
+        .map(|&(o, l)| RawTensor {
+            addr: base + 2 * o,
+            len: l,
+            dtype: DType::Bf16,
+        })
+        .collect();
     let mut engine = gpu.engine();
     // SAFETY: every span lies inside `storage`, alive and unwritten during the call.
     let g = unsafe { engine.total_norm_raw(&raws, NormType::L2, true) }.unwrap().read().unwrap();
@@ -223,16 +279,23 @@ fn huge_tensor(gpu: &Gpu) -> TestResult {
     let len: u64 = (1 << 32) + 77;
     let mut engine = gpu.engine();
     // SAFETY: u16 bits; filled by the fill kernel before any read.
-    let mut d = unsafe { gpu.stream.alloc::<bf16>(len as usize + 1) }.unwrap();
+    let d = unsafe { gpu.stream.alloc::<bf16>(len as usize + 1) }.unwrap();
     let base = d.device_ptr(&gpu.stream).0 + 2; // start one element in: phase 2 bytes
-    let raw = RawTensor { addr: base, len, dtype: DType::Bf16 };
+    let raw = RawTensor {
+        addr: base,
+        len,
+        dtype: DType::Bf16,
+    };
     // SAFETY: raw lies inside d.
     unsafe { gradclip::gpu::tools::fill(&gpu.stream, engine.kernels(), &raw, 99, 1.0) }.unwrap();
     let host: Vec<bf16> = gpu.stream.clone_dtoh(&d).unwrap();
     let twin = Grad::Bf16(host, 1).with_host_phase(2);
     for p in [2.0, f64::INFINITY] {
         // SAFETY: raw lies inside d, which is alive and not written meanwhile.
-        let g = unsafe { engine.total_norm_raw(&[raw], NormType::from_p(p).unwrap(), false) }.unwrap().read().unwrap();
+        let g = unsafe { engine.total_norm_raw(&[raw], NormType::from_p(p).unwrap(), false) }
+            .unwrap()
+            .read()
+            .unwrap();
         let c = cpu_norm(std::slice::from_ref(&twin), p, false);
         ensure(same_bits(g.norm, c.norm), || format!("p={p}: {:e} vs {:e}", g.norm, c.norm))?;
     }
@@ -241,11 +304,12 @@ fn huge_tensor(gpu: &Gpu) -> TestResult {
     let g = unsafe { engine.clip_grad_norm_raw(&[raw], 1000.0, &opts) }.unwrap().read().unwrap();
     let mut twin = twin;
     let c = Cpu::new().clip_grad_norm(&mut [twin.host_mut()], 1000.0, &opts).unwrap();
-    ensure(same_bits(g.coef, c.coef) && g.coef < 1.0, || format!("coef {} vs {}", g.coef, c.coef))?;
+    ensure(same_bits(g.coef, c.coef) && g.coef < 1.0, || {
+        format!("coef {} vs {}", g.coef, c.coef)
+    })?;
     let after: Vec<bf16> = gpu.stream.clone_dtoh(&d).unwrap();
     let Grad::Bf16(tv, ts) = &twin else { unreachable!() };
     ensure(after[1..] == tv[*ts..], || "clipped bits differ from the CPU clip".into())?;
-    drop(d.slice_mut(..));
     Ok(())
 }
 
@@ -260,8 +324,16 @@ fn wrong_context(gpu: &Gpu) -> TestResult {
 fn overlap_rejected(gpu: &Gpu) -> TestResult {
     let d = gpu.stream.clone_htod(&[1.0f32; 64]).unwrap();
     let base = d.device_ptr(&gpu.stream).0;
-    let a = RawTensor { addr: base, len: 40, dtype: DType::F32 };
-    let b = RawTensor { addr: base + 4 * 39, len: 10, dtype: DType::F32 };
+    let a = RawTensor {
+        addr: base,
+        len: 40,
+        dtype: DType::F32,
+    };
+    let b = RawTensor {
+        addr: base + 4 * 39,
+        len: 10,
+        dtype: DType::F32,
+    };
     // SAFETY: both lie inside d; the call must refuse before launching.
     let r = unsafe { gpu.engine().clip_grad_norm_raw(&[a, b], 1.0, &ClipOptions::default()) };
     ensure(matches!(r, Err(Error::Overlap { first: 0, second: 1 })), || format!("{r:?}"))?;
@@ -274,7 +346,9 @@ fn kernel_nodes(graph: &cudarc::driver::CudaGraph) -> usize {
     let mut n = 0usize;
     // SAFETY: the graph is alive; the first call asks for the count, the second fills `nodes`.
     unsafe {
-        sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut n).result().unwrap();
+        sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut n)
+            .result()
+            .unwrap();
         let mut nodes = vec![std::ptr::null_mut(); n];
         sys::cuGraphGetNodes(graph.cu_graph(), nodes.as_mut_ptr(), &mut n).result().unwrap();
         nodes
@@ -311,7 +385,11 @@ fn graph_capture(_: &Gpu) -> TestResult {
                 DevGrad::F32(b, _) => (b.device_ptr(&stream).0, 4),
                 DevGrad::F64(b, _) => (b.device_ptr(&stream).0, 8),
             };
-            RawTensor { addr: base + size * g.start() as u64, len: g.len() as u64, dtype: g.dtype() }
+            RawTensor {
+                addr: base + size * g.start() as u64,
+                len: g.len() as u64,
+                dtype: g.dtype(),
+            }
         })
         .collect();
     let mut engine = GpuEngine::new(stream.clone()).unwrap();
@@ -331,7 +409,11 @@ fn graph_capture(_: &Gpu) -> TestResult {
     let clip_graph = capture(&mut || unsafe { engine.clip_grad_norm_raw_into(&raws, 0.5, &opts, &mut out) }.unwrap());
     // The launch budget, whatever the dtype mix: 1 kernel for the norm (+1 for per-tensor norms),
     // 2 for norm + clip.
-    for (g, want, what) in [(&norm_graph, 1, "norm"), (&norm_per_graph, 2, "norm with per-tensor norms"), (&clip_graph, 2, "clip")] {
+    for (g, want, what) in [
+        (&norm_graph, 1, "norm"),
+        (&norm_per_graph, 2, "norm with per-tensor norms"),
+        (&clip_graph, 2, "clip"),
+    ] {
         let n = kernel_nodes(g);
         ensure(n == want, || format!("{what}: {n} kernels in the graph, expected {want}"))?;
     }
@@ -342,16 +424,24 @@ fn graph_capture(_: &Gpu) -> TestResult {
         norm_per_graph.launch().unwrap();
         let (g, gp) = (out.read().unwrap(), out_per.read().unwrap());
         let c = cpu_norm(&current, 2.0, true);
-        ensure(same_bits(g.norm, c.norm) && same_bits(gp.norm, c.norm), || format!("replay {replay}: {:e} vs {:e}", g.norm, c.norm))?;
-        ensure(gp.per_tensor == c.per_tensor, || format!("replay {replay}: per-tensor norms differ"))?;
+        ensure(same_bits(g.norm, c.norm) && same_bits(gp.norm, c.norm), || {
+            format!("replay {replay}: {:e} vs {:e}", g.norm, c.norm)
+        })?;
+        ensure(gp.per_tensor == c.per_tensor, || {
+            format!("replay {replay}: per-tensor norms differ")
+        })?;
         clip_graph.launch().unwrap();
         let r = {
             let mut views: Vec<HostGradMut> = current.iter_mut().map(Grad::host_mut).collect();
             Cpu::new().clip_grad_norm(&mut views, 0.5, &opts).unwrap()
         };
-        ensure(same_bits(out.read().unwrap().coef, r.coef), || format!("replay {replay}: coefficient differs"))?;
+        ensure(same_bits(out.read().unwrap().coef, r.coef), || {
+            format!("replay {replay}: coefficient differs")
+        })?;
         for (i, (d, t)) in devs.iter().zip(&current).enumerate() {
-            ensure(d.download(&stream).bits() == t.bits(), || format!("replay {replay}: tensor {i} differs"))?;
+            ensure(d.download(&stream).bits() == t.bits(), || {
+                format!("replay {replay}: tensor {i} differs")
+            })?;
         }
     }
     Ok(())
@@ -359,7 +449,8 @@ fn graph_capture(_: &Gpu) -> TestResult {
 
 fn main() {
     let args = Arguments::from_args();
-    let tests: Vec<(&str, fn(&Gpu) -> TestResult)> = vec![
+    type Case = (&'static str, fn(&Gpu) -> TestResult);
+    let tests: Vec<Case> = vec![
         ("random_lists_norm_bits_equal_cpu", random_norms),
         ("edge_values_norm_bits_equal_cpu", edge_values),
         ("clip_bits_equal_cpu_and_torch_rule", clip_equals_cpu_bits),
@@ -373,9 +464,14 @@ fn main() {
     let gpu = if gradclip::gpu::gpu_available() {
         let ctx = CudaContext::new(0).expect("CUDA context");
         eprintln!("GPU tests on {}", ctx.name().unwrap_or_default());
-        Some(Arc::new(Gpu { stream: ctx.default_stream() }))
+        Some(Arc::new(Gpu {
+            stream: ctx.default_stream(),
+        }))
     } else {
-        eprintln!("no CUDA GPU: the {} GPU tests are reported as ignored (skipped), not passed", tests.len());
+        eprintln!(
+            "no CUDA GPU: the {} GPU tests are reported as ignored (skipped), not passed",
+            tests.len()
+        );
         None
     };
     let trials = tests

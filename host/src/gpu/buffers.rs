@@ -26,7 +26,11 @@ pub trait DeviceGradMut {
 }
 
 fn raw<T: GradElement>(ptr: u64, len: usize) -> RawTensor {
-    RawTensor { addr: ptr, len: len as u64, dtype: T::DTYPE }
+    RawTensor {
+        addr: ptr,
+        len: len as u64,
+        dtype: T::DTYPE,
+    }
 }
 
 macro_rules! impl_read {

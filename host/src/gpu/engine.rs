@@ -33,7 +33,11 @@ impl DeviceNorm {
     pub fn new(stream: &Arc<CudaStream>, per_tensor: usize) -> Result<Self> {
         // SAFETY: u64/f64 accept any bits; the finalize kernel writes every word before a read.
         let out = unsafe { stream.alloc::<u64>(OUT_WORDS) }?;
-        let per_tensor = if per_tensor > 0 { Some(unsafe { stream.alloc::<f64>(per_tensor) }?) } else { None };
+        let per_tensor = if per_tensor > 0 {
+            Some(unsafe { stream.alloc::<f64>(per_tensor) }?)
+        } else {
+            None
+        };
         Ok(DeviceNorm { out, per_tensor })
     }
 
@@ -46,7 +50,12 @@ impl DeviceNorm {
             Some(p) => Some(stream.clone_dtoh(p)?),
             None => None,
         };
-        Ok(NormReport { norm: out.norm, coef: out.coef, nonfinite: out.nonfinite != 0, per_tensor })
+        Ok(NormReport {
+            norm: out.norm,
+            coef: out.coef,
+            nonfinite: out.nonfinite != 0,
+            per_tensor,
+        })
     }
 
     /// The device buffer holding the result: word 0 is the norm's f64 bits, word 1 the clip
@@ -118,13 +127,20 @@ impl GpuEngine {
     /// An engine that launches on `stream` (ordered with the caller's other work there).
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
         let kernels = kernels::load(stream.context())?;
-        Ok(GpuEngine { stream, kernels, ws: Workspace::default(), uploaded: Uploaded::default() })
+        Ok(GpuEngine {
+            stream,
+            kernels,
+            ws: Workspace::default(),
+            uploaded: Uploaded::default(),
+        })
     }
 
     /// An engine on the default stream of device `ordinal`, or [`Error::NoGpu`].
     pub fn on_device(ordinal: usize) -> Result<Self> {
         if !super::gpu_available() {
-            return Err(Error::NoGpu { reason: "no CUDA driver library or no device".into() });
+            return Err(Error::NoGpu {
+                reason: "no CUDA driver library or no device".into(),
+            });
         }
         let ctx = CudaContext::new(ordinal)?;
         Self::new(ctx.default_stream())
@@ -138,7 +154,10 @@ impl GpuEngine {
     /// Device memory the engine holds for its tables (tensor list, tasks, partials), in bytes:
     /// O(tensors + blocks), never proportional to the gradients' size.
     pub fn workspace_bytes(&self) -> usize {
-        let tables: usize = [&self.ws.tensors, &self.ws.tasks, &self.ws.partials].iter().map(|b| b.as_ref().map_or(0, |b| b.len() * 8)).sum();
+        let tables: usize = [&self.ws.tensors, &self.ws.tasks, &self.ws.partials]
+            .iter()
+            .map(|b| b.as_ref().map_or(0, |b| b.len() * 8))
+            .sum();
         tables + self.ws.counter.as_ref().map_or(0, |_| 4)
     }
 
@@ -150,7 +169,11 @@ impl GpuEngine {
     fn check_context(&self, index: usize, ctx: &Arc<CudaContext>) -> Result<()> {
         let mine = self.stream.context();
         if ctx.cu_ctx() != mine.cu_ctx() {
-            return Err(Error::WrongContext { index, expected: mine.ordinal(), found: ctx.ordinal() });
+            return Err(Error::WrongContext {
+                index,
+                expected: mine.ordinal(),
+                found: ctx.ordinal(),
+            });
         }
         Ok(())
     }
@@ -186,7 +209,13 @@ impl GpuEngine {
 
     /// [`GpuEngine::clip_grad_norm`] into caller-owned storage (see [`GpuEngine::total_norm_into`];
     /// `opts.per_tensor_norms` is ignored: `out` decides).
-    pub fn clip_grad_norm_into(&mut self, grads: &mut [&mut (dyn DeviceGradMut + '_)], max_norm: f64, opts: &ClipOptions, out: &mut DeviceNorm) -> Result<()> {
+    pub fn clip_grad_norm_into(
+        &mut self,
+        grads: &mut [&mut (dyn DeviceGradMut + '_)],
+        max_norm: f64,
+        opts: &ClipOptions,
+        out: &mut DeviceNorm,
+    ) -> Result<()> {
         for (i, g) in grads.iter().enumerate() {
             self.check_context(i, g.context())?;
         }
@@ -230,7 +259,13 @@ impl GpuEngine {
     /// As [`GpuEngine::total_norm_raw`]; `out` must be 24 writable, 8-aligned bytes and
     /// `per_tensor` room for `tensors.len()` f64s, device memory of this context, used by nothing
     /// else until the enqueued work completes.
-    pub unsafe fn total_norm_raw_at(&mut self, tensors: &[RawTensor], norm_type: NormType, out: u64, per_tensor: Option<u64>) -> Result<()> {
+    pub unsafe fn total_norm_raw_at(
+        &mut self,
+        tensors: &[RawTensor],
+        norm_type: NormType,
+        out: u64,
+        per_tensor: Option<u64>,
+    ) -> Result<()> {
         let norm_type = norm_type.validated()?;
         let num_tasks = self.upload(tensors, false)?;
         // SAFETY: the caller's contract covers memory validity; upload planned these tensors.
@@ -252,7 +287,13 @@ impl GpuEngine {
     ///
     /// # Safety
     /// As [`GpuEngine::clip_grad_norm_raw`].
-    pub unsafe fn clip_grad_norm_raw_into(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions, out: &mut DeviceNorm) -> Result<()> {
+    pub unsafe fn clip_grad_norm_raw_into(
+        &mut self,
+        tensors: &[RawTensor],
+        max_norm: f64,
+        opts: &ClipOptions,
+        out: &mut DeviceNorm,
+    ) -> Result<()> {
         check_out(out, tensors.len())?;
         let stream = self.stream.clone();
         let (o, _g1) = out.out.device_ptr_mut(&stream);
@@ -266,7 +307,14 @@ impl GpuEngine {
     ///
     /// # Safety
     /// As [`GpuEngine::clip_grad_norm_raw`] and [`GpuEngine::total_norm_raw_at`].
-    pub unsafe fn clip_grad_norm_raw_at(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions, out: u64, per_tensor: Option<u64>) -> Result<()> {
+    pub unsafe fn clip_grad_norm_raw_at(
+        &mut self,
+        tensors: &[RawTensor],
+        max_norm: f64,
+        opts: &ClipOptions,
+        out: u64,
+        per_tensor: Option<u64>,
+    ) -> Result<()> {
         validate_max_norm(max_norm)?;
         let norm_type = opts.norm_type.validated()?;
         let num_tasks = self.upload(tensors, true)?;
@@ -283,7 +331,10 @@ impl GpuEngine {
             // SAFETY: `out` is the caller's 24 bytes of device memory, written above.
             let r = unsafe { self.read_output_at(out) }?;
             if r.nonfinite != 0 {
-                return Err(Error::NonFiniteNorm { norm: r.norm, norm_type: norm_type.to_string() });
+                return Err(Error::NonFiniteNorm {
+                    norm: r.norm,
+                    norm_type: norm_type.to_string(),
+                });
             }
         }
         Ok(())
@@ -350,7 +401,12 @@ impl GpuEngine {
             self.stream.memcpy_htod(kw, &mut dst)?;
         }
         let tables = self.resolve_tables();
-        self.uploaded = Uploaded { tensors: tensors.to_vec(), num_tasks: plan.tasks.len(), disjoint: need_disjoint, tables: Some(tables) };
+        self.uploaded = Uploaded {
+            tensors: tensors.to_vec(),
+            num_tasks: plan.tasks.len(),
+            disjoint: need_disjoint,
+            tables: Some(tables),
+        };
         Ok(plan.tasks.len())
     }
 
@@ -361,15 +417,35 @@ impl GpuEngine {
     fn resolve_tables(&self) -> Tables {
         let ptr = |b: &Option<CudaSlice<u64>>| b.as_ref().map_or(0, |b| b.device_ptr(&self.stream).0);
         let counter = self.ws.counter.as_ref().map_or(0, |b| b.device_ptr(&self.stream).0);
-        Tables { tensors: ptr(&self.ws.tensors), tasks: ptr(&self.ws.tasks), partials: ptr(&self.ws.partials), counter }
+        Tables {
+            tensors: ptr(&self.ws.tensors),
+            tasks: ptr(&self.ws.tasks),
+            partials: ptr(&self.ws.partials),
+            counter,
+        }
     }
 
     /// # Safety
     /// The uploaded plan's tensors are readable device memory of this context (caller).
-    unsafe fn run(&mut self, norm_type: NormType, num_tasks: usize, max_norm: f64, flags: u32, out: u64, per_tensor: Option<u64>) -> Result<()> {
+    unsafe fn run(
+        &mut self,
+        norm_type: NormType,
+        num_tasks: usize,
+        max_norm: f64,
+        flags: u32,
+        out: u64,
+        per_tensor: Option<u64>,
+    ) -> Result<()> {
         let num_tensors = self.uploaded.tensors.len();
         let t = self.tables();
-        let params = NormParams { p: norm_type.p(), max_norm, num_tasks: num_tasks as u64, num_tensors: num_tensors as u64, flags, reserved: 0 };
+        let params = NormParams {
+            p: norm_type.p(),
+            max_norm,
+            num_tasks: num_tasks as u64,
+            num_tensors: num_tensors as u64,
+            flags,
+            reserved: 0,
+        };
         // SAFETY: the plan was uploaded on this stream, partials has num_tasks slots and the
         // counter is zero (upload; every launch's last block resets it), the caller vouches for
         // the tensors and for out (one NormOutput).
@@ -384,9 +460,11 @@ impl GpuEngine {
 
 fn check_out(out: &DeviceNorm, num_tensors: usize) -> Result<()> {
     match &out.per_tensor {
-        Some(p) if p.len() != num_tensors => {
-            Err(Error::LengthMismatch { what: "the DeviceNorm's per-tensor buffer", expected: num_tensors, found: p.len() })
-        }
+        Some(p) if p.len() != num_tensors => Err(Error::LengthMismatch {
+            what: "the DeviceNorm's per-tensor buffer",
+            expected: num_tensors,
+            found: p.len(),
+        }),
         _ => Ok(()),
     }
 }

@@ -93,7 +93,11 @@ pub fn load(ctx: &Arc<CudaContext>) -> Result<Arc<KernelSet>> {
     let module = ctx.load_module(Ptx::from_src(PTX))?;
     let functions = Kernel::ALL
         .iter()
-        .map(|k| module.load_function(k.name()).map_err(|source| Error::MissingKernel { name: k.name(), source }))
+        .map(|k| {
+            module
+                .load_function(k.name())
+                .map_err(|source| Error::MissingKernel { name: k.name(), source })
+        })
         .collect::<Result<Vec<_>>>()?;
     let set = Arc::new(KernelSet { functions });
     cache.push((key, set.clone()));
@@ -116,7 +120,11 @@ mod tests {
         for k in Kernel::ALL {
             assert!(entries.contains(&k.name()), "{} missing from PTX", k.name());
         }
-        assert_eq!(entries.len(), Kernel::ALL.len(), "PTX has entries the host does not know: {entries:?}");
+        assert_eq!(
+            entries.len(),
+            Kernel::ALL.len(),
+            "PTX has entries the host does not know: {entries:?}"
+        );
         assert!(!PTX.contains(".extern .func"));
         // No local memory (spills or arrays) in any kernel but the general-p ones, whose
         // per-element log/exp path is allowed a stack.

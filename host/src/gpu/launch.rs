@@ -47,7 +47,11 @@ pub unsafe fn norm(stream: &CudaStream, ks: &KernelSet, norm: NormType, t: &Tabl
     b.arg(&t.tensors).arg(&t.tasks).arg(&t.partials).arg(&t.counter).arg(&out);
     b.arg(&p).arg(&max_norm).arg(&num_tasks).arg(&flags);
     let blocks = num_tasks.max(1) as u32;
-    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: BLOCK_SMEM_BYTES };
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: BLOCK_SMEM_BYTES,
+    };
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
     unsafe { b.launch(cfg) }?;
     Ok(())
@@ -58,12 +62,25 @@ pub unsafe fn norm(stream: &CudaStream, ks: &KernelSet, norm: NormType, t: &Tabl
 /// # Safety
 /// After [`norm`] on the same stream with the same tables; `per_tensor` holds `num_tensors`
 /// f64s of device memory of the stream's context owned by this call.
-pub unsafe fn tensor_norms(stream: &CudaStream, ks: &KernelSet, norm: NormType, t: &Tables, per_tensor: u64, num_tensors: u64) -> Result<()> {
+pub unsafe fn tensor_norms(
+    stream: &CudaStream,
+    ks: &KernelSet,
+    norm: NormType,
+    t: &Tables,
+    per_tensor: u64,
+    num_tensors: u64,
+) -> Result<()> {
     let p = norm.p();
-    let blocks = num_tensors.div_ceil((BLOCK_THREADS / WARP_THREADS) as u64).clamp(1, MAX_TENSOR_BLOCKS) as u32;
+    let blocks = num_tensors
+        .div_ceil((BLOCK_THREADS / WARP_THREADS) as u64)
+        .clamp(1, MAX_TENSOR_BLOCKS) as u32;
     let mut b = stream.launch_builder(ks.get(kernels_of(norm).1));
     b.arg(&t.partials).arg(&t.tensors).arg(&per_tensor).arg(&num_tensors).arg(&p);
-    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
     unsafe { b.launch(cfg) }?;
     Ok(())
@@ -77,7 +94,11 @@ pub unsafe fn tensor_norms(stream: &CudaStream, ks: &KernelSet, norm: NormType, 
 pub unsafe fn scale(stream: &CudaStream, ks: &KernelSet, t: &Tables, num_tasks: u32, out: u64) -> Result<()> {
     let mut b = stream.launch_builder(ks.get(Kernel::Scale));
     b.arg(&t.tensors).arg(&t.tasks).arg(&out);
-    let cfg = LaunchConfig { grid_dim: (num_tasks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (num_tasks, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
     unsafe { b.launch(cfg) }?;
     Ok(())

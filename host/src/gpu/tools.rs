@@ -27,7 +27,11 @@ pub unsafe fn fill(stream: &CudaStream, ks: &KernelSet, t: &RawTensor, seed: u64
     let code = t.dtype.code();
     let mut b = stream.launch_builder(ks.get(Kernel::Fill));
     b.arg(&t.addr).arg(&t.len).arg(&code).arg(&seed).arg(&scale);
-    let cfg = LaunchConfig { grid_dim: (grid_for(t.len, 132), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (grid_for(t.len, 132), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: arguments match the kernel; memory validity is the caller's.
     unsafe { b.launch(cfg) }?;
     Ok(())
@@ -38,12 +42,23 @@ pub unsafe fn fill(stream: &CudaStream, ks: &KernelSet, t: &RawTensor, seed: u64
 /// # Safety
 /// `addr..addr+bytes` must be readable device memory of the stream's context; `sink` is a
 /// scratch word.
-pub unsafe fn stream_read(stream: &CudaStream, ks: &KernelSet, addr: u64, bytes: u64, sink: &mut CudaSlice<u32>, blocks: u32) -> Result<()> {
+pub unsafe fn stream_read(
+    stream: &CudaStream,
+    ks: &KernelSet,
+    addr: u64,
+    bytes: u64,
+    sink: &mut CudaSlice<u32>,
+    blocks: u32,
+) -> Result<()> {
     let nvec = bytes / 16;
     let marker = 0x5EED_F00Du32;
     let mut b = stream.launch_builder(ks.get(Kernel::StreamRead));
     b.arg(&addr).arg(&nvec).arg(sink).arg(&marker);
-    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: arguments match the kernel; memory validity is the caller's.
     unsafe { b.launch(cfg) }?;
     Ok(())
@@ -55,7 +70,13 @@ pub unsafe fn stream_read(stream: &CudaStream, ks: &KernelSet, addr: u64, bytes:
 ///
 /// # Safety
 /// Every tensor must be readable device memory of the stream's context.
-pub unsafe fn baseline_two_pass(stream: &Arc<CudaStream>, ks: &KernelSet, tensors: &[RawTensor], scratch: &mut CudaSlice<u32>, sms: u32) -> Result<()> {
+pub unsafe fn baseline_two_pass(
+    stream: &Arc<CudaStream>,
+    ks: &KernelSet,
+    tensors: &[RawTensor],
+    scratch: &mut CudaSlice<u32>,
+    sms: u32,
+) -> Result<()> {
     stream.memset_zeros(scratch)?;
     let base = {
         use cudarc::driver::DevicePtr;
@@ -68,7 +89,11 @@ pub unsafe fn baseline_two_pass(stream: &Arc<CudaStream>, ks: &KernelSet, tensor
         let code = t.dtype.code();
         let max_slot = base + 8 * i as u64;
         let sum_slot = max_slot + 4;
-        let cfg = LaunchConfig { grid_dim: (grid_for(t.len, sms), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (grid_for(t.len, sms), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = stream.launch_builder(ks.get(Kernel::BaselineMax));
         b.arg(&t.addr).arg(&t.len).arg(&code).arg(&max_slot);
         // SAFETY: arguments match the kernel; slots lie inside `scratch`.

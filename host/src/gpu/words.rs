@@ -18,8 +18,8 @@ unsafe impl TableWords for Partial {}
 unsafe impl TableWords for NormOutput {}
 
 pub(crate) fn as_words<T: TableWords>(items: &[T]) -> &[u64] {
-    const { assert!(size_of::<T>() % 8 == 0 && align_of::<T>() == 8) };
-    let n = items.len() * size_of::<T>() / 8;
+    const { assert!(size_of::<T>().is_multiple_of(8) && align_of::<T>() == 8) };
+    let n = size_of_val(items) / 8;
     // SAFETY: TableWords guarantees the layout; T's alignment is 8, the same as u64's, and the
     // length covers exactly the same bytes.
     unsafe { core::slice::from_raw_parts(items.as_ptr() as *const u64, n) }
