@@ -72,7 +72,7 @@ class _FastPlan:
     """The native arguments for a list of contiguous, supported, non-aliased gradients on one
     device, kept while the same storage comes back."""
 
-    __slots__ = ("key", "device", "ptrs", "lens", "codes", "dtype")
+    __slots__ = ("key", "device", "ptrs", "lens", "codes", "dtype", "_ws")
 
     def __init__(self, key, device, dtype):
         self.key = key
@@ -81,6 +81,14 @@ class _FastPlan:
         self.lens = [k[1] for k in key]
         self.codes = [_CODES[k[2]] for k in key]
         self.dtype = dtype
+        self._ws = None
+
+    def workspace(self):
+        """The engine's tables for this list, in memory from torch's caching allocator: made once,
+        kept with the plan (so a captured CUDA graph keeps using the same memory)."""
+        if self._ws is None:
+            self._ws = _workspace(self.device, self.ptrs, self.lens, self.codes)
+        return self._ws
 
 
 _LAST_PLAN: List[_FastPlan] = []
@@ -105,6 +113,14 @@ def _fast_plan(ts: List[torch.Tensor]) -> Optional[_FastPlan]:
     return plan
 
 
+def _workspace(device: torch.device, ptrs, lens, codes):
+    """Zeroed device memory from torch's allocator for the engine's tables, as (address, bytes)
+    plus the tensor that owns it (the caller keeps it alive while the stream may use it)."""
+    nbytes = _native.cuda_workspace_bytes(ptrs, lens, codes)
+    t = torch.zeros(max(nbytes, 8), dtype=torch.uint8, device=device)
+    return t, (t.data_ptr(), t.numel())
+
+
 def _cuda_out(device: torch.device):
     """A fresh 24-byte result buffer on ``device`` (the engine's NormOutput: norm, coefficient,
     flags) from torch's allocator, and the handle of torch's current stream there."""
@@ -127,7 +143,10 @@ def _device_norm(device: torch.device, ts: List[torch.Tensor], p: float) -> torc
         ptrs, lens, codes = _lists(fast)
         if device.type == "cuda":
             out, stream = _cuda_out(device)
-            _native.cuda_total_norm(device.index, stream, ptrs, lens, codes, p, out.data_ptr())
+            # `ws` lives to the end of this function; torch's allocator hands a freed block out
+            # again only in this stream's order, after the kernels that use it.
+            ws, lent = _workspace(device, ptrs, lens, codes)
+            _native.cuda_total_norm(device.index, stream, ptrs, lens, codes, p, out.data_ptr(), lent)
             parts.append(out[0])
         else:
             parts.append(torch.tensor(_native.cpu_total_norm(ptrs, lens, codes, p), dtype=torch.float64))
@@ -160,7 +179,7 @@ def get_total_norm(
         device = plan.device
         if device.type == "cuda":
             out, stream = _cuda_out(device)
-            _native.cuda_total_norm(device.index, stream, plan.ptrs, plan.lens, plan.codes, p, out.data_ptr())
+            _native.cuda_total_norm(device.index, stream, plan.ptrs, plan.lens, plan.codes, p, out.data_ptr(), plan.workspace()[1])
             return out[0].to(plan.dtype)
         return torch.tensor(_native.cpu_total_norm(plan.ptrs, plan.lens, plan.codes, p), dtype=plan.dtype)
     groups = _by_device(ts)
@@ -181,7 +200,8 @@ def _scale_group(device: torch.device, ts: List[torch.Tensor], coef: torch.Tenso
             out, stream = _cuda_out(device)
             out.zero_()
             out[1] = coef.to(device)
-            _native.cuda_scale(device.index, stream, ptrs, lens, codes, out.data_ptr())
+            ws, lent = _workspace(device, ptrs, lens, codes)  # kept to the end, as above
+            _native.cuda_scale(device.index, stream, ptrs, lens, codes, out.data_ptr(), lent)
         else:
             _native.cpu_scale(ptrs, lens, codes, float(coef))
         rest = [t for t in ts if not _native_ok(t)]
@@ -232,7 +252,9 @@ def clip_grad_norm_(
         try:
             if device.type == "cuda":
                 out, stream = _cuda_out(device)
-                _native.cuda_clip_grad_norm(device.index, stream, plan.ptrs, plan.lens, plan.codes, max_norm, p, error_if_nonfinite, out.data_ptr())
+                _native.cuda_clip_grad_norm(
+                    device.index, stream, plan.ptrs, plan.lens, plan.codes, max_norm, p, error_if_nonfinite, out.data_ptr(), plan.workspace()[1]
+                )
                 return out[0].to(plan.dtype)
             norm, _ = _native.cpu_clip_grad_norm(plan.ptrs, plan.lens, plan.codes, max_norm, p, error_if_nonfinite)
             return torch.tensor(norm, dtype=plan.dtype)

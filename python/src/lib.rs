@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use cudarc::driver::CudaContext;
 use gradclip::cpu::Cpu;
-use gradclip::gpu::GpuEngine;
+use gradclip::gpu::{ExternalWorkspace, GpuEngine};
 use gradclip::plan::RawTensor;
 use gradclip::{ClipOptions, DType, Error, NormType};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -102,7 +102,9 @@ fn cpu_scale(py: Python<'_>, ptrs: Vec<u64>, lens: Vec<u64>, dtypes: Vec<u32>, c
 /// One engine per (device, stream): it keeps the planned table of the last list it saw.
 static ENGINES: Mutex<Option<HashMap<(usize, usize), GpuEngine>>> = Mutex::new(None);
 
-fn with_engine<R>(device: usize, stream: usize, f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>) -> PyResult<R> {
+/// Runs `f` on the engine of (device, stream), its tables in the lent workspace `ws`
+/// (address, bytes) from PyTorch's caching allocator.
+fn with_engine<R>(device: usize, stream: usize, ws: (u64, usize), f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>) -> PyResult<R> {
     let mut guard = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
     let engines = guard.get_or_insert_with(HashMap::new);
     if let std::collections::hash_map::Entry::Vacant(v) = engines.entry((device, stream)) {
@@ -112,7 +114,17 @@ fn with_engine<R>(device: usize, stream: usize, f: impl FnOnce(&mut GpuEngine) -
         let s = unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) };
         v.insert(GpuEngine::new(s).map_err(to_py)?);
     }
-    f(engines.get_mut(&(device, stream)).expect("inserted above")).map_err(to_py)
+    let engine = engines.get_mut(&(device, stream)).expect("inserted above");
+    // SAFETY: the Python caller allocated `ws` with torch.zeros on `device` (so its counter word
+    // starts at zero) and keeps it alive and unused by others while this stream may use it.
+    unsafe { engine.set_external_workspace(Some(ExternalWorkspace { addr: ws.0, bytes: ws.1 })) };
+    f(engine).map_err(to_py)
+}
+
+/// Bytes of device workspace the engine needs for these tensors (allocate them zeroed).
+#[pyfunction]
+fn cuda_workspace_bytes(ptrs: Vec<u64>, lens: Vec<u64>, dtypes: Vec<u32>) -> PyResult<usize> {
+    gradclip::gpu::workspace_bytes(&raws(&ptrs, &lens, &dtypes)?).map_err(to_py)
 }
 
 /// Total norm of CUDA tensors on PyTorch's stream; writes the 24-byte NormOutput at `out`.
@@ -127,12 +139,13 @@ fn cuda_total_norm(
     dtypes: Vec<u32>,
     p: f64,
     out: u64,
+    ws: (u64, usize),
 ) -> PyResult<()> {
     let t = raws(&ptrs, &lens, &dtypes)?;
     let norm_type = NormType::from_p(p).map_err(to_py)?;
     // SAFETY: the tensors and `out` are live CUDA memory of `device` that PyTorch's caching
     // allocator keeps until the stream passes this work (the caller holds the tensors).
-    py.detach(|| with_engine(device, stream, |e| unsafe { e.total_norm_raw_at(&t, norm_type, out, None) }))
+    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.total_norm_raw_at(&t, norm_type, out, None) }))
 }
 
 /// Norm and in-place clip of CUDA tensors; the NormOutput goes to `out`.
@@ -149,6 +162,7 @@ fn cuda_clip_grad_norm(
     p: f64,
     error_if_nonfinite: bool,
     out: u64,
+    ws: (u64, usize),
 ) -> PyResult<()> {
     let t = raws(&ptrs, &lens, &dtypes)?;
     let opts = ClipOptions {
@@ -158,7 +172,7 @@ fn cuda_clip_grad_norm(
     };
     // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
     py.detach(|| {
-        with_engine(device, stream, |e| unsafe {
+        with_engine(device, stream, ws, |e| unsafe {
             e.clip_grad_norm_raw_at(&t, max_norm, &opts, out, None)
         })
     })
@@ -166,10 +180,20 @@ fn cuda_clip_grad_norm(
 
 /// In-place scale of CUDA tensors by the coefficient in the NormOutput at `out`.
 #[pyfunction]
-fn cuda_scale(py: Python<'_>, device: usize, stream: usize, ptrs: Vec<u64>, lens: Vec<u64>, dtypes: Vec<u32>, out: u64) -> PyResult<()> {
+#[allow(clippy::too_many_arguments)]
+fn cuda_scale(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    ptrs: Vec<u64>,
+    lens: Vec<u64>,
+    dtypes: Vec<u32>,
+    out: u64,
+    ws: (u64, usize),
+) -> PyResult<()> {
     let t = raws(&ptrs, &lens, &dtypes)?;
     // SAFETY: as cuda_clip_grad_norm; `out` was written on this stream before the call.
-    py.detach(|| with_engine(device, stream, |e| unsafe { e.scale_raw_at(&t, out) }))
+    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.scale_raw_at(&t, out) }))
 }
 
 /// True when a CUDA driver and device are present.
@@ -184,6 +208,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_clip_grad_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_clip_grads_with_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_scale, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_workspace_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_total_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_clip_grad_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_scale, m)?)?;

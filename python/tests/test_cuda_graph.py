@@ -37,3 +37,16 @@ def test_clip_captured_in_a_cuda_graph_replays_correctly():
         coef = min(1.0, 0.5 / (float(want) + 1e-6))
         for p, f in zip(params, fresh):
             assert torch.allclose(p.grad.double(), f.double() * coef, rtol=1e-2, atol=1e-6), replay
+
+
+def test_work_memory_comes_from_torchs_allocator():
+    params = []
+    for n in (3000, 70_001, 5):
+        p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
+        p.grad = torch.randn(n, device="cuda")
+        params.append(p)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gt.clip_grad_norm_(params, 1.0)  # a new list: plans, and takes its tables from torch
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() > before  # torch's accounting sees gradclip's tables

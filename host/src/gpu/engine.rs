@@ -91,6 +91,45 @@ fn ensure(stream: &Arc<CudaStream>, buf: &mut Option<CudaSlice<u64>>, words: usi
     Ok(())
 }
 
+/// Device memory a caller lends the engine for its tables, instead of the engine allocating its
+/// own: for example a tensor from PyTorch's caching allocator, so that torch's memory accounting
+/// sees it and a captured CUDA graph keeps it alive. Size it with [`workspace_bytes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExternalWorkspace {
+    /// Device address, 8-byte aligned.
+    pub addr: u64,
+    /// Bytes available there.
+    pub bytes: usize,
+}
+
+/// Byte offsets of the tables inside an [`ExternalWorkspace`]: the 8-byte counter first (so it
+/// stays put whatever the plan), then the tensor table, the task table and the partials.
+struct Layout {
+    tensors: usize,
+    tasks: usize,
+    partials: usize,
+    total: usize,
+}
+
+fn layout(num_tensors: usize, num_tasks: usize) -> Layout {
+    use gradclip_kernels::abi::{ChunkTask, Partial, TensorDesc};
+    let tensors = 8;
+    let tasks = tensors + num_tensors * size_of::<TensorDesc>();
+    let partials = tasks + num_tasks * size_of::<ChunkTask>();
+    Layout {
+        tensors,
+        tasks,
+        partials,
+        total: partials + num_tasks * size_of::<Partial>(),
+    }
+}
+
+/// Bytes of device memory the tables for `tensors` need in an [`ExternalWorkspace`].
+pub fn workspace_bytes(tensors: &[RawTensor]) -> Result<usize> {
+    let p = plan(tensors)?;
+    Ok(layout(p.tensors.len(), p.tasks.len()).total)
+}
+
 /// The plan last uploaded, to skip planning and uploading when the same list comes back.
 #[derive(Debug, Default)]
 struct Uploaded {
@@ -120,6 +159,7 @@ pub struct GpuEngine {
     stream: Arc<CudaStream>,
     kernels: Arc<KernelSet>,
     ws: Workspace,
+    external: Option<ExternalWorkspace>,
     uploaded: Uploaded,
 }
 
@@ -131,6 +171,7 @@ impl GpuEngine {
             stream,
             kernels,
             ws: Workspace::default(),
+            external: None,
             uploaded: Uploaded::default(),
         })
     }
@@ -149,6 +190,21 @@ impl GpuEngine {
     /// The engine's stream.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Makes the engine keep its tables in caller memory from the next call on (`None`: in
+    /// memory it allocates itself). A call whose tables do not fit returns
+    /// [`Error::LengthMismatch`].
+    ///
+    /// # Safety
+    /// `ws` must be device memory of this engine's context, 8-byte aligned, used by nothing else
+    /// while the engine's work on its stream may touch it, and its first 8 bytes must be zero
+    /// when first lent (the engine leaves them zero after every call).
+    pub unsafe fn set_external_workspace(&mut self, ws: Option<ExternalWorkspace>) {
+        if self.external != ws {
+            self.external = ws;
+            self.uploaded = Uploaded::default();
+        }
     }
 
     /// Device memory the engine holds for its tables (tensor list, tasks, partials), in bytes:
@@ -384,14 +440,46 @@ impl GpuEngine {
         }
         let plan = plan(tensors)?;
         let (tw, kw) = (as_words(&plan.tensors), as_words(&plan.tasks));
+        // Forget the old plan first: if an upload fails, nothing stale is reused.
+        self.uploaded = Uploaded::default();
+        if let Some(ext) = self.external {
+            let l = layout(plan.tensors.len(), plan.tasks.len());
+            if ext.bytes < l.total {
+                return Err(Error::LengthMismatch {
+                    what: "the external workspace (bytes)",
+                    expected: l.total,
+                    found: ext.bytes,
+                });
+            }
+            self.stream.context().bind_to_thread()?;
+            for (off, words) in [(l.tensors, tw), (l.tasks, kw)] {
+                if !words.is_empty() {
+                    // SAFETY: [addr+off, addr+off+8*len) lies inside the lent workspace (checked
+                    // above, set_external_workspace's contract); the copy is stream-ordered, and
+                    // a pageable source is consumed before the call returns.
+                    unsafe { cudarc::driver::result::memcpy_htod_async(ext.addr + off as u64, words, self.stream.cu_stream()) }?;
+                }
+            }
+            let tables = Tables {
+                tensors: ext.addr + l.tensors as u64,
+                tasks: ext.addr + l.tasks as u64,
+                partials: ext.addr + l.partials as u64,
+                counter: ext.addr,
+            };
+            self.uploaded = Uploaded {
+                tensors: tensors.to_vec(),
+                num_tasks: plan.tasks.len(),
+                disjoint: need_disjoint,
+                tables: Some(tables),
+            };
+            return Ok(plan.tasks.len());
+        }
         ensure(&self.stream, &mut self.ws.tensors, tw.len())?;
         ensure(&self.stream, &mut self.ws.tasks, kw.len())?;
         ensure(&self.stream, &mut self.ws.partials, plan.tasks.len() * 4)?;
         if self.ws.counter.is_none() {
             self.ws.counter = Some(self.stream.alloc_zeros::<u32>(1)?);
         }
-        // Forget the old plan first: if an upload fails, nothing stale is reused.
-        self.uploaded = Uploaded::default();
         if !tw.is_empty() {
             let mut dst = self.ws.tensors.as_mut().expect("ensured").slice_mut(..tw.len());
             self.stream.memcpy_htod(tw, &mut dst)?;
