@@ -113,12 +113,18 @@ def _fast_plan(ts: List[torch.Tensor]) -> Optional[_FastPlan]:
     return plan
 
 
+_GENERATION = [0]
+
+
 def _workspace(device: torch.device, ptrs, lens, codes):
-    """Zeroed device memory from torch's allocator for the engine's tables, as (address, bytes)
-    plus the tensor that owns it (the caller keeps it alive while the stream may use it)."""
+    """Zeroed device memory from torch's allocator for the engine's tables, as (address, bytes,
+    generation) plus the tensor that owns it (the caller keeps it alive while the stream may use it)."""
     nbytes = _native.cuda_workspace_bytes(ptrs, lens, codes)
     t = torch.zeros(max(nbytes, 8), dtype=torch.uint8, device=device)
-    return t, (t.data_ptr(), t.numel())
+    # A new generation for every allocation: torch may hand out the address of a freed
+    # workspace again, zeroed, and the engine must not take it for the tables it uploaded there.
+    _GENERATION[0] += 1
+    return t, (t.data_ptr(), t.numel(), _GENERATION[0])
 
 
 def _cuda_out(device: torch.device):

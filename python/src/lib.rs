@@ -103,8 +103,13 @@ fn cpu_scale(py: Python<'_>, ptrs: Vec<u64>, lens: Vec<u64>, dtypes: Vec<u32>, c
 static ENGINES: Mutex<Option<HashMap<(usize, usize), GpuEngine>>> = Mutex::new(None);
 
 /// Runs `f` on the engine of (device, stream), its tables in the lent workspace `ws`
-/// (address, bytes) from PyTorch's caching allocator.
-fn with_engine<R>(device: usize, stream: usize, ws: (u64, usize), f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>) -> PyResult<R> {
+/// (address, bytes, generation) from PyTorch's caching allocator.
+fn with_engine<R>(
+    device: usize,
+    stream: usize,
+    ws: (u64, usize, u64),
+    f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>,
+) -> PyResult<R> {
     let mut guard = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
     let engines = guard.get_or_insert_with(HashMap::new);
     if let std::collections::hash_map::Entry::Vacant(v) = engines.entry((device, stream)) {
@@ -117,7 +122,13 @@ fn with_engine<R>(device: usize, stream: usize, ws: (u64, usize), f: impl FnOnce
     let engine = engines.get_mut(&(device, stream)).expect("inserted above");
     // SAFETY: the Python caller allocated `ws` with torch.zeros on `device` (so its counter word
     // starts at zero) and keeps it alive and unused by others while this stream may use it.
-    unsafe { engine.set_external_workspace(Some(ExternalWorkspace { addr: ws.0, bytes: ws.1 })) };
+    unsafe {
+        engine.set_external_workspace(Some(ExternalWorkspace {
+            addr: ws.0,
+            bytes: ws.1,
+            generation: ws.2,
+        }))
+    };
     f(engine).map_err(to_py)
 }
 
@@ -139,7 +150,7 @@ fn cuda_total_norm(
     dtypes: Vec<u32>,
     p: f64,
     out: u64,
-    ws: (u64, usize),
+    ws: (u64, usize, u64),
 ) -> PyResult<()> {
     let t = raws(&ptrs, &lens, &dtypes)?;
     let norm_type = NormType::from_p(p).map_err(to_py)?;
@@ -162,7 +173,7 @@ fn cuda_clip_grad_norm(
     p: f64,
     error_if_nonfinite: bool,
     out: u64,
-    ws: (u64, usize),
+    ws: (u64, usize, u64),
 ) -> PyResult<()> {
     let t = raws(&ptrs, &lens, &dtypes)?;
     let opts = ClipOptions {
@@ -189,7 +200,7 @@ fn cuda_scale(
     lens: Vec<u64>,
     dtypes: Vec<u32>,
     out: u64,
-    ws: (u64, usize),
+    ws: (u64, usize, u64),
 ) -> PyResult<()> {
     let t = raws(&ptrs, &lens, &dtypes)?;
     // SAFETY: as cuda_clip_grad_norm; `out` was written on this stream before the call.

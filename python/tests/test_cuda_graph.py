@@ -45,8 +45,24 @@ def test_work_memory_comes_from_torchs_allocator():
         p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
         p.grad = torch.randn(n, device="cuda")
         params.append(p)
+    gt._LAST_PLAN.clear()  # drop the previous test's plan (and the workspace it holds)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     gt.clip_grad_norm_(params, 1.0)  # a new list: plans, and takes its tables from torch
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() > before  # torch's accounting sees gradclip's tables
+
+
+def test_a_recycled_workspace_address_is_uploaded_again():
+    # Plan a list, evict its plan (freeing its workspace), plan it again: torch typically returns
+    # the same, now zeroed, block; the engine must upload the tables again, not trust them.
+    params = []
+    for n in (1000, 3, 70_001):
+        p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
+        p.grad = torch.randn(n, device="cuda")
+        params.append(p)
+    grads = [p.grad for p in params]
+    want = float(torch.linalg.vector_norm(torch.cat([g.double() for g in grads])))
+    for _ in range(3):
+        assert abs(float(gt.get_total_norm(grads)) - want) <= 1e-6 * want
+        gt._LAST_PLAN.clear()

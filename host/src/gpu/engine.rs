@@ -100,6 +100,10 @@ pub struct ExternalWorkspace {
     pub addr: u64,
     /// Bytes available there.
     pub bytes: usize,
+    /// The lender's tag for this allocation: give a new one whenever the memory may have been
+    /// rewritten (a fresh allocation can land at the address of an old one, holding none of the
+    /// tables the engine uploaded there), so the engine uploads again.
+    pub generation: u64,
 }
 
 /// Byte offsets of the tables inside an [`ExternalWorkspace`]: the 8-byte counter first (so it
