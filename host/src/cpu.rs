@@ -40,11 +40,7 @@ pub struct HostGrad<'a> {
 impl<'a, T: GradElement> From<&'a [T]> for HostGrad<'a> {
     fn from(s: &'a [T]) -> Self {
         HostGrad {
-            raw: RawTensor {
-                addr: s.as_ptr() as u64,
-                len: s.len() as u64,
-                dtype: T::DTYPE,
-            },
+            raw: RawTensor::of::<T>(s.as_ptr() as u64, s.len()),
             _data: PhantomData,
         }
     }
@@ -60,11 +56,7 @@ pub struct HostGradMut<'a> {
 impl<'a, T: GradElement> From<&'a mut [T]> for HostGradMut<'a> {
     fn from(s: &'a mut [T]) -> Self {
         HostGradMut {
-            raw: RawTensor {
-                addr: s.as_mut_ptr() as u64,
-                len: s.len() as u64,
-                dtype: T::DTYPE,
-            },
+            raw: RawTensor::of::<T>(s.as_mut_ptr() as u64, s.len()),
             _data: PhantomData,
         }
     }

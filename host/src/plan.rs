@@ -19,6 +19,15 @@ pub struct RawTensor {
 }
 
 impl RawTensor {
+    /// The tensor of `len` elements of `T` at `addr`.
+    pub fn of<T: crate::dtype::GradElement>(addr: u64, len: usize) -> RawTensor {
+        RawTensor {
+            addr,
+            len: len as u64,
+            dtype: T::DTYPE,
+        }
+    }
+
     fn end(&self) -> u64 {
         self.addr + self.len * self.dtype.size()
     }

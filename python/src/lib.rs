@@ -39,6 +39,14 @@ fn raws(ptrs: &[u64], lens: &[u64], dtypes: &[u32]) -> PyResult<Vec<RawTensor>> 
         .collect()
 }
 
+fn clip_options(p: f64, error_if_nonfinite: bool) -> PyResult<ClipOptions> {
+    Ok(ClipOptions {
+        norm_type: NormType::from_p(p).map_err(to_py)?,
+        error_if_nonfinite,
+        per_tensor_norms: false,
+    })
+}
+
 /// Total norm of host tensors (CPU backend).
 #[pyfunction]
 fn cpu_total_norm(py: Python<'_>, ptrs: Vec<u64>, lens: Vec<u64>, dtypes: Vec<u32>, p: f64) -> PyResult<f64> {
@@ -63,11 +71,7 @@ fn cpu_clip_grad_norm(
     error_if_nonfinite: bool,
 ) -> PyResult<(f64, f64)> {
     let t = raws(&ptrs, &lens, &dtypes)?;
-    let opts = ClipOptions {
-        norm_type: NormType::from_p(p).map_err(to_py)?,
-        error_if_nonfinite,
-        per_tensor_norms: false,
-    };
+    let opts = clip_options(p, error_if_nonfinite)?;
     // SAFETY: as cpu_total_norm; the tensors are the caller's gradients, written by nobody else.
     let r = py
         .detach(|| unsafe { Cpu::new().clip_grad_norm_raw(&t, max_norm, &opts) })
@@ -176,11 +180,7 @@ fn cuda_clip_grad_norm(
     ws: (u64, usize, u64),
 ) -> PyResult<()> {
     let t = raws(&ptrs, &lens, &dtypes)?;
-    let opts = ClipOptions {
-        norm_type: NormType::from_p(p).map_err(to_py)?,
-        error_if_nonfinite,
-        per_tensor_norms: false,
-    };
+    let opts = clip_options(p, error_if_nonfinite)?;
     // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
     py.detach(|| {
         with_engine(device, stream, ws, |e| unsafe {

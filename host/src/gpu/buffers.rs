@@ -25,14 +25,6 @@ pub trait DeviceGradMut {
     fn as_raw_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (RawTensor, SyncOnDrop<'a>);
 }
 
-fn raw<T: GradElement>(ptr: u64, len: usize) -> RawTensor {
-    RawTensor {
-        addr: ptr,
-        len: len as u64,
-        dtype: T::DTYPE,
-    }
-}
-
 macro_rules! impl_read {
     ($ty:ty) => {
         impl<T: GradElement> DeviceGrad for $ty {
@@ -41,7 +33,7 @@ macro_rules! impl_read {
             }
             fn as_raw<'a>(&'a self, stream: &'a CudaStream) -> (RawTensor, SyncOnDrop<'a>) {
                 let (ptr, guard) = self.device_ptr(stream);
-                (raw::<T>(ptr, DeviceSlice::len(self)), guard)
+                (RawTensor::of::<T>(ptr, DeviceSlice::len(self)), guard)
             }
         }
     };
@@ -56,7 +48,7 @@ macro_rules! impl_write {
             fn as_raw_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (RawTensor, SyncOnDrop<'a>) {
                 let len = DeviceSlice::len(self);
                 let (ptr, guard) = self.device_ptr_mut(stream);
-                (raw::<T>(ptr, len), guard)
+                (RawTensor::of::<T>(ptr, len), guard)
             }
         }
     };
