@@ -152,7 +152,7 @@ macro_rules! with_accumulator {
     };
 }
 
-/// The partial of every task, in task order (what the partials kernel writes).
+/// The partial of every task, in task order (what the norm kernel's blocks write).
 ///
 /// # Safety
 /// Every tensor of `plan` must be readable host memory for the duration of the call.

@@ -180,10 +180,10 @@ unsafe fn scale_of<E: Element>(d: &TensorDesc, chunk: u64, c32: f32, c64: f64) {
 /// or the norm was non-finite under `error_if_nonfinite`.
 ///
 /// # Safety
-/// As the partials kernel, after the finalize kernel wrote `out`, with no two tensors overlapping.
+/// As the norm kernel, after the norm kernel wrote `out`, with no two tensors overlapping.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_scale(tensors: *const TensorDesc, tasks: *const ChunkTask, out: *const NormOutput) {
-    // SAFETY: written by the finalize kernel earlier on the same stream.
+    // SAFETY: written by the norm kernel earlier on the same stream.
     let result = unsafe { out.read() };
     let Some((c32, c64)) = scale_coefficients(&result) else { return };
     let b = block_idx() as usize;

@@ -1,4 +1,4 @@
-//! One lane's walk over its share of a chunk: the per-thread loop of the partial-norm kernel,
+//! One lane's walk over its share of a chunk: the per-thread loop of the norm kernel,
 //! and of the CPU model, which calls it for every lane of a virtual block.
 
 use crate::abi::LOAD_UNROLL;

@@ -36,7 +36,7 @@ pub fn block_tree<A: Accumulator, const WARPS: usize>(lanes: &mut [A]) -> A {
 
 const BLOCK_WARPS: usize = (BLOCK_THREADS / WARP_THREADS) as usize;
 
-/// The partial one block of the partial-norm kernel computes for chunk `chunk` of a tensor.
+/// The partial one block of the norm kernel computes for chunk `chunk` of a tensor.
 ///
 /// # Safety
 /// `src` must read the tensor that `frame` describes, and `chunk < frame.num_chunks()`.

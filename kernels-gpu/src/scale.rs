@@ -15,7 +15,7 @@ pub fn scale_coefficients(out: &NormOutput) -> Option<(f32, f64)> {
     }
 }
 
-/// What the finalize kernel writes once the total norm is known.
+/// What the norm kernel's last block writes once the total norm is known.
 #[inline(always)]
 pub fn norm_output(norm: f64, params: &crate::abi::NormParams) -> NormOutput {
     use crate::abi::flags;

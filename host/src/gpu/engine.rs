@@ -31,7 +31,7 @@ impl DeviceNorm {
     /// with the `*_into` calls to avoid an allocation per call and to capture calls in a CUDA
     /// graph.
     pub fn new(stream: &Arc<CudaStream>, per_tensor: usize) -> Result<Self> {
-        // SAFETY: u64/f64 accept any bits; the finalize kernel writes every word before a read.
+        // SAFETY: u64/f64 accept any bits; the norm kernel writes every word before a read.
         let out = unsafe { stream.alloc::<u64>(OUT_WORDS) }?;
         let per_tensor = if per_tensor > 0 {
             Some(unsafe { stream.alloc::<f64>(per_tensor) }?)
