@@ -313,6 +313,22 @@ fn huge_tensor(gpu: &Gpu) -> TestResult {
     Ok(())
 }
 
+fn empty_list(gpu: &Gpu) -> TestResult {
+    // No tensors at all: one block writes a zero norm; nothing else is read or written.
+    let mut engine = gpu.engine();
+    for p in NORM_ORDERS {
+        let r = engine.total_norm(&[], NormType::from_p(p).unwrap(), true).unwrap().read().unwrap();
+        ensure(r.norm == 0.0 && r.coef == 1.0 && !r.nonfinite, || format!("p={p}: {r:?}"))?;
+        ensure(r.per_tensor == Some(vec![]), || format!("p={p}: per-tensor {:?}", r.per_tensor))?;
+    }
+    let r = engine
+        .clip_grad_norm(&mut [], 1.0, &ClipOptions::default())
+        .unwrap()
+        .read()
+        .unwrap();
+    ensure(r.norm == 0.0 && r.coef == 1.0, || format!("clip: {r:?}"))
+}
+
 fn wrong_context(gpu: &Gpu) -> TestResult {
     let other = CudaContext::new_non_primary(0, 0).unwrap();
     let foreign = other.default_stream().clone_htod(&[1.0f32; 4]).unwrap();
@@ -457,6 +473,7 @@ fn main() {
         ("error_if_nonfinite_leaves_gradients", error_if_nonfinite),
         ("one_million_tensors", million_tensors),
         ("tensor_over_2_pow_32_elements", huge_tensor),
+        ("empty_list", empty_list),
         ("buffers_of_another_context_rejected", wrong_context),
         ("overlapping_tensors_rejected", overlap_rejected),
         ("graph_capture_launch_budget_and_replays", graph_capture),

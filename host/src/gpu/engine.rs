@@ -24,6 +24,8 @@ const OUT_WORDS: usize = size_of::<NormOutput>() / 8;
 pub struct DeviceNorm {
     out: CudaSlice<u64>,
     per_tensor: Option<CudaSlice<f64>>,
+    /// Per-tensor norms were asked for a list of no tensors: `read` reports an empty list.
+    empty_per_tensor: bool,
 }
 
 impl DeviceNorm {
@@ -38,7 +40,18 @@ impl DeviceNorm {
         } else {
             None
         };
-        Ok(DeviceNorm { out, per_tensor })
+        Ok(DeviceNorm {
+            out,
+            per_tensor,
+            empty_per_tensor: false,
+        })
+    }
+
+    /// Storage for a call that may ask per-tensor norms of `num_tensors` tensors (none: `None`).
+    fn for_call(stream: &Arc<CudaStream>, per_tensor: bool, num_tensors: usize) -> Result<Self> {
+        let mut d = Self::new(stream, if per_tensor { num_tensors } else { 0 })?;
+        d.empty_per_tensor = per_tensor && num_tensors == 0;
+        Ok(d)
     }
 
     /// Waits for the result and copies it to the host.
@@ -48,6 +61,7 @@ impl DeviceNorm {
         let out: NormOutput = from_words(&words);
         let per_tensor = match &self.per_tensor {
             Some(p) => Some(stream.clone_dtoh(p)?),
+            None if self.empty_per_tensor => Some(Vec::new()),
             None => None,
         };
         Ok(NormReport {
@@ -240,7 +254,7 @@ impl GpuEngine {
 
     /// The total norm of `grads`, left on the device.
     pub fn total_norm(&mut self, grads: &[&(dyn DeviceGrad + '_)], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
-        let mut out = DeviceNorm::new(&self.stream, if per_tensor { grads.len() } else { 0 })?;
+        let mut out = DeviceNorm::for_call(&self.stream, per_tensor, grads.len())?;
         self.total_norm_into(grads, norm_type, &mut out)?;
         Ok(out)
     }
@@ -262,7 +276,7 @@ impl GpuEngine {
     /// Computes the total norm and scales every gradient in place by
     /// `min(1, max_norm / (norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`.
     pub fn clip_grad_norm(&mut self, grads: &mut [&mut (dyn DeviceGradMut + '_)], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
-        let mut out = DeviceNorm::new(&self.stream, if opts.per_tensor_norms { grads.len() } else { 0 })?;
+        let mut out = DeviceNorm::for_call(&self.stream, opts.per_tensor_norms, grads.len())?;
         self.clip_grad_norm_into(grads, max_norm, opts, &mut out)?;
         Ok(out)
     }
@@ -292,7 +306,7 @@ impl GpuEngine {
     /// Every tensor must be device memory of this engine's context, readable for `len` elements,
     /// and not written by other work until the work this call enqueues on the stream completes.
     pub unsafe fn total_norm_raw(&mut self, tensors: &[RawTensor], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
-        let mut out = DeviceNorm::new(&self.stream, if per_tensor { tensors.len() } else { 0 })?;
+        let mut out = DeviceNorm::for_call(&self.stream, per_tensor, tensors.len())?;
         // SAFETY: forwarded.
         unsafe { self.total_norm_raw_into(tensors, norm_type, &mut out) }?;
         Ok(out)
@@ -337,7 +351,7 @@ impl GpuEngine {
     /// # Safety
     /// As [`GpuEngine::total_norm_raw`], and the tensors must be writable (overlap is checked).
     pub unsafe fn clip_grad_norm_raw(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
-        let mut out = DeviceNorm::new(&self.stream, if opts.per_tensor_norms { tensors.len() } else { 0 })?;
+        let mut out = DeviceNorm::for_call(&self.stream, opts.per_tensor_norms, tensors.len())?;
         // SAFETY: forwarded.
         unsafe { self.clip_grad_norm_raw_into(tensors, max_norm, opts, &mut out) }?;
         Ok(out)
