@@ -8,14 +8,18 @@ import gradclip.torch as gt
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 
 
-def test_clip_captured_in_a_cuda_graph_replays_correctly():
-    shapes = [(257, 33), (4096,), (3,), (1000, 64)]
-    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16]
+def cuda_params(sizes, dtypes=None):
+    """Parameters on the GPU with random gradients of the given sizes (f32 unless told)."""
     params = []
-    for s, d in zip(shapes, dtypes):
-        p = torch.nn.Parameter(torch.zeros(s, dtype=d, device="cuda"))
-        p.grad = torch.randn(s, device="cuda").to(d)
+    for i, n in enumerate(sizes):
+        p = torch.nn.Parameter(torch.zeros(n, dtype=dtypes[i] if dtypes else torch.float32, device="cuda"))
+        p.grad = torch.randn(n, device="cuda").to(p.dtype)
         params.append(p)
+    return params
+
+
+def test_clip_captured_in_a_cuda_graph_replays_correctly():
+    params = cuda_params([(257, 33), (4096,), (3,), (1000, 64)], [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -40,11 +44,7 @@ def test_clip_captured_in_a_cuda_graph_replays_correctly():
 
 
 def test_work_memory_comes_from_torchs_allocator():
-    params = []
-    for n in (3000, 70_001, 5):
-        p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
-        p.grad = torch.randn(n, device="cuda")
-        params.append(p)
+    params = cuda_params([3000, 70_001, 5])
     gt._LAST_PLAN.clear()  # drop the previous test's plan (and the workspace it holds)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -56,11 +56,7 @@ def test_work_memory_comes_from_torchs_allocator():
 def test_a_recycled_workspace_address_is_uploaded_again():
     # Plan a list, evict its plan (freeing its workspace), plan it again: torch typically returns
     # the same, now zeroed, block; the engine must upload the tables again, not trust them.
-    params = []
-    for n in (1000, 3, 70_001):
-        p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
-        p.grad = torch.randn(n, device="cuda")
-        params.append(p)
+    params = cuda_params([1000, 3, 70_001])
     grads = [p.grad for p in params]
     want = float(torch.linalg.vector_norm(torch.cat([g.double() for g in grads])))
     for _ in range(3):

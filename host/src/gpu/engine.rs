@@ -240,14 +240,17 @@ impl GpuEngine {
         &self.kernels
     }
 
-    fn check_context(&self, index: usize, ctx: &Arc<CudaContext>) -> Result<()> {
+    /// Fails with the first buffer whose context is not the engine's.
+    fn check_contexts<'a>(&self, contexts: impl Iterator<Item = &'a Arc<CudaContext>>) -> Result<()> {
         let mine = self.stream.context();
-        if ctx.cu_ctx() != mine.cu_ctx() {
-            return Err(Error::WrongContext {
-                index,
-                expected: mine.ordinal(),
-                found: ctx.ordinal(),
-            });
+        for (index, ctx) in contexts.enumerate() {
+            if ctx.cu_ctx() != mine.cu_ctx() {
+                return Err(Error::WrongContext {
+                    index,
+                    expected: mine.ordinal(),
+                    found: ctx.ordinal(),
+                });
+            }
         }
         Ok(())
     }
@@ -263,9 +266,7 @@ impl GpuEngine {
     /// for exactly one per gradient). Allocates nothing when the same list comes back, so it can
     /// be captured in a CUDA graph.
     pub fn total_norm_into(&mut self, grads: &[&(dyn DeviceGrad + '_)], norm_type: NormType, out: &mut DeviceNorm) -> Result<()> {
-        for (i, g) in grads.iter().enumerate() {
-            self.check_context(i, g.context())?;
-        }
+        self.check_contexts(grads.iter().map(|g| g.context()))?;
         let stream = self.stream.clone();
         let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter().map(|g| g.as_raw(&stream)).unzip();
         // SAFETY: every buffer is a live cudarc allocation of this context (checked above),
@@ -290,9 +291,7 @@ impl GpuEngine {
         opts: &ClipOptions,
         out: &mut DeviceNorm,
     ) -> Result<()> {
-        for (i, g) in grads.iter().enumerate() {
-            self.check_context(i, g.context())?;
-        }
+        self.check_contexts(grads.iter().map(|g| g.context()))?;
         let stream = self.stream.clone();
         let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter_mut().map(|g| g.as_raw_mut(&stream)).unzip();
         // SAFETY: as in total_norm_into; the buffers are borrowed mutably, and overlap between
@@ -395,12 +394,9 @@ impl GpuEngine {
         let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
         // SAFETY: as total_norm_raw_at; upload checked that the tensors are disjoint.
         unsafe { self.run(norm_type, num_tasks, max_norm, f, out, per_tensor) }?;
-        if num_tasks > 0 {
-            let t = self.tables();
-            // SAFETY: the norm kernel wrote `out` earlier on this stream; tensors are disjoint
-            // and writable (caller + upload's check).
-            unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out) }?;
-        }
+        // SAFETY: the norm kernel wrote `out` just above on this stream; the tensors are
+        // disjoint (upload) and writable (caller).
+        unsafe { self.scale(num_tasks, out) }?;
         if opts.error_if_nonfinite {
             // SAFETY: `out` is the caller's 24 bytes of device memory, written above.
             let r = unsafe { self.read_output_at(out) }?;
@@ -423,12 +419,22 @@ impl GpuEngine {
     /// memory of this context, ordered before this call on the stream.
     pub unsafe fn scale_raw_at(&mut self, tensors: &[RawTensor], out: u64) -> Result<()> {
         let num_tasks = self.upload(tensors, true)?;
-        if num_tasks > 0 {
-            let t = self.tables();
-            // SAFETY: tables uploaded, tensors disjoint (upload), out valid (caller).
-            unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out) }?;
+        // SAFETY: tables uploaded, tensors disjoint (upload) and writable, out valid (caller).
+        unsafe { self.scale(num_tasks, out) }
+    }
+
+    /// The scale launch of the uploaded plan (nothing for a plan without tasks).
+    ///
+    /// # Safety
+    /// As [`launch::scale`]: `out` holds a [`NormOutput`] ordered before this on the stream, and
+    /// the uploaded tensors are writable and pairwise disjoint.
+    unsafe fn scale(&self, num_tasks: usize, out: u64) -> Result<()> {
+        if num_tasks == 0 {
+            return Ok(());
         }
-        Ok(())
+        let t = self.tables();
+        // SAFETY: the caller's contract; t holds the plan of num_tasks tasks.
+        unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out) }
     }
 
     /// Waits for the stream and reads the [`NormOutput`] at `out`.
