@@ -45,7 +45,7 @@ def test_clip_captured_in_a_cuda_graph_replays_correctly():
 
 def test_work_memory_comes_from_torchs_allocator():
     params = cuda_params([3000, 70_001, 5])
-    gt._LAST_PLAN.clear()  # drop the previous test's plan (and the workspace it holds)
+    gt._PLANNER.forget()  # drop the previous test's plan (and the workspace it holds)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     gt.clip_grad_norm_(params, 1.0)  # a new list: plans, and takes its tables from torch
@@ -61,4 +61,4 @@ def test_a_recycled_workspace_address_is_uploaded_again():
     want = float(torch.linalg.vector_norm(torch.cat([g.double() for g in grads])))
     for _ in range(3):
         assert abs(float(gt.get_total_norm(grads)) - want) <= 1e-6 * want
-        gt._LAST_PLAN.clear()
+        gt._PLANNER.forget()

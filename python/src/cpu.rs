@@ -1,0 +1,40 @@
+//! The CPU backend on host tensors of a [`Plan`].
+
+use gradclip::NormType;
+use gradclip::cpu::Cpu;
+use pyo3::prelude::*;
+
+use crate::scan::Plan;
+use crate::{clip_options, to_py};
+
+/// Total norm of a plan's host tensors.
+#[pyfunction]
+pub fn cpu_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, p: f64) -> PyResult<f64> {
+    let norm_type = NormType::from_p(p).map_err(to_py)?;
+    let t = plan.get().tensors();
+    // SAFETY: the plan holds live, contiguous CPU tensors that the Python caller keeps alive
+    // for the call.
+    py.detach(|| unsafe { Cpu::new().total_norm_raw(&t, norm_type, false) })
+        .map(|r| r.norm)
+        .map_err(to_py)
+}
+
+/// Norm and in-place clip of a plan's host tensors; returns (norm, coefficient).
+#[pyfunction]
+pub fn cpu_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, max_norm: f64, p: f64, error_if_nonfinite: bool) -> PyResult<(f64, f64)> {
+    let opts = clip_options(p, error_if_nonfinite)?;
+    let t = plan.get().tensors();
+    // SAFETY: as cpu_total_norm; the tensors are the caller's gradients, written by nobody else.
+    let r = py
+        .detach(|| unsafe { Cpu::new().clip_grad_norm_raw(&t, max_norm, &opts) })
+        .map_err(to_py)?;
+    Ok((r.norm, r.coef))
+}
+
+/// In-place scale of a plan's host tensors by `coef`.
+#[pyfunction]
+pub fn cpu_scale(py: Python<'_>, plan: &Bound<'_, Plan>, coef: f64) -> PyResult<()> {
+    let t = plan.get().tensors();
+    // SAFETY: as cpu_clip_grad_norm.
+    py.detach(|| unsafe { Cpu::new().scale_raw(&t, coef) }).map_err(to_py)
+}

@@ -1,0 +1,92 @@
+//! The GPU engine on a [`Plan`]'s CUDA tensors, on PyTorch's stream, with the tables in the
+//! workspace lent to the plan from PyTorch's caching allocator.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use cudarc::driver::CudaContext;
+use gradclip::NormType;
+use gradclip::gpu::{ExternalWorkspace, GpuEngine};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::scan::Plan;
+use crate::{clip_options, to_py};
+
+/// One engine per (device, stream): it keeps the tables it uploaded for the last plan it ran.
+static ENGINES: Mutex<Option<HashMap<(usize, usize), GpuEngine>>> = Mutex::new(None);
+
+/// The device ordinal of a CUDA plan.
+fn ordinal(plan: &Plan) -> PyResult<usize> {
+    plan.cuda_ordinal()
+        .ok_or_else(|| PyValueError::new_err("this plan holds CPU tensors: use the cpu_* functions"))
+}
+
+/// Runs `f` on the engine of (device, stream), its tables in the lent workspace `ws`.
+fn with_engine<R>(
+    device: usize,
+    stream: usize,
+    ws: ExternalWorkspace,
+    f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>,
+) -> PyResult<R> {
+    let mut guard = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
+    let engines = guard.get_or_insert_with(HashMap::new);
+    if let std::collections::hash_map::Entry::Vacant(v) = engines.entry((device, stream)) {
+        let ctx = CudaContext::new(device).map_err(|e| to_py(e.into()))?;
+        // SAFETY: `stream` is PyTorch's CUstream handle on this device (0: the legacy default
+        // stream); PyTorch owns it and keeps it alive as long as the process uses it.
+        let s = unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) };
+        v.insert(GpuEngine::new(s).map_err(to_py)?);
+    }
+    let engine = engines.get_mut(&(device, stream)).expect("inserted above");
+    // SAFETY: Plan::lend_workspace checked that `ws` is a contiguous CUDA tensor of this device,
+    // large enough, allocated zeroed by the caller (torch.zeros), and the plan keeps it alive;
+    // the caller runs one plan on one stream at a time.
+    unsafe { engine.set_external_workspace(Some(ws)) };
+    f(engine).map_err(to_py)
+}
+
+/// Total norm of a plan's CUDA tensors on `stream`; writes the 24-byte NormOutput at `out`.
+#[pyfunction]
+pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p: f64, out: u64) -> PyResult<()> {
+    let norm_type = NormType::from_p(p).map_err(to_py)?;
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace()?, plan.get().tensors());
+    // SAFETY: the tensors and `out` are live CUDA memory of `device` that PyTorch's caching
+    // allocator keeps until the stream passes this work (the caller holds the tensors).
+    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.total_norm_raw_at(&t, norm_type, out, None) }))
+}
+
+/// Norm and in-place clip of a plan's CUDA tensors on `stream`; the NormOutput goes to `out`.
+#[pyfunction]
+pub fn cuda_clip_grad_norm(
+    py: Python<'_>,
+    plan: &Bound<'_, Plan>,
+    stream: usize,
+    max_norm: f64,
+    p: f64,
+    error_if_nonfinite: bool,
+    out: u64,
+) -> PyResult<()> {
+    let opts = clip_options(p, error_if_nonfinite)?;
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace()?, plan.get().tensors());
+    // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
+    py.detach(|| {
+        with_engine(device, stream, ws, |e| unsafe {
+            e.clip_grad_norm_raw_at(&t, max_norm, &opts, out, None)
+        })
+    })
+}
+
+/// In-place scale of a plan's CUDA tensors by the coefficient in the NormOutput at `out`.
+#[pyfunction]
+pub fn cuda_scale(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, out: u64) -> PyResult<()> {
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace()?, plan.get().tensors());
+    // SAFETY: as cuda_clip_grad_norm; `out` was written on this stream before the call.
+    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.scale_raw_at(&t, out) }))
+}
+
+/// True when a CUDA driver and device are present.
+#[pyfunction]
+pub fn cuda_available() -> bool {
+    gradclip::gpu::gpu_available()
+}

@@ -1,0 +1,305 @@
+//! Reading a list of `torch.Tensor`s into a [`Plan`], and knowing cheaply when the same list
+//! comes back.
+//!
+//! Every call reads, per tensor, exactly what decides where the engine reads and writes: its
+//! address, element count, dtype, contiguity and device. That list is the plan's key; when it
+//! equals the last one the last [`Plan`] (and the device tables it uploaded) is reused. This
+//! runs in Rust because it is the whole host cost of a call: the same reads written as a Python
+//! comprehension cost about twice as much per tensor, and the key comparison as much again.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use gradclip::DType;
+use gradclip::gpu::ExternalWorkspace;
+use gradclip::plan::{RawTensor, check_disjoint};
+use pyo3::exceptions::PyValueError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use crate::to_py;
+
+/// The engine's dtypes in the order of the dtype objects given to [`Planner::new`].
+const DTYPES: [DType; 4] = DType::ALL;
+
+/// Where a tensor lives, as far as the fast path cares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    Cpu,
+    Cuda(i64),
+}
+
+/// One tensor of a key: everything that decides the engine's reads and writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Entry {
+    tensor: RawTensor,
+    place: Place,
+}
+
+/// A list of contiguous tensors of the engine's dtypes, all on one device and pairwise
+/// disjoint: what one native call takes. Holds the device workspace lent to it, so a
+/// captured CUDA graph keeps using the memory its kernels were recorded with.
+#[pyclass(frozen, module = "gradclip._native")]
+pub struct Plan {
+    tensors: Arc<[RawTensor]>,
+    place: Place,
+    result_dtype: Py<PyAny>,
+    workspace: Mutex<Option<Lent>>,
+}
+
+/// Device memory lent by the caller (a tensor from torch's caching allocator) and the owner
+/// object that keeps it allocated while the plan lives.
+struct Lent {
+    _owner: Py<PyAny>,
+    ws: ExternalWorkspace,
+}
+
+/// A new tag for every lent allocation: torch may hand the address of a freed workspace out
+/// again, zeroed, and the engine must not take it for the tables it uploaded there earlier.
+static GENERATION: AtomicU64 = AtomicU64::new(1);
+
+impl Plan {
+    /// The tensors, shareable across a GIL release.
+    pub fn tensors(&self) -> Arc<[RawTensor]> {
+        self.tensors.clone()
+    }
+
+    /// The CUDA device ordinal; None for host tensors.
+    pub fn cuda_ordinal(&self) -> Option<usize> {
+        match self.place {
+            Place::Cuda(i) => usize::try_from(i).ok(),
+            Place::Cpu => None,
+        }
+    }
+
+    /// The lent workspace, or an error saying how to lend one.
+    pub fn workspace(&self) -> PyResult<ExternalWorkspace> {
+        let guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        guard.as_ref().map(|l| l.ws).ok_or_else(|| {
+            PyValueError::new_err("this plan has no device workspace: call lend_workspace(torch.zeros(plan.workspace_bytes, ...)) first")
+        })
+    }
+}
+
+#[pymethods]
+impl Plan {
+    /// The CUDA device ordinal, or -1 for host tensors.
+    #[getter]
+    fn device(&self) -> i64 {
+        match self.place {
+            Place::Cpu => -1,
+            Place::Cuda(i) => i,
+        }
+    }
+
+    /// The dtype torch gives the norm of these tensors (their promoted dtype).
+    #[getter]
+    fn result_dtype(&self, py: Python<'_>) -> Py<PyAny> {
+        self.result_dtype.clone_ref(py)
+    }
+
+    /// Number of tensors.
+    fn __len__(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Bytes of zeroed device memory the engine's tables need for this list.
+    #[getter]
+    fn workspace_bytes(&self) -> PyResult<usize> {
+        gradclip::gpu::workspace_bytes(&self.tensors).map_err(to_py)
+    }
+
+    /// True once a workspace was lent.
+    #[getter]
+    fn has_workspace(&self) -> bool {
+        self.workspace.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// Lends `owner` (a zeroed, contiguous CUDA tensor of at least `workspace_bytes` bytes on
+    /// this plan's device) to the engine for this plan's tables; the plan keeps it alive.
+    fn lend_workspace(&self, owner: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = owner.py();
+        let addr: u64 = owner.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let numel: usize = owner.call_method0(intern!(py, "numel"))?.extract()?;
+        let itemsize: usize = owner.getattr(intern!(py, "itemsize"))?.extract()?;
+        let device: i64 = owner.call_method0(intern!(py, "get_device"))?.extract()?;
+        let contiguous: bool = owner.call_method0(intern!(py, "is_contiguous"))?.extract()?;
+        let need = self.workspace_bytes()?;
+        if Place::Cuda(device) != self.place || !contiguous || numel * itemsize < need || addr == 0 {
+            return Err(PyValueError::new_err(format!(
+                "the workspace must be a contiguous tensor of at least {need} bytes on CUDA device {}; got {} bytes on device {device}",
+                self.device(),
+                numel * itemsize
+            )));
+        }
+        let ws = ExternalWorkspace {
+            addr,
+            bytes: numel * itemsize,
+            generation: GENERATION.fetch_add(1, Ordering::Relaxed),
+        };
+        *self.workspace.lock().unwrap_or_else(|e| e.into_inner()) = Some(Lent {
+            _owner: owner.clone().unbind(),
+            ws,
+        });
+        Ok(())
+    }
+}
+
+/// Reads tensor lists into plans and keeps the last one while the same list comes back.
+#[pyclass(module = "gradclip._native")]
+pub struct Planner {
+    dtypes: [Py<PyAny>; 4],
+    key: Vec<Entry>,
+    scratch: Vec<Entry>,
+    last: Option<Py<Plan>>,
+}
+
+impl Planner {
+    /// Reads one tensor; None when the engine does not take it (dtype, layout, device kind).
+    fn entry(&self, t: &Bound<'_, PyAny>) -> PyResult<Option<Entry>> {
+        let py = t.py();
+        let dtype = t.getattr(intern!(py, "dtype"))?;
+        let Some(code) = self.dtypes.iter().position(|d| d.is(&dtype)) else {
+            return Ok(None);
+        };
+        let place = if t.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
+            Place::Cuda(t.call_method0(intern!(py, "get_device"))?.extract()?)
+        } else if t.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
+            Place::Cpu
+        } else {
+            return Ok(None);
+        };
+        if !t.call_method0(intern!(py, "is_contiguous"))?.is_truthy()? {
+            return Ok(None);
+        }
+        let addr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let len: u64 = t.call_method0(intern!(py, "numel"))?.extract()?;
+        Ok(Some(Entry {
+            tensor: RawTensor {
+                addr,
+                len,
+                dtype: DTYPES[code],
+            },
+            place,
+        }))
+    }
+
+    /// Reads every tensor of `tensors` into `out`; false when one of them needs the general
+    /// path or they are not all on one device.
+    fn read_all(&self, tensors: &Bound<'_, PyList>, out: &mut Vec<Entry>) -> PyResult<bool> {
+        out.clear();
+        for t in tensors.iter() {
+            match self.entry(&t)? {
+                Some(e) if out.first().is_none_or(|f| f.place == e.place) => out.push(e),
+                _ => return Ok(false),
+            }
+        }
+        Ok(true)
+    }
+
+    /// A plan for entries read by [`Planner::read_all`]; None when the tensors overlap (aliased
+    /// gradients go through the general path, which scales each occurrence as torch does).
+    fn plan_of_entries(&self, py: Python<'_>, entries: &[Entry]) -> PyResult<Option<Py<Plan>>> {
+        let tensors: Arc<[RawTensor]> = entries.iter().map(|e| e.tensor).collect();
+        if check_disjoint(&tensors).is_err() {
+            return Ok(None);
+        }
+        let code = entries.iter().map(|e| dtype_index(e.tensor.dtype)).reduce(promote).unwrap_or(2);
+        let plan = Plan {
+            tensors,
+            place: entries.first().map_or(Place::Cpu, |e| e.place),
+            result_dtype: self.dtypes[code].clone_ref(py),
+            workspace: Mutex::new(None),
+        };
+        Ok(Some(Py::new(py, plan)?))
+    }
+}
+
+fn dtype_index(d: DType) -> usize {
+    DTYPES.iter().position(|&x| x == d).expect("DTYPES lists every DType")
+}
+
+/// torch.promote_types over the engine's dtypes (indices into DTYPES): bf16 with f16 gives f32,
+/// otherwise the wider one (bf16, f16 < f32 < f64).
+fn promote(a: usize, b: usize) -> usize {
+    if a == b {
+        a
+    } else if a.max(b) <= 1 {
+        2
+    } else {
+        a.max(b)
+    }
+}
+
+#[pymethods]
+impl Planner {
+    /// `dtypes`: torch's bfloat16, float16, float32 and float64 objects, in that order.
+    #[new]
+    fn new(dtypes: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let d: Vec<Py<PyAny>> = dtypes.iter().map(|d| d.unbind()).collect();
+        let dtypes: [Py<PyAny>; 4] = d
+            .try_into()
+            .map_err(|_| PyValueError::new_err("Planner takes the dtypes (bfloat16, float16, float32, float64)"))?;
+        Ok(Planner {
+            dtypes,
+            key: Vec::new(),
+            scratch: Vec::new(),
+            last: None,
+        })
+    }
+
+    /// Reads `items` (tensors, or parameters when `grads` is true: their `.grad`, skipping
+    /// None) and returns `(plan, tensors)`: the plan when the whole list can take the one-call
+    /// path (the last plan again when the list is the last one), else None; and the tensors read.
+    fn scan<'py>(&mut self, items: &Bound<'py, PyAny>, grads: bool) -> PyResult<(Option<Py<Plan>>, Bound<'py, PyList>)> {
+        let py = items.py();
+        let tensors = if grads {
+            let list = PyList::empty(py);
+            for p in items.try_iter()? {
+                let g = p?.getattr(intern!(py, "grad"))?;
+                if !g.is_none() {
+                    list.append(g)?;
+                }
+            }
+            list
+        } else {
+            match items.cast::<PyList>() {
+                Ok(l) => l.clone(),
+                Err(_) => PyList::new(py, items.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
+            }
+        };
+        let mut entries = std::mem::take(&mut self.scratch);
+        let fast = self.read_all(&tensors, &mut entries)?;
+        let plan = match fast {
+            false => None,
+            true if entries.is_empty() => None,
+            true if entries == self.key && self.last.is_some() => self.last.as_ref().map(|p| p.clone_ref(py)),
+            true => {
+                let plan = self.plan_of_entries(py, &entries)?;
+                self.last = plan.as_ref().map(|p| p.clone_ref(py));
+                std::mem::swap(&mut self.key, &mut entries);
+                plan
+            }
+        };
+        self.scratch = entries;
+        Ok((plan, tensors))
+    }
+
+    /// A plan for `tensors` (a list), not kept: for one device's group of a mixed list. None
+    /// when some tensor needs the general path or the tensors overlap.
+    fn plan_of(&self, tensors: &Bound<'_, PyList>) -> PyResult<Option<Py<Plan>>> {
+        let mut entries = Vec::with_capacity(tensors.len());
+        if self.read_all(tensors, &mut entries)? && !entries.is_empty() {
+            self.plan_of_entries(tensors.py(), &entries)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Drops the kept plan (and the workspace it holds).
+    fn forget(&mut self) {
+        self.key.clear();
+        self.last = None;
+    }
+}

@@ -1,0 +1,91 @@
+"""The native planner: the same gradient storage reuses the last plan, and every change that
+moves where the engine reads or writes (address, size, dtype, layout, device) makes a new one.
+Runs on CPU everywhere, and on CUDA where a GPU is present."""
+
+import pytest
+import torch
+
+import gradclip.torch as gt
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
+def grads(device, sizes=(10, 3, 70)):
+    return [torch.randn(n, device=device) for n in sizes]
+
+
+def scan(ts):
+    plan, read = gt._PLANNER.scan(ts, False)
+    assert read == ts
+    return plan
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_storage_reuses_the_plan(device):
+    gs = grads(device)
+    first = scan(gs)
+    assert first is not None and len(first) == 3
+    assert scan(list(gs)) is first  # a new list object holding the same tensors
+    gs[1].mul_(2.0)  # new values, same storage
+    assert scan(gs) is first
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_change_of_storage_makes_a_new_plan(device):
+    gs = grads(device)
+    first = scan(gs)
+    gs[0] = torch.randn(10, device=device)  # another allocation
+    second = scan(gs)
+    assert second is not first
+    gs[2].resize_(40)  # same object, fewer elements
+    third = scan(gs)
+    assert third is not second
+    gs[1] = gs[1].double()  # another dtype
+    fourth = scan(gs)
+    assert fourth is not third and fourth.result_dtype == torch.float64
+    gs[0].data = torch.randn(10, device=device)  # same Python object, new storage
+    assert scan(gs) is not fourth
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lists_the_engine_does_not_take_have_no_plan(device):
+    base = torch.randn(8, 6, device=device)
+    assert scan([base[:, ::2]]) is None  # non-contiguous
+    assert scan([torch.randn(4, dtype=torch.complex64, device=device)]) is None
+    assert scan([torch.ones(4, dtype=torch.int32, device=device)]) is None
+    assert scan([base[0], base[0]]) is None  # aliased: the general path scales each occurrence
+    assert scan([base[0], base[1]]) is not None  # disjoint views of one storage are fine
+    assert scan([]) is None
+
+
+def test_mixed_devices_have_no_plan():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    assert scan([torch.randn(3), torch.randn(3, device="cuda")]) is None
+
+
+def test_result_dtype_follows_torch_promotion():
+    cases = [
+        ((torch.bfloat16,), torch.bfloat16),
+        ((torch.bfloat16, torch.float16), torch.float32),
+        ((torch.float16, torch.float32), torch.float32),
+        ((torch.bfloat16, torch.float64), torch.float64),
+    ]
+    for dtypes, want in cases:
+        plan = scan([torch.ones(2, dtype=d) for d in dtypes])
+        assert plan.result_dtype == want
+        got = torch.promote_types(dtypes[0], dtypes[-1])
+        assert plan.result_dtype == got
+
+
+def test_parameters_without_grad_are_skipped_by_the_scan():
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    a.grad = torch.ones(3)
+    plan, read = gt._PLANNER.scan(iter([a, b]), True)
+    assert len(read) == 1 and read[0] is a.grad and len(plan) == 1
+
+
+def test_a_cpu_plan_refuses_a_workspace():
+    plan = scan([torch.ones(3)])
+    with pytest.raises(ValueError, match="CUDA device -1"):
+        plan.lend_workspace(torch.zeros(1024, dtype=torch.uint8))
