@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, sys};
 use gradclip::NormType;
 use gradclip::gpu::{ExternalWorkspace, GpuEngine};
 use pyo3::exceptions::PyValueError;
@@ -35,7 +35,7 @@ fn with_engine<R>(
         let ctx = CudaContext::new(device).map_err(|e| to_py(e.into()))?;
         // SAFETY: `stream` is PyTorch's CUstream handle on this device (0: the legacy default
         // stream); PyTorch owns it and keeps it alive as long as the process uses it.
-        let s = unsafe { ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) };
+        let s = unsafe { ctx.wrap_borrowed_stream(stream as sys::CUstream) };
         v.insert(GpuEngine::new(s).map_err(to_py)?);
     }
     let engine = engines.get_mut(&(device, stream)).expect("inserted above");

@@ -356,6 +356,28 @@ fn overlap_rejected(gpu: &Gpu) -> TestResult {
     ensure(gpu.stream.clone_dtoh(&d).unwrap() == vec![1.0f32; 64], || "memory changed".into())
 }
 
+/// An engine on the second GPU: its norms equal the CPU model's bits, and it refuses the first
+/// GPU's buffers (the per-device grouping of a sharded or pipelined model).
+fn second_device(gpu: &Gpu) -> TestResult {
+    let ctx1 = CudaContext::new(1).map_err(|e| format!("device 1: {e}"))?;
+    let second = Gpu {
+        stream: ctx1.default_stream(),
+    };
+    let grads = random_grads(9000, 40, 200_000);
+    let devs = second.upload(&grads);
+    let twins = second.host_twins(&grads, &devs);
+    let mut engine = GpuEngine::on_device(1).map_err(|e| format!("engine on device 1: {e}"))?;
+    for p in NORM_ORDERS {
+        let want = cpu_norm(&twins, p, false).norm;
+        let got = gpu_norm(&second, &mut engine, &devs, p, false).norm;
+        ensure(same_bits(got, want), || format!("p={p}: device 1 {got:e} vs CPU model {want:e}"))?;
+    }
+    let on_first = gpu.stream.clone_htod(&[1.0f32; 4]).unwrap();
+    let on_second = second.stream.clone_htod(&[1.0f32; 4]).unwrap();
+    let r = engine.total_norm(&[&on_second, &on_first], NormType::L2, false);
+    ensure(matches!(r, Err(Error::WrongContext { index: 1, .. })), || format!("{r:?}"))
+}
+
 /// Kernel nodes of a captured graph: the launch budget made visible.
 fn kernel_nodes(graph: &cudarc::driver::CudaGraph) -> usize {
     use cudarc::driver::sys;
@@ -478,6 +500,8 @@ fn main() {
         ("overlapping_tensors_rejected", overlap_rejected),
         ("graph_capture_launch_budget_and_replays", graph_capture),
     ];
+    // Tests that need two GPUs: reported as ignored on one.
+    let two_gpu_tests: Vec<Case> = vec![("second_device_engine_bits_and_context_check", second_device)];
     let gpu = if gradclip::gpu::gpu_available() {
         let ctx = CudaContext::new(0).expect("CUDA context");
         eprintln!("GPU tests on {}", ctx.name().unwrap_or_default());
@@ -491,14 +515,28 @@ fn main() {
         );
         None
     };
+    let devices = if gpu.is_some() {
+        CudaContext::device_count().unwrap_or(0)
+    } else {
+        0
+    };
+    if gpu.is_some() && devices < 2 {
+        eprintln!(
+            "one CUDA GPU: the {} two-GPU tests are reported as ignored (skipped)",
+            two_gpu_tests.len()
+        );
+    }
+    let two = two_gpu_tests.into_iter().map(|(name, f)| (name, f, devices >= 2));
     let trials = tests
         .into_iter()
-        .map(|(name, f)| match &gpu {
-            Some(g) => {
+        .map(|(name, f)| (name, f, true))
+        .chain(two)
+        .map(|(name, f, runnable)| match &gpu {
+            Some(g) if runnable => {
                 let g = g.clone();
                 Trial::test(name, move || f(&g))
             }
-            None => Trial::test(name, || Ok(())).with_ignored_flag(true),
+            _ => Trial::test(name, || Ok(())).with_ignored_flag(true),
         })
         .collect();
     libtest_mimic::run(&args, trials).exit();
