@@ -32,11 +32,15 @@ __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
 # host cost of a repeated call).
 _PLANNER = _native.Planner((torch.bfloat16, torch.float16, torch.float32, torch.float64))
 
-try:  # the raw handle of the current stream, as torch's generated code reads it
+try:  # the raw handle of the current stream and the current device, as torch's generated code reads them
     _raw_stream = torch._C._cuda_getCurrentRawStream
+    _current_device = torch._C._cuda_getDevice
 except AttributeError:  # pragma: no cover - older or CPU-only builds
     def _raw_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
+
+    def _current_device() -> int:
+        return torch.cuda.current_device()
 
 
 def _as_list(tensors: _TensorOrTensors) -> List[torch.Tensor]:
@@ -80,6 +84,17 @@ def _cuda_out(index: int):
     return torch.empty(3, dtype=torch.float64, device=index), _raw_stream(index)
 
 
+def _cuda_call(entry, plan, *args):
+    """Calls the native CUDA ``entry`` on ``plan`` (its workspace lent first) with torch's current
+    device set to the plan's: the engine binds that device's context, and torch must keep
+    knowing which device is current (it sets and restores it here, its own way)."""
+    plan = _with_workspace(plan)
+    if plan.device == _current_device():
+        return entry(plan, *args)
+    with torch.cuda.device(plan.device):
+        return entry(plan, *args)
+
+
 def _check_p(norm_type: float) -> float:
     p = float(norm_type)
     if math.isnan(p) or p < 1.0:
@@ -91,7 +106,7 @@ def _plan_norm(plan, p: float) -> torch.Tensor:
     """The p-norm of a plan's tensors as a 0-dim f64 tensor on their device."""
     if plan.device >= 0:
         out, stream = _cuda_out(plan.device)
-        _native.cuda_total_norm(_with_workspace(plan), stream, p, out.data_ptr())
+        _cuda_call(_native.cuda_total_norm, plan, stream, p, out.data_ptr())
         return out[0]
     return torch.tensor(_native.cpu_total_norm(plan, p), dtype=torch.float64)
 
@@ -154,7 +169,7 @@ def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
             out, stream = _cuda_out(plan.device)
             out.zero_()
             out[1] = coef.to(out.device)
-            _native.cuda_scale(_with_workspace(plan), stream, out.data_ptr())
+            _cuda_call(_native.cuda_scale, plan, stream, out.data_ptr())
         else:
             _native.cpu_scale(plan, float(coef))
         rest = [t for t in ts if not _native_ok(t)]
@@ -206,7 +221,7 @@ def clip_grad_norm_(
         try:
             if plan.device >= 0:
                 out, stream = _cuda_out(plan.device)
-                _native.cuda_clip_grad_norm(_with_workspace(plan), stream, max_norm, p, error_if_nonfinite, out.data_ptr())
+                _cuda_call(_native.cuda_clip_grad_norm, plan, stream, max_norm, p, error_if_nonfinite, out.data_ptr())
                 return out[0].to(plan.result_dtype)
             norm, _ = _native.cpu_clip_grad_norm(plan, max_norm, p, error_if_nonfinite)
             return torch.tensor(norm, dtype=plan.result_dtype)

@@ -22,7 +22,10 @@ fn ordinal(plan: &Plan) -> PyResult<usize> {
         .ok_or_else(|| PyValueError::new_err("this plan holds CPU tensors: use the cpu_* functions"))
 }
 
-/// Runs `f` on the engine of (device, stream), its tables in the lent workspace `ws`.
+/// Runs `f` on the engine of (device, stream), its tables in the lent workspace `ws`. The engine
+/// binds its device's context to the calling thread, so callers that share the thread with
+/// PyTorch make that device torch's current one first (gradclip.torch does): torch then keeps
+/// knowing which device is current, and restores its own on the way out.
 fn with_engine<R>(
     device: usize,
     stream: usize,
