@@ -8,12 +8,12 @@
 //! comprehension cost about twice as much per tensor, and the key comparison as much again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, TryLockError};
 
 use gradclip::DType;
 use gradclip::gpu::ExternalWorkspace;
 use gradclip::plan::{RawTensor, check_disjoint};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
@@ -147,12 +147,26 @@ impl Plan {
 }
 
 /// Reads tensor lists into plans and keeps the last one while the same list comes back.
-#[pyclass(module = "gradclip._native")]
+#[pyclass(frozen, module = "gradclip._native")]
 pub struct Planner {
     dtypes: [Py<PyAny>; 4],
+    /// Makes, for a newly planned list, a callable that says in one call whether a list is
+    /// still exactly that one (see `gradclip.torch`); None: every call reads every tensor.
+    make_validator: Option<Py<PyAny>>,
+    /// The kept plan. Only ever try-locked: a thread that finds it taken (another Python thread
+    /// inside `scan`, which calls Python code) plans its list without it, so no thread waits
+    /// for it while holding the GIL.
+    cache: Mutex<Cache>,
+}
+
+/// The last planned list and what recognizes it.
+#[derive(Default)]
+struct Cache {
     key: Vec<Entry>,
     scratch: Vec<Entry>,
     last: Option<Py<Plan>>,
+    /// The validator of the last plan's list, when the factory made one.
+    validator: Option<Py<PyAny>>,
 }
 
 impl Planner {
@@ -216,6 +230,15 @@ impl Planner {
     }
 }
 
+impl Planner {
+    /// The validator of a newly planned list, when the factory can make one (its errors mean
+    /// no validator: the full read stays exact).
+    fn validator_for(&self, tensors: &Bound<'_, PyList>) -> Option<Py<PyAny>> {
+        let make = self.make_validator.as_ref()?.bind(tensors.py());
+        make.call1((tensors,)).ok().filter(|v| !v.is_none()).map(|v| v.unbind())
+    }
+}
+
 fn dtype_index(d: DType) -> usize {
     DTYPES.iter().position(|&x| x == d).expect("DTYPES lists every DType")
 }
@@ -235,24 +258,27 @@ fn promote(a: usize, b: usize) -> usize {
 #[pymethods]
 impl Planner {
     /// `dtypes`: torch's bfloat16, float16, float32 and float64 objects, in that order.
+    /// `make_validator(tensors)`: optional; returns a callable `valid(tensors) -> bool` that is
+    /// true only when `tensors` has the same length and every tensor the same address, sizes,
+    /// strides, dtype and device as at planning (or None when it cannot make one).
     #[new]
-    fn new(dtypes: &Bound<'_, PyTuple>) -> PyResult<Self> {
+    #[pyo3(signature = (dtypes, make_validator=None))]
+    fn new(dtypes: &Bound<'_, PyTuple>, make_validator: Option<Py<PyAny>>) -> PyResult<Self> {
         let d: Vec<Py<PyAny>> = dtypes.iter().map(|d| d.unbind()).collect();
         let dtypes: [Py<PyAny>; 4] = d
             .try_into()
             .map_err(|_| PyValueError::new_err("Planner takes the dtypes (bfloat16, float16, float32, float64)"))?;
         Ok(Planner {
             dtypes,
-            key: Vec::new(),
-            scratch: Vec::new(),
-            last: None,
+            make_validator,
+            cache: Mutex::new(Cache::default()),
         })
     }
 
     /// Reads `items` (tensors, or parameters when `grads` is true: their `.grad`, skipping
     /// None) and returns `(plan, tensors)`: the plan when the whole list can take the one-call
     /// path (the last plan again when the list is the last one), else None; and the tensors read.
-    fn scan<'py>(&mut self, items: &Bound<'py, PyAny>, grads: bool) -> PyResult<(Option<Py<Plan>>, Bound<'py, PyList>)> {
+    fn scan<'py>(&self, items: &Bound<'py, PyAny>, grads: bool) -> PyResult<(Option<Py<Plan>>, Bound<'py, PyList>)> {
         let py = items.py();
         let tensors = if grads {
             let list = PyList::empty(py);
@@ -269,20 +295,41 @@ impl Planner {
                 Err(_) => PyList::new(py, items.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
             }
         };
-        let mut entries = std::mem::take(&mut self.scratch);
+        let mut cache = match self.cache.try_lock() {
+            Ok(c) => c,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return Ok((self.plan_of(&tensors)?, tensors)),
+        };
+        let cache = &mut *cache;
+        if let (Some(valid), Some(last)) = (&cache.validator, &cache.last) {
+            // One call checks the whole list; on any doubt (false, or an error such as a
+            // non-tensor in the list) the full read below decides and reports.
+            if valid.bind(py).call1((&tensors,)).and_then(|r| r.is_truthy()).unwrap_or(false) {
+                return Ok((Some(last.clone_ref(py)), tensors));
+            }
+        }
+        let mut entries = std::mem::take(&mut cache.scratch);
         let fast = self.read_all(&tensors, &mut entries)?;
         let plan = match fast {
             false => None,
             true if entries.is_empty() => None,
-            true if entries == self.key && self.last.is_some() => self.last.as_ref().map(|p| p.clone_ref(py)),
+            true if entries == cache.key && cache.last.is_some() => {
+                // Same storage, but the validator (if any) said no: something it also checks
+                // changed (requires_grad, say). Make it anew for this list.
+                if cache.validator.is_some() {
+                    cache.validator = self.validator_for(&tensors);
+                }
+                cache.last.as_ref().map(|p| p.clone_ref(py))
+            }
             true => {
                 let plan = self.plan_of_entries(py, &entries)?;
-                self.last = plan.as_ref().map(|p| p.clone_ref(py));
-                std::mem::swap(&mut self.key, &mut entries);
+                cache.last = plan.as_ref().map(|p| p.clone_ref(py));
+                std::mem::swap(&mut cache.key, &mut entries);
+                cache.validator = if plan.is_some() { self.validator_for(&tensors) } else { None };
                 plan
             }
         };
-        self.scratch = entries;
+        cache.scratch = entries;
         Ok((plan, tensors))
     }
 
@@ -298,8 +345,20 @@ impl Planner {
     }
 
     /// Drops the kept plan (and the workspace it holds).
-    fn forget(&mut self) {
-        self.key.clear();
-        self.last = None;
+    /// Fails (rather than wait while holding the GIL) when another thread is inside `scan`.
+    fn forget(&self) -> PyResult<()> {
+        let mut cache = match self.cache.try_lock() {
+            Ok(c) => c,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return Err(PyRuntimeError::new_err("the planner is in use by another thread; try again")),
+        };
+        *cache = Cache::default();
+        Ok(())
+    }
+
+    /// True when repeated lists are checked by a validator rather than read tensor by tensor.
+    #[getter]
+    fn validates(&self) -> bool {
+        self.make_validator.is_some()
     }
 }
