@@ -165,3 +165,38 @@ def test_training_step_matches_torch(device):
         assert rel(float(n), float(n)) == 0.0
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):
         assert torch.allclose(pa, pb, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clip_grads_with_norm_matches_torch(device, dtype):
+    params = make_params(11, dtype, device)
+    ref = f64_copies(params)
+    total = gt.get_total_norm([q.grad for q in params])
+    max_norm = 0.3 * float(total)
+    gt.clip_grads_with_norm_(params, max_norm, total)
+    torch.nn.utils.clip_grads_with_norm_(ref, max_norm, total.double().cpu())
+    for q, r in zip(params, ref):
+        assert torch.allclose(q.grad.double().cpu(), r.grad, rtol=TOL[dtype], atol=torch.finfo(dtype).tiny)
+    # A norm at or under the limit leaves the gradients as they are (coefficient 1).
+    before = [q.grad.clone() for q in params]
+    gt.clip_grads_with_norm_(params, 1e30, total)
+    assert all(torch.equal(q.grad, b) for q, b in zip(params, before))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sharded_clip_through_clip_grads_with_norm(device):
+    # Two "ranks" each hold half the gradients: local norms, combined as an all-reduce of the
+    # squares would combine them, then each rank clips its half with the global norm. Equals
+    # the clip of the whole list.
+    params = make_params(13, torch.float64, device)
+    whole = f64_copies(params)
+    shards = [params[:3], params[3:]]
+    local = [gt.get_total_norm([q.grad for q in s]) for s in shards]
+    total = torch.sqrt(sum(n.double() ** 2 for n in local))
+    for s in shards:
+        gt.clip_grads_with_norm_(s, 0.5, total)
+    want = torch.nn.utils.clip_grad_norm_(whole, 0.5)
+    assert rel(float(total), float(want)) <= 1e-12
+    for q, r in zip(params, whole):
+        assert torch.allclose(q.grad, r.grad, rtol=1e-12, atol=0.0)
