@@ -114,10 +114,17 @@ def _by_device(ts: List[torch.Tensor]):
     return groups
 
 
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
 def _result_dtype(ts: List[torch.Tensor]) -> torch.dtype:
-    dtype = ts[0].dtype
-    for t in ts[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
+    """The dtype torch gives the norm of ``ts``: their promoted dtype, real. torch has no
+    promotion rules (and no norm kernels) for fp8; an fp8 gradient counts as float32 here."""
+    dtypes = [torch.float32 if _is_fp8(t.dtype) else t.dtype for t in ts]
+    dtype = dtypes[0]
+    for d in dtypes[1:]:
+        dtype = torch.promote_types(dtype, d)
     if not dtype.is_floating_point and not dtype.is_complex:
         dtype = torch.get_default_dtype()
     return dtype.to_real() if dtype.is_complex else dtype
@@ -234,6 +241,10 @@ def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
         rest = [t for t in ts if not _native_ok(t)]
     else:
         rest = ts
+    for t in [t for t in rest if _is_fp8(t.dtype)]:
+        # torch has no fp8 multiply: multiply in f32 and round once, as it does for bf16/f16.
+        t.copy_(t.float().mul_(coef.to(device=t.device, dtype=torch.float32)))
+    rest = [t for t in rest if not _is_fp8(t.dtype)]
     if rest:
         device = rest[0].device
         if _overlap([t for t in rest if t.is_contiguous()]) or len({t.data_ptr() for t in rest}) < len(rest):

@@ -200,3 +200,22 @@ def test_sharded_clip_through_clip_grads_with_norm(device):
     assert rel(float(total), float(want)) <= 1e-12
     for q, r in zip(params, whole):
         assert torch.allclose(q.grad, r.grad, rtol=1e-12, atol=0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_gradients_take_the_general_path_exactly(device, fp8):
+    # torch computes no norm of fp8 tensors; gradclip does, in f64, and clips them by
+    # multiplying in f32 and rounding once to fp8.
+    g = torch.Generator().manual_seed(3)
+    a = torch.nn.Parameter(torch.zeros(64, dtype=fp8, device=device))
+    a.grad = (torch.randn(64, generator=g) * 4).to(fp8).to(device)
+    b = torch.nn.Parameter(torch.zeros(100, device=device))
+    b.grad = torch.randn(100, generator=g).to(device)
+    exact = float(torch.linalg.vector_norm(torch.cat([a.grad.double().cpu(), b.grad.double().cpu()])))
+    before = a.grad.float().cpu()
+    norm = gt.get_total_norm([a.grad, b.grad])
+    assert norm.dtype == torch.float32 and rel(float(norm), exact) <= 2 ** -23
+    got = gt.clip_grad_norm_([a, b], 0.25 * exact)
+    coef = torch.tensor(min(1.0, 0.25 * exact / (float(got) + 1e-6)), dtype=torch.float32)
+    assert torch.equal(a.grad.float().cpu(), (before * coef).to(fp8).float())
