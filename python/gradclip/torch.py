@@ -201,6 +201,14 @@ def _nonfinite_error(norm_type: float) -> RuntimeError:
     )
 
 
+def _opaque_to_compile(fn):
+    """Marks a public function as one torch.compile calls rather than traces: it runs native
+    code on raw addresses, which dynamo cannot trace (it would warn and break the graph anyway)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+@_opaque_to_compile
 def get_total_norm(
     tensors: _TensorOrTensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None
 ) -> torch.Tensor:
@@ -269,6 +277,7 @@ def _clip_grads(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Te
         _scale_group(ts, coef)
 
 
+@_opaque_to_compile
 def clip_grads_with_norm_(
     parameters: _TensorOrTensors, max_norm: float, total_norm: torch.Tensor, foreach: Optional[bool] = None
 ) -> None:
@@ -282,6 +291,7 @@ def clip_grads_with_norm_(
         _clip_grads(grads, max_norm, total_norm)
 
 
+@_opaque_to_compile
 def clip_grad_norm_(
     parameters: _TensorOrTensors,
     max_norm: float,

@@ -219,3 +219,28 @@ def test_fp8_gradients_take_the_general_path_exactly(device, fp8):
     got = gt.clip_grad_norm_([a, b], 0.25 * exact)
     coef = torch.tensor(min(1.0, 0.25 * exact / (float(got) + 1e-6)), dtype=torch.float32)
     assert torch.equal(a.grad.float().cpu(), (before * coef).to(fp8).float())
+
+
+def test_inside_a_compiled_training_step():
+    # torch.compile calls gradclip's functions (they are opaque to it) and traces the rest.
+    import warnings
+
+    torch.manual_seed(0)
+    model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model_b = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model_b.load_state_dict(model_a.state_dict())
+    x = torch.randn(32, 8)
+
+    def step(model, clip):
+        model.zero_grad()
+        model(x).square().sum().backward()
+        return clip(model.parameters(), 0.5)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(step)(model_a, gt.clip_grad_norm_)
+    assert not [w for w in caught if "Planner" in str(w.message) or "_native" in str(w.message)]
+    want = step(model_b, torch.nn.utils.clip_grad_norm_)
+    assert rel(float(got), float(want)) <= 1e-6
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
