@@ -41,7 +41,12 @@ def run_sharded(tmp_path, backend, p, dtype):
         subprocess.Popen([sys.executable, WORKER, backend, port, str(r), str(WORLD), str(p), name, outs[r]])
         for r in range(WORLD)
     ]
-    codes = [proc.wait(timeout=180) for proc in procs]
+    try:
+        codes = [proc.wait(timeout=180) for proc in procs]
+    finally:
+        for proc in procs:  # a rank that hangs (no peer) must not outlive the test
+            if proc.poll() is None:
+                proc.kill()
     assert codes == [0] * WORLD, codes
     whole = []
     for g in full_list(dtype):
