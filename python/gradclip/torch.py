@@ -33,15 +33,24 @@ _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
 
+try:  # torch's private guard functions (torch.compile's and CUDA-graph trees'), when present
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+
+    _ptrs_equal = torch._C._tensors_data_ptrs_at_indices_equal
+except (ImportError, AttributeError):  # pragma: no cover - other torch versions
+    _TensorGuards = _ptrs_equal = None
 
 
 def _make_validator(tensors: List[torch.Tensor]):
     """A callable that tells, in two C++ calls over the whole list, whether a list is still
     exactly ``tensors``: same length, and every tensor with the same sizes, strides, dtype,
     device (dispatch keys), requires_grad (torch's TensorGuards, what torch.compile checks
-    before it reuses a compiled graph) and address (what CUDA-graph trees check). Reading five
-    attributes per tensor from Python or native code costs about three times as much, and that
-    read is the whole host cost of a repeated call. None when torch lacks these functions."""
+    before it reuses a compiled graph) and address (what CUDA-graph trees check). It keeps no
+    reference to the tensors. Reading five attributes per tensor from Python or native code
+    costs about three times as much, and that read is the whole host cost of a repeated call.
+    None when torch lacks these functions."""
+    if _TensorGuards is None or _ptrs_equal is None:
+        return None
     try:
         guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
         ptrs = [t.data_ptr() for t in tensors]
@@ -56,28 +65,28 @@ def _make_validator(tensors: List[torch.Tensor]):
 
 
 def _validator_factory():
-    """``_make_validator`` when torch's private guard functions exist and behave as relied on
-    (checked once, here, on host tensors); None otherwise: every call then reads every tensor."""
-    global _TensorGuards, _ptrs_equal
-    try:
-        from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+    """``_make_validator`` when the guard functions exist and behave as relied on (checked once,
+    here, on host tensors: an unchanged list passes; resize_, t_, ``.data =`` with a dtype view
+    or a new tensor, and a shorter list fail); None otherwise: every call then reads every tensor."""
 
-        _ptrs_equal = torch._C._tensors_data_ptrs_at_indices_equal
+    def fresh():
         a, b = torch.zeros(4, 4), torch.zeros(8)
-        valid = _make_validator([a, b])
-        same = valid([a, b])
-        changed = []
-        for edit in (lambda: b.resize_(6), lambda: a.t_(), lambda: setattr(a, "data", a.view(torch.int32)),
-                     lambda: setattr(b, "data", torch.zeros(8))):
-            a, b = torch.zeros(4, 4), torch.zeros(8)
-            valid = _make_validator([a, b])
-            edit()
-            changed.append(valid([a, b]))
-        if same is True and not any(changed) and not valid([a]):
-            return _make_validator
+        return a, b, _make_validator([a, b])
+
+    edits = (lambda a, b: b.resize_(6), lambda a, b: a.t_(),
+             lambda a, b: setattr(a, "data", a.view(torch.int32)), lambda a, b: setattr(b, "data", torch.zeros(8)))
+    try:
+        a, b, valid = fresh()
+        if valid is None or valid([a, b]) is not True or valid([a]):
+            return None
+        for edit in edits:
+            a, b, valid = fresh()
+            edit(a, b)
+            if valid([a, b]):
+                return None
+        return _make_validator
     except Exception:
-        pass
-    return None
+        return None
 
 
 # Reads tensor lists in native code and keeps the plan of the last list while the same storage
