@@ -163,3 +163,17 @@ def test_threads_sharing_the_planner_get_correct_norms():
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_kept_plan_keeps_no_gradient_alive(device):
+    # Gradients freed between steps (zero_grad(set_to_none=True)) must really be freed.
+    import gc
+    import weakref
+
+    gs = grads(device)
+    assert scan(gs) is not None
+    refs = [weakref.ref(g) for g in gs]
+    del gs
+    gc.collect()
+    assert all(r() is None for r in refs)
