@@ -34,7 +34,8 @@ pub fn block_tree<A: Accumulator, const WARPS: usize>(lanes: &mut [A]) -> A {
     warp_tree(&mut totals)
 }
 
-const BLOCK_WARPS: usize = (BLOCK_THREADS / WARP_THREADS) as usize;
+/// Warps per block.
+pub const BLOCK_WARPS: usize = (BLOCK_THREADS / WARP_THREADS) as usize;
 
 /// The partial one block of the norm kernel computes for chunk `chunk` of a tensor.
 ///

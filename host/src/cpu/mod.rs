@@ -14,6 +14,7 @@
 //! assert!((a[0] - 0.6).abs() < 1e-6);
 //! ```
 
+use core::any::TypeId;
 use core::marker::PhantomData;
 
 use gradclip_kernels::abi::{NormParams, Partial, flags};
@@ -24,6 +25,8 @@ use gradclip_kernels::lane::{Source, SourceMut, scale_lane};
 use gradclip_kernels::model;
 use gradclip_kernels::scale::{norm_output, scale_coefficients};
 use rayon::prelude::*;
+
+mod vector_l2;
 
 use crate::dtype::{DType, GradElement};
 use crate::error::{Error, Result};
@@ -156,12 +159,18 @@ macro_rules! with_accumulator {
 ///
 /// # Safety
 /// Every tensor of `plan` must be readable host memory for the duration of the call.
-unsafe fn partials<A: Accumulator>(plan: &Plan, p: f64) -> Vec<Partial> {
+unsafe fn partials<A: Accumulator + 'static>(plan: &Plan, p: f64) -> Vec<Partial> {
+    let l2 = TypeId::of::<A>() == TypeId::of::<L2>();
     plan.tasks
         .par_iter()
         .map(|task| {
             let d = &plan.tensors[task.tensor as usize];
             let dtype = DType::from_code(d.dtype).expect("planned from a DType");
+            if l2 && vector_l2::available(dtype) {
+                let frame = Frame::with_phase(d.len, d.phase as u64, dtype.size());
+                // SAFETY: as below; the vector path returns the model's bits.
+                return unsafe { vector_l2::chunk_partial(dtype, d.addr, &frame, task.chunk as u64) }.encode();
+            }
             with_element!(dtype, E => {
                 let frame = Frame::with_phase(d.len, d.phase as u64, E::SIZE);
                 let src = HostTensor::<E>::new(d.addr, frame);
