@@ -26,6 +26,7 @@ use gradclip_kernels::model;
 use gradclip_kernels::scale::{norm_output, scale_coefficients};
 use rayon::prelude::*;
 
+mod vector_inf;
 mod vector_l2;
 
 use crate::dtype::{DType, GradElement};
@@ -160,16 +161,20 @@ macro_rules! with_accumulator {
 /// # Safety
 /// Every tensor of `plan` must be readable host memory for the duration of the call.
 unsafe fn partials<A: Accumulator + 'static>(plan: &Plan, p: f64) -> Vec<Partial> {
-    let l2 = TypeId::of::<A>() == TypeId::of::<L2>();
+    let (l2, inf) = (TypeId::of::<A>() == TypeId::of::<L2>(), TypeId::of::<A>() == TypeId::of::<Inf>());
     plan.tasks
         .par_iter()
         .map(|task| {
             let d = &plan.tensors[task.tensor as usize];
             let dtype = DType::from_code(d.dtype).expect("planned from a DType");
+            let frame = Frame::with_phase(d.len, d.phase as u64, dtype.size());
             if l2 && vector_l2::available(dtype) {
-                let frame = Frame::with_phase(d.len, d.phase as u64, dtype.size());
                 // SAFETY: as below; the vector path returns the model's bits.
                 return unsafe { vector_l2::chunk_partial(dtype, d.addr, &frame, task.chunk as u64) }.encode();
+            }
+            if inf {
+                // SAFETY: as below; one maximum over the chunk is the model's partial.
+                return unsafe { vector_inf::chunk_partial(dtype, d.addr, &frame, task.chunk as u64) }.encode();
             }
             with_element!(dtype, E => {
                 let frame = Frame::with_phase(d.len, d.phase as u64, E::SIZE);

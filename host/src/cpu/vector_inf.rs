@@ -1,0 +1,133 @@
+//! The inf-norm partial of a chunk as one plain maximum over its elements.
+//!
+//! The model gives each of a block's 256 lanes the maximum of its elements' absolute-value
+//! bits, widens each lane's maximum to an ordered f64 key, and takes the maximum over the tree.
+//! The maximum is the same in any order and the key is monotone in the bits, so the block's
+//! partial is the key of the largest absolute-value bits anywhere in the chunk: the chunk's
+//! elements are contiguous, and that maximum is a single pass the compiler vectorizes. Equal to
+//! the model bit for bit (property tests below).
+
+use gradclip_kernels::accum::{Accumulator, Inf};
+use gradclip_kernels::dtype::{self as k, Element, f64_key};
+use gradclip_kernels::geometry::Frame;
+
+use crate::dtype::DType;
+
+/// The inf-norm partial of chunk `chunk`, equal bit for bit to the model's.
+///
+/// # Safety
+/// `addr` is the address of element 0 of a readable tensor of `dtype` that `frame` describes,
+/// and `chunk < frame.num_chunks()`.
+pub unsafe fn chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64) -> Inf {
+    let (start, end) = frame.chunk_vecs(chunk);
+    let (first, _) = frame.elems_of(start);
+    let (_, last) = frame.elems_of(end - 1);
+    let n = (last - first) as usize;
+    // SAFETY: elements first..last of the tensor are its chunk's, readable (caller).
+    let key = unsafe {
+        match dtype {
+            DType::Bf16 => key_of::<k::Bf16>(max_abs(slice::<u16>(addr, first, n), 0x7FFF) as u64),
+            DType::F16 => key_of::<k::F16>(max_abs(slice::<u16>(addr, first, n), 0x7FFF) as u64),
+            DType::F32 => key_of::<k::F32>(max_abs(slice::<u32>(addr, first, n), 0x7FFF_FFFF) as u64),
+            DType::F64 => key_of::<k::F64>(max_abs(slice::<u64>(addr, first, n), 0x7FFF_FFFF_FFFF_FFFF)),
+        }
+    };
+    Inf::decode(&gradclip_kernels::abi::Partial { words: [key, 0, 0, 0] }, f64::INFINITY)
+}
+
+/// # Safety
+/// `n` elements of `T` from element `first` at `addr` are readable.
+unsafe fn slice<'a, T>(addr: u64, first: u64, n: usize) -> &'a [T] {
+    // SAFETY: the caller's contract; the elements are aligned to their size (a tensor's are).
+    unsafe { std::slice::from_raw_parts((addr as *const T).add(first as usize), n) }
+}
+
+/// The largest absolute-value bits (`mask` clears the sign): NaN above +inf, as the model orders.
+#[inline]
+fn max_abs<T: Copy + Ord + Default + std::ops::BitAnd<Output = T>>(v: &[T], mask: T) -> T {
+    // 64 running maxima: independent lanes the compiler keeps in vector registers.
+    let mut m = [T::default(); 64];
+    let mut blocks = v.chunks_exact(64);
+    for b in &mut blocks {
+        for (m, &x) in m.iter_mut().zip(b) {
+            *m = (*m).max(x & mask);
+        }
+    }
+    let tail = blocks.remainder().iter().fold(T::default(), |a, &x| a.max(x & mask));
+    m.iter().fold(tail, |a, &x| a.max(x))
+}
+
+fn key_of<E: Element>(abs: u64) -> u64 {
+    f64_key(E::abs_bits_to_f64(abs))
+}
+
+#[cfg(test)]
+mod tests {
+    use gradclip_kernels::accum::{Accumulator, Inf};
+    use gradclip_kernels::dtype::{self as k, Element};
+    use gradclip_kernels::geometry::Frame;
+    use gradclip_kernels::lane::Source;
+    use gradclip_kernels::model;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    struct Slice<E: Element> {
+        base: *const E::Bits,
+        frame: Frame,
+    }
+
+    impl<E: Element> Source<E> for Slice<E> {
+        unsafe fn load_vec(&self, g: u64) -> E::Vector {
+            unsafe { (self.base.add(self.frame.first_elem(g) as usize) as *const E::Vector).read_unaligned() }
+        }
+        unsafe fn load_elem(&self, i: u64) -> E::Bits {
+            unsafe { self.base.add(i as usize).read() }
+        }
+    }
+
+    fn same<E: Element>(dtype: DType, t: &[E::Bits]) -> Result<(), TestCaseError> {
+        let addr = t.as_ptr() as u64;
+        let frame = Frame::new(addr, t.len() as u64, E::SIZE);
+        let src = Slice::<E> { base: t.as_ptr(), frame };
+        for chunk in 0..frame.num_chunks() {
+            // SAFETY: t is a live slice that frame describes; chunk is in range.
+            let want = unsafe { model::chunk_partial::<E, Inf, _>(&src, &frame, chunk, f64::INFINITY) }.encode();
+            let got = unsafe { chunk_partial(dtype, addr, &frame, chunk) }.encode();
+            prop_assert_eq!(got.words, want.words, "chunk {}", chunk);
+        }
+        Ok(())
+    }
+
+    fn bits16() -> impl Strategy<Value = u16> {
+        prop_oneof![any::<u16>(), (0u16..0x400), Just(0x7C00u16), Just(0xFF80u16), (0x3000u16..0x4400)]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn bf16_equals_the_model(v in proptest::collection::vec(bits16(), 1..70_000), skip in 0usize..8) {
+            prop_assume!(skip < v.len());
+            same::<k::Bf16>(DType::Bf16, &v[skip..])?;
+        }
+
+        #[test]
+        fn f16_equals_the_model(v in proptest::collection::vec(bits16(), 1..70_000), skip in 0usize..8) {
+            prop_assume!(skip < v.len());
+            same::<k::F16>(DType::F16, &v[skip..])?;
+        }
+
+        #[test]
+        fn f32_equals_the_model(v in proptest::collection::vec(any::<u32>(), 1..40_000), skip in 0usize..4) {
+            prop_assume!(skip < v.len());
+            same::<k::F32>(DType::F32, &v[skip..])?;
+        }
+
+        #[test]
+        fn f64_equals_the_model(v in proptest::collection::vec(any::<u64>(), 1..20_000), skip in 0usize..2) {
+            prop_assume!(skip < v.len());
+            same::<k::F64>(DType::F64, &v[skip..])?;
+        }
+    }
+}
