@@ -26,6 +26,8 @@ use gradclip_kernels::model;
 use gradclip_kernels::scale::{norm_output, scale_coefficients};
 use rayon::prelude::*;
 
+#[cfg(test)]
+mod model_check;
 mod vector_inf;
 mod vector_l2;
 

@@ -65,42 +65,19 @@ fn key_of<E: Element>(abs: u64) -> u64 {
 mod tests {
     use gradclip_kernels::accum::{Accumulator, Inf};
     use gradclip_kernels::dtype::{self as k, Element};
-    use gradclip_kernels::geometry::Frame;
-    use gradclip_kernels::lane::Source;
-    use gradclip_kernels::model;
     use proptest::prelude::*;
 
     use super::*;
-
-    struct Slice<E: Element> {
-        base: *const E::Bits,
-        frame: Frame,
-    }
-
-    impl<E: Element> Source<E> for Slice<E> {
-        unsafe fn load_vec(&self, g: u64) -> E::Vector {
-            unsafe { (self.base.add(self.frame.first_elem(g) as usize) as *const E::Vector).read_unaligned() }
-        }
-        unsafe fn load_elem(&self, i: u64) -> E::Bits {
-            unsafe { self.base.add(i as usize).read() }
-        }
-    }
+    use crate::cpu::model_check::{bits16, same_partials};
 
     fn same<E: Element>(dtype: DType, t: &[E::Bits]) -> Result<(), TestCaseError> {
-        let addr = t.as_ptr() as u64;
-        let frame = Frame::new(addr, t.len() as u64, E::SIZE);
-        let src = Slice::<E> { base: t.as_ptr(), frame };
-        for chunk in 0..frame.num_chunks() {
-            // SAFETY: t is a live slice that frame describes; chunk is in range.
-            let want = unsafe { model::chunk_partial::<E, Inf, _>(&src, &frame, chunk, f64::INFINITY) }.encode();
-            let got = unsafe { chunk_partial(dtype, addr, &frame, chunk) }.encode();
-            prop_assert_eq!(got.words, want.words, "chunk {}", chunk);
-        }
-        Ok(())
-    }
-
-    fn bits16() -> impl Strategy<Value = u16> {
-        prop_oneof![any::<u16>(), (0u16..0x400), Just(0x7C00u16), Just(0xFF80u16), (0x3000u16..0x4400)]
+        // SAFETY (closure): same_partials passes the live slice's address, frame and chunks.
+        same_partials::<E, Inf>(
+            t,
+            f64::INFINITY,
+            |addr, frame, chunk| unsafe { chunk_partial(dtype, addr, frame, chunk) }.encode(),
+            |_, _| false, // NaN has one key: bits must match exactly
+        )
     }
 
     proptest! {

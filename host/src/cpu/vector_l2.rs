@@ -210,57 +210,20 @@ mod x86 {
 mod tests {
     use gradclip_kernels::accum::{Accumulator, L2};
     use gradclip_kernels::dtype::{self as k, Element};
-    use gradclip_kernels::geometry::Frame;
-    use gradclip_kernels::lane::Source;
-    use gradclip_kernels::model;
     use proptest::prelude::*;
 
     use super::*;
-
-    /// A plain slice as the model reads it.
-    struct Slice<'a, E: Element> {
-        base: *const E::Bits,
-        frame: Frame,
-        _s: core::marker::PhantomData<&'a [E::Bits]>,
-    }
-
-    impl<E: Element> Source<E> for Slice<'_, E> {
-        unsafe fn load_vec(&self, g: u64) -> E::Vector {
-            unsafe { (self.base.add(self.frame.first_elem(g) as usize) as *const E::Vector).read_unaligned() }
-        }
-        unsafe fn load_elem(&self, i: u64) -> E::Bits {
-            unsafe { self.base.add(i as usize).read() }
-        }
-    }
+    use crate::cpu::model_check::{bits16, same_partials};
 
     fn same<E: Element>(dtype: DType, bits: &[E::Bits], skip: usize) -> Result<(), TestCaseError> {
-        let t = &bits[skip..];
-        let addr = t.as_ptr() as u64;
-        let frame = Frame::new(addr, t.len() as u64, E::SIZE);
-        let src = Slice::<E> {
-            base: t.as_ptr(),
-            frame,
-            _s: core::marker::PhantomData,
-        };
-        for chunk in 0..frame.num_chunks() {
-            // SAFETY: t is a live slice that frame describes; chunk is in range.
-            let want = unsafe { model::chunk_partial::<E, L2, _>(&src, &frame, chunk, 2.0) }.encode();
-            let got = unsafe { chunk_partial(dtype, addr, &frame, chunk) }.encode();
-            let nan = |p: &gradclip_kernels::abi::Partial| f64::from_bits(p.words[1]).is_nan();
-            prop_assert!(
-                got.words == want.words || nan(&got) && nan(&want),
-                "chunk {}: {:?} vs {:?}",
-                chunk,
-                got,
-                want
-            );
-        }
-        Ok(())
-    }
-
-    /// Values across the whole range of each type, zeros, subnormals, infinities and NaN.
-    fn bits16() -> impl Strategy<Value = u16> {
-        prop_oneof![any::<u16>(), (0u16..0x400), Just(0x7C00u16), Just(0x7F80u16), (0x3000u16..0x4400)]
+        let nan = |p: &gradclip_kernels::abi::Partial| f64::from_bits(p.words[1]).is_nan();
+        // SAFETY (closure): same_partials passes the live slice's address, frame and chunks.
+        same_partials::<E, L2>(
+            &bits[skip..],
+            2.0,
+            |addr, frame, chunk| unsafe { chunk_partial(dtype, addr, frame, chunk) }.encode(),
+            |a, b| nan(a) && nan(b),
+        )
     }
 
     proptest! {
