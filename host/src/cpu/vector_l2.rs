@@ -8,10 +8,7 @@
 //! lanes to a register, so 64 independent chains are in flight; each lane still adds its own
 //! elements in its own order, so the partial is the model's bit for bit; the block's tree is
 //! the model's own. Hand-written because no crate offers this lane-preserving transpose: a
-//! generic SIMD sum would reassociate the additions and change the bits. Off with
-//! `GRADCLIP_CPU_SCALAR=1` (for comparisons).
-
-use std::sync::OnceLock;
+//! generic SIMD sum would reassociate the additions and change the bits.
 
 use gradclip_kernels::abi::BLOCK_THREADS;
 use gradclip_kernels::accum::L2;
@@ -20,38 +17,15 @@ use gradclip_kernels::model;
 
 use crate::dtype::DType;
 
-/// Whether this CPU runs the vector path for `dtype` (and it is not switched off).
-pub fn available(dtype: DType) -> bool {
-    static FEATURES: OnceLock<(bool, bool)> = OnceLock::new();
-    let (avx2, f16c) = *FEATURES.get_or_init(|| {
-        if std::env::var_os("GRADCLIP_CPU_SCALAR").is_some_and(|v| v == "1") {
-            return (false, false);
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            (std::is_x86_feature_detected!("avx2"), std::is_x86_feature_detected!("f16c"))
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            (false, false)
-        }
-    });
-    match dtype {
-        DType::Bf16 | DType::F32 => avx2,
-        DType::F16 => avx2 && f16c,
-        DType::F64 => false,
-    }
-}
-
 /// The L2 partial of chunk `chunk`, equal bit for bit to the model's.
 ///
 /// # Safety
-/// `available(dtype)` returned true; `addr` is the address of element 0 of a readable tensor of
+/// [`vector_paths`](crate::cpu::features::vector_paths)`(dtype)` returned true; `addr` is the address of element 0 of a readable tensor of
 /// `dtype` that `frame` describes; `chunk < frame.num_chunks()`.
 pub unsafe fn chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64) -> L2 {
     let mut squares = [0.0f64; BLOCK_THREADS as usize];
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the caller's contract, and `available` checked the CPU features.
+    // SAFETY: the caller's contract, and `vector_paths` checked the CPU features.
     unsafe {
         x86::lane_squares(dtype, addr, frame, chunk, &mut squares)
     };
@@ -76,13 +50,13 @@ mod x86 {
     /// # Safety
     /// As [`super::chunk_partial`].
     pub unsafe fn lane_squares(dtype: DType, addr: u64, frame: &Frame, chunk: u64, out: &mut [f64; BLOCK_THREADS as usize]) {
-        // SAFETY: forwarded; the features were checked by `available`.
+        // SAFETY: forwarded; the features were checked by `vector_paths`.
         unsafe {
             match dtype {
                 DType::Bf16 => run::<k::Bf16, 0>(addr, frame, chunk, out),
                 DType::F16 => run::<k::F16, 1>(addr, frame, chunk, out),
                 DType::F32 => run::<k::F32, 2>(addr, frame, chunk, out),
-                DType::F64 => unreachable!("available() is false for f64"),
+                DType::F64 => unreachable!("vector_paths() is false for f64"),
             }
         }
     }
@@ -213,6 +187,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::cpu::features::vector_paths;
     use crate::cpu::model_check::{bits16, same_partials};
 
     fn same<E: Element>(dtype: DType, bits: &[E::Bits], skip: usize) -> Result<(), TestCaseError> {
@@ -231,26 +206,26 @@ mod tests {
 
         #[test]
         fn bf16_equals_the_model(v in proptest::collection::vec(bits16(), 0..70_000), skip in 0usize..8) {
-            prop_assume!(available(DType::Bf16) && skip <= v.len());
+            prop_assume!(vector_paths(DType::Bf16) && skip <= v.len());
             same::<k::Bf16>(DType::Bf16, &v, skip)?;
         }
 
         #[test]
         fn f16_equals_the_model(v in proptest::collection::vec(bits16(), 0..70_000), skip in 0usize..8) {
-            prop_assume!(available(DType::F16) && skip <= v.len());
+            prop_assume!(vector_paths(DType::F16) && skip <= v.len());
             same::<k::F16>(DType::F16, &v, skip)?;
         }
 
         #[test]
         fn f32_equals_the_model(v in proptest::collection::vec(any::<u32>(), 0..40_000), skip in 0usize..4) {
-            prop_assume!(available(DType::F32) && skip <= v.len());
+            prop_assume!(vector_paths(DType::F32) && skip <= v.len());
             same::<k::F32>(DType::F32, &v, skip)?;
         }
     }
 
     #[test]
     fn several_chunks_with_a_partial_head_and_tail() {
-        if !available(DType::Bf16) {
+        if !vector_paths(DType::Bf16) {
             eprintln!("no AVX2: the vector path is not used on this CPU");
             return;
         }

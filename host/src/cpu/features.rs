@@ -1,0 +1,29 @@
+//! Which CPU vector paths run: AVX2 (and F16C for f16) detected once, unless
+//! `GRADCLIP_CPU_SCALAR=1` switches them off (for comparisons; results are the same bits).
+
+use std::sync::OnceLock;
+
+use crate::dtype::DType;
+
+/// True when the vector paths run for `dtype` on this CPU (never for f64, which has none).
+pub fn vector_paths(dtype: DType) -> bool {
+    static FEATURES: OnceLock<(bool, bool)> = OnceLock::new();
+    let (avx2, f16c) = *FEATURES.get_or_init(|| {
+        if std::env::var_os("GRADCLIP_CPU_SCALAR").is_some_and(|v| v == "1") {
+            return (false, false);
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            (std::is_x86_feature_detected!("avx2"), std::is_x86_feature_detected!("f16c"))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            (false, false)
+        }
+    });
+    match dtype {
+        DType::Bf16 | DType::F32 => avx2,
+        DType::F16 => avx2 && f16c,
+        DType::F64 => false,
+    }
+}
