@@ -75,6 +75,13 @@ impl Frame {
         g * self.lanes >= self.phase && (g + 1) * self.lanes <= self.phase + self.len
     }
 
+    /// The element indices `[first, end)` of chunk `chunk`: contiguous, since its vectors are.
+    #[inline(always)]
+    pub fn chunk_elems(&self, chunk: u64) -> (u64, u64) {
+        let (start, end) = self.chunk_vecs(chunk);
+        (self.elems_of(start).0, self.elems_of(end - 1).1)
+    }
+
     /// The element indices `[first, end)` that vector `g` holds.
     #[inline(always)]
     pub fn elems_of(&self, g: u64) -> (u64, u64) {

@@ -182,7 +182,6 @@ unsafe fn partials<A: Accumulator + 'static>(plan: &Plan, p: f64) -> Vec<Partial
                 return unsafe { vector_inf::chunk_partial(dtype, d.addr, &frame, task.chunk as u64) }.encode();
             }
             with_element!(dtype, E => {
-                let frame = Frame::with_phase(d.len, d.phase as u64, E::SIZE);
                 let src = HostTensor::<E>::new(d.addr, frame);
                 // SAFETY: the chunk comes from this frame; memory validity is the caller's.
                 unsafe { model::chunk_partial::<E, A, _>(&src, &frame, task.chunk as u64, p) }.encode()
@@ -230,9 +229,7 @@ unsafe fn scale_all(plan: &Plan, coef: f64) {
         let dtype = DType::from_code(d.dtype).expect("planned from a DType");
         with_element!(dtype, E => {
             let frame = Frame::with_phase(d.len, d.phase as u64, E::SIZE);
-            let (start, end) = frame.chunk_vecs(task.chunk as u64);
-            let (first, _) = frame.elems_of(start);
-            let (_, last) = frame.elems_of(end - 1);
+            let (first, last) = frame.chunk_elems(task.chunk as u64);
             // SAFETY: elements first..last are this task's chunk: writable (caller) and touched
             // by no other task (chunks are disjoint, tensors do not overlap).
             let elems = unsafe { std::slice::from_raw_parts_mut((d.addr as *mut <E as Element>::Bits).add(first as usize), (last - first) as usize) };

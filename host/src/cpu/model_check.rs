@@ -5,26 +5,10 @@ use gradclip_kernels::abi::Partial;
 use gradclip_kernels::accum::Accumulator;
 use gradclip_kernels::dtype::Element;
 use gradclip_kernels::geometry::Frame;
-use gradclip_kernels::lane::Source;
 use gradclip_kernels::model;
 use proptest::prelude::*;
 
-/// A host slice read the way the model reads a tensor.
-struct Slice<E: Element> {
-    base: *const E::Bits,
-    frame: Frame,
-}
-
-impl<E: Element> Source<E> for Slice<E> {
-    unsafe fn load_vec(&self, g: u64) -> E::Vector {
-        // SAFETY: g is a full vector of the slice (the model's contract).
-        unsafe { (self.base.add(self.frame.first_elem(g) as usize) as *const E::Vector).read_unaligned() }
-    }
-    unsafe fn load_elem(&self, i: u64) -> E::Bits {
-        // SAFETY: i is below the slice's length (the model's contract).
-        unsafe { self.base.add(i as usize).read() }
-    }
-}
+use super::HostTensor;
 
 /// Fails unless `fast(addr, frame, chunk)` encodes like the model's `A` partial for every chunk
 /// of `t` (partials that `both_nan` accepts as NaN on both sides count as equal).
@@ -36,7 +20,7 @@ pub fn same_partials<E: Element, A: Accumulator>(
 ) -> Result<(), TestCaseError> {
     let addr = t.as_ptr() as u64;
     let frame = Frame::new(addr, t.len() as u64, E::SIZE);
-    let src = Slice::<E> { base: t.as_ptr(), frame };
+    let src = HostTensor::<E>::new(addr, frame);
     for chunk in 0..frame.num_chunks() {
         // SAFETY: t is a live slice that frame describes; chunk is in range.
         let want = unsafe { model::chunk_partial::<E, A, _>(&src, &frame, chunk, p) }.encode();

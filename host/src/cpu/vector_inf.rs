@@ -19,9 +19,7 @@ use crate::dtype::DType;
 /// `addr` is the address of element 0 of a readable tensor of `dtype` that `frame` describes,
 /// and `chunk < frame.num_chunks()`.
 pub unsafe fn chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64) -> Inf {
-    let (start, end) = frame.chunk_vecs(chunk);
-    let (first, _) = frame.elems_of(start);
-    let (_, last) = frame.elems_of(end - 1);
+    let (first, last) = frame.chunk_elems(chunk);
     let n = (last - first) as usize;
     // SAFETY: elements first..last of the tensor are its chunk's, readable (caller).
     let key = unsafe {
