@@ -92,7 +92,8 @@ def _validator_factory():
 # Reads tensor lists in native code and keeps the plan of the last list while the same storage
 # comes back (address, size, dtype, contiguity and device of every tensor: exact); a repeated
 # list is recognized by the validator above when torch provides one.
-_PLANNER = _native.Planner((torch.bfloat16, torch.float16, torch.float32, torch.float64), _validator_factory())
+_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # the engine's, in its order
+_PLANNER = _native.Planner(_NATIVE_DTYPES, _validator_factory())
 
 try:  # the raw handle of the current stream and the current device, as torch's generated code reads them
     _raw_stream = torch._C._cuda_getCurrentRawStream
@@ -198,8 +199,6 @@ def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
 def _native_ok(t: torch.Tensor) -> bool:
     return t.dtype in _NATIVE_DTYPES and t.is_contiguous() and t.device.type in ("cpu", "cuda")
 
-
-_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _nonfinite_error(norm_type: float) -> RuntimeError:

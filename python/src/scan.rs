@@ -10,7 +10,7 @@
 //! only when it says no does the full read decide.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use gradclip::DType;
 use gradclip::gpu::ExternalWorkspace;
@@ -230,9 +230,16 @@ impl Planner {
         };
         Ok(Some(Py::new(py, plan)?))
     }
-}
 
-impl Planner {
+    /// The kept plan, unless another thread is inside `scan` (never waits: see `cache`).
+    fn try_cache(&self) -> Option<MutexGuard<'_, Cache>> {
+        match self.cache.try_lock() {
+            Ok(c) => Some(c),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// The validator of a newly planned list, when the factory can make one (its errors mean
     /// no validator: the full read stays exact).
     fn validator_for(&self, tensors: &Bound<'_, PyList>) -> Option<Py<PyAny>> {
@@ -297,10 +304,8 @@ impl Planner {
                 Err(_) => PyList::new(py, items.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
             }
         };
-        let mut cache = match self.cache.try_lock() {
-            Ok(c) => c,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return Ok((self.plan_of(&tensors)?, tensors)),
+        let Some(mut cache) = self.try_cache() else {
+            return Ok((self.plan_of(&tensors)?, tensors));
         };
         let cache = &mut *cache;
         if let (Some(valid), Some(last)) = (&cache.validator, &cache.last) {
@@ -349,10 +354,8 @@ impl Planner {
     /// Drops the kept plan (and the workspace it holds).
     /// Fails (rather than wait while holding the GIL) when another thread is inside `scan`.
     fn forget(&self) -> PyResult<()> {
-        let mut cache = match self.cache.try_lock() {
-            Ok(c) => c,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return Err(PyRuntimeError::new_err("the planner is in use by another thread; try again")),
+        let Some(mut cache) = self.try_cache() else {
+            return Err(PyRuntimeError::new_err("the planner is in use by another thread; try again"));
         };
         *cache = Cache::default();
         Ok(())

@@ -10,7 +10,7 @@ from gradclip import _native
 
 # The planner gradclip.torch uses (a repeated list recognized by torch's guards in two calls),
 # and one without a validator (every call reads every tensor): both must be exact.
-PER_TENSOR = _native.Planner((torch.bfloat16, torch.float16, torch.float32, torch.float64))
+PER_TENSOR = _native.Planner(gt._NATIVE_DTYPES)
 _current = [gt._PLANNER]
 
 
