@@ -511,7 +511,7 @@ fn main() {
     } else {
         eprintln!(
             "no CUDA GPU: the {} GPU tests are reported as ignored (skipped), not passed",
-            tests.len()
+            tests.len() + two_gpu_tests.len()
         );
         None
     };
