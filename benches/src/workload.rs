@@ -331,9 +331,9 @@ mod tests {
 
     #[test]
     fn shape_files_round_trip_and_reject_unknown_dtypes() {
-        let dir = std::env::temp_dir().join(format!("gradclip-shapes-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("w.json");
+        // Removed when the test ends, pass or fail.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("w.json");
         std::fs::write(&p, serde_json::to_string(&gpt2_124m()).unwrap()).unwrap();
         assert_eq!(Workload::from_file(&p).unwrap().elements(), gpt2_124m().elements());
         std::fs::write(&p, r#"[{"name": "a", "shape": [3, 4], "dtype": "int8"}]"#).unwrap();
