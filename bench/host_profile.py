@@ -5,9 +5,9 @@ For each list (N gradients of `elems` elements, dtype), times each stage of a re
 with time.perf_counter (median over `calls`, the GPU drained every 20 calls so that no stage
 waits on a full launch queue):
   scan        _PLANNER.scan: read every tensor's address, size, dtype, layout, device; compare
-  result      the 0-dim result tensor (the gradients' dtype) from torch's allocator and the
-              current stream's handle (the kernel writes the norm there, already rounded)
+  out         the 24-byte result buffer from torch's allocator and the current stream's handle
   native      the engine call: plan reuse check, launch(es)
+  to_dtype    the 0-dim result in the gradients' dtype (torch)
   total       gradclip.torch.get_total_norm / clip_grad_norm_ as users call them
 and torch.nn.utils.get_total_norm / clip_grad_norm_ with foreach=True.
 Usage: python3 bench/host_profile.py out.json
@@ -47,13 +47,13 @@ def profile(n, elems, dtype):
     grads = [p.grad for p in params]
     gt.get_total_norm(grads)  # plans the list once
     plan, _ = gt._PLANNER.scan(grads, False)
-    stream = gt._raw_stream(plan.device)
-    result = torch.empty((), dtype=plan.result_dtype, device=plan.device)
+    out, stream = gt._cuda_out(plan.device)
     row = {"tensors": n, "elements": elems, "dtype": str(dtype).replace("torch.", "")}
     row["scan_us"] = per_call_us(lambda: gt._PLANNER.scan(grads, False))
     row["scan_params_us"] = per_call_us(lambda: gt._PLANNER.scan(params, True))
-    row["result_us"] = per_call_us(lambda: (torch.empty((), dtype=plan.result_dtype, device=plan.device), gt._raw_stream(plan.device)))
-    row["native_norm_us"] = per_call_us(lambda: _native.cuda_total_norm(plan, stream, 2.0, result.data_ptr()))
+    row["out_us"] = per_call_us(lambda: gt._cuda_out(plan.device))
+    row["native_norm_us"] = per_call_us(lambda: _native.cuda_total_norm(plan, stream, 2.0, out.data_ptr()))
+    row["to_dtype_us"] = per_call_us(lambda: out[0].to(plan.result_dtype))
     row["gradclip_norm_us"] = per_call_us(lambda: gt.get_total_norm(grads))
     row["gradclip_clip_us"] = per_call_us(lambda: gt.clip_grad_norm_(params, 1e9))
     row["torch_foreach_norm_us"] = per_call_us(lambda: torch.nn.utils.get_total_norm(grads, foreach=True), 40)

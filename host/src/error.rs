@@ -115,19 +115,6 @@ pub enum Error {
         /// Entries found.
         found: usize,
     },
-    /// A clip through the raw API was given no place for its [`NormOutput`](gradclip_kernels::abi::NormOutput).
-    #[error("a clip needs ResultsAt::output (24 bytes of device memory): its scale pass reads the clip coefficient there")]
-    MissingOutput,
-    /// A result address of the raw API is null or not aligned for what is written there.
-    #[error("{what} at {addr:#x} must be a non-null device address aligned to {align} bytes")]
-    BadResultAddress {
-        /// Which result.
-        what: &'static str,
-        /// The address given.
-        addr: u64,
-        /// The alignment needed.
-        align: u64,
-    },
     /// No CUDA driver library or no device.
     #[error("no CUDA GPU is available ({reason}); use the CPU backend (gradclip::cpu)")]
     NoGpu {

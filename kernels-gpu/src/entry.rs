@@ -37,8 +37,6 @@ unsafe fn norm<A: Accumulator>(
     partials: *mut Partial,
     counter: *mut u32,
     out: *mut NormOutput,
-    result: *mut u8,
-    result_dtype: u32,
     params: NormParams,
 ) {
     let p = params.p;
@@ -88,39 +86,14 @@ unsafe fn norm<A: Accumulator>(
     }
     let total = unsafe { block_reduce::<A, BLOCK_WARPS>(acc, p) };
     if thread_idx() == 0 {
-        // SAFETY: out (null or one NormOutput) and result (null or one element of result_dtype)
-        // are owned by this call; resetting the counter readies it for the next launch, which the
-        // stream orders after this one (an empty list never touched it, and may not have one).
+        // SAFETY: out points to one NormOutput owned by this call; resetting the counter readies
+        // it for the next launch, which the stream orders after this one (an empty list never
+        // touched it, and may not have one).
         unsafe {
-            let norm = total.norm();
-            if !out.is_null() {
-                out.write(norm_output(norm, &params));
-            }
-            if !result.is_null() {
-                write_norm_as(result, result_dtype, norm);
-            }
+            out.write(norm_output(total.norm(), &params));
             if params.num_tasks > 0 {
                 counter.write_volatile(0);
             }
-        }
-    }
-}
-
-/// Writes `norm` rounded to the dtype `code` at `result`: the bits PyTorch's cast of the f64 norm
-/// gives (through f32 for bf16 and f16), so the caller returns it without launching that cast.
-///
-/// # Safety
-/// `result` is writable and aligned for one element of `code`.
-#[inline(always)]
-unsafe fn write_norm_as(result: *mut u8, code: u32, norm: f64) {
-    unsafe {
-        match code {
-            dtype_code::BF16 => (result as *mut u16).write(Bf16::from_f64(norm)),
-            dtype_code::F16 => (result as *mut u16).write(F16::from_f64(norm)),
-            dtype_code::F32 => (result as *mut u32).write(F32::from_f64(norm)),
-            // The f64 norm itself, bit for bit (what a no-op cast returns).
-            dtype_code::F64 => (result as *mut f64).write(norm),
-            _ => {}
         }
     }
 }
@@ -160,8 +133,7 @@ macro_rules! norm_kernels {
     ($($norm:ident, $tensor_norms:ident, $acc:ty;)*) => {$(
         /// Norm kernel: one block of `BLOCK_THREADS` per task (one block if there is none),
         /// `BLOCK_SMEM_BYTES` of dynamic shared memory. Writes one partial per task; the block
-        /// that finishes last writes the norm, the clip coefficient and the flags to `out`, and
-        /// the norm rounded to `result_dtype` to `result` (each skipped when null).
+        /// that finishes last writes the norm, the clip coefficient and the flags to `out`.
         ///
         /// # Safety
         /// Launched by the gradclip host with a grid of one block per task of a plan built from
@@ -169,12 +141,12 @@ macro_rules! norm_kernels {
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $norm(
             tensors: *const TensorDesc, tasks: *const ChunkTask, partials: *mut Partial, counter: *mut u32, out: *mut NormOutput,
-            p: f64, max_norm: f64, num_tasks: u64, flags: u32, result: *mut u8, result_dtype: u32,
+            p: f64, max_norm: f64, num_tasks: u64, flags: u32,
         ) {
             // Scalars, not the struct, cross the kernel ABI: rustc warns that by-value structs
             // have no stable gpu-kernel layout yet.
             let params = NormParams { p, max_norm, num_tasks, num_tensors: 0, flags, reserved: 0 };
-            unsafe { norm::<$acc>(tensors, tasks, partials, counter, out, result, result_dtype, params) }
+            unsafe { norm::<$acc>(tensors, tasks, partials, counter, out, params) }
         }
 
         /// Per-tensor norm kernel: blocks of `BLOCK_THREADS`, one warp per tensor, any grid.

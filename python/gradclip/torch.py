@@ -172,15 +172,13 @@ def _check_p(norm_type: float) -> float:
     return p
 
 
-def _plan_norm(plan, p: float, in_f64: bool = False) -> torch.Tensor:
-    """The p-norm of a plan's tensors as a 0-dim tensor on their device: of the plan's result
-    dtype (what torch returns; on CUDA the kernel rounds it, so no cast follows), or float64."""
-    dtype = torch.float64 if in_f64 else plan.result_dtype
+def _plan_norm(plan, p: float) -> torch.Tensor:
+    """The p-norm of a plan's tensors as a 0-dim f64 tensor on their device."""
     if plan.device >= 0:
-        result = torch.empty((), dtype=dtype, device=plan.device)
-        _cuda_call(_native.cuda_total_norm, plan, _raw_stream(plan.device), p, result.data_ptr(), in_f64)
-        return result
-    return torch.tensor(_native.cpu_total_norm(plan, p), dtype=dtype)
+        out, stream = _cuda_out(plan.device)
+        _cuda_call(_native.cuda_total_norm, plan, stream, p, out.data_ptr())
+        return out[0]
+    return torch.tensor(_native.cpu_total_norm(plan, p), dtype=torch.float64)
 
 
 def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
@@ -189,7 +187,7 @@ def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
     fast = [t for t in ts if _native_ok(t)]
     slow = [t for t in ts if not _native_ok(t)]
     plan = _PLANNER.plan_of(fast) if fast else None
-    parts = [] if plan is None else [_plan_norm(plan, p, in_f64=True)]
+    parts = [] if plan is None else [_plan_norm(plan, p)]
     for t in slow if plan is not None else ts:
         x = t.to(torch.float64) if t.is_floating_point() else t
         parts.append(torch.linalg.vector_norm(x, p).to(torch.float64))
@@ -228,7 +226,7 @@ def get_total_norm(
         return torch.tensor(0.0)
     p = _check_p(norm_type)
     if plan is not None and not error_if_nonfinite:
-        return _plan_norm(plan, p)
+        return _plan_norm(plan, p).to(plan.result_dtype)
     groups = _by_device(ts)
     first = ts[0].device
     norms = [_device_norm(g, p).to(first) for g in groups.values()]
@@ -321,11 +319,8 @@ def clip_grad_norm_(
         try:
             if plan.device >= 0:
                 out, stream = _cuda_out(plan.device)
-                result = torch.empty((), dtype=plan.result_dtype, device=plan.device)
-                _cuda_call(
-                    _native.cuda_clip_grad_norm, plan, stream, max_norm, p, error_if_nonfinite, out.data_ptr(), result.data_ptr()
-                )
-                return result
+                _cuda_call(_native.cuda_clip_grad_norm, plan, stream, max_norm, p, error_if_nonfinite, out.data_ptr())
+                return out[0].to(plan.result_dtype)
             norm, _ = _native.cpu_clip_grad_norm(plan, max_norm, p, error_if_nonfinite)
             return torch.tensor(norm, dtype=plan.result_dtype)
         except _native.NonFiniteNormError:

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use cudarc::driver::{CudaContext, sys};
-use gradclip::gpu::{ExternalWorkspace, GpuEngine, ResultsAt};
-use gradclip::{DType, NormType};
+use gradclip::NormType;
+use gradclip::gpu::{ExternalWorkspace, GpuEngine};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -49,28 +49,18 @@ fn with_engine<R>(
     f(engine).map_err(to_py)
 }
 
-/// Total norm of a plan's CUDA tensors on `stream`, written at `result` as one element of the
-/// plan's `result_dtype` (the 0-dim tensor the caller returns: no cast after), or of float64
-/// with `in_f64` (a part to combine with other norms).
+/// Total norm of a plan's CUDA tensors on `stream`; writes the 24-byte NormOutput at `out`.
 #[pyfunction]
-#[pyo3(signature = (plan, stream, p, result, in_f64=false))]
-pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p: f64, result: u64, in_f64: bool) -> PyResult<()> {
+pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p: f64, out: u64) -> PyResult<()> {
     let norm_type = NormType::from_p(p).map_err(to_py)?;
-    let plan = plan.get();
-    let (device, ws, t) = (ordinal(plan)?, plan.workspace()?, plan.tensors());
-    let at = ResultsAt {
-        norm_as: Some((result, if in_f64 { DType::F64 } else { plan.result() })),
-        ..ResultsAt::default()
-    };
-    // SAFETY: the tensors and `result` are live CUDA memory of `device` that PyTorch's caching
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace()?, plan.get().tensors());
+    // SAFETY: the tensors and `out` are live CUDA memory of `device` that PyTorch's caching
     // allocator keeps until the stream passes this work (the caller holds the tensors).
-    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.total_norm_raw_at(&t, norm_type, &at) }))
+    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.total_norm_raw_at(&t, norm_type, out, None) }))
 }
 
-/// Norm and in-place clip of a plan's CUDA tensors on `stream`: the 24-byte NormOutput goes to
-/// `out`, the norm in the plan's `result_dtype` to `result`.
+/// Norm and in-place clip of a plan's CUDA tensors on `stream`; the NormOutput goes to `out`.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)] // the binding's flat FFI surface: torch's arguments and two addresses
 pub fn cuda_clip_grad_norm(
     py: Python<'_>,
     plan: &Bound<'_, Plan>,
@@ -79,18 +69,15 @@ pub fn cuda_clip_grad_norm(
     p: f64,
     error_if_nonfinite: bool,
     out: u64,
-    result: u64,
 ) -> PyResult<()> {
     let opts = clip_options(p, error_if_nonfinite)?;
-    let plan = plan.get();
-    let (device, ws, t) = (ordinal(plan)?, plan.workspace()?, plan.tensors());
-    let at = ResultsAt {
-        output: Some(out),
-        norm_as: Some((result, plan.result())),
-        ..ResultsAt::default()
-    };
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace()?, plan.get().tensors());
     // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
-    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.clip_grad_norm_raw_at(&t, max_norm, &opts, &at) }))
+    py.detach(|| {
+        with_engine(device, stream, ws, |e| unsafe {
+            e.clip_grad_norm_raw_at(&t, max_norm, &opts, out, None)
+        })
+    })
 }
 
 /// In-place scale of a plan's CUDA tensors by the coefficient in the NormOutput at `out`.

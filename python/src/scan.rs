@@ -47,8 +47,6 @@ pub struct Plan {
     tensors: Arc<[RawTensor]>,
     place: Place,
     result_dtype: Py<PyAny>,
-    /// `result_dtype` as the engine names it.
-    result: DType,
     workspace: Mutex<Option<Lent>>,
 }
 
@@ -75,11 +73,6 @@ impl Plan {
             Place::Cuda(i) => usize::try_from(i).ok(),
             Place::Cpu => None,
         }
-    }
-
-    /// The dtype torch gives the norm of these tensors.
-    pub fn result(&self) -> DType {
-        self.result
     }
 
     /// The lent workspace, or an error saying how to lend one.
@@ -233,7 +226,6 @@ impl Planner {
             tensors,
             place: entries.first().map_or(Place::Cpu, |e| e.place),
             result_dtype: self.dtypes[code].clone_ref(py),
-            result: DTYPES[code],
             workspace: Mutex::new(None),
         };
         Ok(Some(Py::new(py, plan)?))

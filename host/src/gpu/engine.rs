@@ -10,7 +10,6 @@ use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::kernels::{self, KernelSet};
 use super::launch::{self, Tables};
 use super::words::{as_words, from_words};
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::norm::{ClipOptions, NormReport, NormType, validate_max_norm};
 use crate::plan::{RawTensor, check_disjoint, plan};
@@ -83,45 +82,6 @@ impl DeviceNorm {
     /// Per-tensor norms in device memory, when asked for.
     pub fn device_per_tensor(&self) -> Option<&CudaSlice<f64>> {
         self.per_tensor.as_ref()
-    }
-}
-
-/// Where a `*_raw_at` call writes its results: device addresses in memory of another allocator
-/// (PyTorch's caching allocator, say), of the engine's context, owned by the call until the work
-/// it enqueues completes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ResultsAt {
-    /// 24 bytes, 8-aligned, for the [`NormOutput`] (norm, clip coefficient, flags). A clip needs
-    /// it: its scale pass reads the coefficient there.
-    pub output: Option<u64>,
-    /// One f64 per tensor, for the per-tensor norms.
-    pub per_tensor: Option<u64>,
-    /// One element of the dtype, aligned for it: the total norm rounded as PyTorch casts an f64
-    /// norm (through f32 for bf16 and f16). A binding returns it as its 0-dim result tensor
-    /// without launching that cast.
-    pub norm_as: Option<(u64, DType)>,
-}
-
-impl ResultsAt {
-    /// Fails on a null or misaligned address (the kernels would fault or corrupt memory).
-    fn check(&self) -> Result<()> {
-        let check = |what, addr: u64, align: u64| {
-            if addr == 0 || !addr.is_multiple_of(align) {
-                Err(Error::BadResultAddress { what, addr, align })
-            } else {
-                Ok(())
-            }
-        };
-        if let Some(a) = self.output {
-            check("ResultsAt::output", a, 8)?;
-        }
-        if let Some(a) = self.per_tensor {
-            check("ResultsAt::per_tensor", a, 8)?;
-        }
-        if let Some((a, d)) = self.norm_as {
-            check("ResultsAt::norm_as", a, d.size())?;
-        }
-        Ok(())
     }
 }
 
@@ -360,28 +320,29 @@ impl GpuEngine {
         let stream = self.stream.clone();
         let (o, _g1) = out.out.device_ptr_mut(&stream);
         let per = out.per_tensor.as_mut().map(|p| p.device_ptr_mut(&stream));
-        let at = ResultsAt {
-            output: Some(o),
-            per_tensor: per.as_ref().map(|p| p.0),
-            norm_as: None,
-        };
         // SAFETY: forwarded; o and per are this DeviceNorm's buffers, sized by check_out.
-        unsafe { self.total_norm_raw_at(tensors, norm_type, &at) }
+        unsafe { self.total_norm_raw_at(tensors, norm_type, o, per.as_ref().map(|p| p.0)) }
     }
 
-    /// [`GpuEngine::total_norm_raw`] writing its results at the device addresses of `at`: for
-    /// bindings whose memory comes from another allocator (PyTorch's caching allocator, say).
+    /// [`GpuEngine::total_norm_raw`] writing the [`NormOutput`] at device address `out` (and,
+    /// with `per_tensor`, one f64 per tensor there): for bindings whose memory comes from another
+    /// allocator (PyTorch's caching allocator, say).
     ///
     /// # Safety
-    /// As [`GpuEngine::total_norm_raw`]; every address in `at` must be what [`ResultsAt`] says
-    /// (room for `tensors.len()` f64s at `per_tensor`), device memory of this context, used by
-    /// nothing else until the enqueued work completes.
-    pub unsafe fn total_norm_raw_at(&mut self, tensors: &[RawTensor], norm_type: NormType, at: &ResultsAt) -> Result<()> {
+    /// As [`GpuEngine::total_norm_raw`]; `out` must be 24 writable, 8-aligned bytes and
+    /// `per_tensor` room for `tensors.len()` f64s, device memory of this context, used by nothing
+    /// else until the enqueued work completes.
+    pub unsafe fn total_norm_raw_at(
+        &mut self,
+        tensors: &[RawTensor],
+        norm_type: NormType,
+        out: u64,
+        per_tensor: Option<u64>,
+    ) -> Result<()> {
         let norm_type = norm_type.validated()?;
-        at.check()?;
         let num_tasks = self.upload(tensors, false)?;
         // SAFETY: the caller's contract covers memory validity; upload planned these tensors.
-        unsafe { self.run(norm_type, num_tasks, 0.0, 0, at) }
+        unsafe { self.run(norm_type, num_tasks, 0.0, 0, out, per_tensor) }
     }
 
     /// [`GpuEngine::clip_grad_norm`] over raw device addresses.
@@ -410,30 +371,29 @@ impl GpuEngine {
         let stream = self.stream.clone();
         let (o, _g1) = out.out.device_ptr_mut(&stream);
         let per = out.per_tensor.as_mut().map(|p| p.device_ptr_mut(&stream));
-        let at = ResultsAt {
-            output: Some(o),
-            per_tensor: per.as_ref().map(|p| p.0),
-            norm_as: None,
-        };
         // SAFETY: forwarded; o and per are this DeviceNorm's buffers, sized by check_out.
-        unsafe { self.clip_grad_norm_raw_at(tensors, max_norm, opts, &at) }
+        unsafe { self.clip_grad_norm_raw_at(tensors, max_norm, opts, o, per.as_ref().map(|p| p.0)) }
     }
 
-    /// [`GpuEngine::clip_grad_norm_raw`] writing its results at the device addresses of `at`, as
-    /// [`GpuEngine::total_norm_raw_at`] (`opts.per_tensor_norms` is ignored: `at.per_tensor`
-    /// decides). `at.output` is required ([`Error::MissingOutput`] without it).
+    /// [`GpuEngine::clip_grad_norm_raw`] writing its result at device addresses, as
+    /// [`GpuEngine::total_norm_raw_at`] (`opts.per_tensor_norms` is ignored: `per_tensor` decides).
     ///
     /// # Safety
     /// As [`GpuEngine::clip_grad_norm_raw`] and [`GpuEngine::total_norm_raw_at`].
-    pub unsafe fn clip_grad_norm_raw_at(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions, at: &ResultsAt) -> Result<()> {
-        let out = at.output.ok_or(Error::MissingOutput)?;
-        at.check()?;
+    pub unsafe fn clip_grad_norm_raw_at(
+        &mut self,
+        tensors: &[RawTensor],
+        max_norm: f64,
+        opts: &ClipOptions,
+        out: u64,
+        per_tensor: Option<u64>,
+    ) -> Result<()> {
         validate_max_norm(max_norm)?;
         let norm_type = opts.norm_type.validated()?;
         let num_tasks = self.upload(tensors, true)?;
         let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
         // SAFETY: as total_norm_raw_at; upload checked that the tensors are disjoint.
-        unsafe { self.run(norm_type, num_tasks, max_norm, f, at) }?;
+        unsafe { self.run(norm_type, num_tasks, max_norm, f, out, per_tensor) }?;
         // SAFETY: the norm kernel wrote `out` just above on this stream; the tensors are
         // disjoint (upload) and writable (caller).
         unsafe { self.scale(num_tasks, out) }?;
@@ -579,7 +539,15 @@ impl GpuEngine {
 
     /// # Safety
     /// The uploaded plan's tensors are readable device memory of this context (caller).
-    unsafe fn run(&mut self, norm_type: NormType, num_tasks: usize, max_norm: f64, flags: u32, at: &ResultsAt) -> Result<()> {
+    unsafe fn run(
+        &mut self,
+        norm_type: NormType,
+        num_tasks: usize,
+        max_norm: f64,
+        flags: u32,
+        out: u64,
+        per_tensor: Option<u64>,
+    ) -> Result<()> {
         let num_tensors = self.uploaded.tensors.len();
         let t = self.tables();
         let params = NormParams {
@@ -592,19 +560,9 @@ impl GpuEngine {
         };
         // SAFETY: the plan was uploaded on this stream, partials has num_tasks slots and the
         // counter is zero (upload; every launch's last block resets it), the caller vouches for
-        // the tensors and for the addresses in `at`.
-        unsafe {
-            launch::norm(
-                &self.stream,
-                &self.kernels,
-                norm_type,
-                &t,
-                at.output.unwrap_or(0),
-                at.norm_as,
-                &params,
-            )
-        }?;
-        if let Some(per) = at.per_tensor.filter(|_| num_tensors > 0) {
+        // the tensors and for out (one NormOutput).
+        unsafe { launch::norm(&self.stream, &self.kernels, norm_type, &t, out, &params) }?;
+        if let Some(per) = per_tensor.filter(|_| num_tensors > 0) {
             // SAFETY: after the norm kernel on this stream; per holds num_tensors f64s (caller).
             unsafe { launch::tensor_norms(&self.stream, &self.kernels, norm_type, &t, per, num_tensors as u64) }?;
         }

@@ -15,7 +15,7 @@ pub mod tools;
 mod words;
 
 pub use buffers::{DeviceGrad, DeviceGradMut};
-pub use engine::{DeviceNorm, ExternalWorkspace, GpuEngine, ResultsAt, workspace_bytes};
+pub use engine::{DeviceNorm, ExternalWorkspace, GpuEngine, workspace_bytes};
 
 /// True when the CUDA driver library loads and reports at least one device.
 pub fn gpu_available() -> bool {
