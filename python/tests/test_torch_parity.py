@@ -64,6 +64,25 @@ def test_total_norm_matches_torch_in_float64(device, dtype, p):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("p", NORMS)
+def test_norm_is_torchs_cast_of_the_f64_norm(device, dtype, p):
+    # The norm comes back in the gradients' dtype rounded as torch casts the engine's f64 norm:
+    # bit for bit, overflow to inf included.
+    # An empty float64 tensor in the list promotes the result to f64 and adds nothing to the norm.
+    huge = torch.nn.Parameter(torch.zeros(1000, dtype=dtype, device=device))
+    huge.grad = torch.full((1000,), 6.0e4, dtype=dtype, device=device)  # f16: the norm overflows
+    for params in (make_params(11, dtype, device), [huge]):
+        grads = [q.grad for q in params]
+        wide = gt.get_total_norm(grads + [torch.empty(0, dtype=torch.float64, device=device)], p)
+        assert wide.dtype == torch.float64
+        got = gt.get_total_norm(grads, p)
+        assert got.dtype == dtype and torch.equal(got, wide.to(dtype)), (got, wide)
+        clipped = gt.clip_grad_norm_(params, math.inf, p)  # the norm the clip returns
+        assert clipped.dtype == dtype and torch.equal(clipped, wide.to(dtype)), (clipped, wide)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", NORMS)
 def test_clip_matches_torch_in_float64(device, dtype, p):
     params = make_params(7, dtype, device)
     ref = f64_copies(params)
