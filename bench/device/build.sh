@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds, on a machine with the Rust toolchain, what bench/device/run.sh needs on a GPU machine
+# that has none: the GPU test binary, gradclip-bench, the abi3 wheel and the workload shapes,
+# stripped, in .devbin/ (git-ignored; pass it in the device tool's `carry`).
+# Needs maturin on PATH or MATURIN=/path/to/maturin.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=.devbin
+rm -rf "$out" && mkdir -p "$out/wheels"
+test_bin=$(cargo test --release --no-run -p gradclip-tests --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu_backend" and m.get("executable"):
+        print(m["executable"])')
+cargo build --release -q -p gradclip-bench
+cp "$test_bin" "$out/gpu_backend"
+cp target/release/gradclip-bench "$out/"
+strip "$out/gpu_backend" "$out/gradclip-bench"
+(cd python && "${MATURIN:-maturin}" build --release -q -o "../$out/wheels")
+"$out/gradclip-bench" --preset all,small-1000 --dump-workloads "$out/w-all.json"
+git rev-parse --short HEAD > "$out/commit"
+ls -l "$out" "$out/wheels"

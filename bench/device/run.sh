@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, with .devbin/ from bench/device/build.sh:
+#   bench/device/run.sh tests   the Rust GPU suite and the whole Python suite
+#   bench/device/run.sh bench   gradclip-bench on every preset, torch_compare.py, host_profile.py
+# Logs and records go to $OUT (the device tool brings them back). No network, no Rust needed.
+set -uo pipefail
+what=${1:?tests or bench}
+: "${OUT:?set OUT to a folder for the results}"
+# cudarc loads libcuda.so; the driver ships libcuda.so.1 only.
+mkdir -p /tmp/libcuda
+for d in /usr/lib/x86_64-linux-gnu /usr/local/nvidia/lib64 /usr/lib64; do
+    [ -e "$d/libcuda.so.1" ] && ln -sf "$d/libcuda.so.1" /tmp/libcuda/libcuda.so && break
+done
+export LD_LIBRARY_PATH=/tmp/libcuda:${LD_LIBRARY_PATH:-}
+# Two GPUs of one host: no NVLink multicast (see the device notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --target /tmp/gradclip-site .devbin/wheels/*.whl
+export PYTHONPATH=/tmp/gradclip-site
+cp .devbin/commit "$OUT/commit" 2>/dev/null
+nvidia-smi -L > "$OUT/gpus.txt"
+case $what in
+tests)
+    (time .devbin/gpu_backend --test-threads 1) > "$OUT/gpu-tests.log" 2>&1
+    tail -3 "$OUT/gpu-tests.log"
+    (time python3 -m pytest -q -rs --import-mode=importlib -p no:cacheprovider python/tests) > "$OUT/python-tests.log" 2>&1
+    tail -3 "$OUT/python-tests.log"
+    ;;
+bench)
+    .devbin/gradclip-bench --preset all --json "$OUT/bench-all-presets.json" > "$OUT/bench-all-presets.txt" 2>&1
+    tail -3 "$OUT/bench-all-presets.txt"
+    python3 bench/torch_compare.py .devbin/w-all.json "$OUT/torch-compare.json" 10 --compile-max-tensors 0 > "$OUT/torch-compare.txt" 2>&1
+    tail -3 "$OUT/torch-compare.txt"
+    python3 bench/host_profile.py "$OUT/host-profile.json" > "$OUT/host-profile.txt" 2>&1
+    tail -4 "$OUT/host-profile.txt"
+    ;;
+*) echo "unknown: $what (tests or bench)"; exit 2 ;;
+esac
