@@ -45,7 +45,7 @@ fn bench(c: &mut Criterion) {
         } else {
             g.bench_function("plain_read", |b| b.iter(|| plain_read(&f32s)));
         }
-        for (label, nt) in [("l2_norm", NormType::L2), ("inf_norm", NormType::Inf)] {
+        for (label, nt) in [("l2_norm", NormType::L2), ("l1_norm", NormType::L1), ("inf_norm", NormType::Inf)] {
             g.bench_function(label, |b| b.iter(|| cpu.total_norm(&views, nt, false).expect("valid views").norm));
         }
         g.finish();

@@ -47,6 +47,14 @@ pub struct L1 {
     sum: f64,
 }
 
+impl L1 {
+    /// The state of a lane whose pushes summed, in its order, to `sum`.
+    #[inline(always)]
+    pub fn from_sum(sum: f64) -> L1 {
+        L1 { sum }
+    }
+}
+
 impl Accumulator for L1 {
     #[inline(always)]
     fn identity(_: f64) -> Self {

@@ -30,7 +30,7 @@ mod features;
 #[cfg(test)]
 mod model_check;
 mod vector_inf;
-mod vector_l2;
+mod vector_sum;
 
 use crate::dtype::{DType, GradElement};
 use crate::error::{Error, Result};
@@ -166,16 +166,23 @@ macro_rules! with_accumulator {
 /// # Safety
 /// Every tensor of `plan` must be readable host memory for the duration of the call.
 unsafe fn partials<A: Accumulator + 'static>(plan: &Plan, p: f64) -> Vec<Partial> {
-    let (l2, inf) = (TypeId::of::<A>() == TypeId::of::<L2>(), TypeId::of::<A>() == TypeId::of::<Inf>());
+    let is = |t: TypeId| TypeId::of::<A>() == t;
+    let (l1, l2, inf) = (is(TypeId::of::<L1>()), is(TypeId::of::<L2>()), is(TypeId::of::<Inf>()));
     plan.tasks
         .par_iter()
         .map(|task| {
             let d = &plan.tensors[task.tensor as usize];
             let dtype = DType::from_code(d.dtype).expect("planned from a DType");
             let frame = Frame::with_phase(d.len, d.phase as u64, dtype.size());
-            if l2 && features::vector_paths(dtype) {
-                // SAFETY: as below; the vector path returns the model's bits.
-                return unsafe { vector_l2::chunk_partial(dtype, d.addr, &frame, task.chunk as u64) }.encode();
+            if (l1 || l2) && features::vector_paths(dtype) {
+                // SAFETY: as below; the vector paths return the model's bits.
+                return unsafe {
+                    if l2 {
+                        vector_sum::l2_chunk_partial(dtype, d.addr, &frame, task.chunk as u64).encode()
+                    } else {
+                        vector_sum::l1_chunk_partial(dtype, d.addr, &frame, task.chunk as u64).encode()
+                    }
+                };
             }
             if inf {
                 // SAFETY: as below; one maximum over the chunk is the model's partial.

@@ -1,38 +1,65 @@
-//! The L2 partial of a chunk of bf16, f16 or f32 elements with the block's lanes advanced four
-//! to an AVX2 register.
+//! The L2 and L1 partials of a chunk of bf16, f16 or f32 elements with the block's lanes
+//! advanced four to an AVX2 register.
 //!
 //! The model ([`gradclip_kernels::model::chunk_partial`]) walks lane after lane, and each lane is
-//! one serial chain of f64 additions (`acc + x*x`, the square exact for these types): the walk
-//! is bound by the adder's latency, and strides 4 KiB between a lane's vectors. Here the chunk
-//! is read row by row in address order (a row: one vector of each of the 256 lanes), four
-//! lanes to a register, so 64 independent chains are in flight; each lane still adds its own
-//! elements in its own order, so the partial is the model's bit for bit; the block's tree is
-//! the model's own. Hand-written because no crate offers this lane-preserving transpose: a
-//! generic SIMD sum would reassociate the additions and change the bits.
+//! one serial chain of f64 additions (`acc + x*x` for L2, `acc + |x|` for L1, both terms exact
+//! for these types): the walk is bound by the adder's latency, and strides 4 KiB between a
+//! lane's vectors. Here the chunk is read row by row in address order (a row: one vector of each
+//! of the 256 lanes), four lanes to a register, so 64 independent chains are in flight; each
+//! lane still adds its own elements in its own order, so the partial is the model's bit for bit;
+//! the block's tree is the model's own. Hand-written because no crate offers this
+//! lane-preserving transpose: a generic SIMD sum would reassociate the additions and change the
+//! bits.
 
 use gradclip_kernels::abi::BLOCK_THREADS;
-use gradclip_kernels::accum::L2;
+use gradclip_kernels::accum::{L1, L2};
 use gradclip_kernels::geometry::Frame;
 use gradclip_kernels::model;
 
 use crate::dtype::DType;
 
+/// What each lane adds per element: the square (L2) or the absolute value (L1).
+const SQUARE: u8 = 0;
+const ABS: u8 = 1;
+
 /// The L2 partial of chunk `chunk`, equal bit for bit to the model's.
 ///
 /// # Safety
-/// [`vector_paths`](crate::cpu::features::vector_paths)`(dtype)` returned true; `addr` is the address of element 0 of a readable tensor of
-/// `dtype` that `frame` describes; `chunk < frame.num_chunks()`.
-pub unsafe fn chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64) -> L2 {
-    let mut squares = [0.0f64; BLOCK_THREADS as usize];
+/// [`vector_paths`](crate::cpu::features::vector_paths)`(dtype)` returned true; `addr` is the
+/// address of element 0 of a readable tensor of `dtype` that `frame` describes;
+/// `chunk < frame.num_chunks()`.
+pub unsafe fn l2_chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64) -> L2 {
+    // SAFETY: forwarded.
+    let sums = unsafe { lane_sums::<SQUARE>(dtype, addr, frame, chunk) };
+    let mut lanes = sums.map(L2::from_narrow_squares);
+    model::block_tree::<L2, { model::BLOCK_WARPS }>(&mut lanes)
+}
+
+/// The L1 partial of chunk `chunk`, equal bit for bit to the model's.
+///
+/// # Safety
+/// As [`l2_chunk_partial`].
+pub unsafe fn l1_chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64) -> L1 {
+    // SAFETY: forwarded.
+    let sums = unsafe { lane_sums::<ABS>(dtype, addr, frame, chunk) };
+    let mut lanes = sums.map(L1::from_sum);
+    model::block_tree::<L1, { model::BLOCK_WARPS }>(&mut lanes)
+}
+
+/// Every lane's sum of its elements' terms (`OP`), in its order.
+///
+/// # Safety
+/// As [`l2_chunk_partial`].
+unsafe fn lane_sums<const OP: u8>(dtype: DType, addr: u64, frame: &Frame, chunk: u64) -> [f64; BLOCK_THREADS as usize] {
+    let mut sums = [0.0f64; BLOCK_THREADS as usize];
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's contract, and `vector_paths` checked the CPU features.
     unsafe {
-        x86::lane_squares(dtype, addr, frame, chunk, &mut squares)
+        x86::lane_sums::<OP>(dtype, addr, frame, chunk, &mut sums)
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (dtype, addr, frame, chunk);
-    let mut lanes = squares.map(L2::from_narrow_squares);
-    model::block_tree::<L2, { model::BLOCK_WARPS }>(&mut lanes)
+    sums
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -43,43 +70,45 @@ mod x86 {
     use gradclip_kernels::dtype::{self as k, Element};
     use gradclip_kernels::geometry::Frame;
 
+    use super::SQUARE;
     use crate::dtype::DType;
 
-    /// Every lane's sum of squares over its share of the chunk, in its order.
+    /// Every lane's sum of its elements' terms (`OP`) over its share of the chunk, in its order.
     ///
     /// # Safety
-    /// As [`super::chunk_partial`].
-    pub unsafe fn lane_squares(dtype: DType, addr: u64, frame: &Frame, chunk: u64, out: &mut [f64; BLOCK_THREADS as usize]) {
+    /// As [`super::l2_chunk_partial`].
+    pub unsafe fn lane_sums<const OP: u8>(dtype: DType, addr: u64, frame: &Frame, chunk: u64, out: &mut [f64; BLOCK_THREADS as usize]) {
         // SAFETY: forwarded; the features were checked by `vector_paths`.
         unsafe {
             match dtype {
-                DType::Bf16 => run::<k::Bf16, 0>(addr, frame, chunk, out),
-                DType::F16 => run::<k::F16, 1>(addr, frame, chunk, out),
-                DType::F32 => run::<k::F32, 2>(addr, frame, chunk, out),
+                DType::Bf16 => run::<k::Bf16, 0, OP>(addr, frame, chunk, out),
+                DType::F16 => run::<k::F16, 1, OP>(addr, frame, chunk, out),
+                DType::F32 => run::<k::F32, 2, OP>(addr, frame, chunk, out),
                 DType::F64 => unreachable!("vector_paths() is false for f64"),
             }
         }
     }
 
-    /// `s + x*x` for element `i` (the model's push for these types: the square is exact).
+    /// `s + x*x` or `s + |x|` for element `i` (the model's push for these types: the term is
+    /// exact).
     #[inline(always)]
-    unsafe fn add_square<E: Element>(s: f64, addr: u64, i: u64) -> f64 {
+    unsafe fn add_elem<E: Element, const OP: u8>(s: f64, addr: u64, i: u64) -> f64 {
         // SAFETY: i is below the tensor's length (caller).
         let x = E::widen(unsafe { ((addr + i * E::SIZE) as *const E::Bits).read_unaligned() });
-        s + x * x
+        if OP == SQUARE { s + x * x } else { s + x.abs() }
     }
 
     /// Lane-by-lane pushes of vector `g` (full or not), the model's order.
     #[inline(always)]
-    unsafe fn add_vector<E: Element>(s: f64, addr: u64, frame: &Frame, g: u64) -> f64 {
+    unsafe fn add_vector<E: Element, const OP: u8>(s: f64, addr: u64, frame: &Frame, g: u64) -> f64 {
         let (a, b) = frame.elems_of(g);
-        (a..b).fold(s, |s, i| unsafe { add_square::<E>(s, addr, i) })
+        (a..b).fold(s, |s, i| unsafe { add_elem::<E, OP>(s, addr, i) })
     }
 
     /// # Safety
-    /// As [`lane_squares`], with `KIND` the index of `E` (0 bf16, 1 f16, 2 f32).
+    /// As [`lane_sums`], with `KIND` the index of `E` (0 bf16, 1 f16, 2 f32).
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn run<E: Element, const KIND: u8>(addr: u64, frame: &Frame, chunk: u64, out: &mut [f64; BLOCK_THREADS as usize]) {
+    unsafe fn run<E: Element, const KIND: u8, const OP: u8>(addr: u64, frame: &Frame, chunk: u64, out: &mut [f64; BLOCK_THREADS as usize]) {
         let (start, end) = frame.chunk_vecs(chunk);
         let threads = BLOCK_THREADS as u64;
         out.fill(0.0);
@@ -98,7 +127,7 @@ mod x86 {
                         // Two rows ahead: the loop alone keeps too few loads in flight to stream
                         // from L3 or memory (one thread: 2.7 GiB/s without, 7.0 with, 10 in L2).
                         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(q * 64 + 8192) as *const i8);
-                        let acc = step::<KIND>(p.add(q * 64), _mm256_loadu_pd(four.as_ptr()));
+                        let acc = step::<KIND, OP>(p.add(q * 64), _mm256_loadu_pd(four.as_ptr()));
                         _mm256_storeu_pd(four.as_mut_ptr(), acc);
                     }
                 }
@@ -108,7 +137,7 @@ mod x86 {
                 for (l, s) in out.iter_mut().enumerate() {
                     if g + (l as u64) < end {
                         // SAFETY: vector g+l is inside the chunk.
-                        *s = unsafe { add_vector::<E>(*s, addr, frame, g + l as u64) };
+                        *s = unsafe { add_vector::<E, OP>(*s, addr, frame, g + l as u64) };
                     }
                 }
             }
@@ -116,11 +145,11 @@ mod x86 {
         }
     }
 
-    /// Adds, for four lanes whose vectors are the 64 bytes at `p`, each element's square to
-    /// that lane's slot of `acc`, element after element.
+    /// Adds, for four lanes whose vectors are the 64 bytes at `p`, each element's term to that
+    /// lane's slot of `acc`, element after element.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn step<const KIND: u8>(p: *const u8, acc: __m256d) -> __m256d {
+    unsafe fn step<const KIND: u8, const OP: u8>(p: *const u8, acc: __m256d) -> __m256d {
         // SAFETY: p points to 64 readable bytes (caller); unaligned loads.
         unsafe {
             match KIND {
@@ -131,12 +160,12 @@ mod x86 {
                         _mm256_loadu_si256(p.add(32) as *const __m256i),
                     );
                     let z = _mm256_setzero_si256();
-                    let acc = add_columns(
+                    let acc = add_columns::<OP>(
                         acc,
                         _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x01)),
                         _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x23)),
                     );
-                    add_columns(
+                    add_columns::<OP>(
                         acc,
                         _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x01)),
                         _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x23)),
@@ -148,56 +177,76 @@ mod x86 {
                     let v1 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
                     let v2 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(32) as *const __m128i));
                     let v3 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(48) as *const __m128i));
-                    let acc = add_columns(acc, _mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v2, v3, 0x20));
-                    add_columns(acc, _mm256_permute2f128_ps(v0, v1, 0x31), _mm256_permute2f128_ps(v2, v3, 0x31))
+                    let acc = add_columns::<OP>(acc, _mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v2, v3, 0x20));
+                    add_columns::<OP>(acc, _mm256_permute2f128_ps(v0, v1, 0x31), _mm256_permute2f128_ps(v2, v3, 0x31))
                 }
                 _ => {
                     // f32: 4 per vector.
-                    add_columns(acc, _mm256_loadu_ps(p as *const f32), _mm256_loadu_ps(p.add(32) as *const f32))
+                    add_columns::<OP>(acc, _mm256_loadu_ps(p as *const f32), _mm256_loadu_ps(p.add(32) as *const f32))
                 }
             }
         }
     }
 
     /// `a` = four elements of lanes 0 and 1 (one per 128-bit half), `b` = those of lanes 2 and
-    /// 3: adds element 0's squares to the four lanes' slots, then element 1's, 2's, 3's.
+    /// 3: adds element 0's terms to the four lanes' slots, then element 1's, 2's, 3's.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn add_columns(acc: __m256d, a: __m256, b: __m256) -> __m256d {
+    fn add_columns<const OP: u8>(acc: __m256d, a: __m256, b: __m256) -> __m256d {
         let t0 = _mm256_unpacklo_ps(a, b); // [l0e0 l2e0 l0e1 l2e1 | l1e0 l3e0 l1e1 l3e1]
         let t1 = _mm256_unpackhi_ps(a, b); // the same for elements 2 and 3
         let (t0l, t0h) = (_mm256_castps256_ps128(t0), _mm256_extractf128_ps::<1>(t0));
         let (t1l, t1h) = (_mm256_castps256_ps128(t1), _mm256_extractf128_ps::<1>(t1));
-        // Each column is one element of lanes 0, 1, 2, 3: acc + x*x, as the model adds it.
+        // Each column is one element of lanes 0, 1, 2, 3: acc + x*x (or |x|), as the model adds it.
         let e0 = _mm256_cvtps_pd(_mm_unpacklo_ps(t0l, t0h));
         let e1 = _mm256_cvtps_pd(_mm_unpackhi_ps(t0l, t0h));
         let e2 = _mm256_cvtps_pd(_mm_unpacklo_ps(t1l, t1h));
         let e3 = _mm256_cvtps_pd(_mm_unpackhi_ps(t1l, t1h));
-        let acc = _mm256_add_pd(acc, _mm256_mul_pd(e0, e0));
-        let acc = _mm256_add_pd(acc, _mm256_mul_pd(e1, e1));
-        let acc = _mm256_add_pd(acc, _mm256_mul_pd(e2, e2));
-        _mm256_add_pd(acc, _mm256_mul_pd(e3, e3))
+        let acc = _mm256_add_pd(acc, term::<OP>(e0));
+        let acc = _mm256_add_pd(acc, term::<OP>(e1));
+        let acc = _mm256_add_pd(acc, term::<OP>(e2));
+        _mm256_add_pd(acc, term::<OP>(e3))
+    }
+
+    /// `x*x` or `|x|` (the sign bit cleared, as `f64::abs` does), lane-wise.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn term<const OP: u8>(x: __m256d) -> __m256d {
+        if OP == SQUARE {
+            _mm256_mul_pd(x, x)
+        } else {
+            _mm256_andnot_pd(_mm256_set1_pd(-0.0), x)
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use gradclip_kernels::accum::{Accumulator, L2};
+    use gradclip_kernels::accum::{Accumulator, L1, L2};
     use gradclip_kernels::dtype::{self as k, Element};
     use proptest::prelude::*;
 
     use super::*;
     use crate::cpu::features::vector_paths;
-    use crate::cpu::model_check::{bits16, same_partials};
+    use crate::cpu::model_check::{bits16, finite_bits16, finite_bits32, same_partials};
 
+    /// Both paths, L2 and L1, against the model on `bits[skip..]` (every chunk). NaN partials
+    /// may differ in payload only.
     fn same<E: Element>(dtype: DType, bits: &[E::Bits], skip: usize) -> Result<(), TestCaseError> {
-        let nan = |p: &gradclip_kernels::abi::Partial| f64::from_bits(p.words[1]).is_nan();
-        // SAFETY (closure): same_partials passes the live slice's address, frame and chunks.
+        let nan = |word: usize| move |p: &gradclip_kernels::abi::Partial| f64::from_bits(p.words[word]).is_nan();
+        let (l2_nan, l1_nan) = (nan(1), nan(0));
+        // SAFETY (closures): same_partials passes the live slice's address, frame and chunks.
         same_partials::<E, L2>(
             &bits[skip..],
             2.0,
-            |addr, frame, chunk| unsafe { chunk_partial(dtype, addr, frame, chunk) }.encode(),
-            |a, b| nan(a) && nan(b),
+            |addr, frame, chunk| unsafe { l2_chunk_partial(dtype, addr, frame, chunk) }.encode(),
+            |a, b| l2_nan(a) && l2_nan(b),
+        )?;
+        same_partials::<E, L1>(
+            &bits[skip..],
+            1.0,
+            |addr, frame, chunk| unsafe { l1_chunk_partial(dtype, addr, frame, chunk) }.encode(),
+            |a, b| l1_nan(a) && l1_nan(b),
         )
     }
 
@@ -218,6 +267,24 @@ mod tests {
 
         #[test]
         fn f32_equals_the_model(v in proptest::collection::vec(any::<u32>(), 0..40_000), skip in 0usize..4) {
+            prop_assume!(vector_paths(DType::F32) && skip <= v.len());
+            same::<k::F32>(DType::F32, &v, skip)?;
+        }
+
+        #[test]
+        fn finite_bf16_equals_the_model(v in proptest::collection::vec(finite_bits16(0x7F80), 0..70_000), skip in 0usize..8) {
+            prop_assume!(vector_paths(DType::Bf16) && skip <= v.len());
+            same::<k::Bf16>(DType::Bf16, &v, skip)?;
+        }
+
+        #[test]
+        fn finite_f16_equals_the_model(v in proptest::collection::vec(finite_bits16(0x7C00), 0..70_000), skip in 0usize..8) {
+            prop_assume!(vector_paths(DType::F16) && skip <= v.len());
+            same::<k::F16>(DType::F16, &v, skip)?;
+        }
+
+        #[test]
+        fn finite_f32_equals_the_model(v in proptest::collection::vec(finite_bits32(), 0..40_000), skip in 0usize..4) {
             prop_assume!(vector_paths(DType::F32) && skip <= v.len());
             same::<k::F32>(DType::F32, &v, skip)?;
         }
