@@ -5,10 +5,10 @@ use std::sync::OnceLock;
 
 use crate::dtype::DType;
 
-/// True when the vector paths run for `dtype` on this CPU (never for f64, which has none).
-pub fn vector_paths(dtype: DType) -> bool {
+/// (AVX2, F16C) of this CPU, detected once; both false under `GRADCLIP_CPU_SCALAR=1`.
+fn detected() -> (bool, bool) {
     static FEATURES: OnceLock<(bool, bool)> = OnceLock::new();
-    let (avx2, f16c) = *FEATURES.get_or_init(|| {
+    *FEATURES.get_or_init(|| {
         if std::env::var_os("GRADCLIP_CPU_SCALAR").is_some_and(|v| v == "1") {
             return (false, false);
         }
@@ -20,7 +20,17 @@ pub fn vector_paths(dtype: DType) -> bool {
         {
             (false, false)
         }
-    });
+    })
+}
+
+/// True when code compiled for AVX2 may run (and the vector paths are not switched off).
+pub fn avx2() -> bool {
+    detected().0
+}
+
+/// True when the vector paths run for `dtype` on this CPU (never for f64, which has none).
+pub fn vector_paths(dtype: DType) -> bool {
+    let (avx2, f16c) = detected();
     match dtype {
         DType::Bf16 | DType::F32 => avx2,
         DType::F16 => avx2 && f16c,

@@ -40,9 +40,26 @@ unsafe fn slice<'a, T>(addr: u64, first: u64, n: usize) -> &'a [T] {
     unsafe { std::slice::from_raw_parts((addr as *const T).add(first as usize), n) }
 }
 
-/// The largest absolute-value bits (`mask` clears the sign): NaN above +inf, as the model orders.
-#[inline]
+/// The largest absolute-value bits (`mask` clears the sign): NaN above +inf, as the model
+/// orders. Compiled for AVX2 too where the CPU has it: the baseline (SSE2) has no unsigned
+/// 16/32-bit maximum and emulates one in several instructions per vector.
 fn max_abs<T: Copy + Ord + Default + std::ops::BitAnd<Output = T>>(v: &[T], mask: T) -> T {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::features::avx2() {
+        // SAFETY: the CPU has AVX2 (detected at run time).
+        return unsafe { max_abs_avx2(v, mask) };
+    }
+    max_abs_portable(v, mask)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn max_abs_avx2<T: Copy + Ord + Default + std::ops::BitAnd<Output = T>>(v: &[T], mask: T) -> T {
+    max_abs_portable(v, mask)
+}
+
+#[inline(always)]
+fn max_abs_portable<T: Copy + Ord + Default + std::ops::BitAnd<Output = T>>(v: &[T], mask: T) -> T {
     // 64 running maxima: independent lanes the compiler keeps in vector registers.
     let mut m = [T::default(); 64];
     let mut blocks = v.chunks_exact(64);
