@@ -184,21 +184,14 @@ def _plan_norm(plan, p: float) -> torch.Tensor:
 def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
     """The p-norm of ``ts`` (all on one device) as a 0-dim f64 tensor there: the engine for the
     tensors it takes, torch for the rest."""
-    fast = [t for t in ts if _native_ok(t)]
-    slow = [t for t in ts if not _native_ok(t)]
-    plan = _PLANNER.plan_of(fast) if fast else None
+    plan, rest = _PLANNER.split(ts)
     parts = [] if plan is None else [_plan_norm(plan, p)]
-    for t in slow if plan is not None else ts:
+    for t in rest:
         x = t.to(torch.float64) if t.is_floating_point() else t
         parts.append(torch.linalg.vector_norm(x, p).to(torch.float64))
     if len(parts) == 1:
         return parts[0]
     return torch.linalg.vector_norm(torch.stack(parts), p)
-
-
-def _native_ok(t: torch.Tensor) -> bool:
-    return t.dtype in _NATIVE_DTYPES and t.is_contiguous() and t.device.type in ("cpu", "cuda")
-
 
 
 def _nonfinite_error(norm_type: float) -> RuntimeError:
@@ -250,13 +243,9 @@ def _scale_plan(plan, coef: torch.Tensor) -> None:
 
 def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
     """Multiply every tensor of ``ts`` (all on one device) by ``coef`` (0-dim f64), in place."""
-    fast = [t for t in ts if _native_ok(t)]
-    plan = _PLANNER.plan_of(fast) if fast else None
+    plan, rest = _PLANNER.split(ts)
     if plan is not None:
         _scale_plan(plan, coef)
-        rest = [t for t in ts if not _native_ok(t)]
-    else:
-        rest = ts
     for t in [t for t in rest if _is_fp8(t.dtype)]:
         # torch has no fp8 multiply: multiply in f32 and round once, as it does for bf16/f16.
         t.copy_(t.float().mul_(coef.to(device=t.device, dtype=torch.float32)))

@@ -231,6 +231,17 @@ impl Planner {
         Ok(Some(Py::new(py, plan)?))
     }
 
+    /// A plan for `tensors` (a list), not kept; None when some tensor needs the general path,
+    /// they span devices, or they overlap.
+    fn plan_of(&self, tensors: &Bound<'_, PyList>) -> PyResult<Option<Py<Plan>>> {
+        let mut entries = Vec::with_capacity(tensors.len());
+        if self.read_all(tensors, &mut entries)? && !entries.is_empty() {
+            self.plan_of_entries(tensors.py(), &entries)
+        } else {
+            Ok(None)
+        }
+    }
+
     /// The kept plan, unless another thread is inside `scan` (never waits: see `cache`).
     fn try_cache(&self) -> Option<MutexGuard<'_, Cache>> {
         match self.cache.try_lock() {
@@ -340,15 +351,29 @@ impl Planner {
         Ok((plan, tensors))
     }
 
-    /// A plan for `tensors` (a list), not kept: for one device's group of a mixed list. None
-    /// when some tensor needs the general path or the tensors overlap.
-    fn plan_of(&self, tensors: &Bound<'_, PyList>) -> PyResult<Option<Py<Plan>>> {
-        let mut entries = Vec::with_capacity(tensors.len());
-        if self.read_all(tensors, &mut entries)? && !entries.is_empty() {
-            self.plan_of_entries(tensors.py(), &entries)
-        } else {
-            Ok(None)
+    /// Splits one device's group of a mixed list: a plan (not kept) of the tensors the engine
+    /// takes, and the list of the others, in their order, for torch's own code. When the
+    /// engine's share is empty or overlaps (aliased gradients, which torch's path scales once
+    /// per occurrence), the plan is None and every tensor is in the list. The one place that
+    /// decides which tensors the engine takes is [`Planner::entry`].
+    fn split<'py>(&self, tensors: &Bound<'py, PyList>) -> PyResult<(Option<Py<Plan>>, Bound<'py, PyList>)> {
+        let py = tensors.py();
+        let (mut entries, rest) = (Vec::with_capacity(tensors.len()), PyList::empty(py));
+        for t in tensors.iter() {
+            match self.entry(&t)? {
+                Some(e) if entries.first().is_none_or(|f: &Entry| f.place == e.place) => entries.push(e),
+                _ => rest.append(t)?,
+            }
         }
+        let plan = if entries.is_empty() {
+            None
+        } else {
+            self.plan_of_entries(py, &entries)?
+        };
+        Ok(match plan {
+            Some(plan) => (Some(plan), rest),
+            None => (None, tensors.clone()),
+        })
     }
 
     /// Drops the kept plan (and the workspace it holds).

@@ -166,6 +166,38 @@ def test_noncontiguous_complex_and_duplicates_follow_torch(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_mixed_list_splits_between_engine_and_torch(device):
+    # Contiguous bf16/f32 gradients go to the engine, a non-contiguous view and a complex one
+    # to torch, in one call: the split is the planner's, and the result equals torch's in f64.
+    g = torch.Generator().manual_seed(5)
+    grads = [
+        torch.randn(64, 33, generator=g).to(torch.bfloat16),
+        torch.randn(40, 6, generator=g, dtype=torch.float64)[:, ::3].to(torch.float32),
+        torch.randn(7, 5, generator=g, dtype=torch.float64).float().t(),  # non-contiguous
+        torch.randn(300, generator=g),
+        torch.randn(4, generator=g, dtype=torch.complex64),
+    ]
+    params = []
+    for x in grads:
+        q = torch.nn.Parameter(torch.zeros(x.shape, dtype=x.dtype, device=device))
+        q.grad = x.to(device)
+        params.append(q)
+    plan, rest = gt._PLANNER.split([q.grad for q in params])
+    assert plan is not None and len(plan) == 3 and [t.is_contiguous() and not t.is_complex() for t in rest] == [False, False]
+    for p in NORMS:
+        want = torch.nn.utils.get_total_norm([q.grad.cpu().to(torch.complex128 if q.grad.is_complex() else torch.float64) for q in params], p)
+        got = gt.get_total_norm([q.grad for q in params], p)
+        assert got.dtype == torch.complex64.to_real() and rel(float(got), float(want)) <= 1e-6, (p, got, want)
+    before = [q.grad.clone() for q in params]
+    norm = gt.clip_grad_norm_(params, 0.5)
+    coef = min(1.0, 0.5 / (float(norm) + 1e-6))
+    for q, b in zip(params, before):
+        want = (b.to(torch.complex128 if b.is_complex() else torch.float64) * coef).to(b.dtype)
+        tol = 1e-2 if b.dtype == torch.bfloat16 else 1e-6
+        assert torch.allclose(q.grad, want, rtol=tol, atol=0), q.grad.dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_training_step_matches_torch(device):
     torch.manual_seed(0)
     model_a = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(device).double()
