@@ -53,6 +53,11 @@ impl L1 {
     pub fn from_sum(sum: f64) -> L1 {
         L1 { sum }
     }
+    /// The running sum (for the CPU's vector paths, which keep lanes in registers).
+    #[inline(always)]
+    pub fn sum(self) -> f64 {
+        self.sum
+    }
 }
 
 impl Accumulator for L1 {
@@ -88,10 +93,14 @@ impl Accumulator for L1 {
 
 // Blue's thresholds and scale factors for f64 (radix 2, 53-bit mantissa, exponents -1021..1024),
 // as in LAPACK's dnrm2: squares of |x| in [TSML, TBIG] neither overflow nor underflow.
-const TSML: f64 = f64::from_bits((1023 - 511) << 52); // 2^-511
-const TBIG: f64 = f64::from_bits((1023 + 486) << 52); // 2^486
-const SSML: f64 = f64::from_bits((1023 + 537) << 52); // 2^537
-const SBIG: f64 = f64::from_bits((1023 - 538) << 52); // 2^-538
+/// Below this |x| goes to the small accumulator, scaled up by [`SSML`].
+pub const TSML: f64 = f64::from_bits((1023 - 511) << 52); // 2^-511
+/// Above this |x| goes to the big accumulator, scaled down by [`SBIG`].
+pub const TBIG: f64 = f64::from_bits((1023 + 486) << 52); // 2^486
+/// Scale of the small accumulator's terms.
+pub const SSML: f64 = f64::from_bits((1023 + 537) << 52); // 2^537
+/// Scale of the big accumulator's terms.
+pub const SBIG: f64 = f64::from_bits((1023 - 538) << 52); // 2^-538
 
 /// L2 norm with Blue's three accumulators: big values are scaled down, tiny ones up, so f64
 /// inputs near 1e±200 neither overflow nor underflow. bf16/f16/f32 squares always fit in the
@@ -113,6 +122,17 @@ impl L2 {
             med: squares,
             small: 0.0,
         }
+    }
+    /// The state with Blue's three accumulators `(big, med, small)` (for the CPU's vector paths,
+    /// which keep lanes in registers).
+    #[inline(always)]
+    pub fn from_parts((big, med, small): (f64, f64, f64)) -> L2 {
+        L2 { big, med, small }
+    }
+    /// Blue's three accumulators `(big, med, small)`.
+    #[inline(always)]
+    pub fn parts(self) -> (f64, f64, f64) {
+        (self.big, self.med, self.small)
     }
 }
 

@@ -28,12 +28,11 @@ pub fn avx2() -> bool {
     detected().0
 }
 
-/// True when the vector paths run for `dtype` on this CPU (never for f64, which has none).
+/// True when the vector paths run for `dtype` on this CPU (f16 also needs F16C to widen).
 pub fn vector_paths(dtype: DType) -> bool {
     let (avx2, f16c) = detected();
     match dtype {
-        DType::Bf16 | DType::F32 => avx2,
+        DType::Bf16 | DType::F32 | DType::F64 => avx2,
         DType::F16 => avx2 && f16c,
-        DType::F64 => false,
     }
 }

@@ -55,3 +55,44 @@ pub fn finite_bits16(exp_mask: u16) -> impl Strategy<Value = u16> {
 pub fn finite_bits32() -> impl Strategy<Value = u32> {
     any::<u32>().prop_map(|b| if b & 0x7F80_0000 == 0x7F80_0000 { b ^ 0x0080_0000 } else { b })
 }
+
+/// Bit patterns of a binary format with `mant` mantissa bits and exponent bias `bias` (sign bit
+/// above the exponent): either sign, a random mantissa, a binary exponent in `e..e + width`.
+fn near_bits(mant: u32, bias: i64, e: i64, width: i64) -> impl Strategy<Value = u64> {
+    let sign = 1u64 << (mant + if bias == 1023 { 11 } else { 8 });
+    (any::<bool>(), 0..width, any::<u64>())
+        .prop_map(move |(neg, de, m)| if neg { sign } else { 0 } | (((bias + e + de) as u64) << mant) | (m & ((1 << mant) - 1)))
+}
+
+/// bf16 values spread over 24 binades around 1: their squares' sum rounds (the terms span more
+/// than f64's 53 bits), so the order of the additions shows in the bits.
+pub fn bf16_spread() -> impl Strategy<Value = u16> {
+    near_bits(7, 127, -12, 24).prop_map(|b| b as u16)
+}
+
+/// f32 values of like magnitude (16 binades around 1): every few additions of their squares
+/// round.
+pub fn f32_near_one() -> impl Strategy<Value = u32> {
+    near_bits(23, 127, -8, 16).prop_map(|b| b as u32)
+}
+
+/// f64 values of either sign with a random mantissa and a binary exponent in `e..e + 16`.
+fn f64_near(e: i64) -> impl Strategy<Value = u64> {
+    near_bits(52, 1023, e, 16)
+}
+
+/// f64 lists whose sums round at every addition: values of like magnitude near 1, near 2^-530
+/// (Blue's small accumulator), near 2^500 (the big one), those three mixed, and (rarely) any
+/// bits. Random bits alone make the largest term swamp the rest, so a reordered or misrouted
+/// addition would go unseen.
+pub fn f64_lists(len: std::ops::Range<usize>) -> impl Strategy<Value = Vec<u64>> {
+    use proptest::collection::vec;
+    let mixed = prop_oneof![f64_near(-4), f64_near(-530), f64_near(500)];
+    prop_oneof![
+        vec(f64_near(-4), len.clone()),
+        vec(f64_near(-530), len.clone()),
+        vec(f64_near(500), len.clone()),
+        vec(mixed, len.clone()),
+        vec(any::<u64>(), len),
+    ]
+}
