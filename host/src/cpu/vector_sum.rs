@@ -108,55 +108,77 @@ mod x86 {
         }
     }
 
+    /// The row walk of the lane paths over chunk `chunk`, the lanes' states in `st`: at each step
+    /// lane l reads vector g + l, so a row is 256 consecutive vectors (4 KiB, read in address
+    /// order). A row of full vectors is contiguous: `full(st, q, p)` for each group q of four
+    /// lanes, whose four vectors are the 64 bytes at `p`. Otherwise (the tensor's head or tail,
+    /// or the chunk's end) `part(st, l, g)` for each lane l whose vector g lies inside the chunk.
+    ///
     /// # Safety
-    /// As [`super::l2_chunk_partial`], with `KIND` the index of `E` (0 bf16, 1 f16, 2 f32, 3 f64).
-    #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn run<E: Element, const KIND: u8, const OP: u8>(addr: u64, frame: &Frame, chunk: u64, st: &mut LaneState) {
+    /// `addr` is element 0 of a readable tensor of `E` that `frame` describes; `chunk` is one of
+    /// its chunks. `full` gets 64 readable bytes; `part` a vector of the chunk.
+    #[inline(always)]
+    pub unsafe fn walk_rows<E: Element, S>(
+        addr: u64,
+        frame: &Frame,
+        chunk: u64,
+        st: &mut S,
+        mut full: impl FnMut(&mut S, usize, *const u8),
+        mut part: impl FnMut(&mut S, usize, u64),
+    ) {
         let (start, end) = frame.chunk_vecs(chunk);
         let threads = LANES as u64;
-        let blue = KIND == 3 && OP == SQUARE;
-        // Row by row: at each step lane l reads vector g + l, so a row is 256 consecutive
-        // vectors (4 KiB, read in address order); the lanes' states stay in `st` between rows.
         let mut g = start;
         while g < end {
             let last = g + threads - 1;
             if last < end && frame.is_full(g) && frame.is_full(last) {
-                // Interior vectors are full: the row is contiguous.
                 let p = (addr + frame.first_elem(g) * E::SIZE) as *const u8;
                 for q in 0..LANES / 4 {
-                    let i = 4 * q;
-                    // SAFETY: vectors g+4q..g+4q+4 are full vectors of the tensor; each state
-                    // array has four f64s from i.
-                    unsafe {
-                        // Two rows ahead: the loop alone keeps too few loads in flight to stream
-                        // from L3 or memory (one thread: 2.7 GiB/s without, 7.0 with, 10 in L2).
-                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(q * 64 + 8192) as *const i8);
-                        let row = p.add(q * 64);
-                        let med = _mm256_loadu_pd(st.med.as_ptr().add(i));
-                        if blue {
-                            let (big, small) = (_mm256_loadu_pd(st.big.as_ptr().add(i)), _mm256_loadu_pd(st.small.as_ptr().add(i)));
-                            let (e0, e1) = f64_columns(row);
-                            let (big, med, small) = blue_add(blue_add((big, med, small), e0), e1);
-                            _mm256_storeu_pd(st.big.as_mut_ptr().add(i), big);
-                            _mm256_storeu_pd(st.small.as_mut_ptr().add(i), small);
-                            _mm256_storeu_pd(st.med.as_mut_ptr().add(i), med);
-                        } else {
-                            _mm256_storeu_pd(st.med.as_mut_ptr().add(i), step::<KIND, OP>(row, med));
-                        }
-                    }
+                    // Two rows ahead: the loop alone keeps too few loads in flight to stream
+                    // from L3 or memory (one thread: 2.7 GiB/s without, 7.0 with, 10 in L2).
+                    // SAFETY: a prefetch of any address is harmless; vectors g+4q..g+4q+4 are
+                    // full vectors of the tensor.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(q * 64 + 8192) as *const i8) };
+                    full(st, q, unsafe { p.add(q * 64) });
                 }
             } else {
-                // A partial vector (the tensor's head or tail) or the chunk's end: this row
-                // lane by lane.
                 for l in 0..LANES {
                     if g + (l as u64) < end {
-                        // SAFETY: vector g+l is inside the chunk.
-                        unsafe { push_vector::<E, OP>(st, l, addr, frame, g + l as u64) };
+                        part(st, l, g + l as u64);
                     }
                 }
             }
             g += threads;
         }
+    }
+
+    /// # Safety
+    /// As [`super::l2_chunk_partial`], with `KIND` the index of `E` (0 bf16, 1 f16, 2 f32, 3 f64).
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn run<E: Element, const KIND: u8, const OP: u8>(addr: u64, frame: &Frame, chunk: u64, st: &mut LaneState) {
+        let blue = KIND == 3 && OP == SQUARE;
+        let full = |st: &mut LaneState, q: usize, row: *const u8| {
+            let i = 4 * q;
+            // SAFETY: `row` holds four full vectors (walk_rows); each state array has four f64s
+            // from i.
+            unsafe {
+                let med = _mm256_loadu_pd(st.med.as_ptr().add(i));
+                if blue {
+                    let (big, small) = (_mm256_loadu_pd(st.big.as_ptr().add(i)), _mm256_loadu_pd(st.small.as_ptr().add(i)));
+                    let (e0, e1) = f64_columns(row);
+                    let (big, med, small) = blue_add(blue_add((big, med, small), e0), e1);
+                    _mm256_storeu_pd(st.big.as_mut_ptr().add(i), big);
+                    _mm256_storeu_pd(st.small.as_mut_ptr().add(i), small);
+                    _mm256_storeu_pd(st.med.as_mut_ptr().add(i), med);
+                } else {
+                    _mm256_storeu_pd(st.med.as_mut_ptr().add(i), step::<KIND, OP>(row, med));
+                }
+            }
+        };
+        // SAFETY: vector g is inside the chunk (walk_rows).
+        let part = |st: &mut LaneState, l: usize, g: u64| unsafe { push_vector::<E, OP>(st, l, addr, frame, g) };
+        // SAFETY: the caller's contract.
+        unsafe { walk_rows::<E, _>(addr, frame, chunk, st, full, part) }
     }
 
     /// Adds, for four lanes whose vectors are the 64 bytes at `p`, each element's term to that
