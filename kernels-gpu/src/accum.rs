@@ -279,6 +279,17 @@ pub struct PNorm {
 }
 
 impl PNorm {
+    /// The state `s * 2^e` with `flags`, for norm order `p` (for the CPU's vector path, which
+    /// keeps lanes in registers).
+    #[inline(always)]
+    pub fn from_parts((s, e, flags): (f64, f64, u64), p: f64) -> PNorm {
+        PNorm { s, e, flags, p }
+    }
+    /// `(s, e, flags)`.
+    #[inline(always)]
+    pub fn parts(self) -> (f64, f64, u64) {
+        (self.s, self.e, self.flags)
+    }
     #[inline(always)]
     fn add_log_term(&mut self, y: f64) {
         if self.s == 0.0 {

@@ -30,6 +30,7 @@ mod features;
 #[cfg(test)]
 mod model_check;
 mod vector_inf;
+mod vector_pnorm;
 mod vector_sum;
 
 use crate::dtype::{DType, GradElement};
@@ -167,7 +168,12 @@ macro_rules! with_accumulator {
 /// Every tensor of `plan` must be readable host memory for the duration of the call.
 unsafe fn partials<A: Accumulator + 'static>(plan: &Plan, p: f64) -> Vec<Partial> {
     let is = |t: TypeId| TypeId::of::<A>() == t;
-    let (l1, l2, inf) = (is(TypeId::of::<L1>()), is(TypeId::of::<L2>()), is(TypeId::of::<Inf>()));
+    let (l1, l2, inf, pnorm) = (
+        is(TypeId::of::<L1>()),
+        is(TypeId::of::<L2>()),
+        is(TypeId::of::<Inf>()),
+        is(TypeId::of::<PNorm>()),
+    );
     plan.tasks
         .par_iter()
         .map(|task| {
@@ -183,6 +189,10 @@ unsafe fn partials<A: Accumulator + 'static>(plan: &Plan, p: f64) -> Vec<Partial
                         vector_sum::l1_chunk_partial(dtype, d.addr, &frame, task.chunk as u64).encode()
                     }
                 };
+            }
+            if pnorm && features::vector_paths(dtype) {
+                // SAFETY: as below; the vector path returns the model's bits.
+                return unsafe { vector_pnorm::chunk_partial(dtype, d.addr, &frame, task.chunk as u64, p) }.encode();
             }
             if inf {
                 // SAFETY: as below; one maximum over the chunk is the model's partial.

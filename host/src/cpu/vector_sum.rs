@@ -82,6 +82,9 @@ unsafe fn lane_states<const OP: u8>(dtype: DType, addr: u64, frame: &Frame, chun
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(super) use x86::walk_rows;
+
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     use core::arch::x86_64::*;
 
