@@ -45,7 +45,13 @@ fn bench(c: &mut Criterion) {
         } else {
             g.bench_function("plain_read", |b| b.iter(|| plain_read(&f32s)));
         }
-        for (label, nt) in [("l2_norm", NormType::L2), ("l1_norm", NormType::L1), ("inf_norm", NormType::Inf)] {
+        let p3 = NormType::from_p(3.0).expect("3 is a valid order");
+        for (label, nt) in [
+            ("l2_norm", NormType::L2),
+            ("l1_norm", NormType::L1),
+            ("inf_norm", NormType::Inf),
+            ("p3_norm", p3),
+        ] {
             g.bench_function(label, |b| b.iter(|| cpu.total_norm(&views, nt, false).expect("valid views").norm));
         }
         g.finish();
