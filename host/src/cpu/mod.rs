@@ -14,7 +14,6 @@
 //! assert!((a[0] - 0.6).abs() < 1e-6);
 //! ```
 
-use core::any::TypeId;
 use core::marker::PhantomData;
 
 use gradclip_kernels::abi::{NormParams, Partial, flags};
@@ -162,45 +161,62 @@ macro_rules! with_accumulator {
     };
 }
 
+/// A norm's CPU-only fast path for one chunk: bit for bit the model's partial, or `None` where
+/// it has none (no AVX2, or a dtype it leaves out), and the model walks the chunk.
+trait FastPath: Accumulator {
+    /// # Safety
+    /// `addr` is element 0 of a readable tensor of `dtype` that `frame` describes; `chunk` is one
+    /// of its chunks.
+    unsafe fn fast_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64, p: f64) -> Option<Partial>;
+}
+
+impl FastPath for L1 {
+    unsafe fn fast_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64, _: f64) -> Option<Partial> {
+        // SAFETY: the caller's contract; vector_paths checked the CPU features.
+        features::vector_paths(dtype).then(|| unsafe { vector_sum::l1_chunk_partial(dtype, addr, frame, chunk) }.encode())
+    }
+}
+
+impl FastPath for L2 {
+    unsafe fn fast_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64, _: f64) -> Option<Partial> {
+        // SAFETY: as for L1.
+        features::vector_paths(dtype).then(|| unsafe { vector_sum::l2_chunk_partial(dtype, addr, frame, chunk) }.encode())
+    }
+}
+
+impl FastPath for PNorm {
+    unsafe fn fast_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64, p: f64) -> Option<Partial> {
+        // SAFETY: as for L1.
+        features::vector_paths(dtype).then(|| unsafe { vector_pnorm::chunk_partial(dtype, addr, frame, chunk, p) }.encode())
+    }
+}
+
+impl FastPath for Inf {
+    unsafe fn fast_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64, _: f64) -> Option<Partial> {
+        // SAFETY: the caller's contract; one maximum over the chunk is the model's partial (it
+        // picks its own instructions by the CPU's features).
+        Some(unsafe { vector_inf::chunk_partial(dtype, addr, frame, chunk) }.encode())
+    }
+}
+
 /// The partial of every task, in task order (what the norm kernel's blocks write).
 ///
 /// # Safety
 /// Every tensor of `plan` must be readable host memory for the duration of the call.
-unsafe fn partials<A: Accumulator + 'static>(plan: &Plan, p: f64) -> Vec<Partial> {
-    let is = |t: TypeId| TypeId::of::<A>() == t;
-    let (l1, l2, inf, pnorm) = (
-        is(TypeId::of::<L1>()),
-        is(TypeId::of::<L2>()),
-        is(TypeId::of::<Inf>()),
-        is(TypeId::of::<PNorm>()),
-    );
+unsafe fn partials<A: FastPath>(plan: &Plan, p: f64) -> Vec<Partial> {
     plan.tasks
         .par_iter()
         .map(|task| {
             let d = &plan.tensors[task.tensor as usize];
             let dtype = DType::from_code(d.dtype).expect("planned from a DType");
             let frame = Frame::with_phase(d.len, d.phase as u64, dtype.size());
-            if (l1 || l2) && features::vector_paths(dtype) {
-                // SAFETY: as below; the vector paths return the model's bits.
-                return unsafe {
-                    if l2 {
-                        vector_sum::l2_chunk_partial(dtype, d.addr, &frame, task.chunk as u64).encode()
-                    } else {
-                        vector_sum::l1_chunk_partial(dtype, d.addr, &frame, task.chunk as u64).encode()
-                    }
-                };
-            }
-            if pnorm && features::vector_paths(dtype) {
-                // SAFETY: as below; the vector path returns the model's bits.
-                return unsafe { vector_pnorm::chunk_partial(dtype, d.addr, &frame, task.chunk as u64, p) }.encode();
-            }
-            if inf {
-                // SAFETY: as below; one maximum over the chunk is the model's partial.
-                return unsafe { vector_inf::chunk_partial(dtype, d.addr, &frame, task.chunk as u64) }.encode();
+            // SAFETY: the chunk comes from this frame; memory validity is the caller's.
+            if let Some(part) = unsafe { A::fast_partial(dtype, d.addr, &frame, task.chunk as u64, p) } {
+                return part;
             }
             with_element!(dtype, E => {
                 let src = HostTensor::<E>::new(d.addr, frame);
-                // SAFETY: the chunk comes from this frame; memory validity is the caller's.
+                // SAFETY: as above.
                 unsafe { model::chunk_partial::<E, A, _>(&src, &frame, task.chunk as u64, p) }.encode()
             })
         })
