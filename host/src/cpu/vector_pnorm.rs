@@ -172,24 +172,36 @@ mod x86 {
         let one = _mm256_set1_pd(1.0);
         let t = _mm256_div_pd(_mm256_sub_pd(m, one), _mm256_add_pd(m, one));
         let t2 = _mm256_mul_pd(t, t);
-        let mut s = _mm256_set1_pd(1.0 / 23.0);
-        for c in [
-            1.0 / 21.0,
-            1.0 / 19.0,
-            1.0 / 17.0,
-            1.0 / 15.0,
-            1.0 / 13.0,
-            1.0 / 11.0,
-            1.0 / 9.0,
-            1.0 / 7.0,
-            1.0 / 5.0,
-            1.0 / 3.0,
-        ] {
-            s = _mm256_add_pd(_mm256_mul_pd(s, t2), _mm256_set1_pd(c));
-        }
+        let s = horner(
+            _mm256_set1_pd(1.0 / 23.0),
+            t2,
+            &[
+                1.0 / 21.0,
+                1.0 / 19.0,
+                1.0 / 17.0,
+                1.0 / 15.0,
+                1.0 / 13.0,
+                1.0 / 11.0,
+                1.0 / 9.0,
+                1.0 / 7.0,
+                1.0 / 5.0,
+                1.0 / 3.0,
+            ],
+        );
         let two_t = _mm256_mul_pd(_mm256_set1_pd(2.0), t);
         let ln_m = _mm256_add_pd(two_t, _mm256_mul_pd(_mm256_mul_pd(two_t, t2), s));
         _mm256_add_pd(k, _mm256_mul_pd(ln_m, _mm256_set1_pd(core::f64::consts::LOG2_E)))
+    }
+
+    /// Horner's steps `acc = acc * x + c` for each `c` in turn (a multiply, then an add: no FMA,
+    /// as in `math`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn horner(mut acc: __m256d, x: __m256d, coeffs: &[f64]) -> __m256d {
+        for &c in coeffs {
+            acc = _mm256_add_pd(_mm256_mul_pd(acc, x), _mm256_set1_pd(c));
+        }
+        acc
     }
 
     /// `math::exp2` of four values in [-1022, 0]: the same operations in the same order (where
@@ -201,25 +213,26 @@ mod x86 {
         let shifted = _mm256_add_pd(y, _mm256_set1_pd(SHIFT));
         let n = _mm256_sub_pd(shifted, _mm256_set1_pd(SHIFT));
         let r = _mm256_mul_pd(_mm256_sub_pd(y, n), _mm256_set1_pd(core::f64::consts::LN_2));
-        let mut e = _mm256_set1_pd(1.0 / 87_178_291_200.0);
-        for c in [
-            1.0 / 6_227_020_800.0,
-            1.0 / 479_001_600.0,
-            1.0 / 39_916_800.0,
-            1.0 / 3_628_800.0,
-            1.0 / 362_880.0,
-            1.0 / 40_320.0,
-            1.0 / 5_040.0,
-            1.0 / 720.0,
-            1.0 / 120.0,
-            1.0 / 24.0,
-            1.0 / 6.0,
-            0.5,
-            1.0,
-            1.0,
-        ] {
-            e = _mm256_add_pd(_mm256_mul_pd(e, r), _mm256_set1_pd(c));
-        }
+        let e = horner(
+            _mm256_set1_pd(1.0 / 87_178_291_200.0),
+            r,
+            &[
+                1.0 / 6_227_020_800.0,
+                1.0 / 479_001_600.0,
+                1.0 / 39_916_800.0,
+                1.0 / 3_628_800.0,
+                1.0 / 362_880.0,
+                1.0 / 40_320.0,
+                1.0 / 5_040.0,
+                1.0 / 720.0,
+                1.0 / 120.0,
+                1.0 / 24.0,
+                1.0 / 6.0,
+                0.5,
+                1.0,
+                1.0,
+            ],
+        );
         // n as an integer: the low bits of y + SHIFT, which holds SHIFT + n exactly.
         let n = _mm256_sub_epi64(_mm256_castpd_si256(shifted), _mm256_castpd_si256(_mm256_set1_pd(SHIFT)));
         let pow2n = _mm256_slli_epi64::<52>(_mm256_add_epi64(n, _mm256_set1_epi64x(1023)));
