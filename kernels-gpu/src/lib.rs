@@ -2,7 +2,7 @@
 //!
 //! The same source serves two backends:
 //! - compiled for `nvptx64-nvidia-cuda` it becomes the PTX that the `gradclip` host crate embeds
-//!   (the `#[no_mangle]` entry points live in [`entry`], which only exists on that target);
+//!   (the `#[no_mangle]` entry points live in `entry`, a module that only exists on that target);
 //! - compiled for the host it is the CPU backend's reduction code: [`model`] runs the exact
 //!   per-lane order and reduction trees that the GPU runs, so the CPU result pins the bits the
 //!   GPU must produce.
