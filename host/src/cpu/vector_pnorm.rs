@@ -62,7 +62,7 @@ mod x86 {
     use gradclip_kernels::geometry::Frame;
 
     use super::LaneState;
-    use crate::cpu::vector_sum::walk_rows;
+    use crate::cpu::vector_sum::{push_vector, walk_rows};
 
     /// The model's push of `bits` into lane `l`.
     #[inline(always)]
@@ -102,12 +102,10 @@ mod x86 {
             }
         };
         let part = |st: &mut LaneState, l: usize, g: u64| {
-            let (a, b) = frame.elems_of(g);
-            for k in a..b {
-                // SAFETY: element k of vector g is the tensor's (walk_rows).
-                let bits = unsafe { ((addr + k * E::SIZE) as *const E::Bits).read_unaligned() };
-                push::<E>(st, l, bits, p);
-            }
+            let mut acc = PNorm::from_parts((st.s[l], st.e[l], st.flags[l]), p);
+            // SAFETY: vector g is inside the chunk (walk_rows).
+            unsafe { push_vector::<E, _>(&mut acc, addr, frame, g) };
+            (st.s[l], st.e[l], st.flags[l]) = acc.parts();
         };
         // SAFETY: the caller's contract.
         unsafe { walk_rows::<E, _>(addr, frame, chunk, st, full, part) }

@@ -82,7 +82,7 @@ unsafe fn lane_states<const OP: u8>(dtype: DType, addr: u64, frame: &Frame, chun
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(super) use x86::walk_rows;
+pub(super) use x86::{push_vector, walk_rows};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -91,23 +91,24 @@ mod x86 {
     use gradclip_kernels::accum::{Accumulator, L1, L2, SBIG, SSML, TBIG, TSML};
     use gradclip_kernels::dtype::Element;
     use gradclip_kernels::geometry::Frame;
+    use gradclip_kernels::lane::Source;
 
     use super::{LANES, LaneState, SQUARE};
+    use crate::cpu::HostTensor;
 
-    /// Lane `l`'s pushes of vector `g` (full or not), element by element: the model's own push.
+    /// The model's pushes of vector `g`'s elements into `acc`, in address order: a vector the
+    /// rows do not cover (the tensor's partial head or tail, or past the chunk's last full row).
+    ///
+    /// # Safety
+    /// `addr` is element 0 of a readable tensor of `E` that `frame` describes; `g` is one of its
+    /// vectors.
     #[inline(always)]
-    unsafe fn push_vector<E: Element, const OP: u8>(st: &mut LaneState, l: usize, addr: u64, frame: &Frame, g: u64) {
+    pub unsafe fn push_vector<E: Element, A: Accumulator>(acc: &mut A, addr: u64, frame: &Frame, g: u64) {
+        let src = HostTensor::<E>::new(addr, *frame);
         let (a, b) = frame.elems_of(g);
-        // SAFETY: the elements of vector g are the tensor's (caller).
-        let bits = |i: u64| unsafe { ((addr + i * E::SIZE) as *const E::Bits).read_unaligned() };
-        if OP == SQUARE {
-            let mut acc = L2::from_parts((st.big[l], st.med[l], st.small[l]));
-            (a..b).for_each(|i| acc.push::<E>(bits(i)));
-            (st.big[l], st.med[l], st.small[l]) = acc.parts();
-        } else {
-            let mut acc = L1::from_sum(st.med[l]);
-            (a..b).for_each(|i| acc.push::<E>(bits(i)));
-            st.med[l] = acc.sum();
+        for i in a..b {
+            // SAFETY: elems_of returns indices below the tensor's length (caller).
+            acc.push::<E>(unsafe { src.load_elem(i) });
         }
     }
 
@@ -178,8 +179,20 @@ mod x86 {
                 }
             }
         };
-        // SAFETY: vector g is inside the chunk (walk_rows).
-        let part = |st: &mut LaneState, l: usize, g: u64| unsafe { push_vector::<E, OP>(st, l, addr, frame, g) };
+        let part = |st: &mut LaneState, l: usize, g: u64| {
+            // SAFETY: vector g is inside the chunk (walk_rows).
+            unsafe {
+                if OP == SQUARE {
+                    let mut acc = L2::from_parts((st.big[l], st.med[l], st.small[l]));
+                    push_vector::<E, _>(&mut acc, addr, frame, g);
+                    (st.big[l], st.med[l], st.small[l]) = acc.parts();
+                } else {
+                    let mut acc = L1::from_sum(st.med[l]);
+                    push_vector::<E, _>(&mut acc, addr, frame, g);
+                    st.med[l] = acc.sum();
+                }
+            }
+        };
         // SAFETY: the caller's contract.
         unsafe { walk_rows::<E, _>(addr, frame, chunk, st, full, part) }
     }
