@@ -113,16 +113,6 @@ pub struct L2 {
 }
 
 impl L2 {
-    /// The state of a lane that pushed only bf16/f16/f32 elements whose exact squares summed,
-    /// in its order, to `squares` (those types use the middle accumulator alone).
-    #[inline(always)]
-    pub fn from_narrow_squares(squares: f64) -> L2 {
-        L2 {
-            big: 0.0,
-            med: squares,
-            small: 0.0,
-        }
-    }
     /// The state with Blue's three accumulators `(big, med, small)` (for the CPU's vector paths,
     /// which keep lanes in registers).
     #[inline(always)]

@@ -46,13 +46,13 @@ pub fn bits16() -> impl Strategy<Value = u16> {
 /// f16) is all ones moved to the largest finite binade: without infinities and NaN every partial
 /// stays finite, so a comparison can never be excused as "both NaN". (Random bits hit a NaN
 /// every few hundred elements, which turns nearly every chunk's partial into NaN.)
-pub fn finite_bits16(exp_mask: u16) -> impl Strategy<Value = u16> {
+fn finite_bits16(exp_mask: u16) -> impl Strategy<Value = u16> {
     let lowest = exp_mask & exp_mask.wrapping_neg();
     bits16().prop_map(move |b| if b & exp_mask == exp_mask { b ^ lowest } else { b })
 }
 
 /// Finite f32 bit patterns of every binade, subnormals included (as [`finite_bits16`]).
-pub fn finite_bits32() -> impl Strategy<Value = u32> {
+fn finite_bits32() -> impl Strategy<Value = u32> {
     any::<u32>().prop_map(|b| if b & 0x7F80_0000 == 0x7F80_0000 { b ^ 0x0080_0000 } else { b })
 }
 
@@ -66,14 +66,42 @@ fn near_bits(mant: u32, bias: i64, e: i64, width: i64) -> impl Strategy<Value = 
 
 /// bf16 values spread over 24 binades around 1: their squares' sum rounds (the terms span more
 /// than f64's 53 bits), so the order of the additions shows in the bits.
-pub fn bf16_spread() -> impl Strategy<Value = u16> {
+fn bf16_spread() -> impl Strategy<Value = u16> {
     near_bits(7, 127, -12, 24).prop_map(|b| b as u16)
 }
 
 /// f32 values of like magnitude (16 binades around 1): every few additions of their squares
 /// round.
-pub fn f32_near_one() -> impl Strategy<Value = u32> {
+fn f32_near_one() -> impl Strategy<Value = u32> {
     near_bits(23, 127, -8, 16).prop_map(|b| b as u32)
+}
+
+/// bf16 lists for the fast paths' property tests: any 16-bit patterns (NaN, infinities: nearly
+/// every partial NaN), finite patterns of every binade (no partial NaN, so no comparison is
+/// excused), and values whose sums round at many additions (so the order of the additions shows).
+pub fn bf16_lists(len: std::ops::Range<usize>) -> impl Strategy<Value = Vec<u16>> {
+    use proptest::collection::vec;
+    prop_oneof![
+        vec(bits16(), len.clone()),
+        vec(finite_bits16(0x7F80), len.clone()),
+        vec(bf16_spread(), len)
+    ]
+}
+
+/// f16 lists, as [`bf16_lists`] (f16's 31 binades already make its sums round).
+pub fn f16_lists(len: std::ops::Range<usize>) -> impl Strategy<Value = Vec<u16>> {
+    use proptest::collection::vec;
+    prop_oneof![vec(bits16(), len.clone()), vec(finite_bits16(0x7C00), len)]
+}
+
+/// f32 lists, as [`bf16_lists`].
+pub fn f32_lists(len: std::ops::Range<usize>) -> impl Strategy<Value = Vec<u32>> {
+    use proptest::collection::vec;
+    prop_oneof![
+        vec(any::<u32>(), len.clone()),
+        vec(finite_bits32(), len.clone()),
+        vec(f32_near_one(), len)
+    ]
 }
 
 /// f64 values of either sign with a random mantissa and a binary exponent in `e..e + 16`.
