@@ -2,6 +2,7 @@
 # Runs on the GPU machine, from the repository root, with .devbin/ from bench/device/build.sh:
 #   bench/device/run.sh tests   the Rust GPU suite and the whole Python suite
 #   bench/device/run.sh bench   gradclip-bench on every preset, torch_compare.py, host_profile.py
+#   bench/device/run.sh graphs  compute-sanitizer memcheck on the CUDA-graph tests (Rust and Python)
 # Logs and records go to $OUT (the device tool brings them back). No network, no Rust needed.
 set -uo pipefail
 what=${1:?tests or bench}
@@ -33,5 +34,12 @@ bench)
     python3 bench/host_profile.py "$OUT/host-profile.json" > "$OUT/host-profile.txt" 2>&1
     tail -4 "$OUT/host-profile.txt"
     ;;
-*) echo "unknown: $what (tests or bench)"; exit 2 ;;
+graphs)
+    compute-sanitizer --tool memcheck --leak-check no .devbin/gpu_backend --test-threads 1 graph_capture > "$OUT/graphs-memcheck-rust.log" 2>&1
+    tail -4 "$OUT/graphs-memcheck-rust.log"
+    compute-sanitizer --tool memcheck --leak-check no python3 -m pytest -q --import-mode=importlib -p no:cacheprovider \
+        python/tests/test_cuda_graph.py -k "not thousand" > "$OUT/graphs-memcheck-python.log" 2>&1
+    tail -4 "$OUT/graphs-memcheck-python.log"
+    ;;
+*) echo "unknown: $what (tests, bench or graphs)"; exit 2 ;;
 esac

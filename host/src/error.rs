@@ -115,6 +115,15 @@ pub enum Error {
         /// Entries found.
         found: usize,
     },
+    /// A call that cannot be recorded into a CUDA graph was made while its stream was capturing.
+    /// Nothing was enqueued and the capture is left as it was.
+    #[error("{what} cannot be captured in a CUDA graph: {instead}")]
+    NotCapturable {
+        /// What was asked under capture.
+        what: &'static str,
+        /// What to do instead.
+        instead: &'static str,
+    },
     /// No CUDA driver library or no device.
     #[error("no CUDA GPU is available ({reason}); use the CPU backend (gradclip::cpu)")]
     NoGpu {

@@ -140,12 +140,30 @@ def _result_dtype(ts: List[torch.Tensor]) -> torch.dtype:
     return dtype.to_real() if dtype.is_complex else dtype
 
 
+def _capturing() -> bool:
+    """True while torch's current stream (of the current device) is being captured into a CUDA graph."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _with_workspace(plan):
     """``plan``, with zeroed device memory from torch's caching allocator lent to it for the
-    engine's tables once (so accounting sees it and a captured CUDA graph keeps using it)."""
-    if not plan.has_workspace:
+    engine's tables once, so torch's accounting sees it. Never under CUDA-graph capture: memory
+    allocated there would be the graph pool's, and captured calls keep their tables in memory
+    the graph itself owns (uploaded at capture time, freed with the graph)."""
+    if not plan.has_workspace and not _capturing():
         plan.lend_workspace(torch.zeros(max(plan.workspace_bytes, 8), dtype=torch.uint8, device=plan.device))
     return plan
+
+
+def _refuse_host_read_under_capture(error_if_nonfinite: bool) -> None:
+    """``error_if_nonfinite`` reads the norm on the host, which a CUDA graph cannot record:
+    refuse it at capture time, before anything is enqueued (torch's own clip fails there too,
+    with a CUDA error that invalidates the capture)."""
+    if error_if_nonfinite and _capturing():
+        raise RuntimeError(
+            "error_if_nonfinite=True cannot be captured in a CUDA graph: it reads the norm on the host. "
+            "Capture with error_if_nonfinite=False and check the returned norm (torch.isfinite) after replay."
+        )
 
 
 def _cuda_out(index: int):
@@ -158,11 +176,10 @@ def _cuda_call(entry, plan, *args):
     """Calls the native CUDA ``entry`` on ``plan`` (its workspace lent first) with torch's current
     device set to the plan's: the engine binds that device's context, and torch must keep
     knowing which device is current (it sets and restores it here, its own way)."""
-    plan = _with_workspace(plan)
     if plan.device == _current_device():
-        return entry(plan, *args)
+        return entry(_with_workspace(plan), *args)
     with torch.cuda.device(plan.device):
-        return entry(plan, *args)
+        return entry(_with_workspace(plan), *args)
 
 
 def _check_p(norm_type: float) -> float:
@@ -214,6 +231,7 @@ def get_total_norm(
     tensors: _TensorOrTensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None
 ) -> torch.Tensor:
     """The norm of all ``tensors`` together, as ``torch.nn.utils.get_total_norm``."""
+    _refuse_host_read_under_capture(error_if_nonfinite)
     plan, ts = _PLANNER.scan(_as_list(tensors), False)
     if len(ts) == 0:
         return torch.tensor(0.0)
@@ -297,6 +315,7 @@ def clip_grad_norm_(
     foreach: Optional[bool] = None,
 ) -> torch.Tensor:
     """Clip the gradients' global norm in place and return it, as ``torch.nn.utils.clip_grad_norm_``."""
+    _refuse_host_read_under_capture(error_if_nonfinite)
     # `parameters` may be a generator: it is read once, here, into the list of gradients.
     plan, grads = _PLANNER.scan(_as_list(parameters), True)
     if len(grads) == 0:

@@ -22,14 +22,15 @@ fn ordinal(plan: &Plan) -> PyResult<usize> {
         .ok_or_else(|| PyValueError::new_err("this plan holds CPU tensors: use the cpu_* functions"))
 }
 
-/// Runs `f` on the engine of (device, stream), its tables in the lent workspace `ws`. The engine
+/// Runs `f` on the engine of (device, stream), its tables in the lent workspace `ws` (none: the
+/// engine's own memory; calls under CUDA-graph capture use memory owned by the graph). The engine
 /// binds its device's context to the calling thread, so callers that share the thread with
 /// PyTorch make that device torch's current one first (gradclip.torch does): torch then keeps
 /// knowing which device is current, and restores its own on the way out.
 fn with_engine<R>(
     device: usize,
     stream: usize,
-    ws: ExternalWorkspace,
+    ws: Option<ExternalWorkspace>,
     f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>,
 ) -> PyResult<R> {
     let mut guard = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
@@ -45,7 +46,7 @@ fn with_engine<R>(
     // SAFETY: Plan::lend_workspace checked that `ws` is a contiguous CUDA tensor of this device,
     // large enough, allocated zeroed by the caller (torch.zeros), and the plan keeps it alive;
     // the caller runs one plan on one stream at a time.
-    unsafe { engine.set_external_workspace(Some(ws)) };
+    unsafe { engine.set_external_workspace(ws) };
     f(engine).map_err(to_py)
 }
 
@@ -53,7 +54,7 @@ fn with_engine<R>(
 #[pyfunction]
 pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p: f64, out: u64) -> PyResult<()> {
     let norm_type = NormType::from_p(p).map_err(to_py)?;
-    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace()?, plan.get().tensors());
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
     // SAFETY: the tensors and `out` are live CUDA memory of `device` that PyTorch's caching
     // allocator keeps until the stream passes this work (the caller holds the tensors).
     py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.total_norm_raw_at(&t, norm_type, out, None) }))
@@ -71,7 +72,7 @@ pub fn cuda_clip_grad_norm(
     out: u64,
 ) -> PyResult<()> {
     let opts = clip_options(p, error_if_nonfinite)?;
-    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace()?, plan.get().tensors());
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
     // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
     py.detach(|| {
         with_engine(device, stream, ws, |e| unsafe {
@@ -83,7 +84,7 @@ pub fn cuda_clip_grad_norm(
 /// In-place scale of a plan's CUDA tensors by the coefficient in the NormOutput at `out`.
 #[pyfunction]
 pub fn cuda_scale(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, out: u64) -> PyResult<()> {
-    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace()?, plan.get().tensors());
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
     // SAFETY: as cuda_clip_grad_norm; `out` was written on this stream before the call.
     py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.scale_raw_at(&t, out) }))
 }
@@ -92,4 +93,11 @@ pub fn cuda_scale(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, out: u6
 #[pyfunction]
 pub fn cuda_available() -> bool {
     gradclip::gpu::gpu_available()
+}
+
+/// Table allocations held for captured CUDA graphs now (one per captured call; freed by the
+/// first call after their graph is destroyed).
+#[pyfunction]
+pub fn graph_tables_live() -> usize {
+    gradclip::gpu::graph_tables_live()
 }

@@ -22,7 +22,9 @@ pyo3::create_exception!(
 fn to_py(e: Error) -> PyErr {
     match e {
         Error::NonFiniteNorm { .. } => NonFiniteNormError::new_err(e.to_string()),
-        Error::Cuda(_) | Error::NoGpu { .. } | Error::MissingKernel { .. } => PyRuntimeError::new_err(e.to_string()),
+        Error::Cuda(_) | Error::NoGpu { .. } | Error::MissingKernel { .. } | Error::NotCapturable { .. } => {
+            PyRuntimeError::new_err(e.to_string())
+        }
         _ => PyValueError::new_err(e.to_string()),
     }
 }
@@ -47,6 +49,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_clip_grad_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_scale, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -75,12 +75,11 @@ impl Plan {
         }
     }
 
-    /// The lent workspace, or an error saying how to lend one.
-    pub fn workspace(&self) -> PyResult<ExternalWorkspace> {
+    /// The lent workspace; None before one is lent (a plan first used under CUDA-graph
+    /// capture has none: those calls keep their tables in memory the graph owns).
+    pub fn workspace(&self) -> Option<ExternalWorkspace> {
         let guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
-        guard.as_ref().map(|l| l.ws).ok_or_else(|| {
-            PyValueError::new_err("this plan has no device workspace: call lend_workspace(torch.zeros(plan.workspace_bytes, ...)) first")
-        })
+        guard.as_ref().map(|l| l.ws)
     }
 }
 

@@ -3,13 +3,15 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut, SyncOnDrop};
 use gradclip_kernels::abi::{NormOutput, NormParams, flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
+use super::capture::{self, Capture};
 use super::kernels::{self, KernelSet};
 use super::launch::{self, Tables};
 use super::words::{as_words, from_words};
+use super::workspace::{ExternalWorkspace, Layout, OwnWorkspace};
 use crate::error::{Error, Result};
 use crate::norm::{ClipOptions, NormReport, NormType, validate_max_norm};
 use crate::plan::{RawTensor, check_disjoint, plan};
@@ -48,7 +50,14 @@ impl DeviceNorm {
     }
 
     /// Storage for a call that may ask per-tensor norms of `num_tensors` tensors (none: `None`).
+    /// Refused under capture: a captured allocation would be the graph's, freed at replay's end.
     fn for_call(stream: &Arc<CudaStream>, per_tensor: bool, num_tensors: usize) -> Result<Self> {
+        if let Capture::Active(_) = capture::status(stream)? {
+            return Err(Error::NotCapturable {
+                what: "a call that allocates its result (total_norm, clip_grad_norm, *_raw)",
+                instead: "allocate a DeviceNorm before the capture and use the *_into or *_raw_at call",
+            });
+        }
         let mut d = Self::new(stream, if per_tensor { num_tensors } else { 0 })?;
         d.empty_per_tensor = per_tensor && num_tensors == 0;
         Ok(d)
@@ -85,77 +94,22 @@ impl DeviceNorm {
     }
 }
 
-/// Reusable device tables: grown when a call needs more, never shrunk.
-#[derive(Debug, Default)]
-struct Workspace {
-    tensors: Option<CudaSlice<u64>>,
-    tasks: Option<CudaSlice<u64>>,
-    partials: Option<CudaSlice<u64>>,
-    /// The norm kernel's last-block ticket: zeroed once, reset by every launch's last block.
-    counter: Option<CudaSlice<u32>>,
-}
-
-fn ensure(stream: &Arc<CudaStream>, buf: &mut Option<CudaSlice<u64>>, words: usize) -> Result<()> {
-    let words = words.max(1);
-    if buf.as_ref().is_none_or(|b| b.len() < words) {
-        *buf = None; // free first: the old table is no longer needed
-        // SAFETY: u64 has no invalid bit patterns; the contents are written before any read.
-        *buf = Some(unsafe { stream.alloc::<u64>(words) }?);
-    }
-    Ok(())
-}
-
-/// Device memory a caller lends the engine for its tables, instead of the engine allocating its
-/// own: for example a tensor from PyTorch's caching allocator, so that torch's memory accounting
-/// sees it and a captured CUDA graph keeps it alive. Size it with [`workspace_bytes`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExternalWorkspace {
-    /// Device address, 8-byte aligned.
-    pub addr: u64,
-    /// Bytes available there.
-    pub bytes: usize,
-    /// The lender's tag for this allocation: give a new one whenever the memory may have been
-    /// rewritten (a fresh allocation can land at the address of an old one, holding none of the
-    /// tables the engine uploaded there), so the engine uploads again.
-    pub generation: u64,
-}
-
-/// Byte offsets of the tables inside an [`ExternalWorkspace`]: the 8-byte counter first (so it
-/// stays put whatever the plan), then the tensor table, the task table and the partials.
-struct Layout {
-    tensors: usize,
-    tasks: usize,
-    partials: usize,
-    total: usize,
-}
-
-fn layout(num_tensors: usize, num_tasks: usize) -> Layout {
-    use gradclip_kernels::abi::{ChunkTask, Partial, TensorDesc};
-    let tensors = 8;
-    let tasks = tensors + num_tensors * size_of::<TensorDesc>();
-    let partials = tasks + num_tasks * size_of::<ChunkTask>();
-    Layout {
-        tensors,
-        tasks,
-        partials,
-        total: partials + num_tasks * size_of::<Partial>(),
-    }
-}
-
-/// Bytes of device memory the tables for `tensors` need in an [`ExternalWorkspace`].
-pub fn workspace_bytes(tensors: &[RawTensor]) -> Result<usize> {
-    let p = plan(tensors)?;
-    Ok(layout(p.tensors.len(), p.tasks.len()).total)
-}
-
-/// The plan last uploaded, to skip planning and uploading when the same list comes back.
+/// The plan last uploaded to the engine's workspace, to skip planning and uploading when the
+/// same list comes back.
 #[derive(Debug, Default)]
 struct Uploaded {
     tensors: Vec<RawTensor>,
-    num_tasks: usize,
     disjoint: bool,
-    /// Device addresses of the tables, resolved once per upload (host time per call matters).
-    tables: Option<Tables>,
+    /// Where its tables are (resolved once per upload: host time per call matters).
+    prepared: Option<Prepared>,
+}
+
+/// A planned list whose tables are in device memory, ready for launches.
+#[derive(Clone, Copy, Debug)]
+struct Prepared {
+    tables: Tables,
+    num_tasks: usize,
+    num_tensors: usize,
 }
 
 /// Computes gradient norms and clips on one CUDA stream.
@@ -176,7 +130,7 @@ struct Uploaded {
 pub struct GpuEngine {
     stream: Arc<CudaStream>,
     kernels: Arc<KernelSet>,
-    ws: Workspace,
+    ws: OwnWorkspace,
     external: Option<ExternalWorkspace>,
     uploaded: Uploaded,
 }
@@ -188,7 +142,7 @@ impl GpuEngine {
         Ok(GpuEngine {
             stream,
             kernels,
-            ws: Workspace::default(),
+            ws: OwnWorkspace::default(),
             external: None,
             uploaded: Uploaded::default(),
         })
@@ -228,11 +182,7 @@ impl GpuEngine {
     /// Device memory the engine holds for its tables (tensor list, tasks, partials), in bytes:
     /// O(tensors + blocks), never proportional to the gradients' size.
     pub fn workspace_bytes(&self) -> usize {
-        let tables: usize = [&self.ws.tensors, &self.ws.tasks, &self.ws.partials]
-            .iter()
-            .map(|b| b.as_ref().map_or(0, |b| b.len() * 8))
-            .sum();
-        tables + self.ws.counter.as_ref().map_or(0, |_| 4)
+        self.ws.bytes()
     }
 
     /// The loaded kernels (for [`super::tools`]).
@@ -340,9 +290,9 @@ impl GpuEngine {
         per_tensor: Option<u64>,
     ) -> Result<()> {
         let norm_type = norm_type.validated()?;
-        let num_tasks = self.upload(tensors, false)?;
-        // SAFETY: the caller's contract covers memory validity; upload planned these tensors.
-        unsafe { self.run(norm_type, num_tasks, 0.0, 0, out, per_tensor) }
+        let prepared = self.prepare(tensors, false)?;
+        // SAFETY: the caller's contract covers memory validity; prepare planned these tensors.
+        unsafe { self.run(norm_type, &prepared, 0.0, 0, out, per_tensor) }
     }
 
     /// [`GpuEngine::clip_grad_norm`] over raw device addresses.
@@ -390,13 +340,19 @@ impl GpuEngine {
     ) -> Result<()> {
         validate_max_norm(max_norm)?;
         let norm_type = opts.norm_type.validated()?;
-        let num_tasks = self.upload(tensors, true)?;
+        if opts.error_if_nonfinite && matches!(capture::status(&self.stream)?, Capture::Active(_)) {
+            return Err(Error::NotCapturable {
+                what: "a clip with error_if_nonfinite (it reads the norm on the host)",
+                instead: "capture with error_if_nonfinite = false: the scale kernel still reads the non-finite flag on the device, and the NormOutput keeps it for a later check",
+            });
+        }
+        let prepared = self.prepare(tensors, true)?;
         let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
-        // SAFETY: as total_norm_raw_at; upload checked that the tensors are disjoint.
-        unsafe { self.run(norm_type, num_tasks, max_norm, f, out, per_tensor) }?;
+        // SAFETY: as total_norm_raw_at; prepare checked that the tensors are disjoint.
+        unsafe { self.run(norm_type, &prepared, max_norm, f, out, per_tensor) }?;
         // SAFETY: the norm kernel wrote `out` just above on this stream; the tensors are
-        // disjoint (upload) and writable (caller).
-        unsafe { self.scale(num_tasks, out) }?;
+        // disjoint (prepare) and writable (caller).
+        unsafe { self.scale(&prepared, out) }?;
         if opts.error_if_nonfinite {
             // SAFETY: `out` is the caller's 24 bytes of device memory, written above.
             let r = unsafe { self.read_output_at(out) }?;
@@ -418,23 +374,22 @@ impl GpuEngine {
     /// As [`GpuEngine::clip_grad_norm_raw`]; `out` must hold a valid [`NormOutput`] in device
     /// memory of this context, ordered before this call on the stream.
     pub unsafe fn scale_raw_at(&mut self, tensors: &[RawTensor], out: u64) -> Result<()> {
-        let num_tasks = self.upload(tensors, true)?;
-        // SAFETY: tables uploaded, tensors disjoint (upload) and writable, out valid (caller).
-        unsafe { self.scale(num_tasks, out) }
+        let prepared = self.prepare(tensors, true)?;
+        // SAFETY: tables uploaded, tensors disjoint (prepare) and writable, out valid (caller).
+        unsafe { self.scale(&prepared, out) }
     }
 
-    /// The scale launch of the uploaded plan (nothing for a plan without tasks).
+    /// The scale launch of a prepared plan (nothing for a plan without tasks).
     ///
     /// # Safety
     /// As [`launch::scale`]: `out` holds a [`NormOutput`] ordered before this on the stream, and
-    /// the uploaded tensors are writable and pairwise disjoint.
-    unsafe fn scale(&self, num_tasks: usize, out: u64) -> Result<()> {
-        if num_tasks == 0 {
+    /// the prepared tensors are writable and pairwise disjoint.
+    unsafe fn scale(&self, p: &Prepared, out: u64) -> Result<()> {
+        if p.num_tasks == 0 {
             return Ok(());
         }
-        let t = self.tables();
-        // SAFETY: the caller's contract; t holds the plan of num_tasks tasks.
-        unsafe { launch::scale(&self.stream, &self.kernels, &t, num_tasks as u32, out) }
+        // SAFETY: the caller's contract; p.tables holds the plan of p.num_tasks tasks.
+        unsafe { launch::scale(&self.stream, &self.kernels, &p.tables, p.num_tasks as u32, out) }
     }
 
     /// Waits for the stream and reads the [`NormOutput`] at `out`.
@@ -450,121 +405,105 @@ impl GpuEngine {
         Ok(from_words(&words))
     }
 
-    /// Plans and uploads `tensors` unless they are the list uploaded last; returns the task count.
-    fn upload(&mut self, tensors: &[RawTensor], need_disjoint: bool) -> Result<usize> {
-        if self.uploaded.tensors == tensors {
+    /// The tables of `tensors` in device memory: under CUDA-graph capture, fresh ones that the
+    /// graph owns ([`capture`]); otherwise the engine's workspace, planned and uploaded unless the
+    /// same list was uploaded last.
+    fn prepare(&mut self, tensors: &[RawTensor], need_disjoint: bool) -> Result<Prepared> {
+        let graph = match capture::status(&self.stream)? {
+            Capture::Active(graph) => Some(graph),
+            Capture::None => {
+                capture::free_released(&self.stream);
+                None
+            }
+        };
+        if graph.is_none()
+            && self.uploaded.tensors == tensors
+            && let Some(p) = self.uploaded.prepared
+        {
             if need_disjoint && !self.uploaded.disjoint {
                 check_disjoint(tensors)?;
                 self.uploaded.disjoint = true;
             }
-            return Ok(self.uploaded.num_tasks);
+            return Ok(p);
         }
         if need_disjoint {
             check_disjoint(tensors)?;
         }
         let plan = plan(tensors)?;
         let (tw, kw) = (as_words(&plan.tensors), as_words(&plan.tasks));
+        let layout = Layout::new(plan.tensors.len(), plan.tasks.len());
+        let (num_tasks, num_tensors) = (plan.tasks.len(), plan.tensors.len());
+        if let Some(graph) = graph {
+            // The engine's workspace is not touched: it may hold another list by replay time.
+            let tables = capture::upload_owned_by(&self.stream, graph, &layout, tw, kw)?;
+            return Ok(Prepared {
+                tables,
+                num_tasks,
+                num_tensors,
+            });
+        }
         // Forget the old plan first: if an upload fails, nothing stale is reused.
         self.uploaded = Uploaded::default();
-        if let Some(ext) = self.external {
-            let l = layout(plan.tensors.len(), plan.tasks.len());
-            if ext.bytes < l.total {
+        let base = match self.external {
+            Some(ext) if ext.bytes < layout.total => {
                 return Err(Error::LengthMismatch {
                     what: "the external workspace (bytes)",
-                    expected: l.total,
+                    expected: layout.total,
                     found: ext.bytes,
                 });
             }
-            self.stream.context().bind_to_thread()?;
-            for (off, words) in [(l.tensors, tw), (l.tasks, kw)] {
-                if !words.is_empty() {
-                    // SAFETY: [addr+off, addr+off+8*len) lies inside the lent workspace (checked
-                    // above, set_external_workspace's contract); the copy is stream-ordered, and
-                    // a pageable source is consumed before the call returns.
-                    unsafe { cudarc::driver::result::memcpy_htod_async(ext.addr + off as u64, words, self.stream.cu_stream()) }?;
-                }
+            Some(ext) => ext.addr,
+            None => self.ws.ensure(&self.stream, layout.total)?,
+        };
+        self.stream.context().bind_to_thread()?;
+        for (off, words) in [(layout.tensors, tw), (layout.tasks, kw)] {
+            if !words.is_empty() {
+                // SAFETY: [base+off, base+off+8*len) lies inside the workspace (sized above, or
+                // checked against the lent size: set_external_workspace's contract); the copy is
+                // stream-ordered, and a pageable source is consumed before the call returns.
+                unsafe { cudarc::driver::result::memcpy_htod_async(base + off as u64, words, self.stream.cu_stream()) }?;
             }
-            let tables = Tables {
-                tensors: ext.addr + l.tensors as u64,
-                tasks: ext.addr + l.tasks as u64,
-                partials: ext.addr + l.partials as u64,
-                counter: ext.addr,
-            };
-            self.uploaded = Uploaded {
-                tensors: tensors.to_vec(),
-                num_tasks: plan.tasks.len(),
-                disjoint: need_disjoint,
-                tables: Some(tables),
-            };
-            return Ok(plan.tasks.len());
         }
-        ensure(&self.stream, &mut self.ws.tensors, tw.len())?;
-        ensure(&self.stream, &mut self.ws.tasks, kw.len())?;
-        ensure(&self.stream, &mut self.ws.partials, plan.tasks.len() * 4)?;
-        if self.ws.counter.is_none() {
-            self.ws.counter = Some(self.stream.alloc_zeros::<u32>(1)?);
-        }
-        if !tw.is_empty() {
-            let mut dst = self.ws.tensors.as_mut().expect("ensured").slice_mut(..tw.len());
-            self.stream.memcpy_htod(tw, &mut dst)?;
-        }
-        if !kw.is_empty() {
-            let mut dst = self.ws.tasks.as_mut().expect("ensured").slice_mut(..kw.len());
-            self.stream.memcpy_htod(kw, &mut dst)?;
-        }
-        let tables = self.resolve_tables();
+        let prepared = Prepared {
+            tables: layout.tables_at(base),
+            num_tasks,
+            num_tensors,
+        };
         self.uploaded = Uploaded {
             tensors: tensors.to_vec(),
-            num_tasks: plan.tasks.len(),
             disjoint: need_disjoint,
-            tables: Some(tables),
+            prepared: Some(prepared),
         };
-        Ok(plan.tasks.len())
-    }
-
-    fn tables(&self) -> Tables {
-        self.uploaded.tables.unwrap_or_else(|| self.resolve_tables())
-    }
-
-    fn resolve_tables(&self) -> Tables {
-        let ptr = |b: &Option<CudaSlice<u64>>| b.as_ref().map_or(0, |b| b.device_ptr(&self.stream).0);
-        let counter = self.ws.counter.as_ref().map_or(0, |b| b.device_ptr(&self.stream).0);
-        Tables {
-            tensors: ptr(&self.ws.tensors),
-            tasks: ptr(&self.ws.tasks),
-            partials: ptr(&self.ws.partials),
-            counter,
-        }
+        Ok(prepared)
     }
 
     /// # Safety
-    /// The uploaded plan's tensors are readable device memory of this context (caller).
+    /// The prepared plan's tensors are readable device memory of this context (caller).
     unsafe fn run(
         &mut self,
         norm_type: NormType,
-        num_tasks: usize,
+        p: &Prepared,
         max_norm: f64,
         flags: u32,
         out: u64,
         per_tensor: Option<u64>,
     ) -> Result<()> {
-        let num_tensors = self.uploaded.tensors.len();
-        let t = self.tables();
+        let t = p.tables;
         let params = NormParams {
             p: norm_type.p(),
             max_norm,
-            num_tasks: num_tasks as u64,
-            num_tensors: num_tensors as u64,
+            num_tasks: p.num_tasks as u64,
+            num_tensors: p.num_tensors as u64,
             flags,
             reserved: 0,
         };
-        // SAFETY: the plan was uploaded on this stream, partials has num_tasks slots and the
-        // counter is zero (upload; every launch's last block resets it), the caller vouches for
-        // the tensors and for out (one NormOutput).
+        // SAFETY: the plan was uploaded before this on the stream (or synchronously, under
+        // capture), partials has num_tasks slots and the counter is zero (zeroed at allocation;
+        // every launch's last block resets it), the caller vouches for the tensors and for out.
         unsafe { launch::norm(&self.stream, &self.kernels, norm_type, &t, out, &params) }?;
-        if let Some(per) = per_tensor.filter(|_| num_tensors > 0) {
+        if let Some(per) = per_tensor.filter(|_| p.num_tensors > 0) {
             // SAFETY: after the norm kernel on this stream; per holds num_tensors f64s (caller).
-            unsafe { launch::tensor_norms(&self.stream, &self.kernels, norm_type, &t, per, num_tensors as u64) }?;
+            unsafe { launch::tensor_norms(&self.stream, &self.kernels, norm_type, &t, per, p.num_tensors as u64) }?;
         }
         Ok(())
     }

@@ -8,14 +8,18 @@
 //! eager-baseline launches that tests and benchmarks use.
 
 pub mod buffers;
+mod capture;
 pub mod engine;
 pub mod kernels;
 pub mod launch;
 pub mod tools;
 mod words;
+mod workspace;
 
 pub use buffers::{DeviceGrad, DeviceGradMut};
-pub use engine::{DeviceNorm, ExternalWorkspace, GpuEngine, workspace_bytes};
+pub use capture::graph_tables_live;
+pub use engine::{DeviceNorm, GpuEngine};
+pub use workspace::{ExternalWorkspace, workspace_bytes};
 
 /// True when the CUDA driver library loads and reports at least one device.
 pub fn gpu_available() -> bool {
