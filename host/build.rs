@@ -1,14 +1,20 @@
 //! Compiles the `gradclip-kernels` crate to PTX with rustc's nvptx64 backend and leaves it in
 //! `OUT_DIR/gradclip_kernels.ptx` for `include_str!`.
 //!
-//! A nested `cargo rustc` (its own target dir, so it never waits on the outer build's lock) builds
-//! `core` from source (`-Zbuild-std=core`, there is no prebuilt nvptx std) and emits assembly.
-//! There is no bitcode linker for this target on the pinned nightly, so the kernels must not call
+//! The kernels need nightly Rust (the GPU kernel ABI, nvptx intrinsics, `-Zbuild-std=core`: there
+//! is no prebuilt nvptx `core`), while gradclip itself, and any crate that depends on it, builds
+//! on stable. So the nested build runs under the nightly pinned in `kernels-gpu/rust-toolchain.toml`
+//! through rustup, whatever toolchain the outer build uses, and installs it with rustup when it
+//! is missing (set `GRADCLIP_NO_TOOLCHAIN_INSTALL=1` to get an error naming the command instead).
+//!
+//! The nested `cargo rustc` has its own target dir (it never waits on the outer build's lock)
+//! and writes the assembly to a path given on its command line (`--emit=asm=PATH`). There is
+//! no bitcode linker for this target on the pinned nightly, so the kernels must not call
 //! non-inlined code from other crates: any `.extern .func` left in the PTX fails the build here
 //! instead of failing to load on a GPU.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::{env, fs};
 
 /// Oldest GPU architecture the PTX targets: Ampere (A100); Hopper JIT-compiles it at load.
@@ -21,28 +27,44 @@ fn main() {
     let kernels = manifest_dir.join("../kernels-gpu");
     println!("cargo:rerun-if-changed={}", kernels.join("src").display());
     println!("cargo:rerun-if-changed={}", kernels.join("Cargo.toml").display());
+    println!("cargo:rerun-if-changed={}", kernels.join("rust-toolchain.toml").display());
     // Tuning knobs read by the kernel crate (see gradclip_kernels::abi).
     println!("cargo:rerun-if-env-changed=GRADCLIP_CHUNK_VECS");
     println!("cargo:rerun-if-env-changed=GRADCLIP_LOAD_UNROLL");
+    println!("cargo:rerun-if-env-changed=GRADCLIP_NO_TOOLCHAIN_INSTALL");
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
-    let target_dir = out_dir.join("nvptx-target");
-    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let toolchain = pinned_toolchain(&kernels.join("rust-toolchain.toml"));
+    ensure_toolchain(&toolchain);
 
-    let mut cmd = Command::new(cargo);
-    cmd.arg("rustc")
+    let mut cmd = Command::new("rustup");
+    cmd.args(["run", &toolchain, "cargo", "rustc"])
         .arg("--manifest-path")
         .arg(kernels.join("Cargo.toml"))
         .args(["--release", "--lib", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
         .arg("--target-dir")
-        .arg(&target_dir)
-        .args(["--", "--emit=asm"]);
-    // The outer build's flags and target settings are for the host, never for the kernels.
+        .arg(out_dir.join("nvptx-target"));
+    // Benchmark kernels (streaming read, fill, eager baseline) only when asked for.
+    if env::var_os("CARGO_FEATURE_BENCH_KERNELS").is_some() {
+        cmd.args(["--features", "bench-kernels"]);
+    }
+    // The assembly goes to a path of our choosing (beside cargo's own outputs, which it still
+    // emits): no searching the deps folder for the newest file.
+    let ptx = out_dir.join("nvptx-target/gradclip_kernels.s");
+    cmd.arg("--").arg(format!("--emit=asm={}", ptx.display()));
+    // The outer build's toolchain, flags and target settings are for the host, never for the
+    // kernels: the nested cargo must find the pinned nightly's rustc, not the one cargo set here.
     for var in [
+        "RUSTC",
+        "RUSTDOC",
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "RUSTUP_TOOLCHAIN",
         "RUSTFLAGS",
         "CARGO_BUILD_TARGET",
         "CARGO_TARGET_DIR",
-        "RUSTC_WORKSPACE_WRAPPER",
         "CARGO_BUILD_RUSTFLAGS",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO",
     ] {
         cmd.env_remove(var);
     }
@@ -54,11 +76,13 @@ fn main() {
         "CARGO_ENCODED_RUSTFLAGS",
         format!("-Ctarget-cpu={TARGET_CPU}\x1f-Ctarget-feature=+{PTX_ISA}\x1f-Cllvm-args=-unroll-threshold=4000"),
     );
-    let status = cmd.status().expect("failed to start the nested cargo that builds the PTX");
-    assert!(status.success(), "building the nvptx kernels failed (see the errors above)");
-
-    let ptx = newest_asm(&target_dir.join("nvptx64-nvidia-cuda/release/deps"));
-    let text = fs::read_to_string(&ptx).expect("reading the emitted PTX");
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| fail(&format!("cannot run rustup ({e})"), &toolchain));
+    if !status.success() {
+        panic!("building the nvptx kernels with {toolchain} failed (see the errors above)");
+    }
+    let text = fs::read_to_string(&ptx).unwrap_or_else(|e| panic!("reading the emitted PTX {}: {e}", ptx.display()));
     if let Some(line) = text.lines().find(|l| l.contains(".extern .func")) {
         panic!(
             "the kernel PTX calls a function it does not define ({line}); \
@@ -68,14 +92,58 @@ fn main() {
     fs::write(out_dir.join("gradclip_kernels.ptx"), text).expect("writing the PTX");
 }
 
-fn newest_asm(dir: &Path) -> PathBuf {
-    fs::read_dir(dir)
-        .expect("the nvptx build left no deps folder")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            let name = p.file_name().unwrap().to_string_lossy();
-            name.starts_with("gradclip_kernels-") && name.ends_with(".s")
-        })
-        .max_by_key(|p| fs::metadata(p).and_then(|m| m.modified()).ok())
-        .expect("the nvptx build emitted no gradclip_kernels-*.s")
+/// The `channel` of the kernels' rust-toolchain.toml (one line, no TOML parser needed).
+fn pinned_toolchain(file: &Path) -> String {
+    let text = fs::read_to_string(file).unwrap_or_else(|e| panic!("reading {}: {e}", file.display()));
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("channel"))
+        .filter_map(|rest| rest.trim().strip_prefix('='))
+        .map(|v| v.trim().trim_matches('"').to_string())
+        .next()
+        .unwrap_or_else(|| panic!("{} names no channel", file.display()))
+}
+
+/// True when `toolchain` is installed with the standard library's source (for -Zbuild-std).
+fn has_toolchain(toolchain: &str) -> bool {
+    let sysroot = Command::new("rustup")
+        .args(["run", toolchain, "rustc", "--print", "sysroot"])
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .stderr(Stdio::null())
+        .output();
+    match sysroot {
+        Ok(o) if o.status.success() => {
+            let root = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
+            root.join("lib/rustlib/src/rust/library/core").is_dir()
+        }
+        _ => false,
+    }
+}
+
+/// Installs the pinned nightly and rust-src through rustup when they are missing.
+fn ensure_toolchain(toolchain: &str) {
+    if has_toolchain(toolchain) {
+        return;
+    }
+    if env::var_os("GRADCLIP_NO_TOOLCHAIN_INSTALL").is_some() {
+        fail("it is not installed (GRADCLIP_NO_TOOLCHAIN_INSTALL is set)", toolchain);
+    }
+    println!("cargo:warning=installing {toolchain} with rust-src through rustup, once, to build gradclip's GPU kernels");
+    let status = Command::new("rustup")
+        .args(["toolchain", "install", toolchain, "--profile", "minimal", "--component", "rust-src"])
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .stdout(Stdio::null())
+        .status();
+    match status {
+        Ok(s) if s.success() && has_toolchain(toolchain) => {}
+        Ok(_) => fail("rustup could not install it", toolchain),
+        Err(e) => fail(&format!("rustup is not available ({e})"), toolchain),
+    }
+}
+
+/// Fails the build with one line that names the command to run.
+fn fail(why: &str, toolchain: &str) -> ! {
+    panic!(
+        "gradclip's GPU kernels need the Rust toolchain {toolchain} with rust-src, and {why}: \
+         run `rustup toolchain install {toolchain} --profile minimal --component rust-src`"
+    )
 }

@@ -2,8 +2,9 @@
 //! a scaled value back to the element's own type.
 //!
 //! Everything here is integer or IEEE arithmetic that gives the same bits on the host and the GPU.
-//! bf16 is hand-rolled (Rust has no bf16 type); f16 uses the nightly `f16` primitive, which lowers
-//! to `cvt` instructions on the GPU and to compiler-rt on the host, both correctly rounded.
+//! bf16 is hand-rolled (Rust has no bf16 type). f16 uses the nightly `f16` primitive on the GPU,
+//! which lowers to `cvt` instructions, and the `half` crate on the host (so the host build needs no
+//! nightly feature); both convert exactly or round to nearest-even, and a test compares them.
 
 use crate::abi::dtype_code;
 
@@ -65,7 +66,31 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
 /// Rounds an f32 to f16, nearest-even; NaN becomes 0x7FFF (what `cvt.rn.f16.f32` gives).
 #[inline(always)]
 pub fn f32_to_f16_bits(x: f32) -> u16 {
-    if x.is_nan() { 0x7FFF } else { (x as f16).to_bits() }
+    if x.is_nan() {
+        0x7FFF
+    } else {
+        #[cfg(target_arch = "nvptx64")]
+        {
+            (x as f16).to_bits()
+        }
+        #[cfg(not(target_arch = "nvptx64"))]
+        {
+            half::f16::from_f32(x).to_bits()
+        }
+    }
+}
+
+/// The exact f32 value of f16 bits.
+#[inline(always)]
+pub fn f16_bits_to_f32(bits: u16) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        f16_bits_to_f32(bits)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        half::f16::from_bits(bits).to_f32()
+    }
 }
 
 #[inline(always)]
@@ -118,7 +143,7 @@ impl Element for F16 {
     const WIDE: bool = false;
     #[inline(always)]
     fn widen(bits: u16) -> f64 {
-        f16::from_bits(bits) as f64
+        f16_bits_to_f32(bits) as f64
     }
     #[inline(always)]
     fn abs_bits(bits: u16) -> u64 {
@@ -130,7 +155,7 @@ impl Element for F16 {
     }
     #[inline(always)]
     fn scale(bits: u16, coef32: f32, _: f64) -> u16 {
-        f32_to_f16_bits((f16::from_bits(bits) as f32) * coef32)
+        f32_to_f16_bits(f16_bits_to_f32(bits) * coef32)
     }
     #[inline(always)]
     fn from_f64(x: f64) -> u16 {
@@ -138,7 +163,7 @@ impl Element for F16 {
     }
     #[inline(always)]
     fn to_f32(bits: u16) -> f32 {
-        f16::from_bits(bits) as f32
+        f16_bits_to_f32(bits)
     }
 }
 

@@ -12,11 +12,13 @@
 //! each norm, [`geometry`] how a tensor is cut into block tasks and lanes, [`lane`] the per-thread
 //! loop, [`model`] the host-side reduction trees and [`scale`] the in-place clip arithmetic.
 #![no_std]
-#![feature(f16, core_intrinsics)]
-#![allow(internal_features)]
+// Nightly features on the GPU target only: the host build (the CPU backend) is stable Rust.
+#![cfg_attr(target_arch = "nvptx64", allow(internal_features))]
 #![cfg_attr(
     target_arch = "nvptx64",
     feature(
+        f16,
+        core_intrinsics,
         abi_gpu_kernel,
         stdarch_nvptx,
         asm_experimental_arch,
@@ -25,6 +27,11 @@
     )
 )]
 #![warn(missing_docs)]
+
+// The host build links std for the correctly rounded f64 square root (sqrtsd); the GPU's is
+// an intrinsic.
+#[cfg(not(target_arch = "nvptx64"))]
+extern crate std;
 
 pub mod abi;
 pub mod accum;
@@ -37,7 +44,7 @@ pub mod math;
 pub mod model;
 pub mod scale;
 
-#[cfg(target_arch = "nvptx64")]
+#[cfg(all(target_arch = "nvptx64", feature = "bench-kernels"))]
 pub mod bench_entry;
 #[cfg(target_arch = "nvptx64")]
 mod device;

@@ -12,7 +12,14 @@ const LOG2_E: f64 = core::f64::consts::LOG2_E;
 /// Correctly rounded square root (`sqrt.rn.f64` on the GPU, `sqrtsd` on x86).
 #[inline(always)]
 pub fn sqrt(x: f64) -> f64 {
-    core::intrinsics::sqrtf64(x)
+    #[cfg(target_arch = "nvptx64")]
+    {
+        core::intrinsics::sqrtf64(x)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        x.sqrt()
+    }
 }
 
 /// `x * 2^n` for any integer n, exact unless the result is subnormal (then rounded once or twice).

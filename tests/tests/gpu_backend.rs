@@ -417,6 +417,9 @@ fn kernel_nodes(graph: &cudarc::driver::CudaGraph) -> usize {
         sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut n)
             .result()
             .unwrap();
+        if n == 0 {
+            return 0; // the driver rejects a node array for an empty graph
+        }
         let mut nodes = vec![std::ptr::null_mut(); n];
         sys::cuGraphGetNodes(graph.cu_graph(), nodes.as_mut_ptr(), &mut n).result().unwrap();
         nodes

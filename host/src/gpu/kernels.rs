@@ -23,15 +23,19 @@ pub enum Kernel {
     TensorNormsInf,
     TensorNormsP,
     Scale,
+    #[cfg(feature = "bench-kernels")]
     Fill,
+    #[cfg(feature = "bench-kernels")]
     StreamRead,
+    #[cfg(feature = "bench-kernels")]
     BaselineMax,
+    #[cfg(feature = "bench-kernels")]
     BaselineSumsq,
 }
 
 impl Kernel {
-    /// All kernels, in table order.
-    pub const ALL: [Kernel; 13] = [
+    /// All kernels, in table order (the benchmark kernels only with the `bench-kernels` feature).
+    pub const ALL: &[Kernel] = &[
         Kernel::NormL1,
         Kernel::NormL2,
         Kernel::NormInf,
@@ -41,9 +45,13 @@ impl Kernel {
         Kernel::TensorNormsInf,
         Kernel::TensorNormsP,
         Kernel::Scale,
+        #[cfg(feature = "bench-kernels")]
         Kernel::Fill,
+        #[cfg(feature = "bench-kernels")]
         Kernel::StreamRead,
+        #[cfg(feature = "bench-kernels")]
         Kernel::BaselineMax,
+        #[cfg(feature = "bench-kernels")]
         Kernel::BaselineSumsq,
     ];
 
@@ -59,9 +67,13 @@ impl Kernel {
             Kernel::TensorNormsInf => "gradclip_tensor_norms_inf",
             Kernel::TensorNormsP => "gradclip_tensor_norms_p",
             Kernel::Scale => "gradclip_scale",
+            #[cfg(feature = "bench-kernels")]
             Kernel::Fill => "gradclip_fill",
+            #[cfg(feature = "bench-kernels")]
             Kernel::StreamRead => "gradclip_stream_read",
+            #[cfg(feature = "bench-kernels")]
             Kernel::BaselineMax => "gradclip_baseline_max",
+            #[cfg(feature = "bench-kernels")]
             Kernel::BaselineSumsq => "gradclip_baseline_sumsq",
         }
     }
@@ -117,7 +129,7 @@ mod tests {
             .filter_map(|l| l.strip_prefix(".visible .entry "))
             .map(|l| l.trim_end_matches('(').trim())
             .collect();
-        for k in Kernel::ALL {
+        for &k in Kernel::ALL {
             assert!(entries.contains(&k.name()), "{} missing from PTX", k.name());
         }
         assert_eq!(

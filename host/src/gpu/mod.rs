@@ -4,14 +4,15 @@
 //! - [`engine`]: the safe API ([`GpuEngine`], [`DeviceNorm`]) that checks every input and then
 //!   calls [`launch`], saying at each call which check covers which precondition.
 //!
-//! [`buffers`] adapts cudarc's typed device buffers; [`tools`] holds the fill, streaming-read and
-//! eager-baseline launches that tests and benchmarks use.
+//! [`buffers`] adapts cudarc's typed device buffers; `tools` (with the `bench-kernels` feature
+//! only) holds the fill, streaming-read and eager-baseline launches that tests and benchmarks use.
 
 pub mod buffers;
 mod capture;
 pub mod engine;
 pub mod kernels;
 pub mod launch;
+#[cfg(feature = "bench-kernels")]
 pub mod tools;
 mod words;
 mod workspace;

@@ -16,6 +16,14 @@ fn grid_for(len: u64, sms: u32) -> u32 {
     (len.div_ceil(THREADS as u64 * 4)).clamp(1, sms as u64 * 32) as u32
 }
 
+/// The device's multiprocessor count (the grid of the grid-stride tools scales with it).
+pub fn multiprocessors(stream: &CudaStream) -> Result<u32> {
+    use cudarc::driver::sys::CUdevice_attribute;
+    Ok(stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32)
+}
+
 /// Fills `t` with the deterministic values of `(seed, index)` in `[-scale, scale)`.
 ///
 /// # Safety
@@ -25,10 +33,11 @@ pub unsafe fn fill(stream: &CudaStream, ks: &KernelSet, t: &RawTensor, seed: u64
         return Ok(());
     }
     let code = t.dtype.code();
+    let sms = multiprocessors(stream)?;
     let mut b = stream.launch_builder(ks.get(Kernel::Fill));
     b.arg(&t.addr).arg(&t.len).arg(&code).arg(&seed).arg(&scale);
     let cfg = LaunchConfig {
-        grid_dim: (grid_for(t.len, 132), 1, 1),
+        grid_dim: (grid_for(t.len, sms), 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
