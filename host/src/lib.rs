@@ -16,9 +16,13 @@
 //! let r = Cpu::new().total_norm(&[HostGrad::from(&a[..]), HostGrad::from(&b[..])], NormType::L2, false).unwrap();
 //! assert_eq!(r.norm, 5.0);
 //! ```
+//!
+//! Examples: `host/examples/clip_cpu.rs` and `clip_gpu.rs` (`cargo run -p gradclip --example clip_cpu`).
 #![warn(missing_docs)]
-#![doc = "\n\n# README\n"]
-#![doc = include_str!("../../README.md")]
+
+// The crates users need to call gradclip, at the versions it was built with.
+pub use cudarc;
+pub use half;
 
 pub mod cpu;
 pub mod dtype;
@@ -29,7 +33,13 @@ pub mod plan;
 
 pub use dtype::{DType, GradElement};
 pub use error::{Error, Result};
-pub use norm::{ClipOptions, NormReport, NormType};
+pub use norm::{ClipOptions, NormReport, NormType, validate_max_norm};
+
+/// The README's code blocks, compiled and run as doctests (its relative links are for the
+/// repository, so it is not rendered into these docs).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
 
 /// Which backend [`Backend::detect`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

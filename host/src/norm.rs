@@ -82,7 +82,9 @@ impl Default for ClipOptions {
     }
 }
 
-pub(crate) fn validate_max_norm(max_norm: f64) -> Result<()> {
+/// Checks a clip's `max_norm`: [`Error::InvalidMaxNorm`] when it is negative or NaN. Every clip
+/// path (CPU, GPU, and the bindings' fallbacks) validates with this one rule.
+pub fn validate_max_norm(max_norm: f64) -> Result<()> {
     if max_norm.is_nan() || max_norm < 0.0 {
         Err(Error::InvalidMaxNorm { max_norm })
     } else {

@@ -34,6 +34,7 @@ unsafe fn fill_as<E: Element>(addr: u64, len: u64, seed: u64, scale: f64) {
 /// `addr` must hold `len` writable elements of type `dtype`.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_fill(addr: u64, len: u64, dtype: u32, seed: u64, scale: f64) {
+    // SAFETY: forwarded: the kernel's contract (addr..addr+len*size is writable device memory of `dtype`).
     unsafe {
         match dtype {
             dtype_code::BF16 => fill_as::<Bf16>(addr, len, seed, scale),
@@ -56,6 +57,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_stream_read(addr: u64, nvec: u64, sin
     let mut x = 0u32;
     // Four loads in flight per thread, in named registers (an array would go to local memory).
     while g + 3 * stride < nvec {
+        // SAFETY: g + 3*stride < nvec: the four 16-byte vectors lie inside the buffer, 16-byte aligned (launch contract).
         let (a, b, c, d) = unsafe {
             (
                 ld_nc(addr + g * 16),
@@ -68,11 +70,13 @@ pub unsafe extern "gpu-kernel" fn gradclip_stream_read(addr: u64, nvec: u64, sin
         g += 4 * stride;
     }
     while g < nvec {
+        // SAFETY: g < nvec: a whole 16-byte vector inside the buffer.
         let w = unsafe { ld_nc(addr + g * 16) };
         x ^= w[0] ^ w[1] ^ w[2] ^ w[3];
         g += stride;
     }
     if x == marker {
+        // SAFETY: `sink` is the caller's one-word device buffer; written only when the XOR fold hits the marker.
         unsafe { sink.write(x) };
     }
 }
@@ -128,19 +132,23 @@ fn warp_fold(mut x: f32, op: impl Fn(f32, f32) -> f32) -> f32 {
 #[inline(always)]
 unsafe fn baseline_max_as<E: Element>(addr: u64, len: u64, out: *mut u32) {
     let mut m = 0.0f32;
+    // SAFETY: forwarded: addr..addr+len elements of E are readable (caller's contract).
     unsafe { for_each_elem::<E>(addr, len, |x| m = m.max(x.abs())) };
     let m = warp_fold(m, f32::max);
-    if thread_idx() % 32 == 0 {
+    if thread_idx().is_multiple_of(32) {
         // Non-negative floats order like their bits, so an integer max is a float max.
+        // SAFETY: `out` is the caller's 4-byte-aligned global u32 (launch contract); red.global needs no return value.
         unsafe { asm!("red.global.max.u32 [{p}], {v};", p = in(reg64) out, v = in(reg32) m.to_bits()) };
     }
 }
 
 #[inline(always)]
 unsafe fn baseline_sumsq_as<E: Element>(addr: u64, len: u64, max_bits: *const u32, out: *mut f32) {
+    // SAFETY: `max_bits` is the caller's u32 written by the max pass earlier on the stream.
     let m = f32::from_bits(unsafe { max_bits.read() });
     let inv = if m > 0.0 { 1.0 / m } else { 0.0 };
     let mut s = 0.0f32;
+    // SAFETY: forwarded: addr..addr+len elements of E are readable (caller's contract).
     unsafe {
         for_each_elem::<E>(addr, len, |x| {
             let y = x * inv;
@@ -148,7 +156,8 @@ unsafe fn baseline_sumsq_as<E: Element>(addr: u64, len: u64, max_bits: *const u3
         })
     };
     let s = warp_fold(s, |a, b| a + b);
-    if thread_idx() % 32 == 0 {
+    if thread_idx().is_multiple_of(32) {
+        // SAFETY: `out` is the caller's 4-byte-aligned global f32 (launch contract).
         unsafe { asm!("red.global.add.f32 [{p}], {v};", p = in(reg64) out, v = in(reg32) s) };
     }
 }
@@ -159,6 +168,7 @@ unsafe fn baseline_sumsq_as<E: Element>(addr: u64, len: u64, max_bits: *const u3
 /// `addr` must hold `len` elements of `dtype`; `out` one u32.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_baseline_max(addr: u64, len: u64, dtype: u32, out: *mut u32) {
+    // SAFETY: forwarded: the kernel's contract (readable buffer of `dtype`, `out` one u32).
     unsafe {
         match dtype {
             dtype_code::BF16 => baseline_max_as::<Bf16>(addr, len, out),
@@ -175,6 +185,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_baseline_max(addr: u64, len: u64, dty
 /// As [`gradclip_baseline_max`], after it, with `max_bits` its output.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_baseline_sumsq(addr: u64, len: u64, dtype: u32, max_bits: *const u32, out: *mut f32) {
+    // SAFETY: forwarded: the kernel's contract (readable buffer of `dtype`, `max_bits` and `out` one word each).
     unsafe {
         match dtype {
             dtype_code::BF16 => baseline_sumsq_as::<Bf16>(addr, len, max_bits, out),

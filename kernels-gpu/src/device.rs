@@ -34,6 +34,7 @@ pub fn grid_dim() -> u32 {
 /// Every thread of the block must reach the same call.
 #[inline(always)]
 pub unsafe fn sync_threads() {
+    // SAFETY: the caller's contract: every thread of the block reaches this call.
     unsafe { nvptx::_syncthreads() }
 }
 
@@ -105,6 +106,7 @@ pub unsafe fn block_reduce<A: Accumulator, const WARPS: u32>(a: A, p: f64) -> A 
         let slot = unsafe { smem.add(lane as usize) } as *const u64;
         let mut part = Partial::default();
         for k in 0..4 {
+            // SAFETY: lane < WARPS: slot `lane` was written by that warp's lane 0 before the barrier above.
             part.words[k] = unsafe { slot.add(k).read_volatile() };
         }
         A::decode(&part, p)
@@ -129,6 +131,7 @@ pub fn fence_gpu() {
 #[inline(always)]
 pub unsafe fn atomic_add_u32(ptr: *mut u32, v: u32) -> u32 {
     let old: u32;
+    // SAFETY: `ptr` is a valid 4-byte-aligned global address (this function's contract).
     unsafe {
         asm!("atom.global.add.u32 {o}, [{p}], {v};", o = out(reg32) old, p = in(reg64) ptr, v = in(reg32) v, options(nostack, preserves_flags))
     };
@@ -145,6 +148,7 @@ pub unsafe fn ld_cg_partial(ptr: *const Partial) -> Partial {
     let mut out = Partial::default();
     for k in 0..4 {
         let w: u64;
+        // SAFETY: `ptr` points to a readable 8-byte-aligned Partial (this function's contract), so word k < 4 is inside it.
         unsafe {
             asm!("ld.global.cg.u64 {w}, [{p}];", w = out(reg64) w, p = in(reg64) (ptr as *const u64).add(k), options(readonly, nostack, preserves_flags))
         };
@@ -169,6 +173,7 @@ pub fn smem_flag<const WARPS: u32>() -> *mut u32 {
 #[inline(always)]
 unsafe fn ld_nc_v4(addr: u64) -> [u32; 4] {
     let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: `addr` is a 16-byte-aligned global address of 16 readable bytes (this function's contract).
     unsafe {
         asm!("ld.global.nc.L1::no_allocate.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
@@ -181,6 +186,7 @@ unsafe fn ld_nc_v4(addr: u64) -> [u32; 4] {
 #[inline(always)]
 unsafe fn ld_v4(addr: u64) -> [u32; 4] {
     let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: `addr` is a 16-byte-aligned global address of 16 readable bytes (the Source contract of the caller).
     unsafe {
         asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
@@ -191,6 +197,7 @@ unsafe fn ld_v4(addr: u64) -> [u32; 4] {
 
 #[inline(always)]
 unsafe fn st_v4(addr: u64, v: [u32; 4]) {
+    // SAFETY: `addr` is a 16-byte-aligned global address of 16 writable bytes (the SourceMut contract of the caller).
     unsafe {
         asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
             a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3], p = in(reg64) addr,
@@ -221,12 +228,14 @@ impl<E: Element> DeviceTensor<E> {
 impl<E: Element> Source<E> for DeviceTensor<E> {
     #[inline(always)]
     unsafe fn load_vec(&self, g: u64) -> E::Vector {
+        // SAFETY: vector g lies inside the tensor's frame, 16-byte aligned (Source::load_vec's contract).
         let raw = unsafe { ld_nc_v4(self.base + g * 16) };
         // SAFETY: every Vector type is 16 bytes of plain integers.
         unsafe { core::mem::transmute_copy(&raw) }
     }
     #[inline(always)]
     unsafe fn load_elem(&self, i: u64) -> E::Bits {
+        // SAFETY: element i < len lies inside the tensor (Source::load_elem's contract).
         unsafe { ((self.addr + i * E::SIZE) as *const E::Bits).read() }
     }
 }
@@ -237,12 +246,14 @@ pub struct DeviceTensorMut<E>(pub DeviceTensor<E>);
 impl<E: Element> Source<E> for DeviceTensorMut<E> {
     #[inline(always)]
     unsafe fn load_vec(&self, g: u64) -> E::Vector {
+        // SAFETY: vector g lies inside the tensor's frame, 16-byte aligned (Source::load_vec's contract).
         let raw = unsafe { ld_v4(self.0.base + g * 16) };
         // SAFETY: every Vector type is 16 bytes of plain integers.
         unsafe { core::mem::transmute_copy(&raw) }
     }
     #[inline(always)]
     unsafe fn load_elem(&self, i: u64) -> E::Bits {
+        // SAFETY: element i < len lies inside the tensor (Source::load_elem's contract).
         unsafe { self.0.load_elem(i) }
     }
 }
@@ -252,10 +263,12 @@ impl<E: Element> SourceMut<E> for DeviceTensorMut<E> {
     unsafe fn store_vec(&self, g: u64, v: E::Vector) {
         // SAFETY: every Vector type is 16 bytes of plain integers.
         let raw: [u32; 4] = unsafe { core::mem::transmute_copy(&v) };
+        // SAFETY: vector g lies inside the tensor's frame, 16-byte aligned, and no other tensor overlaps it (SourceMut::store_vec's contract).
         unsafe { st_v4(self.0.base + g * 16, raw) }
     }
     #[inline(always)]
     unsafe fn store_elem(&self, i: u64, b: E::Bits) {
+        // SAFETY: element i < len lies inside the tensor, which no other tensor overlaps (SourceMut::store_elem's contract).
         unsafe { ((self.0.addr + i * E::SIZE) as *mut E::Bits).write(b) }
     }
 }

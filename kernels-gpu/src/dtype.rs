@@ -85,7 +85,7 @@ pub fn f32_to_f16_bits(x: f32) -> u16 {
 pub fn f16_bits_to_f32(bits: u16) -> f32 {
     #[cfg(target_arch = "nvptx64")]
     {
-        f16_bits_to_f32(bits)
+        f16::from_bits(bits) as f32
     }
     #[cfg(not(target_arch = "nvptx64"))]
     {

@@ -49,6 +49,7 @@ unsafe fn norm<A: Accumulator>(
         };
         let mut acc = A::identity(p);
         let chunk = task.chunk as u64;
+        // SAFETY: the tensor's frame and `chunk` come from the host's plan of this very tensor (one task per block), so every lane reads inside it.
         unsafe {
             match d.dtype {
                 dtype_code::BF16 => lane_of::<Bf16, A>(&d, chunk, &mut acc),
@@ -58,6 +59,7 @@ unsafe fn norm<A: Accumulator>(
                 _ => {}
             }
         }
+        // SAFETY: every thread of the block calls this together, and the launch gives BLOCK_WARPS partials of dynamic shared memory (BLOCK_SMEM_BYTES).
         let total = unsafe { block_reduce::<A, BLOCK_WARPS>(acc, p) };
         let flag = smem_flag::<BLOCK_WARPS>();
         if thread_idx() == 0 {
@@ -72,6 +74,7 @@ unsafe fn norm<A: Accumulator>(
         }
         // SAFETY: every thread of the block reaches this barrier.
         unsafe { sync_threads() };
+        // SAFETY: the flag was written by thread 0 before the barrier just above, which orders it for every thread.
         if unsafe { flag.read_volatile() } == 0 {
             return;
         }
@@ -84,6 +87,7 @@ unsafe fn norm<A: Accumulator>(
         acc = acc.merge(A::decode(&unsafe { ld_cg_partial(partials.add(i as usize)) }, p));
         i += BLOCK_THREADS as u64;
     }
+    // SAFETY: as above: the whole block reaches this call together, with the same dynamic shared memory.
     let total = unsafe { block_reduce::<A, BLOCK_WARPS>(acc, p) };
     if thread_idx() == 0 {
         // SAFETY: out points to one NormOutput owned by this call; resetting the counter readies
@@ -118,11 +122,13 @@ unsafe fn tensor_norms<A: Accumulator>(
         let mut acc = A::identity(p);
         let mut i = lane;
         while i < d.num_tasks as u64 {
+            // SAFETY: i < num_tasks of tensor t, whose tasks are [first_task, first_task + num_tasks) of the norm kernel's partials, written earlier on the stream.
             acc = acc.merge(A::decode(unsafe { &*partials.add((d.first_task + i) as usize) }, p));
             i += WARP_THREADS as u64;
         }
         let total = warp_reduce(acc, p, WARP_THREADS / 2);
         if lane == 0 {
+            // SAFETY: t < num_tensors and `per_tensor` holds num_tensors f64s (launch contract); one lane per tensor writes.
             unsafe { per_tensor.add(t as usize).write(total.norm()) };
         }
         t += warps_total;
@@ -146,6 +152,7 @@ macro_rules! norm_kernels {
             // Scalars, not the struct, cross the kernel ABI: rustc warns that by-value structs
             // have no stable gpu-kernel layout yet.
             let params = NormParams { p, max_norm, num_tasks, num_tensors: 0, flags, reserved: 0 };
+            // SAFETY: forwarded: the kernel's own contract (one block per task, partials per task, counter zero).
             unsafe { norm::<$acc>(tensors, tasks, partials, counter, out, params) }
         }
 
@@ -156,6 +163,7 @@ macro_rules! norm_kernels {
         /// `num_tensors` f64s.
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $tensor_norms(partials: *const Partial, tensors: *const TensorDesc, per_tensor: *mut f64, num_tensors: u64, p: f64) {
+            // SAFETY: forwarded: the kernel's own contract (after the norm kernel, per_tensor sized).
             unsafe { tensor_norms::<$acc>(partials, tensors, per_tensor, num_tensors, p) }
         }
     )*};
@@ -187,6 +195,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_scale(tensors: *const TensorDesc, tas
     let result = unsafe { out.read() };
     let Some((c32, c64)) = scale_coefficients(&result) else { return };
     let b = block_idx() as usize;
+    // SAFETY: the grid has one block per task; tasks name valid tensors of the plan, which the host checked are pairwise disjoint, and `chunk` comes from that tensor's frame.
     unsafe {
         let task = tasks.add(b).read();
         let d = tensors.add(task.tensor as usize).read();

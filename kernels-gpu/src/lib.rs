@@ -27,6 +27,8 @@
     )
 )]
 #![warn(missing_docs)]
+// Every unsafe block says what it relies on (checked by CI's clippy on the nvptx build too).
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 // The host build links std for the correctly rounded f64 square root (sqrtsd); the GPU's is
 // an intrinsic.
@@ -40,7 +42,6 @@ pub mod fill;
 pub mod geometry;
 pub mod lane;
 pub mod math;
-#[cfg(not(target_arch = "nvptx64"))]
 pub mod model;
 pub mod scale;
 

@@ -226,6 +226,58 @@ def _opaque_to_compile(fn):
     return disable(fn) if disable is not None else fn
 
 
+def _total_norm64(plan, ts: List[torch.Tensor], p: float):
+    """The p-norm of ``ts`` (read into ``plan`` when the engine takes the whole list) as a 0-dim
+    f64 tensor on the first tensor's device, and the dtype torch returns it in."""
+    if plan is not None:
+        return _plan_norm(plan, p), plan.result_dtype
+    groups = _by_device(ts)
+    first = ts[0].device
+    norms = [_device_norm(g, p).to(first) for g in groups.values()]
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), p)
+    return total, _result_dtype(ts)
+
+
+def _returned_norm(total64: torch.Tensor, dtype: torch.dtype, error_if_nonfinite: bool, norm_type: float) -> torch.Tensor:
+    """The norm as torch returns it (in ``dtype``); with ``error_if_nonfinite``, raises when that
+    value is NaN or infinite, as torch decides on the value it returns (an f16 norm that
+    overflows f16 raises even though its f64 value is finite). One host synchronization then."""
+    total = total64.to(dtype)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise _nonfinite_error(norm_type)
+    return total
+
+
+def _check_max_norm(max_norm: float) -> float:
+    """``max_norm`` as a float, or ValueError when it is negative or NaN: the engine's own rule,
+    applied before anything is read or written on every path."""
+    max_norm = float(max_norm)
+    _native.check_max_norm(max_norm)
+    return max_norm
+
+
+_INFERENCE_WRITE = (
+    "Inplace update to inference tensor outside InferenceMode is not allowed.You can make a clone to get a normal "
+    "tensor before doing inplace update.See https://github.com/pytorch/rfcs/pull/17 for more details."
+)
+
+
+def _check_writable(plan, ts: List[torch.Tensor]) -> None:
+    """Refuses, before anything is written, what torch's in-place ops refuse: an inference tensor
+    outside inference mode (the plan knows whether it holds one; a list torch handles is read)."""
+    if torch.is_inference_mode_enabled():
+        return
+    inference = plan.has_inference if plan is not None else any(t.is_inference() for t in ts)
+    if inference:
+        raise RuntimeError(_INFERENCE_WRITE)
+
+
+def _written(ts: List[torch.Tensor]) -> None:
+    """Bumps the version counter of every tensor the engine wrote, as torch's in-place ops do, so
+    autograd detects a saved tensor modified by the clip (inference tensors have none: skipped)."""
+    torch._C._increment_version(ts)
+
+
 @_opaque_to_compile
 def get_total_norm(
     tensors: _TensorOrTensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None
@@ -236,15 +288,8 @@ def get_total_norm(
     if len(ts) == 0:
         return torch.tensor(0.0)
     p = _check_p(norm_type)
-    if plan is not None and not error_if_nonfinite:
-        return _plan_norm(plan, p).to(plan.result_dtype)
-    groups = _by_device(ts)
-    first = ts[0].device
-    norms = [_device_norm(g, p).to(first) for g in groups.values()]
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), p)
-    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
-        raise _nonfinite_error(norm_type)
-    return total.to(_result_dtype(ts))
+    total64, dtype = _total_norm64(plan, ts, p)
+    return _returned_norm(total64, dtype, error_if_nonfinite, norm_type)
 
 
 def _scale_plan(plan, coef: torch.Tensor) -> None:
@@ -264,6 +309,7 @@ def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
     plan, rest = _PLANNER.split(ts)
     if plan is not None:
         _scale_plan(plan, coef)
+        _written(ts)
     for t in [t for t in rest if _is_fp8(t.dtype)]:
         # torch has no fp8 multiply: multiply in f32 and round once, as it does for bf16/f16.
         t.copy_(t.float().mul_(coef.to(device=t.device, dtype=torch.float32)))
@@ -280,7 +326,8 @@ def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
 
 
 def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
-    """torch's rule, in f64: min(1, max_norm / (total_norm + 1e-6))."""
+    """torch's rule, in f64: min(1, max_norm / (total_norm + 1e-6)). A bf16/f16/f32 ``total_norm``
+    is widened to f64 first (torch would compute the coefficient in that dtype)."""
     return torch.clamp(float(max_norm) / (total_norm.to(torch.float64) + 1e-6), max=1.0)
 
 
@@ -298,10 +345,13 @@ def clip_grads_with_norm_(
 ) -> None:
     """Scale every gradient by ``min(1, max_norm / (total_norm + 1e-6))``, as torch does: the
     second half of a sharded clip, whose ``total_norm`` was all-reduced across ranks."""
+    max_norm = _check_max_norm(max_norm)
     plan, grads = _PLANNER.scan(_as_list(parameters), True)
+    _check_writable(plan, grads)
     if plan is not None:
         # The kept plan (and its tables) of a repeated list: one launch, no per-call planning.
         _scale_plan(plan, _clip_coef(max_norm, total_norm))
+        _written(grads)
     else:
         _clip_grads(grads, max_norm, total_norm)
 
@@ -316,23 +366,31 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip the gradients' global norm in place and return it, as ``torch.nn.utils.clip_grad_norm_``."""
     _refuse_host_read_under_capture(error_if_nonfinite)
+    max_norm = _check_max_norm(max_norm)
     # `parameters` may be a generator: it is read once, here, into the list of gradients.
     plan, grads = _PLANNER.scan(_as_list(parameters), True)
     if len(grads) == 0:
         return torch.tensor(0.0)
     p = _check_p(norm_type)
-    max_norm = float(max_norm)
-    if plan is not None:
+    _check_writable(plan, grads)
+    if plan is not None and not error_if_nonfinite:
         # The whole clip in one native call: norm and scale, no host synchronization on CUDA.
-        try:
-            if plan.device >= 0:
-                out, stream = _cuda_out(plan.device)
-                _cuda_call(_native.cuda_clip_grad_norm, plan, stream, max_norm, p, error_if_nonfinite, out.data_ptr())
-                return out[0].to(plan.result_dtype)
-            norm, _ = _native.cpu_clip_grad_norm(plan, max_norm, p, error_if_nonfinite)
-            return torch.tensor(norm, dtype=plan.result_dtype)
-        except _native.NonFiniteNormError:
-            raise _nonfinite_error(norm_type) from None
-    total = get_total_norm(grads, norm_type, error_if_nonfinite)
-    _clip_grads(grads, max_norm, total)
+        if plan.device >= 0:
+            out, stream = _cuda_out(plan.device)
+            _cuda_call(_native.cuda_clip_grad_norm, plan, stream, max_norm, p, False, out.data_ptr())
+            total = out[0].to(plan.result_dtype)
+        else:
+            norm, _ = _native.cpu_clip_grad_norm(plan, max_norm, p, False)
+            total = torch.tensor(norm, dtype=plan.result_dtype)
+        _written(grads)
+        return total
+    # The norm, the decision on the value returned (error_if_nonfinite), then the scale with the
+    # coefficient of the f64 norm: the same bits as the one-call path when nothing is raised.
+    total64, dtype = _total_norm64(plan, grads, p)
+    total = _returned_norm(total64, dtype, error_if_nonfinite, norm_type)
+    if plan is not None:
+        _scale_plan(plan, _clip_coef(max_norm, total64))
+        _written(grads)
+    else:
+        _clip_grads(grads, max_norm, total64)
     return total

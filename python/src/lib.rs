@@ -37,6 +37,13 @@ fn clip_options(p: f64, error_if_nonfinite: bool) -> PyResult<ClipOptions> {
     })
 }
 
+/// Raises ValueError unless `max_norm` is a valid clip limit (not negative, not NaN): the one
+/// rule of every clip path, the engine's and torch's fallback alike.
+#[pyfunction]
+fn check_max_norm(max_norm: f64) -> PyResult<()> {
+    gradclip::validate_max_norm(max_norm).map_err(to_py)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scan::Planner>()?;
@@ -50,6 +57,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_scale, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;
+    m.add_function(wrap_pyfunction!(check_max_norm, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -37,6 +37,8 @@ enum Place {
 struct Entry {
     tensor: RawTensor,
     place: Place,
+    /// An inference tensor (torch refuses in-place writes to it outside inference mode).
+    inference: bool,
 }
 
 /// A list of contiguous tensors of the engine's dtypes, all on one device and pairwise
@@ -47,6 +49,7 @@ pub struct Plan {
     tensors: Arc<[RawTensor]>,
     place: Place,
     result_dtype: Py<PyAny>,
+    has_inference: bool,
     workspace: Mutex<Option<Lent>>,
 }
 
@@ -98,6 +101,12 @@ impl Plan {
     #[getter]
     fn result_dtype(&self, py: Python<'_>) -> Py<PyAny> {
         self.result_dtype.clone_ref(py)
+    }
+
+    /// True when some tensor is an inference tensor: writing it is allowed only in inference mode.
+    #[getter]
+    fn has_inference(&self) -> bool {
+        self.has_inference
     }
 
     /// Number of tensors.
@@ -189,7 +198,13 @@ impl Planner {
             return Ok(None);
         }
         let addr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        if addr % DTYPES[code].size() != 0 {
+            // A view that starts inside an element (torch.frombuffer with an odd offset, say):
+            // torch's own code handles it; the kernels read whole elements.
+            return Ok(None);
+        }
         let len: u64 = t.call_method0(intern!(py, "numel"))?.extract()?;
+        let inference = t.call_method0(intern!(py, "is_inference"))?.is_truthy()?;
         Ok(Some(Entry {
             tensor: RawTensor {
                 addr,
@@ -197,6 +212,7 @@ impl Planner {
                 dtype: DTYPES[code],
             },
             place,
+            inference,
         }))
     }
 
@@ -225,6 +241,7 @@ impl Planner {
             tensors,
             place: entries.first().map_or(Place::Cpu, |e| e.place),
             result_dtype: self.dtypes[code].clone_ref(py),
+            has_inference: entries.iter().any(|e| e.inference),
             workspace: Mutex::new(None),
         };
         Ok(Some(Py::new(py, plan)?))
