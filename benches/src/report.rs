@@ -87,6 +87,8 @@ pub struct WorkloadResult {
     pub rows: Vec<Row>,
     /// Checks and derived numbers.
     pub notes: Vec<String>,
+    /// Measured on the CPU backend: the table shows only the columns that mean something there.
+    pub cpu: bool,
 }
 
 impl WorkloadResult {
@@ -100,45 +102,73 @@ impl WorkloadResult {
             extra_device_bytes,
             rows,
             notes,
+            cpu: false,
         }
+    }
+
+    /// The same, measured on the CPU backend (no launches, device memory, copy or bound columns).
+    pub fn on_cpu(mut self) -> Self {
+        self.cpu = true;
+        self
     }
 
     /// Prints the table.
     pub fn print(&self) {
-        println!(
-            "\n{} | {} tensors, {:.3} G elements, {:.3} GB | gradclip device memory {:.1} KB",
-            self.workload,
-            self.tensors,
-            self.elements as f64 / 1e9,
-            self.bytes as f64 / 1e9,
-            self.extra_device_bytes as f64 / 1e3
-        );
-        println!(
-            "{:<32} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}",
-            "method", "median ms", "spread ms", "GB/s", "vs read", "vs copy", "vs bound", "launches", "host us"
-        );
-        for r in &self.rows {
-            let host = r.host_us.map_or("-".to_string(), |h| format!("{h:.1}"));
-            let bound = r.ratio_to_bound.map_or("-".to_string(), |b| format!("{:.1}%", 100.0 * b));
-            let pct = |x: f64| {
-                if x.is_nan() {
-                    "-".to_string()
-                } else {
-                    format!("{:.1}%", 100.0 * x)
-                }
-            };
+        let pct = |x: f64| {
+            if x.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{:.1}%", 100.0 * x)
+            }
+        };
+        if self.cpu {
             println!(
-                "{:<32} {:>10.4} {:>10.4} {:>9.0} {:>8} {:>8} {:>8} {:>8} {:>9}",
-                r.method,
-                r.median_ms,
-                r.max_ms - r.min_ms,
-                r.gbps,
-                pct(r.ratio_to_read),
-                pct(r.ratio_to_copy),
-                bound,
-                r.launches,
-                host
+                "\n{} | {} tensors, {:.3} G elements, {:.3} GB",
+                self.workload,
+                self.tensors,
+                self.elements as f64 / 1e9,
+                self.bytes as f64 / 1e9
             );
+            println!("{:<32} {:>10} {:>10} {:>9} {:>8}", "method", "median ms", "spread ms", "GB/s", "vs read");
+            for r in &self.rows {
+                println!(
+                    "{:<32} {:>10.4} {:>10.4} {:>9.1} {:>8}",
+                    r.method,
+                    r.median_ms,
+                    r.max_ms - r.min_ms,
+                    r.gbps,
+                    pct(r.ratio_to_read)
+                );
+            }
+        } else {
+            println!(
+                "\n{} | {} tensors, {:.3} G elements, {:.3} GB | gradclip device memory {:.1} KB",
+                self.workload,
+                self.tensors,
+                self.elements as f64 / 1e9,
+                self.bytes as f64 / 1e9,
+                self.extra_device_bytes as f64 / 1e3
+            );
+            println!(
+                "{:<32} {:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}",
+                "method", "median ms", "spread ms", "GB/s", "vs read", "vs copy", "vs bound", "launches", "host us"
+            );
+            for r in &self.rows {
+                let host = r.host_us.map_or("-".to_string(), |h| format!("{h:.1}"));
+                let bound = r.ratio_to_bound.map_or("-".to_string(), |b| format!("{:.1}%", 100.0 * b));
+                println!(
+                    "{:<32} {:>10.4} {:>10.4} {:>9.0} {:>8} {:>8} {:>8} {:>8} {:>9}",
+                    r.method,
+                    r.median_ms,
+                    r.max_ms - r.min_ms,
+                    r.gbps,
+                    pct(r.ratio_to_read),
+                    pct(r.ratio_to_copy),
+                    bound,
+                    r.launches,
+                    host
+                );
+            }
         }
         for n in &self.notes {
             println!("  - {n}");

@@ -28,8 +28,34 @@ impl RawTensor {
         }
     }
 
-    fn end(&self) -> u64 {
-        self.addr + self.len * self.dtype.size()
+    /// One past the last byte; None when that overflows the address space.
+    fn checked_end(&self) -> Option<u64> {
+        self.len.checked_mul(self.dtype.size()).and_then(|b| self.addr.checked_add(b))
+    }
+
+    /// Rejects what no kernel may read: a null address with elements, a start that is not a
+    /// multiple of the element size, a byte range past the end of the address space.
+    fn validate(&self, index: usize) -> Result<()> {
+        let size = self.dtype.size();
+        if self.len > 0 && self.addr == 0 {
+            return Err(Error::NullPointer { index, len: self.len });
+        }
+        if !self.addr.is_multiple_of(size) {
+            return Err(Error::Misaligned {
+                index,
+                addr: self.addr,
+                dtype: self.dtype,
+                size,
+            });
+        }
+        if self.checked_end().is_none() {
+            return Err(Error::AddressOverflow {
+                index,
+                addr: self.addr,
+                len: self.len,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -62,25 +88,8 @@ pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
     let mut descs = Vec::with_capacity(tensors.len());
     let mut total: u64 = 0;
     for (index, t) in tensors.iter().enumerate() {
+        t.validate(index)?;
         let size = t.dtype.size();
-        if t.len > 0 && t.addr == 0 {
-            return Err(Error::NullPointer { index, len: t.len });
-        }
-        if t.addr % size != 0 {
-            return Err(Error::Misaligned {
-                index,
-                addr: t.addr,
-                dtype: t.dtype,
-                size,
-            });
-        }
-        if t.len.checked_mul(size).and_then(|b| t.addr.checked_add(b)).is_none() {
-            return Err(Error::AddressOverflow {
-                index,
-                addr: t.addr,
-                len: t.len,
-            });
-        }
         let frame = Frame::new(t.addr, t.len, size);
         let n = frame.num_chunks();
         descs.push(TensorDesc {
@@ -107,13 +116,19 @@ pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
     Ok(Plan { tensors: descs, tasks })
 }
 
-/// Fails if two non-empty tensors share any byte (a clip would scale those elements twice).
+/// Fails if two non-empty tensors share any byte (a clip would scale those elements twice), or,
+/// first, with the error of [`plan`] for a tensor no kernel may read (its byte range computed
+/// only once it is known not to overflow).
 pub fn check_disjoint(tensors: &[RawTensor]) -> Result<()> {
+    for (index, t) in tensors.iter().enumerate() {
+        t.validate(index)?;
+    }
+    let end = |t: &RawTensor| t.checked_end().unwrap_or(u64::MAX); // validated: never None
     let mut order: Vec<usize> = (0..tensors.len()).filter(|&i| tensors[i].len > 0).collect();
     order.sort_unstable_by_key(|&i| tensors[i].addr);
     for w in order.windows(2) {
         let (a, b) = (&tensors[w[0]], &tensors[w[1]]);
-        if b.addr < a.end() {
+        if b.addr < end(a) {
             let (first, second) = if w[0] < w[1] { (w[0], w[1]) } else { (w[1], w[0]) };
             return Err(Error::Overlap { first, second });
         }
@@ -143,6 +158,17 @@ mod tests {
             Err(Error::AddressOverflow { .. })
         ));
         assert!(plan(&[t(0, 0, DType::F64)]).unwrap().tasks.is_empty());
+    }
+
+    /// A length whose byte range overflows is the documented error, also from the overlap check
+    /// of a clip (it computed the range first and overflowed: a panic in debug builds).
+    #[test]
+    fn overflowing_length_is_an_error_in_every_check() {
+        let list = [t(0x1000, 4, DType::F32), t(0x2000, u64::MAX / 2, DType::F32)];
+        assert!(matches!(check_disjoint(&list), Err(Error::AddressOverflow { index: 1, .. })));
+        assert!(matches!(plan(&list), Err(Error::AddressOverflow { index: 1, .. })));
+        let wraps = [t(u64::MAX - 7, 4, DType::Bf16), t(0x1000, 1, DType::Bf16)];
+        assert!(matches!(check_disjoint(&wraps), Err(Error::AddressOverflow { index: 0, .. })));
     }
 
     #[test]

@@ -198,7 +198,7 @@ impl Planner {
             return Ok(None);
         }
         let addr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
-        if addr % DTYPES[code].size() != 0 {
+        if !addr.is_multiple_of(DTYPES[code].size()) {
             // A view that starts inside an element (torch.frombuffer with an odd offset, say):
             // torch's own code handles it; the kernels read whole elements.
             return Ok(None);
