@@ -46,7 +46,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     cpu_scale_down: u64,
     /// Where to write the JSON record (an SVG chart goes beside it). Default on a GPU:
-    /// bench/results/<date>-<device>.json; on the CPU path nothing unless given.
+    /// benches/results/<date>-<device>.json; on the CPU path nothing unless given.
     #[arg(long)]
     json: Option<PathBuf>,
     /// Write the selected workloads' tensor lists as JSON to this file and exit.

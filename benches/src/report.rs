@@ -223,9 +223,9 @@ fn slug(s: &str) -> String {
 }
 
 impl Record {
-    /// bench/results/<date>-<device>.json
+    /// benches/results/<date>-<device>.json
     pub fn default_path(&self) -> PathBuf {
-        PathBuf::from(format!("bench/results/{}-{}.json", self.date, slug(&self.device)))
+        PathBuf::from(format!("benches/results/{}-{}.json", self.date, slug(&self.device)))
     }
 
     /// Writes the record as pretty JSON, and the chart beside it (same name, .svg).

@@ -10,7 +10,7 @@ pub const WARP_THREADS: u32 = 32;
 /// Bytes moved by one vector load: 16 (`ld.global.v4.u32`).
 pub const VEC_BYTES: u64 = 16;
 /// 16-byte vectors per block task: 256 KiB of gradient per block, whatever the dtype (measured
-/// best of 32/64/128/256 KiB on an H200: bench/NOTES.md).
+/// best of 32/64/128/256 KiB on an H200: benches/NOTES.md).
 /// (`GRADCLIP_CHUNK_VECS` at build time overrides it, for tuning runs only: the value changes the
 /// summation order, so the CPU and GPU must be built with the same one, as one build does.)
 pub const CHUNK_VECS: u64 = parse_or(option_env!("GRADCLIP_CHUNK_VECS"), 16384);

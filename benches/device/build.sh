@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds, on a machine with the Rust toolchain, what bench/device/run.sh needs on a GPU machine
+# Builds, on a machine with the Rust toolchain, what benches/device/run.sh needs on a GPU machine
 # that has none: the GPU test binary, gradclip-bench, the abi3 wheel and the workload shapes,
 # stripped, in .devbin/ (git-ignored; pass it in the device tool's `carry`).
 # Needs maturin on PATH or MATURIN=/path/to/maturin.

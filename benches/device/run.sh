@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, from the repository root, with .devbin/ from bench/device/build.sh:
-#   bench/device/run.sh tests   the Rust GPU suite and the whole Python suite
-#   bench/device/run.sh bench   gradclip-bench on every preset, torch_compare.py, host_profile.py
-#   bench/device/run.sh graphs  compute-sanitizer memcheck on the CUDA-graph tests (Rust and Python)
+# Runs on the GPU machine, from the repository root, with .devbin/ from benches/device/build.sh:
+#   benches/device/run.sh tests   the Rust GPU suite and the whole Python suite
+#   benches/device/run.sh bench   gradclip-bench on every preset, torch_compare.py, host_profile.py
+#   benches/device/run.sh graphs  compute-sanitizer memcheck on the CUDA-graph tests (Rust and Python)
 # Logs and records go to $OUT (the device tool brings them back). No network, no Rust needed.
 set -uo pipefail
 what=${1:?tests or bench}
@@ -29,9 +29,9 @@ tests)
 bench)
     .devbin/gradclip-bench --preset all --json "$OUT/bench-all-presets.json" > "$OUT/bench-all-presets.txt" 2>&1
     tail -3 "$OUT/bench-all-presets.txt"
-    python3 bench/torch_compare.py .devbin/w-all.json "$OUT/torch-compare.json" 10 --compile-max-tensors 0 > "$OUT/torch-compare.txt" 2>&1
+    python3 benches/torch/torch_compare.py .devbin/w-all.json "$OUT/torch-compare.json" 10 --compile-max-tensors 0 > "$OUT/torch-compare.txt" 2>&1
     tail -3 "$OUT/torch-compare.txt"
-    python3 bench/host_profile.py "$OUT/host-profile.json" > "$OUT/host-profile.txt" 2>&1
+    python3 benches/torch/host_profile.py "$OUT/host-profile.json" > "$OUT/host-profile.txt" 2>&1
     tail -4 "$OUT/host-profile.txt"
     ;;
 graphs)

@@ -16,7 +16,7 @@ enqueues ahead, as in a training loop, and the slower of host and GPU decides); 
 time per call and the peak extra device memory of each, then a host-time sweep over 100, 1,000
 and 10,000 gradients. Writes a JSON record and, with matplotlib, a PNG chart.
 Usage:
-  python3 bench/torch_compare.py workloads.json out.json [reps] [--compile-max-tensors N]
+  python3 benches/torch/torch_compare.py workloads.json out.json [reps] [--compile-max-tensors N]
       [--only NAME,NAME] [--no-host-sweep]
 """
 import argparse

@@ -2,7 +2,7 @@
 """gradclip.torch against torch.nn.utils on CPU gradients: 64 tensors of 1 Mi elements each, per
 dtype, median milliseconds of the L2 norm and of the full clip (each clip call lowers the limit by
 10%, so every call rewrites every gradient), then of the norm of every order (1, 2, 3, inf).
-Usage: python3 bench/cpu_clip_compare.py (GRADCLIP_CPU_SCALAR=1: the model's walk throughout)"""
+Usage: python3 benches/torch/cpu_clip_compare.py (GRADCLIP_CPU_SCALAR=1: the model's walk throughout)"""
 import statistics
 import subprocess
 import time

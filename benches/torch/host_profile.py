@@ -10,7 +10,7 @@ waits on a full launch queue):
   to_dtype    the 0-dim result in the gradients' dtype (torch)
   total       gradclip.torch.get_total_norm / clip_grad_norm_ as users call them
 and torch.nn.utils.get_total_norm / clip_grad_norm_ with foreach=True.
-Usage: python3 bench/host_profile.py out.json
+Usage: python3 benches/torch/host_profile.py out.json
 """
 import json
 import statistics
