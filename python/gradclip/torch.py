@@ -28,10 +28,11 @@ from typing import Iterable, List, Optional, Union
 import torch
 
 from . import _native
+from .shards import Shards
 
 _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
-__all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
+__all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "Shards"]
 
 try:  # torch's private guard functions (torch.compile's and CUDA-graph trees'), when present
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -110,6 +111,30 @@ def _as_list(tensors: _TensorOrTensors) -> List[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         return [tensors]
     return tensors if isinstance(tensors, list) else list(tensors)
+
+
+def _is_dtensor(t) -> bool:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return False
+    from .distributed import is_dtensor
+
+    return is_dtensor(t)
+
+
+def _scan(items: list, grads: bool):
+    """``(plan, tensors, sharded)``: the planner's reading of ``items`` (the kept plan of a
+    repeated list), and whether the list needs the sharded path (a DTensor or a ``Shards``
+    group in it). The plain path pays nothing for the check: a repeated list of the engine's
+    tensors has a plan, and only a list without one is looked at."""
+    try:
+        plan, ts = _PLANNER.scan(items, grads)
+    except AttributeError:
+        if any(isinstance(x, Shards) for x in items):
+            return None, None, True
+        raise
+    if plan is None and any(_is_dtensor(t) for t in ts):
+        return None, ts, True
+    return plan, ts, False
 
 
 def _overlap(ts: List[torch.Tensor]) -> bool:
@@ -195,7 +220,18 @@ def _plan_norm(plan, p: float) -> torch.Tensor:
         out, stream = _cuda_out(plan.device)
         _cuda_call(_native.cuda_total_norm, plan, stream, p, out.data_ptr())
         return out[0]
-    return torch.tensor(_native.cpu_total_norm(plan, p), dtype=torch.float64)
+    return torch.tensor(_native.cpu_total_norm(plan, p)[0], dtype=torch.float64)
+
+
+def _plan_tensor_norms(plan, p: float) -> torch.Tensor:
+    """The p-norm of each of a plan's tensors, as an f64 vector on their device (the norm kernel
+    and the per-tensor kernel: two launches on CUDA)."""
+    if plan.device >= 0:
+        out, stream = _cuda_out(plan.device)
+        per = torch.empty(len(plan), dtype=torch.float64, device=plan.device)
+        _cuda_call(_native.cuda_total_norm, plan, stream, p, out.data_ptr(), per.data_ptr())
+        return per
+    return torch.tensor(_native.cpu_total_norm(plan, p, True)[1], dtype=torch.float64)
 
 
 def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
@@ -280,11 +316,25 @@ def _written(ts: List[torch.Tensor]) -> None:
 
 @_opaque_to_compile
 def get_total_norm(
-    tensors: _TensorOrTensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None
+    tensors: _TensorOrTensors,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+    *,
+    pipeline_group=None,
 ) -> torch.Tensor:
-    """The norm of all ``tensors`` together, as ``torch.nn.utils.get_total_norm``."""
+    """The norm of all ``tensors`` together, as ``torch.nn.utils.get_total_norm``. DTensors and
+    ``Shards`` groups give the global norm over their process groups (a DTensor norm for DTensor
+    inputs); ``pipeline_group`` combines the norms of pipeline stages."""
     _refuse_host_read_under_capture(error_if_nonfinite)
-    plan, ts = _PLANNER.scan(_as_list(tensors), False)
+    items = _as_list(tensors)
+    plan, ts, sharded = _scan(items, False)
+    if sharded or pipeline_group is not None:
+        from . import distributed
+
+        layout = distributed.collect(items, False)
+        norm64 = distributed.global_norm(layout, _check_p(norm_type), pipeline_group)
+        return distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
     if len(ts) == 0:
         return torch.tensor(0.0)
     p = _check_p(norm_type)
@@ -344,9 +394,18 @@ def clip_grads_with_norm_(
     parameters: _TensorOrTensors, max_norm: float, total_norm: torch.Tensor, foreach: Optional[bool] = None
 ) -> None:
     """Scale every gradient by ``min(1, max_norm / (total_norm + 1e-6))``, as torch does: the
-    second half of a sharded clip, whose ``total_norm`` was all-reduced across ranks."""
+    second half of a sharded clip, whose ``total_norm`` was all-reduced across ranks (a DTensor
+    norm, as torch's and gradclip's clips return for DTensor gradients, is taken whole)."""
     max_norm = _check_max_norm(max_norm)
-    plan, grads = _PLANNER.scan(_as_list(parameters), True)
+    items = _as_list(parameters)
+    plan, grads, sharded = _scan(items, True)
+    if _is_dtensor(total_norm):
+        total_norm = total_norm.full_tensor()
+    if sharded:
+        from . import distributed
+
+        distributed.scale(distributed.collect(items, True), _clip_coef(max_norm, total_norm))
+        return
     _check_writable(plan, grads)
     if plan is not None:
         # The kept plan (and its tables) of a repeated list: one launch, no per-call planning.
@@ -363,12 +422,27 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: Optional[bool] = None,
+    *,
+    pipeline_group=None,
 ) -> torch.Tensor:
-    """Clip the gradients' global norm in place and return it, as ``torch.nn.utils.clip_grad_norm_``."""
+    """Clip the gradients' global norm in place and return it, as ``torch.nn.utils.clip_grad_norm_``.
+
+    DTensor gradients (FSDP2, TP, HSDP, several meshes at once) and ``Shards`` groups (plain
+    process groups) are clipped by their global norm, combined with one all-reduce per process
+    group; ``pipeline_group`` (a process group) combines the norms of pipeline stages."""
     _refuse_host_read_under_capture(error_if_nonfinite)
     max_norm = _check_max_norm(max_norm)
     # `parameters` may be a generator: it is read once, here, into the list of gradients.
-    plan, grads = _PLANNER.scan(_as_list(parameters), True)
+    items = _as_list(parameters)
+    plan, grads, sharded = _scan(items, True)
+    if sharded or pipeline_group is not None:
+        from . import distributed
+
+        layout = distributed.collect(items, True)
+        norm64 = distributed.global_norm(layout, _check_p(norm_type), pipeline_group)
+        total = distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
+        distributed.scale(layout, _clip_coef(max_norm, norm64))
+        return total
     if len(grads) == 0:
         return torch.tensor(0.0)
     p = _check_p(norm_type)

@@ -7,15 +7,16 @@ use pyo3::prelude::*;
 use crate::scan::Plan;
 use crate::{clip_options, to_py};
 
-/// Total norm of a plan's host tensors.
+/// Total norm of a plan's host tensors, and with `per_tensor` each tensor's norm (else None).
 #[pyfunction]
-pub fn cpu_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, p: f64) -> PyResult<f64> {
+#[pyo3(signature = (plan, p, per_tensor=false))]
+pub fn cpu_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, p: f64, per_tensor: bool) -> PyResult<(f64, Option<Vec<f64>>)> {
     let norm_type = NormType::from_p(p).map_err(to_py)?;
     let t = plan.get().tensors();
     // SAFETY: the plan holds live, contiguous CPU tensors that the Python caller keeps alive
     // for the call.
-    py.detach(|| unsafe { Cpu::new().total_norm_raw(&t, norm_type, false) })
-        .map(|r| r.norm)
+    py.detach(|| unsafe { Cpu::new().total_norm_raw(&t, norm_type, per_tensor) })
+        .map(|r| (r.norm, r.per_tensor))
         .map_err(to_py)
 }
 

@@ -50,14 +50,18 @@ fn with_engine<R>(
     f(engine).map_err(to_py)
 }
 
-/// Total norm of a plan's CUDA tensors on `stream`; writes the 24-byte NormOutput at `out`.
+/// Total norm of a plan's CUDA tensors on `stream`; writes the 24-byte NormOutput at `out` and,
+/// when `per_tensor` is not 0, one f64 norm per tensor at that address.
 #[pyfunction]
-pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p: f64, out: u64) -> PyResult<()> {
+#[pyo3(signature = (plan, stream, p, out, per_tensor=0))]
+pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p: f64, out: u64, per_tensor: u64) -> PyResult<()> {
     let norm_type = NormType::from_p(p).map_err(to_py)?;
     let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
-    // SAFETY: the tensors and `out` are live CUDA memory of `device` that PyTorch's caching
-    // allocator keeps until the stream passes this work (the caller holds the tensors).
-    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.total_norm_raw_at(&t, norm_type, out, None) }))
+    let per = (per_tensor != 0).then_some(per_tensor);
+    // SAFETY: the tensors, `out` and `per_tensor` (room for one f64 per tensor) are live CUDA
+    // memory of `device` that PyTorch's caching allocator keeps until the stream passes this
+    // work (the caller holds them).
+    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.total_norm_raw_at(&t, norm_type, out, per) }))
 }
 
 /// Norm and in-place clip of a plan's CUDA tensors on `stream`; the NormOutput goes to `out`.

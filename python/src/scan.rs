@@ -198,12 +198,16 @@ impl Planner {
             return Ok(None);
         }
         let addr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let len: u64 = t.call_method0(intern!(py, "numel"))?.extract()?;
+        if addr == 0 && len > 0 {
+            // No storage of its own (a DTensor, or another wrapper subclass): not the engine's.
+            return Ok(None);
+        }
         if !addr.is_multiple_of(DTYPES[code].size()) {
             // A view that starts inside an element (torch.frombuffer with an odd offset, say):
             // torch's own code handles it; the kernels read whole elements.
             return Ok(None);
         }
-        let len: u64 = t.call_method0(intern!(py, "numel"))?.extract()?;
         let inference = t.call_method0(intern!(py, "is_inference"))?.is_truthy()?;
         Ok(Some(Entry {
             tensor: RawTensor {

@@ -1,0 +1,288 @@
+"""Sharded gradients: the norm of gradients spread over processes, with one all-reduce of a small
+f64 vector per process group involved, and the clip of every local shard.
+
+Every local gradient (a plain tensor, the local shard of a DTensor, or a tensor of a ``Shards``
+group) contributes a partial (its p-th power sum, or its max for p = inf) that must be reduced over
+a set of process groups: the mesh dimensions a DTensor is sharded over (``Shard``, FSDP2's
+strided shards), the groups a ``Shards`` names, nothing for a plain or replicated tensor. Tensors
+with the same set share one *key*. The engine reads all local tensors of a device in one plan
+(one launch, or two when several keys need per-tensor norms); the partials land in a vector with
+one entry per key; then, for each process group in a fixed global order (by group name), the
+entries whose key contains it are all-reduced over it, once. The vector is summed (maxed), all-
+reduced once more over the pipeline group when one is given, and its root is the global norm,
+on the device, with no host synchronization. Replicated mesh dimensions are never reduced, so
+nothing is counted twice; ``Partial`` placements are redistributed to ``Replicate`` for the norm
+only (the clip scales each rank's partial, which scales their sum).
+
+Why this cannot hang when ranks hold different numbers of tensors: a vector's layout depends on
+the set of keys, not on how many tensors have each key, and the collectives run in one global
+order. A rank that holds no tensor of some key (an expert-parallel rank with no experts) passes
+an empty ``Shards`` for it (or holds the DTensor's empty shard, as DTensor ranks always do).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import torch as _gt
+from .shards import Shards
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = Replicate = None
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+class _Piece:
+    """One local gradient: the tensor the clip writes, the one the norm reads (the same unless a
+    Partial placement was redistributed), and the index of its key (None: not counted)."""
+
+    __slots__ = ("local", "source", "key")
+
+    def __init__(self, local: torch.Tensor, source: torch.Tensor, key: Optional[int]):
+        self.local, self.source, self.key = local, source, key
+
+
+class Layout:
+    """A rank's gradients, their keys, and the process groups that combine them."""
+
+    def __init__(self) -> None:
+        self.pieces: List[_Piece] = []
+        self.keys: List[Tuple[str, ...]] = []  # sorted group names per key
+        self._key_index: Dict[Tuple[str, ...], int] = {}
+        self.groups: Dict[str, Any] = {}  # group name -> ProcessGroup
+        self.levels: Dict[str, int] = {}  # group name -> its position in the keys it is part of
+        self.mesh = None  # the mesh of the first DTensor gradient: torch returns its norm as a DTensor there
+        self._mesh_keys: Dict[Tuple[int, Tuple[Any, ...]], Tuple[Tuple[str, ...], bool]] = {}
+
+    def key(self, groups: Sequence[Any]) -> int:
+        """The index of the key of ``groups``, listed outermost first: a group's position is its
+        level, and the collectives run level by level (see ``order``)."""
+        return self.key_at(list(enumerate(groups)))
+
+    def key_at(self, leveled: Sequence[Tuple[int, Any]]) -> int:
+        """As ``key``, with each group's level given (a DTensor's mesh dimension)."""
+        names = []
+        for level, g in leveled:
+            name = g.group_name
+            seen = self.levels.setdefault(name, level)
+            if seen != level:
+                raise ValueError(
+                    f"process group {name} is at level {seen} for some gradients and {level} for others: "
+                    "list the groups of every Shards (and DTensor mesh dimensions) in one order, outermost first"
+                )
+            self.groups[name] = g
+            names.append(name)
+        k = tuple(sorted(set(names)))
+        if k not in self._key_index:
+            self._key_index[k] = len(self.keys)
+            self.keys.append(k)
+        return self._key_index[k]
+
+    def order(self) -> List[str]:
+        """The groups in the order their all-reduces run: by level, then by name. Every rank of a
+        multi-group key reduces its entry over the outer group before the inner one (so the
+        entry ends as the reduction over their product on every rank), and the order is one
+        global order, so no two ranks wait on each other in opposite orders."""
+        return sorted(self.groups, key=lambda n: (self.levels[n], n))
+
+    def add(self, g: torch.Tensor, over: Sequence[Any], counted: bool) -> None:
+        if is_dtensor(g):
+            self._add_dtensor(g, over, counted)
+        else:
+            self.pieces.append(_Piece(g, g, self.key(over) if counted else None))
+
+    def _add_dtensor(self, g, over: Sequence[Any], counted: bool) -> None:
+        mesh, placements = g.device_mesh, tuple(g.placements)
+        if self.mesh is None:
+            self.mesh = mesh
+        cached = self._mesh_keys.get((id(mesh), placements))
+        if cached is None:
+            # Sharded dimensions are summed over; replicated ones are not; partial ones are made
+            # replicated for the norm (they hold addends of the value, not pieces of it).
+            # Each mesh dimension keeps its place (the groups of dimensions that are not reduced
+            # are placeholders: a key holds only the reduced ones, at their dimension's level).
+            dims = tuple(d for d, pl in enumerate(placements) if not pl.is_replicate() and not pl.is_partial())
+            partial = any(pl.is_partial() for pl in placements)
+            cached = (tuple((d, mesh.get_group(d)) for d in dims), partial)
+            self._mesh_keys[(id(mesh), placements)] = cached
+        dims, partial = cached
+        local = g._local_tensor
+        source = local
+        if partial and counted:
+            target = [Replicate() if pl.is_partial() else pl for pl in placements]
+            source = g.redistribute(mesh, target)._local_tensor
+        key = self.key_at([(i, g) for i, g in enumerate(over)] + [(len(over) + d, g) for d, g in dims]) if counted else None
+        self.pieces.append(_Piece(local, source, key))
+
+    def result_dtype(self) -> torch.dtype:
+        ts = [pc.local for pc in self.pieces]
+        return _gt._result_dtype(ts) if ts else torch.get_default_dtype()
+
+
+def collect(items: Sequence[Any], grads: bool) -> Layout:
+    """The layout of ``items``: tensors (``grads`` False) or parameters (``grads`` True: their
+    ``.grad``), DTensors among them, and ``Shards`` groups of the same kind."""
+    layout = Layout()
+    for item in items:
+        over, counted, xs = (item.over, item.counted, item.params) if isinstance(item, Shards) else ((), True, (item,))
+        if counted:
+            layout.key(over)  # the key exists even when this rank holds none of its tensors
+        for x in xs:
+            g = x.grad if grads else x
+            if g is not None:
+                layout.add(g, over, counted)
+    return layout
+
+
+def _partials(layout: Layout, p: float) -> Optional[torch.Tensor]:
+    """The vector of partials (one f64 entry per key) on the device of the first counted
+    gradient; None when no gradient is counted here (the caller picks a device)."""
+    counted = [pc for pc in layout.pieces if pc.key is not None]
+    nkeys = len(layout.keys)
+    if not counted:
+        return None
+    by_device: Dict[torch.device, List[_Piece]] = defaultdict(list)
+    for pc in counted:
+        by_device[pc.source.device].append(pc)
+    home = counted[0].source.device
+    v = torch.zeros(nkeys, dtype=torch.float64, device=home)
+    for device, pcs in by_device.items():
+        ts = [pc.source for pc in pcs]
+        keys = {pc.key for pc in pcs}
+        if len(keys) == 1:
+            # One key (FSDP2's Shard(0) on one mesh, say): the plain norm, one launch.
+            n = _device_norm(ts, p).to(home)
+            k = next(iter(keys))
+            part = n if math.isinf(p) else _power(n, p)
+            v[k] = torch.maximum(v[k], part) if math.isinf(p) else v[k] + part
+        else:
+            norms = _tensor_norms(ts, p)
+            idx = torch.tensor([pc.key for pc in pcs], device=device)
+            if math.isinf(p):
+                part = torch.zeros(nkeys, dtype=torch.float64, device=device).scatter_reduce(0, idx, norms, "amax")
+                v = torch.maximum(v, part.to(home))
+            else:
+                v = v + torch.zeros(nkeys, dtype=torch.float64, device=device).index_add(0, idx, _power(norms, p)).to(home)
+    return v
+
+
+def _power(x: torch.Tensor, p: float) -> torch.Tensor:
+    return x * x if p == 2.0 else x if p == 1.0 else x**p
+
+
+def _root(x: torch.Tensor, p: float) -> torch.Tensor:
+    return x.sqrt() if p == 2.0 else x if p == 1.0 or math.isinf(p) else x ** (1.0 / p)
+
+
+def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
+    """The norm of one device's tensors: the kept plan of this very list when the engine takes it
+    whole (a repeated list costs no planning), else the engine for its share and torch for the rest."""
+    plan, ts = _gt._PLANNER.scan(ts, False)
+    if plan is not None:
+        return _gt._plan_norm(plan, p)
+    return _gt._device_norm(ts, p)
+
+
+def _tensor_norms(ts: List[torch.Tensor], p: float) -> torch.Tensor:
+    """Each tensor's norm (f64 vector on their device): the engine's per-tensor kernel for the
+    tensors it takes, torch for the rest."""
+    plan, ts = _gt._PLANNER.scan(ts, False)
+    if plan is not None:
+        return _gt._plan_tensor_norms(plan, p)
+    plan, rest = _gt._PLANNER.split(ts)
+    device = ts[0].device
+    norms = torch.empty(len(ts), dtype=torch.float64, device=device)
+    rest_ids = {id(t) for t in rest}
+    if plan is not None:
+        taken = [i for i, t in enumerate(ts) if id(t) not in rest_ids]
+        norms[torch.tensor(taken, device=device)] = _gt._plan_tensor_norms(plan, p)
+    for i, t in enumerate(ts):
+        if id(t) in rest_ids:
+            x = t.to(torch.float64) if t.is_floating_point() else t
+            norms[i] = torch.linalg.vector_norm(x, p).to(torch.float64)
+    return norms
+
+
+def _collective_device(groups: Sequence[Any]) -> torch.device:
+    """Where the vector lives on a rank that counts no gradient: CUDA when a group is NCCL's."""
+    for g in groups:
+        if "nccl" in str(dist.get_backend(g)).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def global_norm(layout: Layout, p: float, pipeline_group=None) -> torch.Tensor:
+    """The norm of every counted gradient on every rank, as a 0-dim f64 tensor on this rank's
+    device: one all-reduce per process group (plus one over ``pipeline_group``), no host sync."""
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    order = layout.order()
+    v = _partials(layout, p)
+    if v is None:
+        everyone = [layout.groups[n] for n in order] + ([pipeline_group] if pipeline_group is not None else [])
+        v = torch.zeros(len(layout.keys), dtype=torch.float64, device=_collective_device(everyone))
+    for name in order:
+        members = [i for i, k in enumerate(layout.keys) if name in k]
+        if not members:
+            continue
+        if len(members) == len(layout.keys):
+            dist.all_reduce(v, op=op, group=layout.groups[name])
+        else:
+            idx = torch.tensor(members, device=v.device)
+            sub = v.index_select(0, idx)
+            dist.all_reduce(sub, op=op, group=layout.groups[name])
+            v = v.index_copy(0, idx, sub)
+    if len(layout.keys) == 0:
+        total = torch.zeros(1, dtype=torch.float64, device=v.device)
+    else:
+        total = (v.amax() if math.isinf(p) else v.sum()).reshape(1)
+    if pipeline_group is not None:
+        dist.all_reduce(total, op=op, group=pipeline_group)
+    return _root(total[0], p)
+
+
+def returned(layout: Layout, norm64: torch.Tensor, error_if_nonfinite: bool, norm_type: float):
+    """The norm as torch returns it: in the gradients' dtype, a DTensor (replicated, so
+    ``full_tensor()`` costs nothing) when the gradients are DTensors."""
+    total = _gt._returned_norm(norm64, layout.result_dtype(), error_if_nonfinite, norm_type)
+    if layout.mesh is not None:
+        mesh = layout.mesh
+        if total.device.type != mesh.device_type:
+            total = total.to(mesh.device_type)
+        return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return total
+
+
+def scale(layout: Layout, coef: torch.Tensor) -> None:
+    """Multiplies every local gradient (counted or not) by ``coef`` in place: one launch per
+    device for the tensors the engine takes (the kept plan of a repeated list), torch for the rest.
+    Nothing is written when some gradient may not be (checked for every device first)."""
+    by_device: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
+    for pc in layout.pieces:
+        by_device[pc.local.device].append(pc.local)
+    planned = []
+    for ts in by_device.values():
+        plan, ts = _gt._PLANNER.scan(ts, False)
+        _gt._check_writable(plan, ts)
+        planned.append((plan, ts))
+    for plan, ts in planned:
+        if plan is not None:
+            _gt._scale_plan(plan, coef.to(ts[0].device))
+            _gt._written(ts)
+        else:
+            _gt._scale_group(ts, coef.to(ts[0].device))
+
+
+def local_norm_of(total_norm) -> torch.Tensor:
+    """A ``total_norm`` given to ``clip_grads_with_norm_``, as a plain tensor (a DTensor norm's
+    full value: free when it is replicated, as gradclip's and torch's returned norms are)."""
+    return total_norm.full_tensor() if is_dtensor(total_norm) else total_norm

@@ -1,0 +1,36 @@
+"""``Shards``: how a trainer that shards without DTensor (Megatron-style tensor, pipeline and
+expert parallelism, ZeRO-style flat buffers) tells gradclip which process groups a group of
+gradients is split over. Its own module so that ``gradclip.torch`` can export it without
+importing ``torch.distributed`` machinery."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence, Tuple
+
+
+class Shards:
+    """Gradients whose contributions to the norm are summed over the process groups ``over``
+    (the max for p = inf), for ``gradclip.torch``'s clip functions, beside plain tensors and
+    DTensors in the same list.
+
+    - ``params``: parameters (their ``.grad`` is used) or gradient tensors, local to this rank.
+      May be empty: a rank that holds none of a group's gradients (an expert-parallel rank with
+      no experts, say) still passes the group, so that every rank of ``over`` takes part in the
+      same collectives and none waits forever.
+    - ``over``: the process groups the gradients are split over, e.g. ``[tp_group]`` for
+      tensor-parallel weights, ``[ep_group, dp_group]`` for experts sharded ZeRO-style too.
+      Groups they are replicated over are left out: nothing is counted twice.
+    - ``counted``: False for copies that another rank counts already (a tied embedding on the
+      last pipeline stage when the first stage counts it): clipped, not counted.
+    """
+
+    __slots__ = ("params", "over", "counted")
+
+    def __init__(self, params: Iterable[Any], over: Sequence[Any] = (), counted: bool = True):
+        self.params: Tuple[Any, ...] = tuple(params)
+        self.over: Tuple[Any, ...] = tuple(over)
+        self.counted = bool(counted)
+
+    def __repr__(self) -> str:
+        names = [getattr(g, "group_name", repr(g)) for g in self.over]
+        return f"Shards({len(self.params)} tensors, over={names}, counted={self.counted})"

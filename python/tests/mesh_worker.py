@@ -1,0 +1,247 @@
+"""One rank of the sharded-placement tests (test_sharded_placements.py starts WORLD of these).
+
+Every rank builds the same global gradients from one seed, keeps its shard of each as the
+scenario places it (DTensor placements on one or several meshes, ``Shards`` of plain process
+groups, pipeline stages, expert-parallel ranks holding different numbers of tensors), clips with
+gradclip.torch, and checks, against one process's f64 computation on the unsharded gradients:
+the norm (relative 1e-12), every local shard after the clip, and how many all-reduces each
+process group saw (at most one per call). Exits non-zero on the first failure.
+
+Usage: python mesh_worker.py PORT RANK WORLD OUT SCENARIO[,SCENARIO...]"""
+
+import math
+import os
+import sys
+import traceback
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import gradclip.torch as gt
+
+NORMS = [2.0, 1.0, math.inf, 3.0]
+MAX_NORM = 0.5
+
+
+class CountingAllReduce:
+    """Wraps dist.all_reduce to count calls per process group during one clip."""
+
+    def __init__(self):
+        self.calls = Counter()
+        self._orig = dist.all_reduce
+
+    def __enter__(self):
+        def counted(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            g = group if group is not None else dist.group.WORLD
+            self.calls[g.group_name] += 1
+            return self._orig(tensor, op=op, group=group, async_op=async_op)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._orig
+
+
+def full_grads(seed, shapes, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=torch.float64) * scale for s in shapes]
+
+
+def reference(fulls, p):
+    """The f64 norm of the unsharded gradients (each counted once) and the clip coefficient."""
+    flat = torch.cat([f.reshape(-1) for f in fulls]) if fulls else torch.zeros(0, dtype=torch.float64)
+    norm = float(torch.linalg.vector_norm(flat, p)) if flat.numel() else 0.0
+    return norm, min(1.0, MAX_NORM / (norm + 1e-6))
+
+
+def check_norm(got, want, what):
+    if isinstance(got, DTensor):
+        assert all(pl.is_replicate() for pl in got.placements), (what, got.placements)
+        got = got.full_tensor()
+    got = float(got)
+    assert abs(got - want) <= 1e-12 * max(want, 1e-300), f"{what}: norm {got!r} vs f64 reference {want!r}"
+
+
+def check_local(got, want, what):
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0.0), f"{what}: clipped shard differs"
+
+
+def check_calls(calls, allowed, what):
+    assert all(n == 1 for n in calls.values()), f"{what}: more than one all-reduce on a group: {dict(calls)}"
+    assert set(calls) <= set(allowed), f"{what}: all-reduce on unexpected groups {dict(calls)} (allowed {allowed})"
+
+
+def param(local_or_dtensor):
+    p = torch.nn.Parameter(torch.zeros_like(local_or_dtensor))
+    p.grad = local_or_dtensor
+    return p
+
+
+def fsdp(rank, world, p):
+    """FSDP2's gradients: Shard(0) on a 1-D mesh, rows not divisible by the world size (some ranks
+    get empty shards), plus a plain replicated tensor that every rank counts locally once."""
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(7, 3), (1,), (world * 5, 2), (3, 4, 5), (0, 2)]
+    fulls = full_grads(11, shapes)
+    bias = full_grads(12, [(9,)])[0]
+    params = [param(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls] + [param(bias.clone())]
+    want, coef = reference(fulls + [bias], p)
+    with CountingAllReduce() as c:
+        got = gt.clip_grad_norm_(params, MAX_NORM, p)
+    check_norm(got, want, f"fsdp p={p}")
+    check_calls(c.calls, [mesh.get_group(0).group_name], "fsdp")
+    assert sum(c.calls.values()) == 1
+    for i, (q, f) in enumerate(zip(params, fulls)):
+        check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, [Shard(0)])._local_tensor, f"fsdp tensor {i}")
+    check_local(params[-1].grad, bias * coef, "fsdp plain tensor")
+
+
+def dp_tp(rank, world, p):
+    """A 2 x 2 data x tensor parallel mesh: 2-D sharded weights, biases sharded on one dimension
+    and replicated on the other, replicated norms' weights, and a Partial gradient."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    cases = [
+        ((8, 6), [Shard(0), Shard(1)]),
+        ((6, 5), [Shard(1), Shard(0)]),
+        ((10,), [Shard(0), Replicate()]),
+        ((7,), [Replicate(), Shard(0)]),
+        ((4,), [Replicate(), Replicate()]),
+    ]
+    fulls = full_grads(21, [s for s, _ in cases])
+    params = [param(distribute_tensor(f.clone(), mesh, pl)) for f, (_, pl) in zip(fulls, cases)]
+    partial_full = full_grads(22, [(5, 3)])[0]
+    tp = mesh.size(1)
+    partial = DTensor.from_local(partial_full / tp, mesh, [Replicate(), Partial()], run_check=False)
+    with_partial = params + [param(partial)]
+    want, coef = reference(fulls, p)
+    with CountingAllReduce() as c:
+        got = gt.clip_grad_norm_(params, MAX_NORM, p)
+    check_norm(got, want, f"dp x tp p={p}")
+    check_calls(c.calls, [mesh.get_group(0).group_name, mesh.get_group(1).group_name], "dp x tp")
+    for i, (q, f, (_, pl)) in enumerate(zip(params, fulls, cases)):
+        check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, pl)._local_tensor, f"dp x tp tensor {i}")
+    # With the Partial gradient: its norm is the norm of its sum over tp (redistributed for the
+    # norm only); the clip scales each rank's addend.
+    fulls2 = full_grads(21, [s for s, _ in cases])
+    for q, f, (_, pl) in zip(with_partial, fulls2, cases):
+        q.grad = distribute_tensor(f.clone(), mesh, pl)
+    want2, coef2 = reference(fulls2 + [partial_full], p)
+    got2 = gt.clip_grad_norm_(with_partial, MAX_NORM, p)
+    check_norm(got2, want2, f"dp x tp with Partial p={p}")
+    check_local(with_partial[-1].grad._local_tensor, partial_full / tp * coef2, "Partial addend")
+
+
+def hsdp(rank, world, p):
+    """HSDP: a 2-D mesh replicated over its first dimension and sharded over its second."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    fulls = full_grads(31, [(9, 4), (3,), (16,)])
+    pl = [Replicate(), Shard(0)]
+    params = [param(distribute_tensor(f.clone(), mesh, pl)) for f in fulls]
+    want, coef = reference(fulls, p)
+    with CountingAllReduce() as c:
+        got = gt.clip_grad_norm_(params, MAX_NORM, p)
+    check_norm(got, want, f"hsdp p={p}")
+    assert dict(c.calls) == {mesh.get_group(1).group_name: 1}, f"hsdp: {dict(c.calls)}"
+    for i, (q, f) in enumerate(zip(params, fulls)):
+        check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, pl)._local_tensor, f"hsdp tensor {i}")
+
+
+def moe(rank, world, p):
+    """Dense gradients as DTensors on the world mesh, experts on another mesh's groups as plain
+    tensors (Shards over the expert-parallel group), each rank holding a different number of
+    experts, one rank none: both meshes in one call, no hang, experts counted once."""
+    dense_mesh = init_device_mesh("cpu", (world,))
+    ep_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
+    ep_group = ep_mesh.get_group("ep")
+    dense = full_grads(41, [(12, 3), (5,)])
+    experts = full_grads(42, [(4, 3)] * 4)
+    # Within each expert-parallel pair, the four experts are split unevenly: 1 + 3, or 0 + 4.
+    ep_rank = ep_mesh.get_local_rank("ep")
+    pair = ep_mesh.get_local_rank("edp")
+    split = [[0], [1, 2, 3]] if pair % 2 == 0 else [[], [0, 1, 2, 3]]
+    mine = [param(experts[i].clone()) for i in split[ep_rank]]
+    dense_params = [param(distribute_tensor(f.clone(), dense_mesh, [Shard(0)])) for f in dense]
+    want, coef = reference(dense + experts, p)
+    with CountingAllReduce() as c:
+        got = gt.clip_grad_norm_(dense_params + [gt.Shards(mine, over=[ep_group])], MAX_NORM, p)
+    check_norm(got, want, f"moe p={p}")
+    check_calls(c.calls, [dense_mesh.get_group(0).group_name, ep_group.group_name], "moe")
+    for q, i in zip(mine, split[ep_rank]):
+        check_local(q.grad, experts[i] * coef, f"moe expert {i}")
+    for q, f in zip(dense_params, dense):
+        check_local(q.grad._local_tensor, distribute_tensor(f * coef, dense_mesh, [Shard(0)])._local_tensor, "moe dense")
+
+
+def pipeline(rank, world, p):
+    """Two pipeline stages of world/2 data-parallel ranks each (plain process groups): each stage
+    shards its layers over its dp group; a tied embedding lives on both stages and is counted by
+    the first only."""
+    stages, dp = 2, world // 2
+    stage, dp_rank = rank // dp, rank % dp
+    dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(stages)]
+    pp_groups = [dist.new_group([s * dp + d for s in range(stages)]) for d in range(dp)]
+    layers = [full_grads(51 + s, [(dp * 3, 4), (dp * 2,)]) for s in range(stages)]
+    tied = full_grads(59, [(6, 4)])[0]
+    local = [param(f.chunk(dp)[dp_rank].clone()) for f in layers[stage]]
+    emb = param(tied.clone())  # replicated over dp: its own key, never summed over dp
+    items = [gt.Shards(local, over=[dp_groups[stage]]), gt.Shards([emb], counted=(stage == 0))]
+    want, coef = reference(layers[0] + layers[1] + [tied], p)
+    with CountingAllReduce() as c:
+        got = gt.clip_grad_norm_(items, MAX_NORM, p, pipeline_group=pp_groups[dp_rank])
+    check_norm(got, want, f"pipeline p={p}")
+    check_calls(c.calls, [dp_groups[stage].group_name, pp_groups[dp_rank].group_name], "pipeline")
+    for q, f in zip(local, layers[stage]):
+        check_local(q.grad, f.chunk(dp)[dp_rank] * coef, "pipeline layer")
+    check_local(emb.grad, tied * coef, "tied embedding")
+
+
+def torch_parity(rank, world, p):
+    """Other dtypes: the same DTensor gradients clipped by torch's own DTensor path; the norms
+    agree within the dtype's rounding and the shards within one rounding of the coefficient."""
+    mesh = init_device_mesh("cpu", (world,))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        # (No empty shard: torch's own inf-norm raises on one; gradclip takes it, see fsdp.)
+        fulls = [f.to(dtype) for f in full_grads(61, [(world * 4, 8), (world,), (world * 2 + 2, 5)])]
+        ours = [param(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
+        theirs = [param(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
+        a = gt.clip_grad_norm_(ours, MAX_NORM, p)
+        b = torch.nn.utils.clip_grad_norm_(theirs, MAX_NORM, p)
+        assert isinstance(a, DTensor) and a.dtype == b.dtype == dtype
+        fa, fb = float(a.full_tensor()), float(b.full_tensor())
+        assert abs(fa - fb) <= tol * fb, (dtype, p, fa, fb)
+        for q, r in zip(ours, theirs):
+            assert torch.allclose(q.grad.full_tensor().double(), r.grad.full_tensor().double(), rtol=tol, atol=1e-30)
+        assert float(gt.get_total_norm([q.grad for q in ours], p).full_tensor()) > 0
+
+
+SCENARIOS = {"fsdp": fsdp, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "torch_parity": torch_parity}
+
+
+def main():
+    port, rank, world, out, names = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    done = []
+    try:
+        for name in names.split(","):
+            for p in NORMS:
+                SCENARIOS[name](rank, world, p)
+            done.append(name)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+    finally:
+        with open(out, "w") as f:
+            f.write(",".join(done))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""gradclip.torch on sharded gradients across processes (gloo on CPU): FSDP2's Shard(0), a 2 x 2
+data x tensor parallel mesh with Partial, HSDP, a mixture-of-experts layout on two meshes with
+ranks holding different numbers of experts, and pipeline stages with a tied embedding, each against
+one process's f64 computation on the unsharded gradients, with at most one all-reduce per process
+group per call. Ranks are separate processes running ``mesh_worker.py``; a rank that hangs fails
+the test at its timeout instead of hanging the suite."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_worker.py")
+TIMEOUT_S = 240
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(tmp_path, world, scenarios):
+    port = str(free_port())
+    outs = [tmp_path / f"rank{r}.txt" for r in range(world)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen([sys.executable, WORKER, port, str(r), str(world), str(outs[r]), ",".join(scenarios)], env=env)
+        for r in range(world)
+    ]
+    try:
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=TIMEOUT_S))
+            except subprocess.TimeoutExpired:
+                codes.append("hung")
+    finally:
+        for proc in procs:  # a rank that hangs must not outlive the test
+            if proc.poll() is None:
+                proc.kill()
+    assert codes == [0] * world, f"exit codes {codes} (a rank failed, or hung in a collective)"
+    for out in outs:
+        assert out.read_text().split(",") == list(scenarios)
+
+
+def test_world_of_two(tmp_path):
+    run_world(tmp_path, 2, ["fsdp", "dp_tp", "moe", "pipeline", "torch_parity"])
+
+
+def test_world_of_four(tmp_path):
+    run_world(tmp_path, 4, ["fsdp", "dp_tp", "hsdp", "moe", "pipeline", "torch_parity"])
