@@ -22,7 +22,9 @@ an empty ``Shards`` for it (or holds the DTensor's empty shard, as DTensor ranks
 
 from __future__ import annotations
 
+import copy
 import math
+import weakref
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -46,10 +48,10 @@ class _Piece:
     """One local gradient: the tensor the clip writes, the one the norm reads (the same unless a
     Partial placement was redistributed), and the index of its key (None: not counted)."""
 
-    __slots__ = ("local", "source", "key")
+    __slots__ = ("local", "source", "key", "dtensor")
 
-    def __init__(self, local: torch.Tensor, source: torch.Tensor, key: Optional[int]):
-        self.local, self.source, self.key = local, source, key
+    def __init__(self, local: torch.Tensor, source: torch.Tensor, key: Optional[int], dtensor: bool = False):
+        self.local, self.source, self.key, self.dtensor = local, source, key, dtensor
 
 
 class Layout:
@@ -62,6 +64,8 @@ class Layout:
         self.groups: Dict[str, Any] = {}  # group name -> ProcessGroup
         self.levels: Dict[str, int] = {}  # group name -> its position in the keys it is part of
         self.mesh = None  # the mesh of the first DTensor gradient: torch returns its norm as a DTensor there
+        self.partial = False  # some gradient's norm needed a redistribution (not reusable)
+        self._dtype: Optional[torch.dtype] = None
         self._mesh_keys: Dict[Tuple[int, Tuple[Any, ...]], Tuple[Tuple[str, ...], bool]] = {}
 
     def key(self, groups: Sequence[Any]) -> int:
@@ -121,17 +125,56 @@ class Layout:
         if partial and counted:
             target = [Replicate() if pl.is_partial() else pl for pl in placements]
             source = g.redistribute(mesh, target)._local_tensor
+            self.partial = True
         key = self.key_at([(i, g) for i, g in enumerate(over)] + [(len(over) + d, g) for d, g in dims]) if counted else None
-        self.pieces.append(_Piece(local, source, key))
+        self.pieces.append(_Piece(local, source, key, True))
+
+    def with_gradients(self, grads: Sequence[Any]) -> "Layout":
+        """This layout for a list of the same gradient objects (one per piece, in order): the
+        keys and groups as they were, the local tensors read anew."""
+        out = copy.copy(self)
+        pieces = []
+        for pc, g in zip(self.pieces, grads):
+            local = g._local_tensor if pc.dtensor else g
+            pieces.append(_Piece(local, local, pc.key, pc.dtensor))
+        out.pieces = pieces
+        return out
 
     def result_dtype(self) -> torch.dtype:
-        ts = [pc.local for pc in self.pieces]
-        return _gt._result_dtype(ts) if ts else torch.get_default_dtype()
+        """The dtype torch returns the norm in (kept: the same gradient objects keep their dtypes)."""
+        if self._dtype is None:
+            ts = [pc.local for pc in self.pieces]
+            self._dtype = _gt._result_dtype(ts) if ts else torch.get_default_dtype()
+        return self._dtype
+
+
+# The layout of the last plain list (DTensors and tensors, no Shards): weak references to its
+# gradient objects and the layout. A repeated list (the same DTensor objects, as a training loop
+# that keeps its gradients passes) skips reading every placement and mesh again.
+_LAST: Optional[Tuple[List[Any], Layout]] = None
+
+
+def _no_gradient():
+    return None
 
 
 def collect(items: Sequence[Any], grads: bool) -> Layout:
     """The layout of ``items``: tensors (``grads`` False) or parameters (``grads`` True: their
     ``.grad``), DTensors among them, and ``Shards`` groups of the same kind."""
+    global _LAST
+    if not any(isinstance(item, Shards) for item in items):
+        gs = [item.grad for item in items] if grads else list(items)
+        last = _LAST
+        if last is not None and len(last[0]) == len(gs) and all(r() is g for r, g in zip(last[0], gs)):
+            return last[1].with_gradients([g for g in gs if g is not None])
+        layout = Layout()
+        layout.key(())
+        for g in gs:
+            if g is not None:
+                layout.add(g, (), True)
+        if not layout.partial:
+            _LAST = ([weakref.ref(g) if g is not None else _no_gradient for g in gs], layout)
+        return layout
     layout = Layout()
     for item in items:
         over, counted, xs = (item.over, item.counted, item.params) if isinstance(item, Shards) else ((), True, (item,))
@@ -232,8 +275,8 @@ def global_norm(layout: Layout, p: float, pipeline_group=None) -> torch.Tensor:
         v = torch.zeros(len(layout.keys), dtype=torch.float64, device=_collective_device(everyone))
     for name in order:
         members = [i for i, k in enumerate(layout.keys) if name in k]
-        if not members:
-            continue
+        if not members or layout.groups[name].size() == 1:
+            continue  # a group of one rank has nothing to combine
         if len(members) == len(layout.keys):
             dist.all_reduce(v, op=op, group=layout.groups[name])
         else:

@@ -126,6 +126,15 @@ def _scan(items: list, grads: bool):
     repeated list), and whether the list needs the sharded path (a DTensor or a ``Shards``
     group in it). The plain path pays nothing for the check: a repeated list of the engine's
     tensors has a plan, and only a list without one is looked at."""
+    if items:
+        # A Shards group or a DTensor first: the sharded path at once (the native read would only
+        # find that the engine cannot take a DTensor). Costs the plain path one attribute read.
+        first = items[0]
+        if type(first) is Shards:
+            return None, None, True
+        g = getattr(first, "grad", None) if grads else first
+        if g is not None and type(g) is not torch.Tensor and _is_dtensor(g):
+            return None, None, True
     try:
         plan, ts = _PLANNER.scan(items, grads)
     except AttributeError:

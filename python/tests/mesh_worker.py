@@ -24,6 +24,13 @@ import gradclip.torch as gt
 
 NORMS = [2.0, 1.0, math.inf, 3.0]
 MAX_NORM = 0.5
+# "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
+DEVICE = os.environ.get("GRADCLIP_MESH_DEVICE", "cpu")
+
+
+def dev(t):
+    """A plain (non-DTensor) gradient on this rank's device."""
+    return t.clone() if DEVICE == "cpu" else t.to(torch.device("cuda", torch.cuda.current_device()))
 
 
 class CountingAllReduce:
@@ -67,6 +74,7 @@ def check_norm(got, want, what):
 
 
 def check_local(got, want, what):
+    got, want = got.cpu(), want.cpu()
     assert got.shape == want.shape, (what, got.shape, want.shape)
     assert torch.allclose(got, want, rtol=1e-12, atol=0.0), f"{what}: clipped shard differs"
 
@@ -85,11 +93,11 @@ def param(local_or_dtensor):
 def fsdp(rank, world, p):
     """FSDP2's gradients: Shard(0) on a 1-D mesh, rows not divisible by the world size (some ranks
     get empty shards), plus a plain replicated tensor that every rank counts locally once."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     shapes = [(7, 3), (1,), (world * 5, 2), (3, 4, 5), (0, 2)]
     fulls = full_grads(11, shapes)
     bias = full_grads(12, [(9,)])[0]
-    params = [param(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls] + [param(bias.clone())]
+    params = [param(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls] + [param(dev(bias))]
     want, coef = reference(fulls + [bias], p)
     with CountingAllReduce() as c:
         got = gt.clip_grad_norm_(params, MAX_NORM, p)
@@ -104,7 +112,7 @@ def fsdp(rank, world, p):
 def dp_tp(rank, world, p):
     """A 2 x 2 data x tensor parallel mesh: 2-D sharded weights, biases sharded on one dimension
     and replicated on the other, replicated norms' weights, and a Partial gradient."""
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(DEVICE, (2, world // 2), mesh_dim_names=("dp", "tp"))
     cases = [
         ((8, 6), [Shard(0), Shard(1)]),
         ((6, 5), [Shard(1), Shard(0)]),
@@ -116,7 +124,7 @@ def dp_tp(rank, world, p):
     params = [param(distribute_tensor(f.clone(), mesh, pl)) for f, (_, pl) in zip(fulls, cases)]
     partial_full = full_grads(22, [(5, 3)])[0]
     tp = mesh.size(1)
-    partial = DTensor.from_local(partial_full / tp, mesh, [Replicate(), Partial()], run_check=False)
+    partial = DTensor.from_local(dev(partial_full / tp), mesh, [Replicate(), Partial()], run_check=False)
     with_partial = params + [param(partial)]
     want, coef = reference(fulls, p)
     with CountingAllReduce() as c:
@@ -138,7 +146,7 @@ def dp_tp(rank, world, p):
 
 def hsdp(rank, world, p):
     """HSDP: a 2-D mesh replicated over its first dimension and sharded over its second."""
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(DEVICE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     fulls = full_grads(31, [(9, 4), (3,), (16,)])
     pl = [Replicate(), Shard(0)]
     params = [param(distribute_tensor(f.clone(), mesh, pl)) for f in fulls]
@@ -155,8 +163,8 @@ def moe(rank, world, p):
     """Dense gradients as DTensors on the world mesh, experts on another mesh's groups as plain
     tensors (Shards over the expert-parallel group), each rank holding a different number of
     experts, one rank none: both meshes in one call, no hang, experts counted once."""
-    dense_mesh = init_device_mesh("cpu", (world,))
-    ep_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
+    dense_mesh = init_device_mesh(DEVICE, (world,))
+    ep_mesh = init_device_mesh(DEVICE, (world // 2, 2), mesh_dim_names=("edp", "ep"))
     ep_group = ep_mesh.get_group("ep")
     dense = full_grads(41, [(12, 3), (5,)])
     experts = full_grads(42, [(4, 3)] * 4)
@@ -164,7 +172,7 @@ def moe(rank, world, p):
     ep_rank = ep_mesh.get_local_rank("ep")
     pair = ep_mesh.get_local_rank("edp")
     split = [[0], [1, 2, 3]] if pair % 2 == 0 else [[], [0, 1, 2, 3]]
-    mine = [param(experts[i].clone()) for i in split[ep_rank]]
+    mine = [param(dev(experts[i])) for i in split[ep_rank]]
     dense_params = [param(distribute_tensor(f.clone(), dense_mesh, [Shard(0)])) for f in dense]
     want, coef = reference(dense + experts, p)
     with CountingAllReduce() as c:
@@ -187,8 +195,8 @@ def pipeline(rank, world, p):
     pp_groups = [dist.new_group([s * dp + d for s in range(stages)]) for d in range(dp)]
     layers = [full_grads(51 + s, [(dp * 3, 4), (dp * 2,)]) for s in range(stages)]
     tied = full_grads(59, [(6, 4)])[0]
-    local = [param(f.chunk(dp)[dp_rank].clone()) for f in layers[stage]]
-    emb = param(tied.clone())  # replicated over dp: its own key, never summed over dp
+    local = [param(dev(f.chunk(dp)[dp_rank])) for f in layers[stage]]
+    emb = param(dev(tied))  # replicated over dp: its own key, never summed over dp
     items = [gt.Shards(local, over=[dp_groups[stage]]), gt.Shards([emb], counted=(stage == 0))]
     want, coef = reference(layers[0] + layers[1] + [tied], p)
     with CountingAllReduce() as c:
@@ -203,7 +211,7 @@ def pipeline(rank, world, p):
 def torch_parity(rank, world, p):
     """Other dtypes: the same DTensor gradients clipped by torch's own DTensor path; the norms
     agree within the dtype's rounding and the shards within one rounding of the coefficient."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         # (No empty shard: torch's own inf-norm raises on one; gradclip takes it, see fsdp.)
         fulls = [f.to(dtype) for f in full_grads(61, [(world * 4, 8), (world,), (world * 2 + 2, 5)])]
@@ -226,7 +234,9 @@ def main():
     port, rank, world, out, names = sys.argv[1:6]
     rank, world = int(rank), int(world)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=world)
     done = []
     try:
         for name in names.split(","):

@@ -11,12 +11,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_worker.py")
 TIMEOUT_S = 240
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
+GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
+TWO_GPUS = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+    reason="needs two CUDA GPUs and NCCL",
+)
 
 
 def free_port():
@@ -25,10 +30,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_world(tmp_path, world, scenarios):
+def run_world(tmp_path, world, scenarios, device="cpu"):
     port = str(free_port())
     outs = [tmp_path / f"rank{r}.txt" for r in range(world)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GRADCLIP_MESH_DEVICE=device)
     procs = [
         subprocess.Popen([sys.executable, WORKER, port, str(r), str(world), str(outs[r]), ",".join(scenarios)], env=env)
         for r in range(world)
@@ -49,9 +54,17 @@ def run_world(tmp_path, world, scenarios):
         assert out.read_text().split(",") == list(scenarios)
 
 
+@GLOO
 def test_world_of_two(tmp_path):
     run_world(tmp_path, 2, ["fsdp", "dp_tp", "moe", "pipeline", "torch_parity"])
 
 
+@GLOO
 def test_world_of_four(tmp_path):
     run_world(tmp_path, 4, ["fsdp", "dp_tp", "hsdp", "moe", "pipeline", "torch_parity"])
+
+
+@TWO_GPUS
+def test_two_gpus_over_nccl(tmp_path):
+    # The same placements on CUDA, NCCL: the engine reads the local shards, NCCL combines them.
+    run_world(tmp_path, 2, ["fsdp", "dp_tp", "moe", "pipeline", "torch_parity"], device="cuda")
