@@ -3,6 +3,8 @@
 #   benches/device/run.sh tests   the Rust GPU suite and the whole Python suite
 #   benches/device/run.sh bench   gradclip-bench on every preset, torch_compare.py, host_profile.py
 #   benches/device/run.sh graphs  compute-sanitizer memcheck on the CUDA-graph tests (Rust and Python)
+#   benches/device/run.sh sharded two GPUs: the multi-GPU tests, sharded_compare.py on 2 ranks and 1, train_fsdp.py
+#   benches/device/run.sh regress seed-500 only: gradclip-bench, torch_compare.py, host_profile.py
 # Logs and records go to $OUT (the device tool brings them back). No network, no Rust needed.
 set -uo pipefail
 what=${1:?tests or bench}
@@ -41,5 +43,27 @@ graphs)
         python/tests/test_cuda_graph.py -k "not thousand" > "$OUT/graphs-memcheck-python.log" 2>&1
     tail -4 "$OUT/graphs-memcheck-python.log"
     ;;
-*) echo "unknown: $what (tests, bench or graphs)"; exit 2 ;;
+sharded)
+    export PYTHONUNBUFFERED=1 GRADCLIP_COMMIT=$(cat .devbin/commit)
+    .devbin/gpu_backend --test-threads 1 second_device > "$OUT/two-gpu-rust.log" 2>&1
+    tail -2 "$OUT/two-gpu-rust.log"
+    python3 -m pytest -q -rs --import-mode=importlib -p no:cacheprovider python/tests/test_sharded_placements.py \
+        python/tests/test_distributed.py python/tests/test_multi_device.py > "$OUT/two-gpu-python.log" 2>&1
+    tail -2 "$OUT/two-gpu-python.log"
+    python3 -m torch.distributed.run --nproc-per-node 2 benches/torch/sharded_compare.py "$OUT/sharded-x2.json" > "$OUT/sharded-x2.txt" 2>&1
+    grep -v "^W1" "$OUT/sharded-x2.txt" | tail -32
+    python3 -m torch.distributed.run --nproc-per-node 1 benches/torch/sharded_compare.py "$OUT/sharded-x1.json" > "$OUT/sharded-x1.txt" 2>&1
+    grep -A8 one_rank "$OUT/sharded-x1.txt"
+    python3 -m torch.distributed.run --nproc-per-node 2 python/examples/train_fsdp.py --device cuda > "$OUT/train-fsdp-x2.txt" 2>&1
+    tail -2 "$OUT/train-fsdp-x2.txt"
+    ;;
+regress)
+    .devbin/gradclip-bench --preset seed-500 --json "$OUT/bench-seed-500.json" > "$OUT/bench-seed-500.txt" 2>&1
+    tail -12 "$OUT/bench-seed-500.txt"
+    python3 benches/torch/torch_compare.py .devbin/w-seed.json "$OUT/torch-compare-seed-500.json" 10 --compile-max-tensors 0 > "$OUT/torch-compare-seed-500.txt" 2>&1
+    tail -6 "$OUT/torch-compare-seed-500.txt"
+    python3 benches/torch/host_profile.py "$OUT/host-profile.json" > "$OUT/host-profile.txt" 2>&1
+    tail -4 "$OUT/host-profile.txt"
+    ;;
+*) echo "unknown: $what (tests, bench, graphs, sharded or regress)"; exit 2 ;;
 esac
