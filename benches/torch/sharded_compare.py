@@ -92,6 +92,9 @@ def fsdp_rows(args, rank, world):
     params = list(model.parameters())
     grads = [p.grad for p in params]
     assert all(type(g).__name__ == "DTensor" for g in grads)
+    gen = torch.Generator(device=DEVICE).manual_seed(rank)
+    for g in grads:  # gradients of a useful size (this stack's own vanish in bf16)
+        g._local_tensor.normal_(generator=gen)
     local = [g._local_tensor for g in grads]
     local_bytes = sum(t.numel() * t.element_size() for t in local)
     holders = [types.SimpleNamespace(grad=t) for t in local]

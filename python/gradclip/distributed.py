@@ -66,6 +66,9 @@ class Layout:
         self.mesh = None  # the mesh of the first DTensor gradient: torch returns its norm as a DTensor there
         self.partial = False  # some gradient's norm needed a redistribution (not reusable)
         self._dtype: Optional[torch.dtype] = None
+        # Index tensors on devices, made once per layout (a host-to-device copy each would
+        # stall the host behind the stream); shared by the layouts of a repeated list.
+        self._indices: Dict[Any, torch.Tensor] = {}
         self._mesh_keys: Dict[Tuple[int, Tuple[Any, ...]], Tuple[Tuple[str, ...], bool]] = {}
 
     def key(self, groups: Sequence[Any]) -> int:
@@ -129,6 +132,12 @@ class Layout:
         key = self.key_at([(i, g) for i, g in enumerate(over)] + [(len(over) + d, g) for d, g in dims]) if counted else None
         self.pieces.append(_Piece(local, source, key, True))
 
+    def indices(self, what: Any, values: Sequence[int], device: torch.device) -> torch.Tensor:
+        t = self._indices.get((what, device))
+        if t is None:
+            t = self._indices[(what, device)] = torch.tensor(list(values), device=device)
+        return t
+
     def with_gradients(self, grads: Sequence[Any]) -> "Layout":
         """This layout for a list of the same gradient objects (one per piece, in order): the
         keys and groups as they were, the local tensors read anew."""
@@ -168,7 +177,6 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
         if last is not None and len(last[0]) == len(gs) and all(r() is g for r, g in zip(last[0], gs)):
             return last[1].with_gradients([g for g in gs if g is not None])
         layout = Layout()
-        layout.key(())
         for g in gs:
             if g is not None:
                 layout.add(g, (), True)
@@ -210,7 +218,7 @@ def _partials(layout: Layout, p: float) -> Optional[torch.Tensor]:
             v[k] = torch.maximum(v[k], part) if math.isinf(p) else v[k] + part
         else:
             norms = _tensor_norms(ts, p)
-            idx = torch.tensor([pc.key for pc in pcs], device=device)
+            idx = layout.indices("keys", [pc.key for pc in pcs], device)
             if math.isinf(p):
                 part = torch.zeros(nkeys, dtype=torch.float64, device=device).scatter_reduce(0, idx, norms, "amax")
                 v = torch.maximum(v, part.to(home))
@@ -280,7 +288,7 @@ def global_norm(layout: Layout, p: float, pipeline_group=None) -> torch.Tensor:
         if len(members) == len(layout.keys):
             dist.all_reduce(v, op=op, group=layout.groups[name])
         else:
-            idx = torch.tensor(members, device=v.device)
+            idx = layout.indices(name, members, v.device)
             sub = v.index_select(0, idx)
             dist.all_reduce(sub, op=op, group=layout.groups[name])
             v = v.index_copy(0, idx, sub)
@@ -291,6 +299,46 @@ def global_norm(layout: Layout, p: float, pipeline_group=None) -> torch.Tensor:
     if pipeline_group is not None:
         dist.all_reduce(total, op=op, group=pipeline_group)
     return _root(total[0], p)
+
+
+def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None) -> Optional[torch.Tensor]:
+    """The whole clip with the fewest launches, when every local gradient is counted under one key
+    (FSDP2's Shard(0) on one mesh, HSDP, a 1-rank mesh) and the engine takes them all on one
+    GPU: the norm kernel, the p-th power, one all-reduce per group of more than one rank, the root
+    and the coefficient written into the norm kernel's own output, the scale kernel. With nothing
+    to combine (a 1-rank mesh) it is the plain one-call clip. None when the case does not apply
+    (the general path then runs). Returns the f64 norm (0-dim, on the device)."""
+    pieces = layout.pieces
+    if not pieces or layout.partial:
+        return None
+    key = pieces[0].key
+    if key is None or any(pc.key != key for pc in pieces):
+        return None
+    plan, ts = _gt._PLANNER.scan([pc.local for pc in pieces], False)
+    if plan is None or plan.device < 0:
+        return None
+    _gt._check_writable(plan, ts)
+    names = set(layout.keys[key])
+    groups = [layout.groups[n] for n in layout.order() if n in names and layout.groups[n].size() > 1]
+    if pipeline_group is not None and pipeline_group.size() > 1:
+        groups.append(pipeline_group)
+    out, stream = _gt._cuda_out(plan.device)
+    if not groups:
+        _gt._cuda_call(_gt._native.cuda_clip_grad_norm, plan, stream, max_norm, p, False, out.data_ptr())
+        _gt._written(ts)
+        return out[0]
+    _gt._cuda_call(_gt._native.cuda_total_norm, plan, stream, p, out.data_ptr())
+    part = out[:1].clone() if math.isinf(p) else _power(out[:1], p)
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    for g in groups:
+        dist.all_reduce(part, op=op, group=g)
+    norm = _root(part, p)
+    # The engine's rule, min(1, max_norm / (norm + 1e-6)), into the output the scale kernel reads
+    # (its flags word, written by the norm kernel, asks for no non-finite check).
+    torch.clamp(max_norm / (norm + 1e-6), max=1.0, out=out[1:2])
+    _gt._cuda_call(_gt._native.cuda_scale, plan, stream, out.data_ptr())
+    _gt._written(ts)
+    return norm[0]
 
 
 def returned(layout: Layout, norm64: torch.Tensor, error_if_nonfinite: bool, norm_type: float):

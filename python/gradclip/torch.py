@@ -448,7 +448,12 @@ def clip_grad_norm_(
         from . import distributed
 
         layout = distributed.collect(items, True)
-        norm64 = distributed.global_norm(layout, _check_p(norm_type), pipeline_group)
+        p = _check_p(norm_type)
+        if not error_if_nonfinite:
+            norm64 = distributed.clip_one_key(layout, p, max_norm, pipeline_group)
+            if norm64 is not None:
+                return distributed.returned(layout, norm64, False, norm_type)
+        norm64 = distributed.global_norm(layout, p, pipeline_group)
         total = distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
         distributed.scale(layout, _clip_coef(max_norm, norm64))
         return total

@@ -109,6 +109,23 @@ def fsdp(rank, world, p):
     check_local(params[-1].grad, bias * coef, "fsdp plain tensor")
 
 
+def fsdp_pure(rank, world, p):
+    """Only DTensor gradients of one placement (FSDP2's usual list): one key, the shortest path
+    (on CUDA: norm kernel, one all-reduce, scale kernel); checked in f64 as the others."""
+    mesh = init_device_mesh(DEVICE, (world,))
+    fulls = full_grads(13, [(world * 6, 5), (3,), (world * 2 + 1, 7)])
+    params = [param(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
+    want, coef = reference(fulls, p)
+    with CountingAllReduce() as c:
+        got = gt.clip_grad_norm_(params, MAX_NORM, p)
+    check_norm(got, want, f"fsdp_pure p={p}")
+    assert sum(c.calls.values()) == (1 if world > 1 else 0), dict(c.calls)
+    for i, (q, f) in enumerate(zip(params, fulls)):
+        check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, [Shard(0)])._local_tensor, f"fsdp_pure tensor {i}")
+    # And the norm alone, and the clip with a given norm (the second half of a manual clip).
+    check_norm(gt.get_total_norm([q.grad for q in params], p), reference([f * coef for f in fulls], p)[0], "fsdp_pure norm")
+
+
 def dp_tp(rank, world, p):
     """A 2 x 2 data x tensor parallel mesh: 2-D sharded weights, biases sharded on one dimension
     and replicated on the other, replicated norms' weights, and a Partial gradient."""
@@ -227,7 +244,7 @@ def torch_parity(rank, world, p):
         assert float(gt.get_total_norm([q.grad for q in ours], p).full_tensor()) > 0
 
 
-SCENARIOS = {"fsdp": fsdp, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "torch_parity": torch_parity}
+SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "torch_parity": torch_parity}
 
 
 def main():
