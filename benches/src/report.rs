@@ -129,7 +129,10 @@ impl WorkloadResult {
                 self.elements as f64 / 1e9,
                 self.bytes as f64 / 1e9
             );
-            println!("{:<32} {:>10} {:>10} {:>9} {:>8}", "method", "median ms", "spread ms", "GB/s", "vs read");
+            println!(
+                "{:<32} {:>10} {:>10} {:>9} {:>8}",
+                "method", "median ms", "spread ms", "GB/s", "vs read"
+            );
             for r in &self.rows {
                 println!(
                     "{:<32} {:>10.4} {:>10.4} {:>9.1} {:>8}",

@@ -14,7 +14,8 @@ collectives move, and the two ratios of the sharded-clipping issue: torch / grad
 gradclip / (local + all-reduce). With one process (``--nproc-per-node 1``) it also compares a
 1-rank mesh's DTensors with the same plain tensors.
 
-max_norm is 0.99 of the first norm, so every call writes (both libraries scale by < 1).
+max_norm is half the norm and the gradients are restored (untimed) before every call, so every
+call writes every gradient in both libraries.
 
 Usage: torchrun --nproc-per-node 2 benches/torch/sharded_compare.py OUT.json [--blocks 24] [--dim 4096] [--reps 30]
 """
@@ -39,13 +40,19 @@ import gradclip.torch as gt
 DEVICE = "cuda"
 
 
-def timed(fn, reps):
+def timed(fn, reps, reset=None):
     """Median ms per call (CUDA events; wall clock with --cpu), after two warm-up calls; ranks
-    start each call together."""
+    start each call together. ``reset`` (untimed) runs before every call: a clip must find the
+    same gradients each time, or after the first its coefficient is 1 and gradclip's scale
+    kernel writes nothing while torch's multiplies anyway."""
     for _ in range(2):
+        if reset:
+            reset()
         fn()
     ts = []
     for _ in range(reps):
+        if reset:
+            reset()
         dist.barrier()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
@@ -99,12 +106,17 @@ def fsdp_rows(args, rank, world):
     local_bytes = sum(t.numel() * t.element_size() for t in local)
     holders = [types.SimpleNamespace(grad=t) for t in local]
     first = float(gt.get_total_norm(grads).full_tensor())
-    max_norm = 0.99 * first
+    max_norm = 0.5 * first  # every call scales by about 0.5: both libraries write every gradient
+    saved = [t.clone() for t in local]
+
+    def reset():
+        torch._foreach_copy_(local, saved)
+
     one = torch.ones(1, dtype=torch.float64, device=DEVICE)
     rows = {
-        "torch_ms": timed(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), args.reps),
-        "gradclip_ms": timed(lambda: gt.clip_grad_norm_(params, max_norm), args.reps),
-        "local_single_gpu_ms": timed(lambda: gt.clip_grad_norm_(holders, max_norm), args.reps),
+        "torch_ms": timed(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), args.reps, reset),
+        "gradclip_ms": timed(lambda: gt.clip_grad_norm_(params, max_norm), args.reps, reset),
+        "local_single_gpu_ms": timed(lambda: gt.clip_grad_norm_(holders, max_norm), args.reps, reset),
         "allreduce_f64_ms": timed(lambda: dist.all_reduce(one), args.reps),
         "gradclip_norm_only_ms": timed(lambda: gt.get_total_norm(grads), args.reps),
         "torch_norm_only_ms": timed(lambda: torch.nn.utils.get_total_norm(grads, foreach=True), args.reps),
@@ -137,11 +149,16 @@ def one_rank_rows(args):
     dts = [types.SimpleNamespace(grad=distribute_tensor(g, mesh, [Shard(0)])) for g in grads]
     for h, g in zip(dts, grads):
         h.grad._local_tensor = g  # the very same storage
-    max_norm = 0.99 * float(gt.get_total_norm(grads))
+    max_norm = 0.5 * float(gt.get_total_norm(grads))
+    saved = [g.clone() for g in grads]
+
+    def reset():
+        torch._foreach_copy_(grads, saved)
+
     return {
-        "one_rank_dtensor_ms": timed(lambda: gt.clip_grad_norm_(dts, max_norm), args.reps),
-        "one_rank_plain_ms": timed(lambda: gt.clip_grad_norm_(plain, max_norm), args.reps),
-        "one_rank_torch_dtensor_ms": timed(lambda: torch.nn.utils.clip_grad_norm_(dts, max_norm, foreach=True), args.reps),
+        "one_rank_dtensor_ms": timed(lambda: gt.clip_grad_norm_(dts, max_norm), args.reps, reset),
+        "one_rank_plain_ms": timed(lambda: gt.clip_grad_norm_(plain, max_norm), args.reps, reset),
+        "one_rank_torch_dtensor_ms": timed(lambda: torch.nn.utils.clip_grad_norm_(dts, max_norm, foreach=True), args.reps, reset),
         "one_rank_dtensor_norm_ms": timed(lambda: gt.get_total_norm([h.grad for h in dts]), args.reps),
         "one_rank_plain_norm_ms": timed(lambda: gt.get_total_norm(grads), args.reps),
     }
