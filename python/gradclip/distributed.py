@@ -58,7 +58,8 @@ class Layout:
     """A rank's gradients, their keys, and the process groups that combine them."""
 
     def __init__(self) -> None:
-        self.pieces: List[_Piece] = []
+        self._pieces: Optional[List[_Piece]] = []
+        self.one_key: Optional[int] = None
         self.keys: List[Tuple[str, ...]] = []  # sorted group names per key
         self._key_index: Dict[Tuple[str, ...], int] = {}
         self.groups: Dict[str, Any] = {}  # group name -> ProcessGroup
@@ -94,6 +95,15 @@ class Layout:
             self._key_index[k] = len(self.keys)
             self.keys.append(k)
         return self._key_index[k]
+
+    def combining_groups(self, key: int) -> List[Any]:
+        """The groups of more than one rank that ``key`` is reduced over, in ``order`` (kept)."""
+        cache = self._indices
+        groups = cache.get(("groups", key))
+        if groups is None:
+            names = set(self.keys[key])
+            groups = cache[("groups", key)] = [self.groups[n] for n in self.order() if n in names and self.groups[n].size() > 1]
+        return groups
 
     def order(self) -> List[str]:
         """The groups in the order their all-reduces run: by level, then by name. Every rank of a
@@ -140,14 +150,38 @@ class Layout:
 
     def with_gradients(self, grads: Sequence[Any]) -> "Layout":
         """This layout for a list of the same gradient objects (one per piece, in order): the
-        keys and groups as they were, the local tensors read anew."""
+        keys and groups as they were, the local tensors read anew (only the local tensors when
+        the one-key path will take them: ``one_key``)."""
         out = copy.copy(self)
-        pieces = []
-        for pc, g in zip(self.pieces, grads):
-            local = g._local_tensor if pc.dtensor else g
-            pieces.append(_Piece(local, local, pc.key, pc.dtensor))
-        out.pieces = pieces
+        flags = self._flags
+        out._locals = [g._local_tensor if d else g for g, d in zip(grads, flags)]
+        out._pieces = None
         return out
+
+    @property
+    def pieces(self) -> List[_Piece]:
+        if self._pieces is None:
+            self._pieces = [_Piece(t, t, k, d) for t, k, d in zip(self._locals, self._keys_of, self._flags)]
+        return self._pieces
+
+    @pieces.setter
+    def pieces(self, value: List[_Piece]) -> None:
+        self._pieces = value
+
+    def seal(self) -> "Layout":
+        """Records what a repeated list needs: each piece's key and kind, and the one key every
+        gradient shares (None when they do not all share one counted key, or a Partial was
+        redistributed)."""
+        pcs = self.pieces
+        self._flags = [pc.dtensor for pc in pcs]
+        self._keys_of = [pc.key for pc in pcs]
+        self._locals = [pc.local for pc in pcs]
+        keys = set(self._keys_of)
+        self.one_key = next(iter(keys)) if len(keys) == 1 and None not in keys and not self.partial else None
+        return self
+
+    def local_tensors(self) -> List[torch.Tensor]:
+        return self._locals
 
     def result_dtype(self) -> torch.dtype:
         """The dtype torch returns the norm in (kept: the same gradient objects keep their dtypes)."""
@@ -171,7 +205,7 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
     """The layout of ``items``: tensors (``grads`` False) or parameters (``grads`` True: their
     ``.grad``), DTensors among them, and ``Shards`` groups of the same kind."""
     global _LAST
-    if not any(isinstance(item, Shards) for item in items):
+    if not any(type(item) is Shards for item in items):
         gs = [item.grad for item in items] if grads else list(items)
         last = _LAST
         if last is not None and len(last[0]) == len(gs) and all(r() is g for r, g in zip(last[0], gs)):
@@ -180,6 +214,7 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
         for g in gs:
             if g is not None:
                 layout.add(g, (), True)
+        layout.seal()
         if not layout.partial:
             _LAST = ([weakref.ref(g) if g is not None else _no_gradient for g in gs], layout)
         return layout
@@ -192,7 +227,7 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
             g = x.grad if grads else x
             if g is not None:
                 layout.add(g, over, counted)
-    return layout
+    return layout.seal()
 
 
 def _partials(layout: Layout, p: float) -> Optional[torch.Tensor]:
@@ -308,18 +343,14 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
     and the coefficient written into the norm kernel's own output, the scale kernel. With nothing
     to combine (a 1-rank mesh) it is the plain one-call clip. None when the case does not apply
     (the general path then runs). Returns the f64 norm (0-dim, on the device)."""
-    pieces = layout.pieces
-    if not pieces or layout.partial:
+    key = layout.one_key
+    if key is None:
         return None
-    key = pieces[0].key
-    if key is None or any(pc.key != key for pc in pieces):
-        return None
-    plan, ts = _gt._PLANNER.scan([pc.local for pc in pieces], False)
+    plan, ts = _gt._PLANNER.scan(layout.local_tensors(), False)
     if plan is None or plan.device < 0:
         return None
     _gt._check_writable(plan, ts)
-    names = set(layout.keys[key])
-    groups = [layout.groups[n] for n in layout.order() if n in names and layout.groups[n].size() > 1]
+    groups = layout.combining_groups(key)
     if pipeline_group is not None and pipeline_group.size() > 1:
         groups.append(pipeline_group)
     out, stream = _gt._cuda_out(plan.device)
@@ -339,6 +370,28 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
     _gt._cuda_call(_gt._native.cuda_scale, plan, stream, out.data_ptr())
     _gt._written(ts)
     return norm[0]
+
+
+def norm_one_key(layout: Layout, p: float, pipeline_group=None) -> Optional[torch.Tensor]:
+    """``get_total_norm``'s shortest path, under the conditions of ``clip_one_key``: the norm
+    kernel, and the p-th power, all-reduces and root only when some group has several ranks."""
+    key = layout.one_key
+    if key is None:
+        return None
+    plan, _ = _gt._PLANNER.scan(layout.local_tensors(), False)
+    if plan is None or plan.device < 0:
+        return None
+    groups = layout.combining_groups(key)
+    if pipeline_group is not None and pipeline_group.size() > 1:
+        groups = groups + [pipeline_group]
+    norm = _gt._plan_norm(plan, p)
+    if not groups:
+        return norm
+    part = norm.reshape(1).clone() if math.isinf(p) else _power(norm.reshape(1), p)
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    for g in groups:
+        dist.all_reduce(part, op=op, group=g)
+    return _root(part, p)[0]
 
 
 def returned(layout: Layout, norm64: torch.Tensor, error_if_nonfinite: bool, norm_type: float):

@@ -342,7 +342,10 @@ def get_total_norm(
         from . import distributed
 
         layout = distributed.collect(items, False)
-        norm64 = distributed.global_norm(layout, _check_p(norm_type), pipeline_group)
+        p = _check_p(norm_type)
+        norm64 = distributed.norm_one_key(layout, p, pipeline_group)
+        if norm64 is None:
+            norm64 = distributed.global_norm(layout, p, pipeline_group)
         return distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
     if len(ts) == 0:
         return torch.tensor(0.0)
