@@ -336,6 +336,32 @@ def global_norm(layout: Layout, p: float, pipeline_group=None) -> torch.Tensor:
     return _root(total[0], p)
 
 
+def _one_key(layout: Layout, pipeline_group):
+    """``(plan, tensors, groups)`` for the one-key paths: the kept plan of the local tensors
+    (the engine takes them all, on one GPU) and the groups of more than one rank to combine over,
+    the pipeline group last; None when the case does not apply."""
+    key = layout.one_key
+    if key is None:
+        return None
+    plan, ts = _gt._PLANNER.scan(layout.local_tensors(), False)
+    if plan is None or plan.device < 0:
+        return None
+    groups = layout.combining_groups(key)
+    if pipeline_group is not None and pipeline_group.size() > 1:
+        groups = groups + [pipeline_group]  # a new list: the cached one stays as it is
+    return plan, ts, groups
+
+
+def _combined(local_norm: torch.Tensor, p: float, groups: Sequence[Any]) -> torch.Tensor:
+    """The global norm (1-element f64) from this rank's local norm (a 1-element view): its p-th
+    power (max for inf) all-reduced over each group in turn, then the root."""
+    part = local_norm.clone() if math.isinf(p) or p == 1.0 else _power(local_norm, p)
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    for g in groups:
+        dist.all_reduce(part, op=op, group=g)
+    return _root(part, p)
+
+
 def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None) -> Optional[torch.Tensor]:
     """The whole clip with the fewest launches, when every local gradient is counted under one key
     (FSDP2's Shard(0) on one mesh, HSDP, a 1-rank mesh) and the engine takes them all on one
@@ -343,27 +369,18 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
     and the coefficient written into the norm kernel's own output, the scale kernel. With nothing
     to combine (a 1-rank mesh) it is the plain one-call clip. None when the case does not apply
     (the general path then runs). Returns the f64 norm (0-dim, on the device)."""
-    key = layout.one_key
-    if key is None:
+    found = _one_key(layout, pipeline_group)
+    if found is None:
         return None
-    plan, ts = _gt._PLANNER.scan(layout.local_tensors(), False)
-    if plan is None or plan.device < 0:
-        return None
+    plan, ts, groups = found
     _gt._check_writable(plan, ts)
-    groups = layout.combining_groups(key)
-    if pipeline_group is not None and pipeline_group.size() > 1:
-        groups.append(pipeline_group)
     out, stream = _gt._cuda_out(plan.device)
     if not groups:
         _gt._cuda_call(_gt._native.cuda_clip_grad_norm, plan, stream, max_norm, p, False, out.data_ptr())
         _gt._written(ts)
         return out[0]
     _gt._cuda_call(_gt._native.cuda_total_norm, plan, stream, p, out.data_ptr())
-    part = out[:1].clone() if math.isinf(p) else _power(out[:1], p)
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-    for g in groups:
-        dist.all_reduce(part, op=op, group=g)
-    norm = _root(part, p)
+    norm = _combined(out[:1], p, groups)
     # The engine's rule, min(1, max_norm / (norm + 1e-6)), into the output the scale kernel reads
     # (its flags word, written by the norm kernel, asks for no non-finite check).
     torch.clamp(max_norm / (norm + 1e-6), max=1.0, out=out[1:2])
@@ -375,23 +392,12 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
 def norm_one_key(layout: Layout, p: float, pipeline_group=None) -> Optional[torch.Tensor]:
     """``get_total_norm``'s shortest path, under the conditions of ``clip_one_key``: the norm
     kernel, and the p-th power, all-reduces and root only when some group has several ranks."""
-    key = layout.one_key
-    if key is None:
+    found = _one_key(layout, pipeline_group)
+    if found is None:
         return None
-    plan, _ = _gt._PLANNER.scan(layout.local_tensors(), False)
-    if plan is None or plan.device < 0:
-        return None
-    groups = layout.combining_groups(key)
-    if pipeline_group is not None and pipeline_group.size() > 1:
-        groups = groups + [pipeline_group]
+    plan, _, groups = found
     norm = _gt._plan_norm(plan, p)
-    if not groups:
-        return norm
-    part = norm.reshape(1).clone() if math.isinf(p) else _power(norm.reshape(1), p)
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-    for g in groups:
-        dist.all_reduce(part, op=op, group=g)
-    return _root(part, p)[0]
+    return _combined(norm.reshape(1), p, groups)[0] if groups else norm
 
 
 def returned(layout: Layout, norm64: torch.Tensor, error_if_nonfinite: bool, norm_type: float):

@@ -225,6 +225,24 @@ def pipeline(rank, world, p):
     check_local(emb.grad, tied * coef, "tied embedding")
 
 
+def pipeline_dtensor(rank, world, p):
+    """Pipeline stages whose layers are FSDP2 DTensors on the stage's data-parallel sub-mesh:
+    one key per rank, so on CUDA the shortest path with the pipeline group appended; called
+    twice on the same gradient objects (the second call reuses the kept layout)."""
+    mesh = init_device_mesh(DEVICE, (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_local_rank("pp")
+    layers = [full_grads(71 + s, [(world * 3, 4), (5,)]) for s in range(2)]
+    want, coef = reference(layers[0] + layers[1], p)
+    params = [param(distribute_tensor(f.clone(), mesh["dp"], [Shard(0)])) for f in layers[stage]]
+    for call in range(2):
+        for q, f in zip(params, layers[stage]):
+            q.grad._local_tensor.copy_(distribute_tensor(f, mesh["dp"], [Shard(0)])._local_tensor)
+        got = gt.clip_grad_norm_(params, MAX_NORM, p, pipeline_group=mesh.get_group("pp"))
+        check_norm(got, want, f"pipeline_dtensor call {call} p={p}")
+        for q, f in zip(params, layers[stage]):
+            check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh["dp"], [Shard(0)])._local_tensor, "pipeline_dtensor")
+
+
 def torch_parity(rank, world, p):
     """Other dtypes: the same DTensor gradients clipped by torch's own DTensor path; the norms
     agree within the dtype's rounding and the shards within one rounding of the coefficient."""
@@ -244,7 +262,7 @@ def torch_parity(rank, world, p):
         assert float(gt.get_total_norm([q.grad for q in ours], p).full_tensor()) > 0
 
 
-SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "torch_parity": torch_parity}
+SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "torch_parity": torch_parity}
 
 
 def main():
