@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
-use gradclip::gpu::{DeviceNorm, GpuEngine, tools};
+use gradclip::gpu::{DeviceNorm, GpuEngine, NewNorm, tools};
 use gradclip::plan::RawTensor;
 use gradclip::{ClipOptions, DType, NormType};
 use indicatif::ProgressBar;
@@ -170,7 +170,7 @@ impl Gpu {
             self.time(s.reps, batch, |k| {
                 let c = k % copies as usize;
                 // SAFETY: sets[c] covers live buffers nobody else writes meanwhile.
-                unsafe { engines[c].total_norm_raw_into(&sets[c], nt, &mut outs[c]) }
+                unsafe { engines[c].total_norm_raw(&sets[c], nt, &mut outs[c]) }
             })
         };
         let t_l2 = run_norm(NormType::L2)?;
@@ -179,20 +179,22 @@ impl Gpu {
         // coefficient is norm / (norm + 1e-6) < 1, so every timed call scales every element
         // (values neither vanish nor reach the skip-when-1 path).
         // SAFETY: as above.
-        let norm = unsafe { engines[0].total_norm_raw(&sets[0], NormType::L2, false) }?.read()?.norm;
+        let norm = unsafe { engines[0].total_norm_raw(&sets[0], NormType::L2, NewNorm::default()) }?
+            .read()?
+            .norm;
         let opts = ClipOptions::default();
         bar.set_message(format!("{}: fused clip", w.name));
         let t_clip = self.time(s.reps, batch, |k| {
             let c = k % copies as usize;
             // SAFETY: as above; the tensors of one set are disjoint allocations.
-            unsafe { engines[c].clip_grad_norm_raw_into(&sets[c], norm * 0.5, &opts, &mut outs[c]) }
+            unsafe { engines[c].clip_grad_norm_raw(&sets[c], norm * 0.5, &opts, &mut outs[c]) }
         })?;
         bar.set_message(format!("{}: host time", w.name));
         let host_norm = self.host_us(s.host_calls, || unsafe {
-            engines[0].total_norm_raw_into(&sets[0], NormType::L2, &mut outs[0])
+            engines[0].total_norm_raw(&sets[0], NormType::L2, &mut outs[0])
         })?;
         let host_clip = self.host_us(s.host_calls, || unsafe {
-            engines[0].clip_grad_norm_raw_into(&sets[0], f64::INFINITY, &opts, &mut outs[0])
+            engines[0].clip_grad_norm_raw(&sets[0], f64::INFINITY, &opts, &mut outs[0])
         })?;
 
         bar.set_message(format!("{}: eager baseline", w.name));
@@ -213,7 +215,9 @@ impl Gpu {
             .sum::<f64>()
             .sqrt();
         // SAFETY: as above.
-        let fused_now = unsafe { engines[0].total_norm_raw(&sets[0], NormType::L2, false) }?.read()?.norm;
+        let fused_now = unsafe { engines[0].total_norm_raw(&sets[0], NormType::L2, NewNorm::default()) }?
+            .read()?
+            .norm;
         notes.push(format!(
             "check: fused L2 {fused_now:.6e} vs f32 eager baseline {base_norm:.6e} (relative difference {:.1e})",
             ((fused_now - base_norm) / fused_now).abs()

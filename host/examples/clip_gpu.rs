@@ -4,7 +4,7 @@
 //! device until `read()`, the only host synchronization. Without a GPU it says so and exits 0.
 
 use gradclip::cudarc::driver::CudaContext;
-use gradclip::gpu::{DeviceGradMut, GpuEngine};
+use gradclip::gpu::{DeviceGradMut, GpuEngine, NewNorm};
 use gradclip::half::bf16;
 use gradclip::{Backend, ClipOptions};
 
@@ -18,7 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut b = stream.clone_htod(&vec![2.0f32; 4096])?;
     let mut engine = GpuEngine::new(stream.clone())?;
     let mut grads: [&mut dyn DeviceGradMut; 2] = [&mut w, &mut b];
-    let norm = engine.clip_grad_norm(&mut grads, 1.0, &ClipOptions::default())?;
+    let norm = engine.clip_grad_norm(&mut grads, 1.0, &ClipOptions::default(), NewNorm::default())?;
     let r = norm.read()?;
     println!("total L2 norm {:.6}, clip coefficient {:.6e}", r.norm, r.coef);
     let b_host = stream.clone_dtoh(&b)?;

@@ -115,6 +115,14 @@ pub enum Error {
         /// Entries found.
         found: usize,
     },
+    /// A result address given to the raw API is null or not 8-byte aligned.
+    #[error("{what} address {addr:#x} is null or not 8-byte aligned: pass the address of device memory allocated for it")]
+    BadOutputAddress {
+        /// Which output.
+        what: &'static str,
+        /// The address given.
+        addr: u64,
+    },
     /// A call that cannot be recorded into a CUDA graph was made while its stream was capturing.
     /// Nothing was enqueued and the capture is left as it was.
     #[error("{what} cannot be captured in a CUDA graph: {instead}")]

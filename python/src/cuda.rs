@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use cudarc::driver::{CudaContext, sys};
 use gradclip::NormType;
-use gradclip::gpu::{ExternalWorkspace, GpuEngine};
+use gradclip::gpu::{ExternalWorkspace, GpuEngine, RawOutput};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -61,7 +61,11 @@ pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p:
     // SAFETY: the tensors, `out` and `per_tensor` (room for one f64 per tensor) are live CUDA
     // memory of `device` that PyTorch's caching allocator keeps until the stream passes this
     // work (the caller holds them).
-    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.total_norm_raw_at(&t, norm_type, out, per) }))
+    py.detach(|| {
+        with_engine(device, stream, ws, |e| unsafe {
+            e.total_norm_raw(&t, norm_type, RawOutput::new(out, per)?)
+        })
+    })
 }
 
 /// Norm and in-place clip of a plan's CUDA tensors on `stream`; the NormOutput goes to `out`.
@@ -80,7 +84,7 @@ pub fn cuda_clip_grad_norm(
     // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
     py.detach(|| {
         with_engine(device, stream, ws, |e| unsafe {
-            e.clip_grad_norm_raw_at(&t, max_norm, &opts, out, None)
+            e.clip_grad_norm_raw(&t, max_norm, &opts, RawOutput::new(out, None)?)
         })
     })
 }
@@ -90,7 +94,7 @@ pub fn cuda_clip_grad_norm(
 pub fn cuda_scale(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, out: u64) -> PyResult<()> {
     let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
     // SAFETY: as cuda_clip_grad_norm; `out` was written on this stream before the call.
-    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.scale_raw_at(&t, out) }))
+    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.scale_raw(&t, out) }))
 }
 
 /// True when a CUDA driver and device are present.

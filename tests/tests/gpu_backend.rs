@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use gradclip::cpu::{Cpu, HostGrad, HostGradMut};
-use gradclip::gpu::{DeviceGrad, DeviceGradMut, GpuEngine};
+use gradclip::gpu::{DeviceGrad, DeviceGradMut, GpuEngine, NewNorm};
 use gradclip::plan::RawTensor;
 use gradclip::{ClipOptions, DType, Error, NormType};
 use gradclip_tests::*;
@@ -114,7 +114,7 @@ fn gpu_norm(gpu: &Gpu, engine: &mut GpuEngine, devs: &[DevGrad], p: f64, per_ten
     let refs: Vec<&(dyn DeviceGrad + '_)> = boxes.iter().map(|b| b.as_ref()).collect();
     let _ = gpu;
     engine
-        .total_norm(&refs, NormType::from_p(p).unwrap(), per_tensor)
+        .total_norm(&refs, NormType::from_p(p).unwrap(), NewNorm { per_tensor })
         .unwrap()
         .read()
         .unwrap()
@@ -203,7 +203,11 @@ fn clip_equals_cpu_bits(gpu: &Gpu) -> TestResult {
             let g = {
                 let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
                 let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
-                gpu.engine().clip_grad_norm(&mut refs, max_norm, &opts).unwrap().read().unwrap()
+                gpu.engine()
+                    .clip_grad_norm(&mut refs, max_norm, &opts, NewNorm::default())
+                    .unwrap()
+                    .read()
+                    .unwrap()
             };
             let c = {
                 let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
@@ -242,7 +246,7 @@ fn error_if_nonfinite(gpu: &Gpu) -> TestResult {
     let r = {
         let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
         let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
-        gpu.engine().clip_grad_norm(&mut refs, 1.0, &opts)
+        gpu.engine().clip_grad_norm(&mut refs, 1.0, &opts, NewNorm::default())
     };
     ensure(matches!(r, Err(Error::NonFiniteNorm { .. })), || {
         format!("expected NonFiniteNorm, got {r:?}")
@@ -274,7 +278,10 @@ fn million_tensors(gpu: &Gpu) -> TestResult {
         .collect();
     let mut engine = gpu.engine();
     // SAFETY: every span lies inside `storage`, alive and unwritten during the call.
-    let g = unsafe { engine.total_norm_raw(&raws, NormType::L2, true) }.unwrap().read().unwrap();
+    let g = unsafe { engine.total_norm_raw(&raws, NormType::L2, NewNorm::per_tensor()) }
+        .unwrap()
+        .read()
+        .unwrap();
     let views: Vec<HostGrad> = spans
         .iter()
         .map(|&(o, l)| HostGrad::from(&hv[*hs + o as usize..*hs + (o + l) as usize]))
@@ -302,7 +309,7 @@ fn huge_tensor(gpu: &Gpu) -> TestResult {
     let twin = Grad::Bf16(host, 1).with_host_phase(2);
     for p in [2.0, f64::INFINITY] {
         // SAFETY: raw lies inside d, which is alive and not written meanwhile.
-        let g = unsafe { engine.total_norm_raw(&[raw], NormType::from_p(p).unwrap(), false) }
+        let g = unsafe { engine.total_norm_raw(&[raw], NormType::from_p(p).unwrap(), NewNorm::default()) }
             .unwrap()
             .read()
             .unwrap();
@@ -311,7 +318,10 @@ fn huge_tensor(gpu: &Gpu) -> TestResult {
     }
     let opts = ClipOptions::default();
     // SAFETY: as above; a single tensor cannot overlap another.
-    let g = unsafe { engine.clip_grad_norm_raw(&[raw], 1000.0, &opts) }.unwrap().read().unwrap();
+    let g = unsafe { engine.clip_grad_norm_raw(&[raw], 1000.0, &opts, NewNorm::default()) }
+        .unwrap()
+        .read()
+        .unwrap();
     let mut twin = twin;
     let c = Cpu::new().clip_grad_norm(&mut [twin.host_mut()], 1000.0, &opts).unwrap();
     ensure(same_bits(g.coef, c.coef) && g.coef < 1.0, || {
@@ -327,12 +337,16 @@ fn empty_list(gpu: &Gpu) -> TestResult {
     // No tensors at all: one block writes a zero norm; nothing else is read or written.
     let mut engine = gpu.engine();
     for p in NORM_ORDERS {
-        let r = engine.total_norm(&[], NormType::from_p(p).unwrap(), true).unwrap().read().unwrap();
+        let r = engine
+            .total_norm(&[], NormType::from_p(p).unwrap(), NewNorm::per_tensor())
+            .unwrap()
+            .read()
+            .unwrap();
         ensure(r.norm == 0.0 && r.coef == 1.0 && !r.nonfinite, || format!("p={p}: {r:?}"))?;
         ensure(r.per_tensor == Some(vec![]), || format!("p={p}: per-tensor {:?}", r.per_tensor))?;
     }
     let r = engine
-        .clip_grad_norm(&mut [], 1.0, &ClipOptions::default())
+        .clip_grad_norm(&mut [], 1.0, &ClipOptions::default(), NewNorm::default())
         .unwrap()
         .read()
         .unwrap();
@@ -343,7 +357,7 @@ fn wrong_context(gpu: &Gpu) -> TestResult {
     let other = CudaContext::new_non_primary(0, 0).unwrap();
     let foreign = other.default_stream().clone_htod(&[1.0f32; 4]).unwrap();
     let mine = gpu.stream.clone_htod(&[1.0f32; 4]).unwrap();
-    let r = gpu.engine().total_norm(&[&mine, &foreign], NormType::L2, false);
+    let r = gpu.engine().total_norm(&[&mine, &foreign], NormType::L2, NewNorm::default());
     ensure(matches!(r, Err(Error::WrongContext { index: 1, .. })), || format!("{r:?}"))
 }
 
@@ -361,7 +375,10 @@ fn overlap_rejected(gpu: &Gpu) -> TestResult {
         dtype: DType::F32,
     };
     // SAFETY: both lie inside d; the call must refuse before launching.
-    let r = unsafe { gpu.engine().clip_grad_norm_raw(&[a, b], 1.0, &ClipOptions::default()) };
+    let r = unsafe {
+        gpu.engine()
+            .clip_grad_norm_raw(&[a, b], 1.0, &ClipOptions::default(), NewNorm::default())
+    };
     ensure(matches!(r, Err(Error::Overlap { first: 0, second: 1 })), || format!("{r:?}"))?;
     ensure(gpu.stream.clone_dtoh(&d).unwrap() == vec![1.0f32; 64], || "memory changed".into())
 }
@@ -384,7 +401,7 @@ fn second_device(gpu: &Gpu) -> TestResult {
     }
     let on_first = gpu.stream.clone_htod(&[1.0f32; 4]).unwrap();
     let on_second = second.stream.clone_htod(&[1.0f32; 4]).unwrap();
-    let r = engine.total_norm(&[&on_second, &on_first], NormType::L2, false);
+    let r = engine.total_norm(&[&on_second, &on_first], NormType::L2, NewNorm::default());
     ensure(matches!(r, Err(Error::WrongContext { index: 1, .. })), || format!("{r:?}"))
 }
 
@@ -453,15 +470,15 @@ fn graph_capture(_: &Gpu) -> TestResult {
     let opts = ClipOptions::default();
     // First call plans and uploads the table; the captured ones reuse it and allocate nothing.
     // SAFETY (all raw calls): raws point into `devs`, alive for the whole test.
-    unsafe { engine.clip_grad_norm_raw_into(&raws, 1e30, &opts, &mut out) }.unwrap();
+    unsafe { engine.clip_grad_norm_raw(&raws, 1e30, &opts, &mut out) }.unwrap();
     let capture = |f: &mut dyn FnMut()| {
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).unwrap();
         f();
         stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph")
     };
-    let norm_graph = capture(&mut || unsafe { engine.total_norm_raw_into(&raws, NormType::L2, &mut out) }.unwrap());
-    let norm_per_graph = capture(&mut || unsafe { engine.total_norm_raw_into(&raws, NormType::L2, &mut out_per) }.unwrap());
-    let clip_graph = capture(&mut || unsafe { engine.clip_grad_norm_raw_into(&raws, 0.5, &opts, &mut out) }.unwrap());
+    let norm_graph = capture(&mut || unsafe { engine.total_norm_raw(&raws, NormType::L2, &mut out) }.unwrap());
+    let norm_per_graph = capture(&mut || unsafe { engine.total_norm_raw(&raws, NormType::L2, &mut out_per) }.unwrap());
+    let clip_graph = capture(&mut || unsafe { engine.clip_grad_norm_raw(&raws, 0.5, &opts, &mut out) }.unwrap());
     // The launch budget, whatever the dtype mix: 1 kernel for the norm (+1 for per-tensor norms),
     // 2 for norm + clip.
     for (g, want, what) in [
@@ -568,12 +585,12 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
     let mut refused = Vec::new();
     let empty = capture(&mut || {
         // SAFETY (every raw call in this test): the raws point into devs_a/devs_b, alive here.
-        refused.push(unsafe { captor.total_norm_raw(&raws_a, NormType::L2, false) }.err());
+        refused.push(unsafe { captor.total_norm_raw(&raws_a, NormType::L2, NewNorm::default()) }.err());
         let strict = ClipOptions {
             error_if_nonfinite: true,
             ..opts
         };
-        refused.push(unsafe { captor.clip_grad_norm_raw_into(&raws_a, 1.0, &strict, &mut out_a) }.err());
+        refused.push(unsafe { captor.clip_grad_norm_raw(&raws_a, 1.0, &strict, &mut out_a) }.err());
     });
     ensure(refused.iter().all(|r| matches!(r, Some(Error::NotCapturable { .. }))), || {
         format!("expected NotCapturable twice, got {refused:?}")
@@ -581,10 +598,10 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
     ensure(empty.is_none_or(|g| kernel_nodes(&g) == 0), || "refused calls left kernels".into())?;
 
     // A never-seen list, first call of a new engine, under capture.
-    let graph_a = capture(&mut || unsafe { captor.clip_grad_norm_raw_into(&raws_a, 0.5, &opts, &mut out_a) }.unwrap()).expect("a graph");
+    let graph_a = capture(&mut || unsafe { captor.clip_grad_norm_raw(&raws_a, 0.5, &opts, &mut out_a) }.unwrap()).expect("a graph");
     // Another list runs on the same engine before the replays (its workspace now holds list B).
-    unsafe { captor.clip_grad_norm_raw_into(&raws_b, 1e30, &opts, &mut out_b) }.unwrap();
-    let graph_b = capture(&mut || unsafe { captor.total_norm_raw_into(&raws_b, NormType::Inf, &mut out_b) }.unwrap()).expect("a graph");
+    unsafe { captor.clip_grad_norm_raw(&raws_b, 1e30, &opts, &mut out_b) }.unwrap();
+    let graph_b = capture(&mut || unsafe { captor.total_norm_raw(&raws_b, NormType::Inf, &mut out_b) }.unwrap()).expect("a graph");
     ensure(graph_tables_live() == live + 2, || {
         format!("{} graph tables live, expected {}", graph_tables_live(), live + 2)
     })?;
@@ -602,7 +619,7 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
                 .map(|b| b.as_ref())
                 .collect::<Vec<_>>(),
             NormType::Inf,
-            false,
+            NewNorm::default(),
         )
         .unwrap()
         .read()
@@ -620,7 +637,7 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
         let got = out_a.read().unwrap();
         let got_grads: Vec<Grad> = devs_a.iter().map(|d| d.download(&capture_stream)).collect();
         devs_a.iter_mut().zip(&values).for_each(|(d, v)| d.overwrite(&eager_stream, v));
-        unsafe { eager.clip_grad_norm_raw_into(&raws_a, 0.5, &opts, &mut out_eager) }.unwrap();
+        unsafe { eager.clip_grad_norm_raw(&raws_a, 0.5, &opts, &mut out_eager) }.unwrap();
         let want = out_eager.read().unwrap();
         ensure(same_bits(got.norm, want.norm) && same_bits(got.coef, want.coef), || {
             format!("replay {replay}: norm {:e} vs eager {:e}", got.norm, want.norm)
@@ -636,7 +653,7 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
     drop((graph_a, graph_b));
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     while graph_tables_live() != live && std::time::Instant::now() < deadline {
-        unsafe { captor.total_norm_raw_into(&raws_b, NormType::L2, &mut out_b) }.unwrap();
+        unsafe { captor.total_norm_raw(&raws_b, NormType::L2, &mut out_b) }.unwrap();
         capture_stream.synchronize().unwrap();
         std::thread::sleep(std::time::Duration::from_millis(10));
     }

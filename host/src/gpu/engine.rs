@@ -3,96 +3,20 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, SyncOnDrop};
 use gradclip_kernels::abi::{NormOutput, NormParams, flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::capture::{self, Capture};
+use super::device_norm::{DeviceNorm, OUT_WORDS};
 use super::kernels::{self, KernelSet};
 use super::launch::{self, Tables};
+use super::output::Output;
 use super::words::{as_words, from_words};
 use super::workspace::{ExternalWorkspace, Layout, OwnWorkspace};
 use crate::error::{Error, Result};
-use crate::norm::{ClipOptions, NormReport, NormType, validate_max_norm};
+use crate::norm::{ClipOptions, NormType, validate_max_norm};
 use crate::plan::{RawTensor, check_disjoint, plan};
-
-/// Words of one [`NormOutput`].
-const OUT_WORDS: usize = size_of::<NormOutput>() / 8;
-
-/// A norm computed on the GPU, still in device memory. Nothing waits for it until [`read`].
-///
-/// [`read`]: DeviceNorm::read
-#[derive(Debug)]
-pub struct DeviceNorm {
-    out: CudaSlice<u64>,
-    per_tensor: Option<CudaSlice<f64>>,
-    /// Per-tensor norms were asked for a list of no tensors: `read` reports an empty list.
-    empty_per_tensor: bool,
-}
-
-impl DeviceNorm {
-    /// Storage for one result on `stream`, with room for `per_tensor` norms (0: none). Reuse it
-    /// with the `*_into` calls to avoid an allocation per call and to capture calls in a CUDA
-    /// graph.
-    pub fn new(stream: &Arc<CudaStream>, per_tensor: usize) -> Result<Self> {
-        // SAFETY: u64/f64 accept any bits; the norm kernel writes every word before a read.
-        let out = unsafe { stream.alloc::<u64>(OUT_WORDS) }?;
-        let per_tensor = if per_tensor > 0 {
-            Some(unsafe { stream.alloc::<f64>(per_tensor) }?)
-        } else {
-            None
-        };
-        Ok(DeviceNorm {
-            out,
-            per_tensor,
-            empty_per_tensor: false,
-        })
-    }
-
-    /// Storage for a call that may ask per-tensor norms of `num_tensors` tensors (none: `None`).
-    /// Refused under capture: a captured allocation would be the graph's, freed at replay's end.
-    fn for_call(stream: &Arc<CudaStream>, per_tensor: bool, num_tensors: usize) -> Result<Self> {
-        if let Capture::Active(_) = capture::status(stream)? {
-            return Err(Error::NotCapturable {
-                what: "a call that allocates its result (total_norm, clip_grad_norm, *_raw)",
-                instead: "allocate a DeviceNorm before the capture and use the *_into or *_raw_at call",
-            });
-        }
-        let mut d = Self::new(stream, if per_tensor { num_tensors } else { 0 })?;
-        d.empty_per_tensor = per_tensor && num_tensors == 0;
-        Ok(d)
-    }
-
-    /// Waits for the result and copies it to the host.
-    pub fn read(&self) -> Result<NormReport> {
-        let stream = self.out.stream();
-        let words = stream.clone_dtoh(&self.out)?;
-        let out: NormOutput = from_words(&words);
-        let per_tensor = match &self.per_tensor {
-            Some(p) => Some(stream.clone_dtoh(p)?),
-            None if self.empty_per_tensor => Some(Vec::new()),
-            None => None,
-        };
-        Ok(NormReport {
-            norm: out.norm,
-            coef: out.coef,
-            nonfinite: out.nonfinite != 0,
-            per_tensor,
-        })
-    }
-
-    /// The device buffer holding the result: word 0 is the norm's f64 bits, word 1 the clip
-    /// coefficient's, word 2 the non-finite flag (low 32 bits). Use it in later kernels to skip
-    /// a step without a host synchronization.
-    pub fn device_words(&self) -> &CudaSlice<u64> {
-        &self.out
-    }
-
-    /// Per-tensor norms in device memory, when asked for.
-    pub fn device_per_tensor(&self) -> Option<&CudaSlice<f64>> {
-        self.per_tensor.as_ref()
-    }
-}
 
 /// The plan last uploaded to the engine's workspace, to skip planning and uploading when the
 /// same list comes back.
@@ -112,18 +36,25 @@ struct Prepared {
     num_tensors: usize,
 }
 
-/// Computes gradient norms and clips on one CUDA stream.
+/// Computes gradient norms and clips on one CUDA stream: four operations, [`GpuEngine::total_norm`],
+/// [`GpuEngine::clip_grad_norm`], [`GpuEngine::scale`] (with a given norm) and per-tensor norms
+/// (asked through the output), each on cudarc buffers or, `_raw`, on device addresses; every
+/// result goes to an [`Output`]: a new [`DeviceNorm`] (`NewNorm`), a reused one (`&mut`), or caller
+/// memory (`RawOutput`).
 ///
 /// ```no_run
-/// use gradclip::{ClipOptions, gpu::{DeviceGradMut, GpuEngine}};
+/// use gradclip::{ClipOptions, gpu::{DeviceGradMut, DeviceNorm, GpuEngine, NewNorm}};
 /// let ctx = cudarc::driver::CudaContext::new(0)?;
 /// let stream = ctx.default_stream();
 /// let mut a = stream.clone_htod(&vec![half::bf16::from_f32(3.0); 1000])?;
 /// let mut b = stream.clone_htod(&vec![4.0f32; 10])?;
 /// let mut engine = GpuEngine::new(stream.clone())?;
 /// let mut grads: [&mut dyn DeviceGradMut; 2] = [&mut a, &mut b];
-/// let norm = engine.clip_grad_norm(&mut grads, 1.0, &ClipOptions::default())?;
+/// let norm = engine.clip_grad_norm(&mut grads, 1.0, &ClipOptions::default(), NewNorm::default())?;
 /// println!("norm = {}", norm.read()?.norm); // the only host synchronization
+/// // Reused storage: no allocation per call, and capturable in a CUDA graph.
+/// let mut out = DeviceNorm::new(&stream, 0)?;
+/// engine.clip_grad_norm(&mut grads, 1.0, &ClipOptions::default(), &mut out)?;
 /// # Ok::<(), gradclip::Error>(())
 /// ```
 #[derive(Debug)]
@@ -185,7 +116,7 @@ impl GpuEngine {
         self.ws.bytes()
     }
 
-    /// The loaded kernels (for [`super::tools`]).
+    /// The loaded kernels (for the launch tools of the `bench-kernels` feature).
     pub fn kernels(&self) -> &KernelSet {
         &self.kernels
     }
@@ -205,48 +136,48 @@ impl GpuEngine {
         Ok(())
     }
 
-    /// The total norm of `grads`, left on the device.
-    pub fn total_norm(&mut self, grads: &[&(dyn DeviceGrad + '_)], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
-        let mut out = DeviceNorm::for_call(&self.stream, per_tensor, grads.len())?;
-        self.total_norm_into(grads, norm_type, &mut out)?;
-        Ok(out)
-    }
-
-    /// [`GpuEngine::total_norm`] into caller-owned storage (per-tensor norms when `out` has room
-    /// for exactly one per gradient). Allocates nothing when the same list comes back, so it can
-    /// be captured in a CUDA graph.
-    pub fn total_norm_into(&mut self, grads: &[&(dyn DeviceGrad + '_)], norm_type: NormType, out: &mut DeviceNorm) -> Result<()> {
+    /// The total norm of `grads`, written to `out` (a [`super::NewNorm`] returns a new
+    /// [`DeviceNorm`]; `&mut DeviceNorm` and [`super::RawOutput`] write caller memory). One
+    /// launch (+1 with per-tensor norms); nothing waits for it.
+    pub fn total_norm<O: Output>(&mut self, grads: &[&(dyn DeviceGrad + '_)], norm_type: NormType, out: O) -> Result<O::Returned> {
         self.check_contexts(grads.iter().map(|g| g.context()))?;
         let stream = self.stream.clone();
         let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter().map(|g| g.as_raw(&stream)).unzip();
         // SAFETY: every buffer is a live cudarc allocation of this context (checked above),
         // borrowed until the guards drop after the launches.
-        unsafe { self.total_norm_raw_into(&raws, norm_type, out) }
+        unsafe { self.total_norm_raw(&raws, norm_type, out) }
     }
 
     /// Computes the total norm and scales every gradient in place by
-    /// `min(1, max_norm / (norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`.
-    pub fn clip_grad_norm(&mut self, grads: &mut [&mut (dyn DeviceGradMut + '_)], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
-        let mut out = DeviceNorm::for_call(&self.stream, opts.per_tensor_norms, grads.len())?;
-        self.clip_grad_norm_into(grads, max_norm, opts, &mut out)?;
-        Ok(out)
-    }
-
-    /// [`GpuEngine::clip_grad_norm`] into caller-owned storage (see [`GpuEngine::total_norm_into`];
-    /// `opts.per_tensor_norms` is ignored: `out` decides).
-    pub fn clip_grad_norm_into(
+    /// `min(1, max_norm / (norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`; the norm,
+    /// coefficient and non-finite flag go to `out` (see [`GpuEngine::total_norm`]; with a
+    /// [`super::NewNorm`], `opts.per_tensor_norms` asks for per-tensor norms too). Two launches.
+    pub fn clip_grad_norm<O: Output>(
         &mut self,
         grads: &mut [&mut (dyn DeviceGradMut + '_)],
         max_norm: f64,
         opts: &ClipOptions,
-        out: &mut DeviceNorm,
-    ) -> Result<()> {
+        out: O,
+    ) -> Result<O::Returned> {
         self.check_contexts(grads.iter().map(|g| g.context()))?;
         let stream = self.stream.clone();
         let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter_mut().map(|g| g.as_raw_mut(&stream)).unzip();
-        // SAFETY: as in total_norm_into; the buffers are borrowed mutably, and overlap between
-        // views of one allocation is checked by clip_grad_norm_raw_into.
-        unsafe { self.clip_grad_norm_raw_into(&raws, max_norm, opts, out) }
+        // SAFETY: as in total_norm; the buffers are borrowed mutably, and overlap between views
+        // of one allocation is checked by clip_grad_norm_raw.
+        unsafe { self.clip_grad_norm_raw(&raws, max_norm, opts, out) }
+    }
+
+    /// Scales every gradient by the clip coefficient of `norm` (a result of this engine's
+    /// stream, e.g. of a norm whose value was all-reduced across ranks and written back): the
+    /// second half of a sharded clip. One launch; nothing when the coefficient is 1.
+    pub fn scale(&mut self, grads: &mut [&mut (dyn DeviceGradMut + '_)], norm: &DeviceNorm) -> Result<()> {
+        self.check_contexts(grads.iter().map(|g| g.context()))?;
+        let stream = self.stream.clone();
+        let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter_mut().map(|g| g.as_raw_mut(&stream)).unzip();
+        let (coef, _g) = norm.device_words().device_ptr(&stream);
+        // SAFETY: as in clip_grad_norm; `coef` is the NormOutput of a DeviceNorm, ordered before
+        // this launch by cudarc's guard.
+        unsafe { self.scale_raw(&raws, coef) }
     }
 
     /// [`GpuEngine::total_norm`] over raw device addresses.
@@ -254,90 +185,28 @@ impl GpuEngine {
     /// # Safety
     /// Every tensor must be device memory of this engine's context, readable for `len` elements,
     /// and not written by other work until the work this call enqueues on the stream completes.
-    pub unsafe fn total_norm_raw(&mut self, tensors: &[RawTensor], norm_type: NormType, per_tensor: bool) -> Result<DeviceNorm> {
-        let mut out = DeviceNorm::for_call(&self.stream, per_tensor, tensors.len())?;
-        // SAFETY: forwarded.
-        unsafe { self.total_norm_raw_into(tensors, norm_type, &mut out) }?;
-        Ok(out)
-    }
-
-    /// [`GpuEngine::total_norm_into`] over raw device addresses.
-    ///
-    /// # Safety
-    /// As [`GpuEngine::total_norm_raw`].
-    pub unsafe fn total_norm_raw_into(&mut self, tensors: &[RawTensor], norm_type: NormType, out: &mut DeviceNorm) -> Result<()> {
-        check_out(out, tensors.len())?;
-        let stream = self.stream.clone();
-        let (o, _g1) = out.out.device_ptr_mut(&stream);
-        let per = out.per_tensor.as_mut().map(|p| p.device_ptr_mut(&stream));
-        // SAFETY: forwarded; o and per are this DeviceNorm's buffers, sized by check_out.
-        unsafe { self.total_norm_raw_at(tensors, norm_type, o, per.as_ref().map(|p| p.0)) }
-    }
-
-    /// [`GpuEngine::total_norm_raw`] writing the [`NormOutput`] at device address `out` (and,
-    /// with `per_tensor`, one f64 per tensor there): for bindings whose memory comes from another
-    /// allocator (PyTorch's caching allocator, say).
-    ///
-    /// # Safety
-    /// As [`GpuEngine::total_norm_raw`]; `out` must be 24 writable, 8-aligned bytes and
-    /// `per_tensor` room for `tensors.len()` f64s, device memory of this context, used by nothing
-    /// else until the enqueued work completes.
-    pub unsafe fn total_norm_raw_at(
-        &mut self,
-        tensors: &[RawTensor],
-        norm_type: NormType,
-        out: u64,
-        per_tensor: Option<u64>,
-    ) -> Result<()> {
+    pub unsafe fn total_norm_raw<O: Output>(&mut self, tensors: &[RawTensor], norm_type: NormType, out: O) -> Result<O::Returned> {
         let norm_type = norm_type.validated()?;
-        let prepared = self.prepare(tensors, false)?;
-        // SAFETY: the caller's contract covers memory validity; prepare planned these tensors.
-        unsafe { self.run(norm_type, &prepared, 0.0, 0, out, per_tensor) }
+        let stream = self.stream.clone();
+        out.write(&stream, tensors.len(), false, |o, per| {
+            let prepared = self.prepare(tensors, false)?;
+            // SAFETY: the caller's contract covers the tensors; `o` and `per` come from the
+            // output (sized for these tensors); prepare planned this list.
+            unsafe { self.run(norm_type, &prepared, 0.0, 0, o, per) }
+        })
     }
 
     /// [`GpuEngine::clip_grad_norm`] over raw device addresses.
     ///
     /// # Safety
     /// As [`GpuEngine::total_norm_raw`], and the tensors must be writable (overlap is checked).
-    pub unsafe fn clip_grad_norm_raw(&mut self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions) -> Result<DeviceNorm> {
-        let mut out = DeviceNorm::for_call(&self.stream, opts.per_tensor_norms, tensors.len())?;
-        // SAFETY: forwarded.
-        unsafe { self.clip_grad_norm_raw_into(tensors, max_norm, opts, &mut out) }?;
-        Ok(out)
-    }
-
-    /// [`GpuEngine::clip_grad_norm_into`] over raw device addresses.
-    ///
-    /// # Safety
-    /// As [`GpuEngine::clip_grad_norm_raw`].
-    pub unsafe fn clip_grad_norm_raw_into(
+    pub unsafe fn clip_grad_norm_raw<O: Output>(
         &mut self,
         tensors: &[RawTensor],
         max_norm: f64,
         opts: &ClipOptions,
-        out: &mut DeviceNorm,
-    ) -> Result<()> {
-        check_out(out, tensors.len())?;
-        let stream = self.stream.clone();
-        let (o, _g1) = out.out.device_ptr_mut(&stream);
-        let per = out.per_tensor.as_mut().map(|p| p.device_ptr_mut(&stream));
-        // SAFETY: forwarded; o and per are this DeviceNorm's buffers, sized by check_out.
-        unsafe { self.clip_grad_norm_raw_at(tensors, max_norm, opts, o, per.as_ref().map(|p| p.0)) }
-    }
-
-    /// [`GpuEngine::clip_grad_norm_raw`] writing its result at device addresses, as
-    /// [`GpuEngine::total_norm_raw_at`] (`opts.per_tensor_norms` is ignored: `per_tensor` decides).
-    ///
-    /// # Safety
-    /// As [`GpuEngine::clip_grad_norm_raw`] and [`GpuEngine::total_norm_raw_at`].
-    pub unsafe fn clip_grad_norm_raw_at(
-        &mut self,
-        tensors: &[RawTensor],
-        max_norm: f64,
-        opts: &ClipOptions,
-        out: u64,
-        per_tensor: Option<u64>,
-    ) -> Result<()> {
+        out: O,
+    ) -> Result<O::Returned> {
         validate_max_norm(max_norm)?;
         let norm_type = opts.norm_type.validated()?;
         if opts.error_if_nonfinite && matches!(capture::status(&self.stream)?, Capture::Active(_)) {
@@ -346,37 +215,38 @@ impl GpuEngine {
                 instead: "capture with error_if_nonfinite = false: the scale kernel still reads the non-finite flag on the device, and the NormOutput keeps it for a later check",
             });
         }
-        let prepared = self.prepare(tensors, true)?;
-        let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
-        // SAFETY: as total_norm_raw_at; prepare checked that the tensors are disjoint.
-        unsafe { self.run(norm_type, &prepared, max_norm, f, out, per_tensor) }?;
-        // SAFETY: the norm kernel wrote `out` just above on this stream; the tensors are
-        // disjoint (prepare) and writable (caller).
-        unsafe { self.scale(&prepared, out) }?;
-        if opts.error_if_nonfinite {
-            // SAFETY: `out` is the caller's 24 bytes of device memory, written above.
-            let r = unsafe { self.read_output_at(out) }?;
-            if r.nonfinite != 0 {
-                return Err(Error::NonFiniteNorm {
-                    norm: r.norm,
-                    norm_type: norm_type.to_string(),
-                });
+        let stream = self.stream.clone();
+        out.write(&stream, tensors.len(), opts.per_tensor_norms, |o, per| {
+            let prepared = self.prepare(tensors, true)?;
+            let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
+            // SAFETY: as total_norm_raw; prepare checked that the tensors are disjoint.
+            unsafe { self.run(norm_type, &prepared, max_norm, f, o, per) }?;
+            // SAFETY: the norm kernel wrote `o` just above on this stream; the tensors are
+            // disjoint (prepare) and writable (caller).
+            unsafe { self.scale_prepared(&prepared, o) }?;
+            if opts.error_if_nonfinite {
+                // SAFETY: `o` is the output's 24 bytes of device memory, written above.
+                let r = unsafe { self.read_output_at(o) }?;
+                if r.nonfinite != 0 {
+                    return Err(Error::NonFiniteNorm {
+                        norm: r.norm,
+                        norm_type: norm_type.to_string(),
+                    });
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
-    /// Scales every tensor by the coefficient of the [`NormOutput`] at device address `out`
-    /// (written by the caller, e.g. from a norm all-reduced across ranks): the second half of
-    /// a clip, for `clip_grads_with_norm_`. One launch; nothing when the coefficient is 1.
+    /// [`GpuEngine::scale`] with the coefficient of the [`NormOutput`] at device address `coef`.
     ///
     /// # Safety
-    /// As [`GpuEngine::clip_grad_norm_raw`]; `out` must hold a valid [`NormOutput`] in device
+    /// As [`GpuEngine::clip_grad_norm_raw`]; `coef` must hold a valid [`NormOutput`] in device
     /// memory of this context, ordered before this call on the stream.
-    pub unsafe fn scale_raw_at(&mut self, tensors: &[RawTensor], out: u64) -> Result<()> {
+    pub unsafe fn scale_raw(&mut self, tensors: &[RawTensor], coef: u64) -> Result<()> {
         let prepared = self.prepare(tensors, true)?;
-        // SAFETY: tables uploaded, tensors disjoint (prepare) and writable, out valid (caller).
-        unsafe { self.scale(&prepared, out) }
+        // SAFETY: tables uploaded, tensors disjoint (prepare) and writable, coef valid (caller).
+        unsafe { self.scale_prepared(&prepared, coef) }
     }
 
     /// The scale launch of a prepared plan (nothing for a plan without tasks).
@@ -384,7 +254,7 @@ impl GpuEngine {
     /// # Safety
     /// As [`launch::scale`]: `out` holds a [`NormOutput`] ordered before this on the stream, and
     /// the prepared tensors are writable and pairwise disjoint.
-    unsafe fn scale(&self, p: &Prepared, out: u64) -> Result<()> {
+    unsafe fn scale_prepared(&self, p: &Prepared, out: u64) -> Result<()> {
         if p.num_tasks == 0 {
             return Ok(());
         }
@@ -506,16 +376,5 @@ impl GpuEngine {
             unsafe { launch::tensor_norms(&self.stream, &self.kernels, norm_type, &t, per, p.num_tensors as u64) }?;
         }
         Ok(())
-    }
-}
-
-fn check_out(out: &DeviceNorm, num_tensors: usize) -> Result<()> {
-    match &out.per_tensor {
-        Some(p) if p.len() != num_tensors => Err(Error::LengthMismatch {
-            what: "the DeviceNorm's per-tensor buffer",
-            expected: num_tensors,
-            found: p.len(),
-        }),
-        _ => Ok(()),
     }
 }

@@ -9,9 +9,11 @@
 
 pub mod buffers;
 mod capture;
+mod device_norm;
 pub mod engine;
 pub mod kernels;
 pub mod launch;
+mod output;
 #[cfg(feature = "bench-kernels")]
 pub mod tools;
 mod words;
@@ -19,7 +21,9 @@ mod workspace;
 
 pub use buffers::{DeviceGrad, DeviceGradMut};
 pub use capture::graph_tables_live;
-pub use engine::{DeviceNorm, GpuEngine};
+pub use device_norm::DeviceNorm;
+pub use engine::GpuEngine;
+pub use output::{NewNorm, Output, RawOutput};
 pub use workspace::{ExternalWorkspace, workspace_bytes};
 
 /// True when the CUDA driver library loads and reports at least one device.

@@ -14,12 +14,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     assert!((a[0] - 0.3).abs() < 1e-6, "scaled by 1 / (10 + 1e-6): {}", a[0]);
     println!("downstream CPU check passed: norm {}", r.norm);
     if Backend::detect() == Backend::Gpu {
-        use gradclip::gpu::{DeviceGradMut, GpuEngine};
+        use gradclip::gpu::{DeviceGradMut, GpuEngine, NewNorm};
         let stream = gradclip::cudarc::driver::CudaContext::new(0)?.default_stream();
         let mut g = stream.clone_htod(&[3.0f32, 4.0])?;
         let mut engine = GpuEngine::new(stream.clone())?;
         let mut grads: [&mut dyn DeviceGradMut; 1] = [&mut g];
-        let norm = engine.clip_grad_norm(&mut grads, 1.0, &ClipOptions::default())?.read()?.norm;
+        let norm = engine.clip_grad_norm(&mut grads, 1.0, &ClipOptions::default(), NewNorm::default())?.read()?.norm;
         assert_eq!(norm, 5.0);
         println!("downstream GPU check passed: norm {norm}");
     }

@@ -1,0 +1,119 @@
+//! Where a norm or clip leaves its result: the one output parameter of [`super::GpuEngine`]'s
+//! operations, in place of a family of methods per destination.
+//!
+//! | output | what the call returns | allocates | capturable in a CUDA graph |
+//! |---|---|---|---|
+//! | [`NewNorm`] | a new [`DeviceNorm`] | yes | no ([`crate::Error::NotCapturable`]) |
+//! | `&mut DeviceNorm` | `()` | no | yes |
+//! | [`RawOutput`] (unsafe to make) | `()` | no | yes |
+//!
+//! Per-tensor norms come with the output: [`NewNorm::per_tensor`], a [`DeviceNorm`] made with room
+//! for one norm per tensor, or a [`RawOutput`] with their address.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use super::device_norm::DeviceNorm;
+use crate::error::{Error, Result};
+
+/// The result goes to a new [`DeviceNorm`], returned by the call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NewNorm {
+    /// Also compute each tensor's norm (one more launch).
+    pub per_tensor: bool,
+}
+
+impl NewNorm {
+    /// A result with each tensor's norm too.
+    pub fn per_tensor() -> Self {
+        NewNorm { per_tensor: true }
+    }
+}
+
+/// The result goes to device memory the caller owns, named by address: for bindings whose memory
+/// comes from another allocator (PyTorch's caching allocator, say).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawOutput {
+    norm: u64,
+    per_tensor: Option<u64>,
+}
+
+impl RawOutput {
+    /// The [`gradclip_kernels::abi::NormOutput`] (24 bytes) at `norm`, and one f64 per tensor at
+    /// `per_tensor` when given. Null or misaligned addresses are refused here.
+    ///
+    /// # Safety
+    /// Both must be writable device memory of the engine's context (8-byte aligned; `per_tensor`
+    /// with room for one f64 per tensor of every call they are given to), used by nothing else
+    /// until the work those calls enqueue completes.
+    pub unsafe fn new(norm: u64, per_tensor: Option<u64>) -> Result<Self> {
+        for (what, addr) in [("the NormOutput", Some(norm)), ("the per-tensor norms", per_tensor)] {
+            if let Some(a) = addr
+                && (a == 0 || !a.is_multiple_of(8))
+            {
+                return Err(Error::BadOutputAddress { what, addr: a });
+            }
+        }
+        Ok(RawOutput { norm, per_tensor })
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::NewNorm {}
+    impl Sealed for &mut super::DeviceNorm {}
+    impl Sealed for super::RawOutput {}
+}
+
+/// A destination for a norm or clip: [`NewNorm`], `&mut DeviceNorm` or [`RawOutput`] (sealed).
+pub trait Output: sealed::Sealed {
+    /// What the call returns: the new [`DeviceNorm`], or `()`.
+    type Returned;
+    /// Runs `launch` with the result's addresses (`per_tensor` asks for per-tensor norms when the
+    /// output decides it itself), then hands back what the call returns.
+    #[doc(hidden)]
+    fn write(
+        self,
+        stream: &Arc<CudaStream>,
+        num_tensors: usize,
+        per_tensor: bool,
+        launch: impl FnOnce(u64, Option<u64>) -> Result<()>,
+    ) -> Result<Self::Returned>;
+}
+
+impl Output for NewNorm {
+    type Returned = DeviceNorm;
+    fn write(
+        self,
+        stream: &Arc<CudaStream>,
+        num_tensors: usize,
+        per_tensor: bool,
+        launch: impl FnOnce(u64, Option<u64>) -> Result<()>,
+    ) -> Result<DeviceNorm> {
+        let mut out = DeviceNorm::for_call(stream, self.per_tensor || per_tensor, num_tensors)?;
+        (&mut out).write(stream, num_tensors, false, launch)?;
+        Ok(out)
+    }
+}
+
+impl Output for &mut DeviceNorm {
+    type Returned = ();
+    fn write(
+        self,
+        stream: &Arc<CudaStream>,
+        num_tensors: usize,
+        _: bool,
+        launch: impl FnOnce(u64, Option<u64>) -> Result<()>,
+    ) -> Result<()> {
+        let a = self.addresses(stream, num_tensors)?;
+        launch(a.norm, a.per_tensor)
+    }
+}
+
+impl Output for RawOutput {
+    type Returned = ();
+    fn write(self, _: &Arc<CudaStream>, _: usize, _: bool, launch: impl FnOnce(u64, Option<u64>) -> Result<()>) -> Result<()> {
+        launch(self.norm, self.per_tensor)
+    }
+}
