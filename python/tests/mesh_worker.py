@@ -243,6 +243,22 @@ def pipeline_dtensor(rank, world, p):
             check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh["dp"], [Shard(0)])._local_tensor, "pipeline_dtensor")
 
 
+def errors(rank, world, p):
+    """A process group listed at two positions is refused before anything is read or written
+    (every rank sees the same lists, so every rank raises, and none waits in a collective)."""
+    a = dist.new_group(list(range(world)))
+    b = dist.new_group(list(range(world)))
+    g1, g2 = dev(torch.ones(4)), dev(torch.ones(3))
+    before = (g1.clone(), g2.clone())
+    try:
+        gt.clip_grad_norm_([gt.Shards([param(g1)], over=[a, b]), gt.Shards([param(g2)], over=[b])], MAX_NORM, p)
+    except ValueError as e:
+        assert "in one order" in str(e), e
+    else:
+        raise AssertionError("a group at two levels was accepted")
+    assert torch.equal(g1, before[0]) and torch.equal(g2, before[1])
+
+
 def torch_parity(rank, world, p):
     """Other dtypes: the same DTensor gradients clipped by torch's own DTensor path; the norms
     agree within the dtype's rounding and the shards within one rounding of the coefficient."""
@@ -262,7 +278,7 @@ def torch_parity(rank, world, p):
         assert float(gt.get_total_norm([q.grad for q in ours], p).full_tensor()) > 0
 
 
-SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "torch_parity": torch_parity}
+SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity}
 
 
 def main():

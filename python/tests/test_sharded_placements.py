@@ -56,7 +56,7 @@ def run_world(tmp_path, world, scenarios, device="cpu"):
 
 @GLOO
 def test_world_of_two(tmp_path):
-    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "torch_parity"])
+    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "errors", "torch_parity"])
 
 
 @GLOO
