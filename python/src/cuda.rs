@@ -58,10 +58,10 @@ pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p:
     let norm_type = NormType::from_p(p).map_err(to_py)?;
     let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
     let per = (per_tensor != 0).then_some(per_tensor);
-    // SAFETY: the tensors, `out` and `per_tensor` (room for one f64 per tensor) are live CUDA
-    // memory of `device` that PyTorch's caching allocator keeps until the stream passes this
-    // work (the caller holds them).
     py.detach(|| {
+        // SAFETY: the tensors, `out` and `per_tensor` (room for one f64 per tensor) are live
+        // CUDA memory of `device` that PyTorch's caching allocator keeps until the stream passes
+        // this work (the caller holds them).
         with_engine(device, stream, ws, |e| unsafe {
             e.total_norm_raw(&t, norm_type, RawOutput::new(out, per)?)
         })
@@ -81,8 +81,8 @@ pub fn cuda_clip_grad_norm(
 ) -> PyResult<()> {
     let opts = clip_options(p, error_if_nonfinite)?;
     let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
-    // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
     py.detach(|| {
+        // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
         with_engine(device, stream, ws, |e| unsafe {
             e.clip_grad_norm_raw(&t, max_norm, &opts, RawOutput::new(out, None)?)
         })

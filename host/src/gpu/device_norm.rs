@@ -40,6 +40,7 @@ impl DeviceNorm {
         // SAFETY: u64/f64 accept any bits; the norm kernel writes every word before a read.
         let out = unsafe { stream.alloc::<u64>(OUT_WORDS) }?;
         let per_tensor = if per_tensor > 0 {
+            // SAFETY: as above: the per-tensor kernel writes every entry before a read.
             Some(unsafe { stream.alloc::<f64>(per_tensor) }?)
         } else {
             None
