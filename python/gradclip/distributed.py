@@ -44,6 +44,20 @@ def is_dtensor(t: Any) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def _mesh_level(mesh, d: int) -> int:
+    """The level of mesh dimension ``d``: its index in the root mesh when ``mesh`` is a sub-mesh
+    (``mesh2d["tp"]`` is at the level of the 2-D mesh's "tp"), so DTensors on a mesh and on its
+    sub-meshes agree on the order of their collectives; else ``d``."""
+    try:
+        root = mesh._get_root_mesh()
+        names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+        if root is not mesh and names and root_names and names[d] in root_names:
+            return root_names.index(names[d])
+    except Exception:  # pragma: no cover - other torch versions: the dimension's own index
+        pass
+    return d
+
+
 class _Piece:
     """One local gradient: the tensor the clip writes, the one the norm reads (the same unless a
     Partial placement was redistributed), and the index of its key (None: not counted)."""
@@ -130,7 +144,7 @@ class Layout:
             # are placeholders: a key holds only the reduced ones, at their dimension's level).
             dims = tuple(d for d, pl in enumerate(placements) if not pl.is_replicate() and not pl.is_partial())
             partial = any(pl.is_partial() for pl in placements)
-            cached = (tuple((d, mesh.get_group(d)) for d in dims), partial)
+            cached = (tuple((_mesh_level(mesh, d), mesh.get_group(d)) for d in dims), partial)
             self._mesh_keys[(id(mesh), placements)] = cached
         dims, partial = cached
         local = g._local_tensor
@@ -139,7 +153,7 @@ class Layout:
             target = [Replicate() if pl.is_partial() else pl for pl in placements]
             source = g.redistribute(mesh, target)._local_tensor
             self.partial = True
-        key = self.key_at([(i, g) for i, g in enumerate(over)] + [(len(over) + d, g) for d, g in dims]) if counted else None
+        key = self.key_at([(i, g) for i, g in enumerate(over)] + [(len(over) + lv, g) for lv, g in dims]) if counted else None
         self.pieces.append(_Piece(local, source, key, True))
 
     def indices(self, what: Any, values: Sequence[int], device: torch.device) -> torch.Tensor:

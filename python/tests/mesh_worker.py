@@ -143,13 +143,18 @@ def dp_tp(rank, world, p):
     tp = mesh.size(1)
     partial = DTensor.from_local(dev(partial_full / tp), mesh, [Replicate(), Partial()], run_check=False)
     with_partial = params + [param(partial)]
-    want, coef = reference(fulls, p)
+    # And one on the tensor-parallel sub-mesh (replicated over dp by construction): the same
+    # groups at the same levels as the 2-D mesh's, one all-reduce each still.
+    sub_full = full_grads(23, [(6, 2)])[0]
+    sub = param(distribute_tensor(sub_full.clone(), mesh["tp"], [Shard(0)]))
+    want, coef = reference(fulls + [sub_full], p)
     with CountingAllReduce() as c:
-        got = gt.clip_grad_norm_(params, MAX_NORM, p)
+        got = gt.clip_grad_norm_(params + [sub], MAX_NORM, p)
     check_norm(got, want, f"dp x tp p={p}")
     check_calls(c.calls, [mesh.get_group(0).group_name, mesh.get_group(1).group_name], "dp x tp")
     for i, (q, f, (_, pl)) in enumerate(zip(params, fulls, cases)):
         check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, pl)._local_tensor, f"dp x tp tensor {i}")
+    check_local(sub.grad._local_tensor, distribute_tensor(sub_full * coef, mesh["tp"], [Shard(0)])._local_tensor, "tp sub-mesh")
     # With the Partial gradient: its norm is the norm of its sum over tp (redistributed for the
     # norm only); the clip scales each rank's addend.
     fulls2 = full_grads(21, [s for s, _ in cases])
