@@ -9,6 +9,23 @@
 //!
 //! Per-tensor norms come with the output: [`NewNorm::per_tensor`], a [`DeviceNorm`] made with room
 //! for one norm per tensor, or a [`RawOutput`] with their address.
+//!
+//! ```no_run
+//! use gradclip::gpu::{DeviceGrad, DeviceNorm, GpuEngine, NewNorm};
+//! use gradclip::NormType;
+//! let stream = cudarc::driver::CudaContext::new(0)?.default_stream();
+//! let g = stream.clone_htod(&[3.0f32, 4.0])?;
+//! let grads: [&dyn DeviceGrad; 1] = [&g];
+//! let mut engine = GpuEngine::new(stream.clone())?;
+//! // A new result, with each tensor's norm:
+//! let fresh = engine.total_norm(&grads, NormType::L2, NewNorm::per_tensor())?;
+//! assert_eq!(fresh.read()?.per_tensor, Some(vec![5.0]));
+//! // Reused storage (no allocation; what a captured CUDA graph needs):
+//! let mut out = DeviceNorm::new(&stream, 0)?;
+//! engine.total_norm(&grads, NormType::L2, &mut out)?;
+//! assert_eq!(out.read()?.norm, 5.0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use std::sync::Arc;
 
