@@ -390,14 +390,14 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
     _gt._check_writable(plan, ts)
     out, stream = _gt._cuda_out(plan.device)
     if not groups:
-        _gt._cuda_call(_gt._native.cuda_clip_grad_norm, plan, stream, max_norm, p, False, out.data_ptr())
+        _gt._cuda_call(_gt._native.cuda_clip_grad_norm, plan, stream, max_norm, p, out.data_ptr())
         _gt._written(ts)
         return out[0]
     _gt._cuda_call(_gt._native.cuda_total_norm, plan, stream, p, out.data_ptr())
     norm = _combined(out[:1], p, groups)
-    # The engine's rule, min(1, max_norm / (norm + 1e-6)), into the output the scale kernel reads
-    # (its flags word, written by the norm kernel, asks for no non-finite check).
-    torch.clamp(max_norm / (norm + 1e-6), max=1.0, out=out[1:2])
+    # The clip rule, into the output the scale kernel reads (its flags word, written by the norm
+    # kernel, asks for no non-finite check).
+    _gt._clip_coef(max_norm, norm, out=out[1:2])
     _gt._cuda_call(_gt._native.cuda_scale, plan, stream, out.data_ptr())
     _gt._written(ts)
     return norm[0]

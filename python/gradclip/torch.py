@@ -387,10 +387,11 @@ def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
             torch._foreach_mul_(rest, coef.to(device))
 
 
-def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
-    """torch's rule, in f64: min(1, max_norm / (total_norm + 1e-6)). A bf16/f16/f32 ``total_norm``
-    is widened to f64 first (torch would compute the coefficient in that dtype)."""
-    return torch.clamp(float(max_norm) / (total_norm.to(torch.float64) + 1e-6), max=1.0)
+def _clip_coef(max_norm: float, total_norm: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch's rule, in f64: min(1, max_norm / (total_norm + 1e-6)), the engine's too. A
+    bf16/f16/f32 ``total_norm`` is widened to f64 first (torch would compute the coefficient in
+    that dtype). ``out``: an f64 tensor to write it into."""
+    return torch.clamp(float(max_norm) / (total_norm.to(torch.float64) + 1e-6), max=1.0, out=out)
 
 
 def _clip_grads(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
@@ -468,10 +469,10 @@ def clip_grad_norm_(
         # The whole clip in one native call: norm and scale, no host synchronization on CUDA.
         if plan.device >= 0:
             out, stream = _cuda_out(plan.device)
-            _cuda_call(_native.cuda_clip_grad_norm, plan, stream, max_norm, p, False, out.data_ptr())
+            _cuda_call(_native.cuda_clip_grad_norm, plan, stream, max_norm, p, out.data_ptr())
             total = out[0].to(plan.result_dtype)
         else:
-            norm, _ = _native.cpu_clip_grad_norm(plan, max_norm, p, False)
+            norm, _ = _native.cpu_clip_grad_norm(plan, max_norm, p)
             total = torch.tensor(norm, dtype=plan.result_dtype)
         _written(grads)
         return total

@@ -22,8 +22,8 @@ pub fn cpu_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, p: f64, per_tensor
 
 /// Norm and in-place clip of a plan's host tensors; returns (norm, coefficient).
 #[pyfunction]
-pub fn cpu_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, max_norm: f64, p: f64, error_if_nonfinite: bool) -> PyResult<(f64, f64)> {
-    let opts = clip_options(p, error_if_nonfinite)?;
+pub fn cpu_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, max_norm: f64, p: f64) -> PyResult<(f64, f64)> {
+    let opts = clip_options(p)?;
     let t = plan.get().tensors();
     // SAFETY: as cpu_total_norm; the tensors are the caller's gradients, written by nobody else.
     let r = py

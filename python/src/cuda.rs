@@ -70,16 +70,8 @@ pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p:
 
 /// Norm and in-place clip of a plan's CUDA tensors on `stream`; the NormOutput goes to `out`.
 #[pyfunction]
-pub fn cuda_clip_grad_norm(
-    py: Python<'_>,
-    plan: &Bound<'_, Plan>,
-    stream: usize,
-    max_norm: f64,
-    p: f64,
-    error_if_nonfinite: bool,
-    out: u64,
-) -> PyResult<()> {
-    let opts = clip_options(p, error_if_nonfinite)?;
+pub fn cuda_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, max_norm: f64, p: f64, out: u64) -> PyResult<()> {
+    let opts = clip_options(p)?;
     let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
     py.detach(|| {
         // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
