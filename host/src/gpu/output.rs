@@ -134,3 +134,23 @@ impl Output for RawOutput {
         launch(self.norm, self.per_tensor)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Null and misaligned result addresses are refused when the output is made (no GPU needed).
+    #[test]
+    fn raw_output_addresses_are_checked() {
+        // SAFETY (all): the outputs are never given to a call.
+        let bad = |norm, per| unsafe { RawOutput::new(norm, per) };
+        assert!(matches!(bad(0, None), Err(Error::BadOutputAddress { addr: 0, .. })));
+        assert!(matches!(bad(0x1004, None), Err(Error::BadOutputAddress { addr: 0x1004, .. })));
+        assert!(matches!(bad(0x1000, Some(0)), Err(Error::BadOutputAddress { addr: 0, .. })));
+        assert!(matches!(
+            bad(0x1000, Some(0x2002)),
+            Err(Error::BadOutputAddress { addr: 0x2002, .. })
+        ));
+        assert!(bad(0x1000, Some(0x2000)).is_ok() && bad(0x1008, None).is_ok());
+    }
+}
