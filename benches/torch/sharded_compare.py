@@ -21,6 +21,7 @@ Usage: torchrun --nproc-per-node 2 benches/torch/sharded_compare.py OUT.json [--
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -190,6 +191,9 @@ def main():
     if world == 1:
         record["one_rank"] = one_rank_rows(args)
     record["fsdp2"] = fsdp_rows(args, rank, world)
+    # The FSDP2 model is freed only by a cycle collection: collect while the interpreter is alive
+    # (at shutdown it races gloo's worker threads; see python/examples/train_fsdp.py).
+    gc.collect()
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
