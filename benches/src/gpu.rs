@@ -8,6 +8,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use gradclip::gpu::{DeviceNorm, GpuEngine, NewNorm, tools};
 use gradclip::plan::RawTensor;
+use gradclip::tensor_list::TensorList;
 use gradclip::{ClipOptions, DType, NormType};
 use indicatif::ProgressBar;
 
@@ -103,7 +104,7 @@ impl Gpu {
         bar.set_message(format!("{}: filling {} x {:.2} GB", w.name, copies, bytes as f64 / 1e9));
 
         let mut buffers: Vec<CudaSlice<u8>> = Vec::new();
-        let mut sets: Vec<Vec<RawTensor>> = Vec::new();
+        let mut sets: Vec<TensorList> = Vec::new();
         let mut engines = Vec::new();
         for c in 0..copies {
             let mut raws = Vec::with_capacity(w.tensors.len());
@@ -121,7 +122,7 @@ impl Gpu {
                 buffers.push(b);
                 raws.push(raw);
             }
-            sets.push(raws);
+            sets.push(TensorList::new(&raws)?);
             engines.push(engine);
         }
         let flat_bytes = (bytes * copies).div_ceil(16) * 16;
@@ -202,7 +203,7 @@ impl Gpu {
         let base_batch = if w.tensors.len() > 100 || bytes > 256 << 20 { 1 } else { 5 };
         let t_base = self.time(s.baseline_reps, base_batch, |_| {
             // SAFETY: sets[0] covers live buffers.
-            unsafe { tools::baseline_two_pass(&self.stream, ks, &sets[0], &mut scratch, self.sms) }
+            unsafe { tools::baseline_two_pass(&self.stream, ks, sets[0].tensors(), &mut scratch, self.sms) }
         })?;
         let base_norm = self
             .stream

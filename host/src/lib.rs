@@ -30,6 +30,7 @@ pub mod error;
 pub mod gpu;
 pub mod norm;
 pub mod plan;
+pub mod tensor_list;
 
 pub use dtype::{DType, GradElement};
 pub use error::{Error, Result};

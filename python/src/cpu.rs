@@ -12,7 +12,7 @@ use crate::{clip_options, to_py};
 #[pyo3(signature = (plan, p, per_tensor=false))]
 pub fn cpu_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, p: f64, per_tensor: bool) -> PyResult<(f64, Option<Vec<f64>>)> {
     let norm_type = NormType::from_p(p).map_err(to_py)?;
-    let t = plan.get().tensors();
+    let t = plan.get().list();
     // SAFETY: the plan holds live, contiguous CPU tensors that the Python caller keeps alive
     // for the call.
     py.detach(|| unsafe { Cpu::new().total_norm_raw(&t, norm_type, per_tensor) })
@@ -24,7 +24,7 @@ pub fn cpu_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, p: f64, per_tensor
 #[pyfunction]
 pub fn cpu_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, max_norm: f64, p: f64) -> PyResult<(f64, f64)> {
     let opts = clip_options(p)?;
-    let t = plan.get().tensors();
+    let t = plan.get().list();
     // SAFETY: as cpu_total_norm; the tensors are the caller's gradients, written by nobody else.
     let r = py
         .detach(|| unsafe { Cpu::new().clip_grad_norm_raw(&t, max_norm, &opts) })
@@ -35,7 +35,7 @@ pub fn cpu_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, max_norm: f64,
 /// In-place scale of a plan's host tensors by `coef`.
 #[pyfunction]
 pub fn cpu_scale(py: Python<'_>, plan: &Bound<'_, Plan>, coef: f64) -> PyResult<()> {
-    let t = plan.get().tensors();
+    let t = plan.get().list();
     // SAFETY: as cpu_clip_grad_norm.
     py.detach(|| unsafe { Cpu::new().scale_raw(&t, coef) }).map_err(to_py)
 }

@@ -56,7 +56,7 @@ fn with_engine<R>(
 #[pyo3(signature = (plan, stream, p, out, per_tensor=0))]
 pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p: f64, out: u64, per_tensor: u64) -> PyResult<()> {
     let norm_type = NormType::from_p(p).map_err(to_py)?;
-    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().list());
     let per = (per_tensor != 0).then_some(per_tensor);
     py.detach(|| {
         // SAFETY: the tensors, `out` and `per_tensor` (room for one f64 per tensor) are live
@@ -72,7 +72,7 @@ pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p:
 #[pyfunction]
 pub fn cuda_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, max_norm: f64, p: f64, out: u64) -> PyResult<()> {
     let opts = clip_options(p)?;
-    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().list());
     py.detach(|| {
         // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
         with_engine(device, stream, ws, |e| unsafe {
@@ -84,7 +84,7 @@ pub fn cuda_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize
 /// In-place scale of a plan's CUDA tensors by the coefficient in the NormOutput at `out`.
 #[pyfunction]
 pub fn cuda_scale(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, out: u64) -> PyResult<()> {
-    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().tensors());
+    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().list());
     // SAFETY: as cuda_clip_grad_norm; `out` was written on this stream before the call.
     py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.scale_raw(&t, out) }))
 }

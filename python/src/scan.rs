@@ -10,11 +10,12 @@
 //! only when it says no does the full read decide.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use gradclip::DType;
 use gradclip::gpu::ExternalWorkspace;
-use gradclip::plan::{RawTensor, check_disjoint};
+use gradclip::plan::RawTensor;
+use gradclip::tensor_list::TensorList;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -42,11 +43,13 @@ struct Entry {
 }
 
 /// A list of contiguous tensors of the engine's dtypes, all on one device and pairwise
-/// disjoint: what one native call takes. Holds the device workspace lent to it, so a
-/// captured CUDA graph keeps using the memory its kernels were recorded with.
+/// disjoint: what one native call takes. Wraps the host crate's [`TensorList`], checked and
+/// planned once, which every native call passes down as it is (the engine knows its uploaded
+/// tables by the list's identity). Holds the device workspace lent to it, so a captured CUDA
+/// graph keeps using the memory its kernels were recorded with.
 #[pyclass(frozen, module = "gradclip._native")]
 pub struct Plan {
-    tensors: Arc<[RawTensor]>,
+    list: TensorList,
     place: Place,
     result_dtype: Py<PyAny>,
     has_inference: bool,
@@ -65,9 +68,9 @@ struct Lent {
 static GENERATION: AtomicU64 = AtomicU64::new(1);
 
 impl Plan {
-    /// The tensors, shareable across a GIL release.
-    pub fn tensors(&self) -> Arc<[RawTensor]> {
-        self.tensors.clone()
+    /// The checked, planned list, shareable across a GIL release.
+    pub fn list(&self) -> TensorList {
+        self.list.clone()
     }
 
     /// The CUDA device ordinal; None for host tensors.
@@ -111,13 +114,13 @@ impl Plan {
 
     /// Number of tensors.
     fn __len__(&self) -> usize {
-        self.tensors.len()
+        self.list.len()
     }
 
     /// Bytes of zeroed device memory the engine's tables need for this list.
     #[getter]
     fn workspace_bytes(&self) -> PyResult<usize> {
-        gradclip::gpu::workspace_bytes(&self.tensors).map_err(to_py)
+        gradclip::gpu::workspace_bytes(&self.list).map_err(to_py)
     }
 
     /// True once a workspace was lent.
@@ -233,16 +236,20 @@ impl Planner {
         Ok(true)
     }
 
-    /// A plan for entries read by [`Planner::read_all`]; None when the tensors overlap (aliased
-    /// gradients go through the general path, which scales each occurrence as torch does).
+    /// A plan for entries read by [`Planner::read_all`]: the list is checked and planned here,
+    /// once. None when the tensors overlap (aliased gradients go through the general path,
+    /// which scales each occurrence as torch does) or exceed the table's limits.
     fn plan_of_entries(&self, py: Python<'_>, entries: &[Entry]) -> PyResult<Option<Py<Plan>>> {
-        let tensors: Arc<[RawTensor]> = entries.iter().map(|e| e.tensor).collect();
-        if check_disjoint(&tensors).is_err() {
+        let tensors: Vec<RawTensor> = entries.iter().map(|e| e.tensor).collect();
+        let Ok(list) = TensorList::new(&tensors) else {
+            return Ok(None);
+        };
+        if list.check_writable().is_err() {
             return Ok(None);
         }
         let code = entries.iter().map(|e| dtype_index(e.tensor.dtype)).reduce(promote).unwrap_or(2);
         let plan = Plan {
-            tensors,
+            list,
             place: entries.first().map_or(Place::Cpu, |e| e.place),
             result_dtype: self.dtypes[code].clone_ref(py),
             has_inference: entries.iter().any(|e| e.inference),

@@ -8,6 +8,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use gradclip::cpu::{Cpu, HostGrad, HostGradMut};
 use gradclip::gpu::{DeviceGrad, DeviceGradMut, GpuEngine, NewNorm};
 use gradclip::plan::RawTensor;
+use gradclip::tensor_list::TensorList;
 use gradclip::{ClipOptions, DType, Error, NormType};
 use gradclip_tests::*;
 use half::{bf16, f16};
@@ -118,6 +119,11 @@ fn gpu_norm(gpu: &Gpu, engine: &mut GpuEngine, devs: &[DevGrad], p: f64, per_ten
         .unwrap()
         .read()
         .unwrap()
+}
+
+/// The raw API's list of `raws` (valid by construction in these tests).
+fn list(raws: &[RawTensor]) -> TensorList {
+    TensorList::new(raws).expect("a valid tensor list")
 }
 
 fn same_bits(a: f64, b: f64) -> bool {
@@ -278,7 +284,7 @@ fn million_tensors(gpu: &Gpu) -> TestResult {
         .collect();
     let mut engine = gpu.engine();
     // SAFETY: every span lies inside `storage`, alive and unwritten during the call.
-    let g = unsafe { engine.total_norm_raw(&raws, NormType::L2, NewNorm::per_tensor()) }
+    let g = unsafe { engine.total_norm_raw(&list(&raws), NormType::L2, NewNorm::per_tensor()) }
         .unwrap()
         .read()
         .unwrap();
@@ -309,7 +315,7 @@ fn huge_tensor(gpu: &Gpu) -> TestResult {
     let twin = Grad::Bf16(host, 1).with_host_phase(2);
     for p in [2.0, f64::INFINITY] {
         // SAFETY: raw lies inside d, which is alive and not written meanwhile.
-        let g = unsafe { engine.total_norm_raw(&[raw], NormType::from_p(p).unwrap(), NewNorm::default()) }
+        let g = unsafe { engine.total_norm_raw(&list(&[raw]), NormType::from_p(p).unwrap(), NewNorm::default()) }
             .unwrap()
             .read()
             .unwrap();
@@ -318,7 +324,7 @@ fn huge_tensor(gpu: &Gpu) -> TestResult {
     }
     let opts = ClipOptions::default();
     // SAFETY: as above; a single tensor cannot overlap another.
-    let g = unsafe { engine.clip_grad_norm_raw(&[raw], 1000.0, &opts, NewNorm::default()) }
+    let g = unsafe { engine.clip_grad_norm_raw(&list(&[raw]), 1000.0, &opts, NewNorm::default()) }
         .unwrap()
         .read()
         .unwrap();
@@ -377,7 +383,7 @@ fn overlap_rejected(gpu: &Gpu) -> TestResult {
     // SAFETY: both lie inside d; the call must refuse before launching.
     let r = unsafe {
         gpu.engine()
-            .clip_grad_norm_raw(&[a, b], 1.0, &ClipOptions::default(), NewNorm::default())
+            .clip_grad_norm_raw(&list(&[a, b]), 1.0, &ClipOptions::default(), NewNorm::default())
     };
     ensure(matches!(r, Err(Error::Overlap { first: 0, second: 1 })), || format!("{r:?}"))?;
     ensure(gpu.stream.clone_dtoh(&d).unwrap() == vec![1.0f32; 64], || "memory changed".into())
@@ -470,6 +476,8 @@ fn graph_capture(_: &Gpu) -> TestResult {
     let opts = ClipOptions::default();
     // First call plans and uploads the table; the captured ones reuse it and allocate nothing.
     // SAFETY (all raw calls): raws point into `devs`, alive for the whole test.
+    // One list for every call (the binding's way); the engine knows its tables by the list's id.
+    let raws = list(&raws);
     unsafe { engine.clip_grad_norm_raw(&raws, 1e30, &opts, &mut out) }.unwrap();
     let capture = |f: &mut dyn FnMut()| {
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).unwrap();
@@ -585,12 +593,12 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
     let mut refused = Vec::new();
     let empty = capture(&mut || {
         // SAFETY (every raw call in this test): the raws point into devs_a/devs_b, alive here.
-        refused.push(unsafe { captor.total_norm_raw(&raws_a, NormType::L2, NewNorm::default()) }.err());
+        refused.push(unsafe { captor.total_norm_raw(&list(&raws_a), NormType::L2, NewNorm::default()) }.err());
         let strict = ClipOptions {
             error_if_nonfinite: true,
             ..opts
         };
-        refused.push(unsafe { captor.clip_grad_norm_raw(&raws_a, 1.0, &strict, &mut out_a) }.err());
+        refused.push(unsafe { captor.clip_grad_norm_raw(&list(&raws_a), 1.0, &strict, &mut out_a) }.err());
     });
     ensure(refused.iter().all(|r| matches!(r, Some(Error::NotCapturable { .. }))), || {
         format!("expected NotCapturable twice, got {refused:?}")
@@ -598,10 +606,10 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
     ensure(empty.is_none_or(|g| kernel_nodes(&g) == 0), || "refused calls left kernels".into())?;
 
     // A never-seen list, first call of a new engine, under capture.
-    let graph_a = capture(&mut || unsafe { captor.clip_grad_norm_raw(&raws_a, 0.5, &opts, &mut out_a) }.unwrap()).expect("a graph");
+    let graph_a = capture(&mut || unsafe { captor.clip_grad_norm_raw(&list(&raws_a), 0.5, &opts, &mut out_a) }.unwrap()).expect("a graph");
     // Another list runs on the same engine before the replays (its workspace now holds list B).
-    unsafe { captor.clip_grad_norm_raw(&raws_b, 1e30, &opts, &mut out_b) }.unwrap();
-    let graph_b = capture(&mut || unsafe { captor.total_norm_raw(&raws_b, NormType::Inf, &mut out_b) }.unwrap()).expect("a graph");
+    unsafe { captor.clip_grad_norm_raw(&list(&raws_b), 1e30, &opts, &mut out_b) }.unwrap();
+    let graph_b = capture(&mut || unsafe { captor.total_norm_raw(&list(&raws_b), NormType::Inf, &mut out_b) }.unwrap()).expect("a graph");
     ensure(graph_tables_live() == live + 2, || {
         format!("{} graph tables live, expected {}", graph_tables_live(), live + 2)
     })?;
@@ -637,7 +645,7 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
         let got = out_a.read().unwrap();
         let got_grads: Vec<Grad> = devs_a.iter().map(|d| d.download(&capture_stream)).collect();
         devs_a.iter_mut().zip(&values).for_each(|(d, v)| d.overwrite(&eager_stream, v));
-        unsafe { eager.clip_grad_norm_raw(&raws_a, 0.5, &opts, &mut out_eager) }.unwrap();
+        unsafe { eager.clip_grad_norm_raw(&list(&raws_a), 0.5, &opts, &mut out_eager) }.unwrap();
         let want = out_eager.read().unwrap();
         ensure(same_bits(got.norm, want.norm) && same_bits(got.coef, want.coef), || {
             format!("replay {replay}: norm {:e} vs eager {:e}", got.norm, want.norm)
@@ -653,7 +661,7 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
     drop((graph_a, graph_b));
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     while graph_tables_live() != live && std::time::Instant::now() < deadline {
-        unsafe { captor.total_norm_raw(&raws_b, NormType::L2, &mut out_b) }.unwrap();
+        unsafe { captor.total_norm_raw(&list(&raws_b), NormType::L2, &mut out_b) }.unwrap();
         capture_stream.synchronize().unwrap();
         std::thread::sleep(std::time::Duration::from_millis(10));
     }

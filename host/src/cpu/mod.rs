@@ -35,7 +35,8 @@ mod vector_sum;
 use crate::dtype::{DType, GradElement};
 use crate::error::{Error, Result};
 use crate::norm::{ClipOptions, NormReport, NormType, validate_max_norm};
-use crate::plan::{Plan, RawTensor, check_disjoint, plan};
+use crate::plan::{Plan, RawTensor};
+use crate::tensor_list::TensorList;
 
 /// A read-only host gradient of any supported type.
 #[derive(Clone, Copy, Debug)]
@@ -307,33 +308,34 @@ impl Cpu {
 
     /// The total norm of `grads` (and, if asked, each one's norm).
     pub fn total_norm(&self, grads: &[HostGrad<'_>], norm_type: NormType, per_tensor: bool) -> Result<NormReport> {
-        let raws: Vec<RawTensor> = grads.iter().map(|g| g.raw).collect();
+        let list = TensorList::new(&grads.iter().map(|g| g.raw).collect::<Vec<_>>())?;
         // SAFETY: the HostGrads borrow their slices for this call.
-        unsafe { self.total_norm_raw(&raws, norm_type, per_tensor) }
+        unsafe { self.total_norm_raw(&list, norm_type, per_tensor) }
     }
 
-    /// [`Cpu::total_norm`] over raw host addresses (for bindings that own their memory).
+    /// [`Cpu::total_norm`] over raw host addresses (for bindings that own their memory), on a
+    /// list planned once.
     ///
     /// # Safety
     /// Every tensor must be readable host memory of `len` elements of its dtype, not written
     /// during the call.
-    pub unsafe fn total_norm_raw(&self, tensors: &[RawTensor], norm_type: NormType, per_tensor: bool) -> Result<NormReport> {
+    pub unsafe fn total_norm_raw(&self, list: &TensorList, norm_type: NormType, per_tensor: bool) -> Result<NormReport> {
         let norm_type = norm_type.validated()?;
-        let plan = plan(tensors)?;
-        let params = params(&plan, norm_type, 0.0, 0);
+        let plan = list.plan()?;
+        let params = params(plan, norm_type, 0.0, 0);
         with_accumulator!(norm_type, A => {
             // SAFETY: the caller's contract.
-            let parts = unsafe { partials::<A>(&plan, params.p) };
-            Ok(report::<A>(&plan, &parts, &params, per_tensor).0)
+            let parts = unsafe { partials::<A>(plan, params.p) };
+            Ok(report::<A>(plan, &parts, &params, per_tensor).0)
         })
     }
 
     /// Computes the total norm and scales every gradient by `min(1, max_norm / (norm + 1e-6))`,
     /// exactly as `torch.nn.utils.clip_grad_norm_`; returns what it found.
     pub fn clip_grad_norm(&self, grads: &mut [HostGradMut<'_>], max_norm: f64, opts: &ClipOptions) -> Result<NormReport> {
-        let raws: Vec<RawTensor> = grads.iter().map(|g| g.raw).collect();
+        let list = TensorList::new(&grads.iter().map(|g| g.raw).collect::<Vec<_>>())?;
         // SAFETY: distinct &mut slices never overlap; they are borrowed mutably for this call.
-        unsafe { self.clip_grad_norm_raw(&raws, max_norm, opts) }
+        unsafe { self.clip_grad_norm_raw(&list, max_norm, opts) }
     }
 
     /// [`Cpu::clip_grad_norm`] over raw host addresses; overlapping tensors are rejected.
@@ -341,17 +343,17 @@ impl Cpu {
     /// # Safety
     /// Every tensor must be writable host memory of `len` elements of its dtype, used by nothing
     /// else during the call.
-    pub unsafe fn clip_grad_norm_raw(&self, tensors: &[RawTensor], max_norm: f64, opts: &ClipOptions) -> Result<NormReport> {
+    pub unsafe fn clip_grad_norm_raw(&self, list: &TensorList, max_norm: f64, opts: &ClipOptions) -> Result<NormReport> {
         validate_max_norm(max_norm)?;
         let norm_type = opts.norm_type.validated()?;
-        check_disjoint(tensors)?;
-        let plan = plan(tensors)?;
+        list.check_writable()?;
+        let plan = list.plan()?;
         let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
-        let params = params(&plan, norm_type, max_norm, f);
+        let params = params(plan, norm_type, max_norm, f);
         let (rep, scale) = with_accumulator!(norm_type, A => {
             // SAFETY: the caller's contract.
-            let parts = unsafe { partials::<A>(&plan, params.p) };
-            report::<A>(&plan, &parts, &params, opts.per_tensor_norms)
+            let parts = unsafe { partials::<A>(plan, params.p) };
+            report::<A>(plan, &parts, &params, opts.per_tensor_norms)
         });
         if rep.nonfinite && opts.error_if_nonfinite {
             return Err(Error::NonFiniteNorm {
@@ -361,7 +363,7 @@ impl Cpu {
         }
         if scale {
             // SAFETY: checked disjoint above; writable per the caller's contract.
-            unsafe { scale_all(&plan, rep.coef) };
+            unsafe { scale_all(plan, rep.coef) };
         }
         Ok(rep)
     }
@@ -369,9 +371,9 @@ impl Cpu {
     /// Scales every gradient by the coefficient for an already known `total_norm` (for example
     /// one all-reduced across shards); returns the coefficient.
     pub fn clip_grads_with_norm(&self, grads: &mut [HostGradMut<'_>], max_norm: f64, total_norm: f64) -> Result<f64> {
-        let raws: Vec<RawTensor> = grads.iter().map(|g| g.raw).collect();
+        let list = TensorList::new(&grads.iter().map(|g| g.raw).collect::<Vec<_>>())?;
         // SAFETY: as in clip_grad_norm.
-        unsafe { self.clip_grads_with_norm_raw(&raws, max_norm, total_norm) }
+        unsafe { self.clip_grads_with_norm_raw(&list, max_norm, total_norm) }
     }
 
     /// Multiplies every tensor by `coef` in place, as the clip's scale pass does (f32 math for
@@ -379,12 +381,12 @@ impl Cpu {
     ///
     /// # Safety
     /// As [`Cpu::clip_grad_norm_raw`].
-    pub unsafe fn scale_raw(&self, tensors: &[RawTensor], coef: f64) -> Result<()> {
-        check_disjoint(tensors)?;
-        let plan = plan(tensors)?;
+    pub unsafe fn scale_raw(&self, list: &TensorList, coef: f64) -> Result<()> {
+        list.check_writable()?;
+        let plan = list.plan()?;
         if coef != 1.0 {
             // SAFETY: checked disjoint above; writable per the caller's contract.
-            unsafe { scale_all(&plan, coef) };
+            unsafe { scale_all(plan, coef) };
         }
         Ok(())
     }
@@ -393,14 +395,14 @@ impl Cpu {
     ///
     /// # Safety
     /// As [`Cpu::clip_grad_norm_raw`].
-    pub unsafe fn clip_grads_with_norm_raw(&self, tensors: &[RawTensor], max_norm: f64, total_norm: f64) -> Result<f64> {
+    pub unsafe fn clip_grads_with_norm_raw(&self, list: &TensorList, max_norm: f64, total_norm: f64) -> Result<f64> {
         validate_max_norm(max_norm)?;
-        check_disjoint(tensors)?;
-        let plan = plan(tensors)?;
+        list.check_writable()?;
+        let plan = list.plan()?;
         let coef = clip_coefficient(total_norm, max_norm);
         if coef != 1.0 {
             // SAFETY: checked disjoint above; writable per the caller's contract.
-            unsafe { scale_all(&plan, coef) };
+            unsafe { scale_all(plan, coef) };
         }
         Ok(coef)
     }
@@ -454,7 +456,7 @@ mod scale_walk_tests {
             dtype,
         };
         // SAFETY: u is a live, writable slice of `dtype` elements.
-        unsafe { scale_all(&plan(&[raw]).expect("a valid tensor"), coef) };
+        unsafe { scale_all(&crate::plan::plan(&[raw]).expect("a valid tensor"), coef) };
         prop_assert_eq!(by_lanes, by_elems);
         Ok(())
     }

@@ -16,16 +16,15 @@ use super::words::{as_words, from_words};
 use super::workspace::{ExternalWorkspace, Layout, OwnWorkspace};
 use crate::error::{Error, Result};
 use crate::norm::{ClipOptions, NormType, validate_max_norm};
-use crate::plan::{RawTensor, check_disjoint, plan};
+use crate::plan::RawTensor;
+use crate::tensor_list::TensorList;
 
-/// The plan last uploaded to the engine's workspace, to skip planning and uploading when the
-/// same list comes back.
-#[derive(Debug, Default)]
+/// The list whose tables are in the engine's workspace now, and where they are (resolved once
+/// per upload: host time per call matters).
+#[derive(Debug)]
 struct Uploaded {
-    tensors: Vec<RawTensor>,
-    disjoint: bool,
-    /// Where its tables are (resolved once per upload: host time per call matters).
-    prepared: Option<Prepared>,
+    list: TensorList,
+    prepared: Prepared,
 }
 
 /// A planned list whose tables are in device memory, ready for launches.
@@ -63,7 +62,7 @@ pub struct GpuEngine {
     kernels: Arc<KernelSet>,
     ws: OwnWorkspace,
     external: Option<ExternalWorkspace>,
-    uploaded: Uploaded,
+    uploaded: Option<Uploaded>,
 }
 
 impl GpuEngine {
@@ -75,7 +74,7 @@ impl GpuEngine {
             kernels,
             ws: OwnWorkspace::default(),
             external: None,
-            uploaded: Uploaded::default(),
+            uploaded: None,
         })
     }
 
@@ -106,7 +105,7 @@ impl GpuEngine {
     pub unsafe fn set_external_workspace(&mut self, ws: Option<ExternalWorkspace>) {
         if self.external != ws {
             self.external = ws;
-            self.uploaded = Uploaded::default();
+            self.uploaded = None;
         }
     }
 
@@ -145,7 +144,7 @@ impl GpuEngine {
         let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter().map(|g| g.as_raw(&stream)).unzip();
         // SAFETY: every buffer is a live cudarc allocation of this context (checked above),
         // borrowed until the guards drop after the launches.
-        unsafe { self.total_norm_raw(&raws, norm_type, out) }
+        unsafe { self.total_norm_raw(&TensorList::unchecked(&raws), norm_type, out) }
     }
 
     /// Computes the total norm and scales every gradient in place by
@@ -164,7 +163,7 @@ impl GpuEngine {
         let (raws, _guards): (Vec<RawTensor>, Vec<SyncOnDrop<'_>>) = grads.iter_mut().map(|g| g.as_raw_mut(&stream)).unzip();
         // SAFETY: as in total_norm; the buffers are borrowed mutably, and overlap between views
         // of one allocation is checked by clip_grad_norm_raw.
-        unsafe { self.clip_grad_norm_raw(&raws, max_norm, opts, out) }
+        unsafe { self.clip_grad_norm_raw(&TensorList::unchecked(&raws), max_norm, opts, out) }
     }
 
     /// Scales every gradient by the clip coefficient of `norm` (a result of this engine's
@@ -177,19 +176,20 @@ impl GpuEngine {
         let (coef, _g) = norm.device_words().device_ptr(&stream);
         // SAFETY: as in clip_grad_norm; `coef` is the NormOutput of a DeviceNorm, ordered before
         // this launch by cudarc's guard.
-        unsafe { self.scale_raw(&raws, coef) }
+        unsafe { self.scale_raw(&TensorList::unchecked(&raws), coef) }
     }
 
-    /// [`GpuEngine::total_norm`] over raw device addresses.
+    /// [`GpuEngine::total_norm`] over raw device addresses, on a list planned once: the engine
+    /// uploads its tables when it last ran another list, and otherwise only launches.
     ///
     /// # Safety
     /// Every tensor must be device memory of this engine's context, readable for `len` elements,
     /// and not written by other work until the work this call enqueues on the stream completes.
-    pub unsafe fn total_norm_raw<O: Output>(&mut self, tensors: &[RawTensor], norm_type: NormType, out: O) -> Result<O::Returned> {
+    pub unsafe fn total_norm_raw<O: Output>(&mut self, list: &TensorList, norm_type: NormType, out: O) -> Result<O::Returned> {
         let norm_type = norm_type.validated()?;
         let stream = self.stream.clone();
-        out.write(&stream, tensors.len(), false, |o, per| {
-            let prepared = self.prepare(tensors, false)?;
+        out.write(&stream, list.len(), false, |o, per| {
+            let prepared = self.prepare(list, false)?;
             // SAFETY: the caller's contract covers the tensors; `o` and `per` come from the
             // output (sized for these tensors); prepare planned this list.
             unsafe { self.run(norm_type, &prepared, 0.0, 0, o, per) }
@@ -202,7 +202,7 @@ impl GpuEngine {
     /// As [`GpuEngine::total_norm_raw`], and the tensors must be writable (overlap is checked).
     pub unsafe fn clip_grad_norm_raw<O: Output>(
         &mut self,
-        tensors: &[RawTensor],
+        list: &TensorList,
         max_norm: f64,
         opts: &ClipOptions,
         out: O,
@@ -216,8 +216,8 @@ impl GpuEngine {
             });
         }
         let stream = self.stream.clone();
-        out.write(&stream, tensors.len(), opts.per_tensor_norms, |o, per| {
-            let prepared = self.prepare(tensors, true)?;
+        out.write(&stream, list.len(), opts.per_tensor_norms, |o, per| {
+            let prepared = self.prepare(list, true)?;
             let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
             // SAFETY: as total_norm_raw; prepare checked that the tensors are disjoint.
             unsafe { self.run(norm_type, &prepared, max_norm, f, o, per) }?;
@@ -243,8 +243,8 @@ impl GpuEngine {
     /// # Safety
     /// As [`GpuEngine::clip_grad_norm_raw`]; `coef` must hold a valid [`NormOutput`] in device
     /// memory of this context, ordered before this call on the stream.
-    pub unsafe fn scale_raw(&mut self, tensors: &[RawTensor], coef: u64) -> Result<()> {
-        let prepared = self.prepare(tensors, true)?;
+    pub unsafe fn scale_raw(&mut self, list: &TensorList, coef: u64) -> Result<()> {
+        let prepared = self.prepare(list, true)?;
         // SAFETY: tables uploaded, tensors disjoint (prepare) and writable, coef valid (caller).
         unsafe { self.scale_prepared(&prepared, coef) }
     }
@@ -275,10 +275,11 @@ impl GpuEngine {
         Ok(from_words(&words))
     }
 
-    /// The tables of `tensors` in device memory: under CUDA-graph capture, fresh ones that the
-    /// graph owns ([`capture`]); otherwise the engine's workspace, planned and uploaded unless the
-    /// same list was uploaded last.
-    fn prepare(&mut self, tensors: &[RawTensor], need_disjoint: bool) -> Result<Prepared> {
+    /// The tables of `list` in device memory: under CUDA-graph capture, fresh ones that the graph
+    /// owns ([`capture`]); otherwise the engine's workspace, uploaded unless it holds this list's
+    /// tables already (the same list, or one of the same tensors). `write`: the call writes the
+    /// tensors, which must not overlap (decided once per list).
+    fn prepare(&mut self, list: &TensorList, write: bool) -> Result<Prepared> {
         let graph = match capture::status(&self.stream)? {
             Capture::Active(graph) => Some(graph),
             Capture::None => {
@@ -287,19 +288,19 @@ impl GpuEngine {
             }
         };
         if graph.is_none()
-            && self.uploaded.tensors == tensors
-            && let Some(p) = self.uploaded.prepared
+            && let Some(u) = &self.uploaded
+            && (u.list.id() == list.id() || u.list.tensors() == list.tensors())
         {
-            if need_disjoint && !self.uploaded.disjoint {
-                check_disjoint(tensors)?;
-                self.uploaded.disjoint = true;
+            // The uploaded list was checked when it was planned; its overlap answer is kept.
+            if write {
+                u.list.check_writable()?;
             }
-            return Ok(p);
+            return Ok(u.prepared);
         }
-        if need_disjoint {
-            check_disjoint(tensors)?;
+        if write {
+            list.check_writable()?;
         }
-        let plan = plan(tensors)?;
+        let plan = list.plan()?;
         let (tw, kw) = (as_words(&plan.tensors), as_words(&plan.tasks));
         let layout = Layout::new(plan.tensors.len(), plan.tasks.len());
         let (num_tasks, num_tensors) = (plan.tasks.len(), plan.tensors.len());
@@ -312,8 +313,8 @@ impl GpuEngine {
                 num_tensors,
             });
         }
-        // Forget the old plan first: if an upload fails, nothing stale is reused.
-        self.uploaded = Uploaded::default();
+        // Forget the old list first: if an upload fails, nothing stale is reused.
+        self.uploaded = None;
         let base = match self.external {
             Some(ext) if ext.bytes < layout.total => {
                 return Err(Error::LengthMismatch {
@@ -339,11 +340,10 @@ impl GpuEngine {
             num_tasks,
             num_tensors,
         };
-        self.uploaded = Uploaded {
-            tensors: tensors.to_vec(),
-            disjoint: need_disjoint,
-            prepared: Some(prepared),
-        };
+        self.uploaded = Some(Uploaded {
+            list: list.clone(),
+            prepared,
+        });
         Ok(prepared)
     }
 

@@ -9,7 +9,7 @@ use gradclip_kernels::abi::{ChunkTask, Partial, TensorDesc};
 
 use super::launch::Tables;
 use crate::error::Result;
-use crate::plan::{RawTensor, plan};
+use crate::tensor_list::TensorList;
 
 /// Byte offsets of the tables in one allocation: the 8-byte counter first (so it stays put
 /// whatever the plan), then the tensor table, the task table and the partials.
@@ -48,9 +48,10 @@ impl Layout {
     }
 }
 
-/// Bytes of device memory the tables for `tensors` need in an [`ExternalWorkspace`].
-pub fn workspace_bytes(tensors: &[RawTensor]) -> Result<usize> {
-    let p = plan(tensors)?;
+/// Bytes of device memory the tables of `list` need in an [`ExternalWorkspace`] (from the
+/// list's one plan, which the engine then uploads).
+pub fn workspace_bytes(list: &TensorList) -> Result<usize> {
+    let p = list.plan()?;
     Ok(Layout::new(p.tensors.len(), p.tasks.len()).total)
 }
 
