@@ -239,6 +239,51 @@ fn clip_equals_cpu_bits(gpu: &Gpu) -> TestResult {
     Ok(())
 }
 
+/// The safe `scale`: a coefficient left on the device by one clip scales another list, with
+/// the CPU's bits for that coefficient; a coefficient of 1 leaves it untouched.
+fn scale_by_device_coefficient(gpu: &Gpu) -> TestResult {
+    for (seed, max_norm) in [(31u64, 0.25), (32, 1e12)] {
+        let (first, second) = (random_grads(seed, 6, 100_000), random_grads(seed + 100, 9, 150_000));
+        let mut engine = gpu.engine();
+        let mut out = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+        let mut a = gpu.upload(&first);
+        {
+            let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = a.iter_mut().map(|d| d.view_mut()).collect();
+            let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+            engine
+                .clip_grad_norm(&mut refs, max_norm, &ClipOptions::default(), &mut out)
+                .unwrap();
+        }
+        let mut b = gpu.upload(&second);
+        let mut twins = gpu.host_twins(&second, &b);
+        {
+            let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = b.iter_mut().map(|d| d.view_mut()).collect();
+            let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+            engine.scale(&mut refs, &out).unwrap();
+        }
+        let r = out.read().unwrap();
+        let coef = r.coef;
+        ensure((max_norm < 1.0) == (coef < 1.0), || {
+            format!("seed {seed}: coefficient {coef} for max_norm {max_norm}")
+        })?;
+        let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+        let cpu_coef = Cpu::new().clip_grads_with_norm(&mut views, max_norm, r.norm).unwrap();
+        ensure(same_bits(cpu_coef, coef), || {
+            format!("seed {seed}: coefficient {coef} vs the CPU's {cpu_coef}")
+        })?;
+        drop(views);
+        for (i, (d, t)) in b.iter().zip(&twins).enumerate() {
+            ensure(d.download(&gpu.stream).bits() == t.bits(), || {
+                format!("seed {seed}: tensor {i} differs from the CPU scale by {coef}")
+            })?;
+            if coef == 1.0 {
+                ensure(t.bits() == second[i].bits(), || format!("tensor {i} changed by a coefficient of 1"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn error_if_nonfinite(gpu: &Gpu) -> TestResult {
     let grads = vec![
         Grad::from_f64(DType::F32, &vec![3.0; 1000], 0),
@@ -680,6 +725,7 @@ fn main() {
         ("random_lists_norm_bits_equal_cpu", random_norms),
         ("edge_values_norm_bits_equal_cpu", edge_values),
         ("clip_bits_equal_cpu_and_torch_rule", clip_equals_cpu_bits),
+        ("scale_by_device_coefficient_equals_cpu_bits", scale_by_device_coefficient),
         ("error_if_nonfinite_leaves_gradients", error_if_nonfinite),
         ("one_million_tensors", million_tensors),
         ("tensor_over_2_pow_32_elements", huge_tensor),
