@@ -27,8 +27,8 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
-from . import _native
-from .shards import Shards
+from .. import _native
+from ..shards import Shards
 
 _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -116,7 +116,7 @@ def _as_list(tensors: _TensorOrTensors) -> List[torch.Tensor]:
 def _is_dtensor(t) -> bool:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return False
-    from .distributed import is_dtensor
+    from ..distributed import is_dtensor
 
     return is_dtensor(t)
 
@@ -339,7 +339,7 @@ def get_total_norm(
     items = _as_list(tensors)
     plan, ts, sharded = _scan(items, False)
     if sharded or pipeline_group is not None:
-        from . import distributed
+        from .. import distributed
 
         layout = distributed.collect(items, False)
         p = _check_p(norm_type)
@@ -415,7 +415,7 @@ def clip_grads_with_norm_(
     if _is_dtensor(total_norm):
         total_norm = total_norm.full_tensor()
     if sharded:
-        from . import distributed
+        from .. import distributed
 
         distributed.scale(distributed.collect(items, True), _clip_coef(max_norm, total_norm))
         return
@@ -426,6 +426,27 @@ def clip_grads_with_norm_(
         _written(grads)
     else:
         _clip_grads(grads, max_norm, total_norm)
+
+
+def _grads_norm64(params: list, norm_type: float, pipeline_group=None):
+    """The global p-norm of the gradients of ``params`` (None grads skipped; DTensor and
+    ``Shards`` gradients over their process groups) as a 0-dim f64 tensor on the first
+    gradient's device, with the dtype torch would return it in; None when no parameter has a
+    gradient. Nothing waits for it: the norm half of a clip, for callers that apply the
+    coefficient themselves (``gradclip.torch.optim``)."""
+    p = _check_p(norm_type)
+    plan, grads, sharded = _scan(params, True)
+    if sharded or pipeline_group is not None:
+        from .. import distributed
+
+        layout = distributed.collect(params, True)
+        norm64 = distributed.norm_one_key(layout, p, pipeline_group)
+        if norm64 is None:
+            norm64 = distributed.global_norm(layout, p, pipeline_group)
+        return norm64, layout.result_dtype()
+    if len(grads) == 0:
+        return None
+    return _total_norm64(plan, grads, p)
 
 
 @_opaque_to_compile
@@ -449,7 +470,7 @@ def clip_grad_norm_(
     items = _as_list(parameters)
     plan, grads, sharded = _scan(items, True)
     if sharded or pipeline_group is not None:
-        from . import distributed
+        from .. import distributed
 
         layout = distributed.collect(items, True)
         p = _check_p(norm_type)

@@ -1,0 +1,230 @@
+"""Optimizers that clip as part of their step: ``AdamW`` and ``Adam``, ``torch.optim``'s own fused
+optimizers plus ``max_grad_norm``.
+
+A clip is a norm (one read of the gradients) and a scale (a read and a write). Here the norm is
+gradclip's (one launch on CUDA, f64, no host synchronization, global over DTensor and ``Shards``
+gradients) and the scale rides on the optimizer: the clip coefficient reaches torch's fused Adam
+kernel through the ``grad_scale`` input that ``GradScaler`` uses, and a non-finite norm through
+its ``found_inf`` input, so the step skips on the device, with no host synchronization.
+
+Everything else is ``torch.optim.AdamW(fused=True)`` / ``Adam(fused=True)`` unchanged: the
+constructor's arguments, param groups, LR schedulers, ``zero_grad``, ``state_dict`` (the same
+keys: a state dict moves between this optimizer and torch's in both directions), GradScaler.
+
+What differs from ``clip_grad_norm_`` followed by ``step()``, exactly: the kernel divides each
+gradient by ``grad_scale = 1 / coefficient`` (rounded to f32) in its f32 math (f64 for f64
+parameters) and steps with that value, where the clip would multiply by the coefficient and round
+the gradient to its storage dtype before the step reads it. When the coefficient is 1 the
+division is exact and the step equals torch's fused step bit for bit. As with torch's
+``grad_scale``, the kernel writes the scaled gradient back, so after ``step()`` the ``.grad``
+tensors hold the clipped gradients, as after a clip.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import _check_max_norm, _check_p, _clip_coef, _grads_norm64, _refuse_host_read_under_capture
+
+__all__ = ["AdamW", "Adam"]
+
+#: What a step does when the gradients' norm is NaN or infinite.
+NONFINITE_POLICIES = ("skip", "error", "propagate")
+
+
+class _ClippingStep:
+    """The clip half of the step, shared by ``AdamW`` and ``Adam`` (mixed in before the torch
+    class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``)."""
+
+    def _init_clip(self, max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable):
+        if fused is False or foreach or differentiable:
+            raise ValueError(
+                "gradclip's optimizers run torch's fused kernel (fused=True): foreach=True, fused=False and "
+                "differentiable=True are not supported; use torch.optim with gradclip.torch.clip_grad_norm_ for those"
+            )
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}; got {nonfinite!r}")
+        self.max_grad_norm = None if max_grad_norm is None else _check_max_norm(max_grad_norm)
+        self.norm_type = _check_p(norm_type)
+        self.nonfinite = nonfinite
+        self.pipeline_group = pipeline_group
+        #: The gradients' global norm at the last step (0-dim, on the device, in the dtype
+        #: ``clip_grad_norm_`` returns it), before clipping; None before the first clipped step.
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        #: Steps skipped because the norm was not finite (policy "skip"), counted on the device.
+        self.skipped_steps: Optional[torch.Tensor] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(
+            max_grad_norm=self.max_grad_norm,
+            norm_type=self.norm_type,
+            nonfinite=self.nonfinite,
+        )
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        clip = {k: state.pop(k, d) for k, d in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"))}
+        super().__setstate__(state)
+        self.__dict__.update(clip, pipeline_group=None, last_grad_norm=None, skipped_steps=None)
+
+    #: The torch optimizer class whose fused step this one runs.
+    _TORCH: type = torch.optim.Optimizer
+
+    def _torch_step(self) -> None:
+        """torch's fused step without its optimizer hooks: torch wraps each optimizer class's
+        ``step`` to run the step hooks, and this class's ``step`` already ran them once."""
+        step = self._TORCH.step
+        if getattr(step, "hooked", False):
+            step = step.__wrapped__
+        step(self)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
+        scale pass), then updates as torch's fused optimizer; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm is None:
+            self._torch_step()
+            return loss
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        found = _grads_norm64(params, self.norm_type, self.pipeline_group) if params else None
+        if found is None:
+            self._torch_step()
+            return loss
+        norm64, dtype = found
+        # Set by GradScaler.step for optimizers that unscale in their kernel: the loss scale the
+        # gradients still carry (None once unscale_ ran) and its overflow flag.
+        outer_scale = getattr(self, "grad_scale", None)
+        outer_found = getattr(self, "found_inf", None)
+        if outer_scale is not None:
+            norm64 = norm64 / outer_scale.to(device=norm64.device, dtype=torch.float64)
+        self.last_grad_norm = norm64.to(dtype)
+        if self.nonfinite == "error" and outer_found is None:
+            _refuse_host_read_under_capture(True)
+            if not bool(torch.isfinite(self.last_grad_norm)):
+                raise RuntimeError(
+                    f"the gradients' norm of order {self.norm_type} is {float(self.last_grad_norm)}: the step "
+                    "was not taken and nothing was written (nonfinite='error')"
+                )
+        coef = _clip_coef(self.max_grad_norm, norm64)
+        scale = 1.0 / coef if outer_scale is None else outer_scale.to(norm64.device, torch.float64) / coef
+        skip = outer_found
+        if self.nonfinite == "skip":
+            bad = (~torch.isfinite(norm64)).to(torch.float32)
+            skip = bad if outer_found is None else torch.maximum(outer_found.to(bad.device, torch.float32), bad)
+            if self.skipped_steps is None:
+                self.skipped_steps = torch.zeros((), dtype=torch.float32, device=bad.device)
+            self.skipped_steps.add_(bad)
+        had = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        self.grad_scale = scale.to(torch.float32)
+        self.found_inf = skip
+        try:
+            self._torch_step()
+        finally:
+            for k in ("grad_scale", "found_inf"):
+                self.__dict__.pop(k, None)
+            self.__dict__.update(had)
+        return loss
+
+
+class AdamW(_ClippingStep, torch.optim.AdamW):
+    """``torch.optim.AdamW(fused=True)`` that clips the gradients' global norm to
+    ``max_grad_norm`` inside its step.
+
+    ``max_grad_norm``: None (no clipping: torch's fused AdamW exactly) or the clip limit.
+    ``norm_type``: the norm's order (2, 1, any p >= 1, ``inf``). ``nonfinite``: what a step with
+    a NaN or infinite norm does: ``"skip"`` (the default: parameters, states and step counts are
+    left as they were, decided on the device, and ``skipped_steps`` counts it), ``"error"``
+    (reads the norm on the host and raises before anything is written), or ``"propagate"``
+    (torch's behavior: the non-finite coefficient reaches the parameters). ``pipeline_group``:
+    a process group over which stages' norms are combined. The other arguments are torch's.
+
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    >>> model(torch.randn(8, 4)).square().sum().backward()
+    >>> opt.step()
+    >>> bool(opt.last_grad_norm > 0)
+    True
+    """
+
+    _TORCH = torch.optim.AdamW
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        max_grad_norm=None,
+        norm_type=2.0,
+        nonfinite="skip",
+        pipeline_group=None,
+    ):
+        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            capturable=capturable,
+            fused=True,
+        )
+
+
+class Adam(_ClippingStep, torch.optim.Adam):
+    """``torch.optim.Adam(fused=True)`` (L2 weight decay, or decoupled with
+    ``decoupled_weight_decay=True``) that clips the gradients' global norm to ``max_grad_norm``
+    inside its step; the clip arguments as :class:`AdamW`'s."""
+
+    _TORCH = torch.optim.Adam
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        *,
+        foreach=None,
+        maximize=False,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        decoupled_weight_decay=False,
+        max_grad_norm=None,
+        norm_type=2.0,
+        nonfinite="skip",
+        pipeline_group=None,
+    ):
+        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            capturable=capturable,
+            fused=True,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )

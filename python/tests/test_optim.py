@@ -1,0 +1,294 @@
+"""gradclip.torch.optim: torch's fused Adam/AdamW with the clip inside the step.
+
+Exact where the design says exact (no clipping, or a coefficient of 1: torch's fused step bit for
+bit; with clipping: torch's fused step with grad_scale = 1 / coefficient, bit for bit), close to
+``clip_grad_norm_`` + ``step()`` within the coefficient's rounding, and torch's machinery
+everywhere else (state_dict both ways, schedulers, hooks, GradScaler, non-finite steps)."""
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+
+import gradclip.torch as gt
+from gradclip.torch.optim import Adam, AdamW
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def model(device, dtype, seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 5), torch.nn.LayerNorm(5))
+    return m.to(device=device, dtype=dtype)
+
+
+def backward(m, seed, scaler=None):
+    g = torch.Generator().manual_seed(seed)
+    p = next(m.parameters())
+    x = torch.randn(16, 24, generator=g).to(device=p.device, dtype=p.dtype)
+    m.zero_grad(set_to_none=True)
+    loss = m(x).float().square().sum()
+    (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def states_equal(o1, o2):
+    s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
+    return s1.keys() == s2.keys() and all(torch.equal(s1[k][n], s2[k][n]) for k in s1 for n in s1[k])
+
+
+OPTIONS = [
+    dict(),
+    dict(weight_decay=0.1, amsgrad=True),
+    dict(maximize=True, betas=(0.8, 0.95)),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opts", OPTIONS)
+@pytest.mark.parametrize("max_grad_norm", [None, 1e9])
+def test_without_active_clipping_equals_torch_fused_bit_for_bit(device, dtype, opts, max_grad_norm):
+    ours_m, ref_m = model(device, dtype), model(device, dtype)
+    ours = AdamW(ours_m.parameters(), lr=1e-2, max_grad_norm=max_grad_norm, **opts)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True, **opts)
+    for step in range(4):
+        backward(ours_m, step)
+        backward(ref_m, step)
+        ours.step()
+        ref.step()
+        assert same(ours_m, ref_m), f"step {step}"
+        assert states_equal(ours, ref)
+    if max_grad_norm is not None:
+        assert float(ours.last_grad_norm) > 0
+
+
+def scaled_reference(ref, ref_m, max_norm):
+    """The design's exact model: torch's fused step with grad_scale = f32(1 / coefficient) of the
+    f64 norm (torch's clip rule in f64)."""
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in ref_m.parameters()]))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    ref.grad_scale = (1.0 / coef).float()
+    ref.step()
+    del ref.grad_scale
+    return norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cls", [AdamW, Adam])
+def test_clipping_is_torch_fused_step_with_the_coefficient_as_grad_scale(device, dtype, cls):
+    torch_cls = torch.optim.AdamW if cls is AdamW else torch.optim.Adam
+    ours_m, ref_m = model(device, dtype), model(device, dtype)
+    ours = cls(ours_m.parameters(), lr=1e-2, weight_decay=0.05, max_grad_norm=0.5)
+    ref = torch_cls(ref_m.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+    for step in range(4):
+        backward(ours_m, step)
+        backward(ref_m, step)
+        want = gt.get_total_norm([p.grad for p in ours_m.parameters()])
+        ours.step()
+        norm = scaled_reference(ref, ref_m, 0.5)
+        assert norm > 0.5, "the clip must be active in this test"
+        assert torch.equal(ours.last_grad_norm, want), "the norm is gradclip's get_total_norm"
+        assert same(ours_m, ref_m), f"step {step}"
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours_m.parameters(), ref_m.parameters()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_close_to_clip_then_step(device, dtype):
+    ours_m, ref_m = model(device, dtype), model(device, dtype)
+    ours = AdamW(ours_m.parameters(), lr=1e-3, max_grad_norm=0.3)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3, fused=True)
+    for step in range(6):
+        backward(ours_m, step)
+        backward(ref_m, step)
+        ours.step()
+        torch.nn.utils.clip_grad_norm_(ref_m.parameters(), 0.3)
+        ref.step()
+    # The step sees the clipped gradient before its rounding to the storage dtype (the clip
+    # rounds it first), and the coefficient through 1 / coefficient in f32. Adam divides the
+    # moment by its square root, so where a gradient is tiny a last-place difference can move
+    # that element's update by a fraction of lr: parameters agree within 1% of lr per step (f32;
+    # measured 1.7e-6 after 6 steps at lr 1e-3), and within bf16's resolution for bf16.
+    atol = {torch.float32: 0.01 * 1e-3 * 6, torch.bfloat16: 1e-2}[dtype]
+    for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(a, b, rtol=0 if dtype == torch.float32 else 1e-2, atol=atol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_global_norm_over_param_groups_and_schedulers(device):
+    ours_m, ref_m = model(device, torch.float32), model(device, torch.float32)
+
+    def groups(m):
+        ps = list(m.parameters())
+        return [{"params": ps[:2], "lr": 1e-2}, {"params": ps[2:], "lr": 3e-3, "weight_decay": 0.0}]
+
+    ours = AdamW(groups(ours_m), max_grad_norm=0.2)
+    ref = torch.optim.AdamW(groups(ref_m), fused=True)
+    sched = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ours, ref)]
+    for step in range(5):
+        backward(ours_m, step)
+        backward(ref_m, step)
+        ours.step()
+        scaled_reference(ref, ref_m, 0.2)
+        for s in sched:
+            s.step()
+        assert same(ours_m, ref_m), f"step {step}"
+    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-2 * 0.25
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_moves_between_torch_and_gradclip(device):
+    a_m, b_m, c_m = (model(device, torch.float32) for _ in range(3))
+    a = AdamW(a_m.parameters(), lr=1e-2, amsgrad=True)
+    c = torch.optim.AdamW(c_m.parameters(), lr=1e-2, amsgrad=True, fused=True)
+    for step in range(3):
+        backward(a_m, step)
+        backward(c_m, step)
+        a.step()
+        c.step()
+    # gradclip -> torch and torch -> gradclip, then both continue exactly as the original.
+    b_m.load_state_dict(a_m.state_dict())
+    to_torch = torch.optim.AdamW(b_m.parameters(), lr=0.5, fused=True)
+    to_torch.load_state_dict(copy.deepcopy(a.state_dict()))  # load_state_dict keeps the tensors it is given
+    back_m = model(device, torch.float32)
+    back = AdamW(back_m.parameters(), lr=0.5)
+    back_m.load_state_dict(c_m.state_dict())
+    back.load_state_dict(copy.deepcopy(c.state_dict()))
+    assert a.state_dict()["param_groups"] == c.state_dict()["param_groups"]
+    for step in range(3, 6):
+        for m, o in ((a_m, a), (b_m, to_torch), (c_m, c), (back_m, back)):
+            backward(m, step)
+            o.step()
+        assert same(a_m, b_m) and same(c_m, back_m) and same(a_m, c_m), f"step {step}"
+
+
+def test_pickle_and_deepcopy_keep_the_clip_settings():
+    o = AdamW(model("cpu", torch.float32).parameters(), max_grad_norm=0.7, norm_type=math.inf, nonfinite="propagate")
+    for c in (copy.deepcopy(o), pickle.loads(pickle.dumps(o))):
+        assert (c.max_grad_norm, c.norm_type, c.nonfinite) == (0.7, math.inf, "propagate")
+
+
+def test_step_hooks_run_once_and_closure_loss_returned():
+    m = model("cpu", torch.float32)
+    o = AdamW(m.parameters(), max_grad_norm=1.0)
+    calls = []
+    o.register_step_pre_hook(lambda *a: calls.append("pre"))
+    o.register_step_post_hook(lambda *a: calls.append("post"))
+
+    def closure():
+        backward(m, 0)
+        return torch.tensor(3.0)
+
+    assert float(o.step(closure)) == 3.0
+    assert calls == ["pre", "post"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_grad_norm=-1.0), "max_norm"),
+        (dict(max_grad_norm=math.nan), "max_norm"),
+        (dict(norm_type=0.5), "norm_type"),
+        (dict(nonfinite="ignore"), "nonfinite"),
+        (dict(foreach=True), "fused"),
+        (dict(fused=False), "fused"),
+        (dict(differentiable=True), "fused"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdamW(model("cpu", torch.float32).parameters(), **kwargs)
+
+
+def poison_one_grad(m):
+    next(m.parameters()).grad.view(-1)[0] = math.nan
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_norm_skip_leaves_everything_and_counts(device):
+    m = model(device, torch.float32)
+    o = AdamW(m.parameters(), lr=1e-2, max_grad_norm=1.0)
+    backward(m, 0)
+    o.step()
+    params, state = [p.detach().clone() for p in m.parameters()], copy.deepcopy(o.state_dict()["state"])
+    backward(m, 1)
+    poison_one_grad(m)
+    o.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, m.parameters()))
+    after = o.state_dict()["state"]
+    assert all(torch.equal(state[k][n], after[k][n]) for k in state for n in state[k]), "states and steps untouched"
+    assert float(o.skipped_steps) == 1.0 and math.isnan(float(o.last_grad_norm))
+    steps = float(after[0]["step"])
+    backward(m, 2)
+    o.step()
+    assert float(o.skipped_steps) == 1.0 and steps + 1 == float(o.state_dict()["state"][0]["step"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_norm_error_raises_before_writing_and_propagate_is_torchs(device):
+    m, r = model(device, torch.float32), model(device, torch.float32)
+    o = AdamW(m.parameters(), max_grad_norm=1.0, nonfinite="error")
+    backward(m, 0)
+    poison_one_grad(m)
+    params = [p.detach().clone() for p in m.parameters()]
+    grads = [p.grad.clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match="nonfinite='error'"):
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, m.parameters()))
+    for a, b in zip(grads, m.parameters()):
+        torch.testing.assert_close(a, b.grad, equal_nan=True, rtol=0, atol=0)
+    assert not o.state, "no state was created"
+    # propagate: as torch's clip + step, the NaN reaches the parameters.
+    p = AdamW(m.parameters(), max_grad_norm=1.0, nonfinite="propagate")
+    ref = torch.optim.AdamW(r.parameters(), fused=True)
+    backward(r, 0)
+    poison_one_grad(r)
+    torch.nn.utils.clip_grad_norm_(r.parameters(), 1.0)
+    ref.step()
+    p.step()
+    for a, b in zip(m.parameters(), r.parameters()):
+        assert torch.equal(a.isnan(), b.isnan())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_grad_scaler_protocol(device, unscale_first):
+    """With GradScaler: the norm of the unscaled gradients is clipped, the loss scale and the
+    clip coefficient combine into one grad_scale, an overflowing step is skipped (the scaler's
+    found_inf; its norm is not finite, so skipped_steps counts it too)."""
+    ours_m, ref_m = model(device, torch.float32), model(device, torch.float32)
+    ours = AdamW(ours_m.parameters(), lr=1e-2, max_grad_norm=0.5)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
+    scalers = [torch.amp.GradScaler(device, init_scale=1024.0) for _ in range(2)]
+    for step in range(4):
+        overflow = step == 2
+        for m, o, s in ((ours_m, ours, scalers[0]), (ref_m, ref, scalers[1])):
+            backward(m, step, s)
+            if overflow:
+                next(m.parameters()).grad.view(-1)[0] = math.inf
+            if o is ours:
+                want = gt.get_total_norm([p.grad for p in m.parameters()]) / s.get_scale()
+                if unscale_first:
+                    s.unscale_(o)
+                s.step(o)
+            else:
+                s.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                s.step(o)
+            s.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+        # As test_close_to_clip_then_step: within 1% of lr per step.
+        for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0.01 * 1e-2 * (step + 1))
+        if not overflow:
+            torch.testing.assert_close(ours.last_grad_norm, want, rtol=1e-6, atol=0)
+    assert float(ours.skipped_steps) == 1.0
+    assert not hasattr(ours, "grad_scale") and not hasattr(ours, "found_inf"), "the scaler's attributes are gone"
