@@ -285,7 +285,40 @@ def torch_parity(rank, world, p):
         assert float(gt.get_total_norm([q.grad for q in ours], p).full_tensor()) > 0
 
 
-SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity}
+def fsdp_optimizer(rank, world, p):
+    """gradclip.torch.optim.AdamW on FSDP2-style parameters (Shard(0) DTensors, f64): the step
+    clips by the global norm of the sharded gradients (one all-reduce) inside torch's fused
+    update, which then equals torch's fused step given the reference coefficient as grad_scale."""
+    from gradclip.torch.optim import AdamW
+
+    mesh = init_device_mesh(DEVICE, (world,))
+    fulls = full_grads(21, [(world * 4 + 1, 6), (5,), (3, 7)])
+    want, coef = reference(fulls, p)
+
+    def params():
+        ps = [torch.nn.Parameter(distribute_tensor(torch.full_like(f, 0.5), mesh, [Shard(0)])) for f in fulls]
+        for q, f in zip(ps, fulls):
+            q.grad = distribute_tensor(f.clone(), mesh, [Shard(0)])
+        return ps
+
+    ours, ref = params(), params()
+    opt = AdamW(ours, lr=0.1, max_grad_norm=MAX_NORM, norm_type=p)
+    with CountingAllReduce() as c:
+        opt.step()
+    assert sum(c.calls.values()) == (1 if world > 1 else 0), dict(c.calls)
+    check_norm(opt.last_grad_norm, want, f"fsdp_optimizer p={p}")
+    r = torch.optim.AdamW(ref, lr=0.1, fused=True)
+    r.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=ref[0]._local_tensor.device)
+    r.step()
+    for i, (q, w) in enumerate(zip(ours, ref)):
+        got, exp = q._local_tensor.cpu(), w._local_tensor.cpu()
+        # The same kernel and gradients; grad_scale from this rank's norm (within 1e-12 of the
+        # reference) may differ from the reference's in its last f32 bit.
+        assert torch.allclose(got, exp, rtol=1e-6, atol=0.0), f"fsdp_optimizer p={p} tensor {i}"
+        assert not torch.equal(got, torch.full_like(got, 0.5)) or got.numel() == 0, "the step moved the shard"
+
+
+SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity, "fsdp_optimizer": fsdp_optimizer}
 
 
 def main():

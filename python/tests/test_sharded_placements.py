@@ -56,15 +56,15 @@ def run_world(tmp_path, world, scenarios, device="cpu"):
 
 @GLOO
 def test_world_of_two(tmp_path):
-    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "errors", "torch_parity"])
+    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "errors", "torch_parity", "fsdp_optimizer"])
 
 
 @GLOO
 def test_world_of_four(tmp_path):
-    run_world(tmp_path, 4, ["fsdp", "fsdp_pure", "dp_tp", "hsdp", "moe", "pipeline", "pipeline_dtensor", "torch_parity"])
+    run_world(tmp_path, 4, ["fsdp", "fsdp_pure", "dp_tp", "hsdp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer"])
 
 
 @TWO_GPUS
 def test_two_gpus_over_nccl(tmp_path):
     # The same placements on CUDA, NCCL: the engine reads the local shards, NCCL combines them.
-    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "torch_parity"], device="cuda")
+    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer"], device="cuda")
