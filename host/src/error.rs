@@ -115,7 +115,7 @@ pub enum Error {
         /// Entries found.
         found: usize,
     },
-    /// A result address given to the raw API is null or not 8-byte aligned.
+    /// A result or coefficient address given to the raw API is null or not 8-byte aligned.
     #[error("{what} address {addr:#x} is null or not 8-byte aligned: pass the address of device memory allocated for it")]
     BadOutputAddress {
         /// Which output.

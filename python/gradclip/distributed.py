@@ -380,7 +380,7 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
     """The whole clip with the fewest launches, when every local gradient is counted under one key
     (FSDP2's Shard(0) on one mesh, HSDP, a 1-rank mesh) and the engine takes them all on one
     GPU: the norm kernel, the p-th power, one all-reduce per group of more than one rank, the root
-    and the coefficient written into the norm kernel's own output, the scale kernel. With nothing
+    and the coefficient, the scale kernel. With nothing
     to combine (a 1-rank mesh) it is the plain one-call clip. None when the case does not apply
     (the general path then runs). Returns the f64 norm (0-dim, on the device)."""
     found = _one_key(layout, pipeline_group)
@@ -395,10 +395,9 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
         return out[0]
     _gt._cuda_call(_gt._native.cuda_total_norm, plan, stream, p, out.data_ptr())
     norm = _combined(out[:1], p, groups)
-    # The clip rule, into the output the scale kernel reads (its flags word, written by the norm
-    # kernel, asks for no non-finite check).
-    _gt._clip_coef(max_norm, norm, out=out[1:2])
-    _gt._cuda_call(_gt._native.cuda_scale, plan, stream, out.data_ptr())
+    # The clip rule on the combined norm; the engine copies the coefficient into its own result
+    # slot for the scale kernel.
+    _gt._scale_plan(plan, _gt._clip_coef(max_norm, norm))
     _gt._written(ts)
     return norm[0]
 

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use cudarc::driver::{CudaContext, sys};
 use gradclip::NormType;
-use gradclip::gpu::{ExternalWorkspace, GpuEngine, RawOutput};
+use gradclip::gpu::{Coefficient, ExternalWorkspace, GpuEngine, RawOutput};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -81,12 +81,14 @@ pub fn cuda_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize
     })
 }
 
-/// In-place scale of a plan's CUDA tensors by the coefficient in the NormOutput at `out`.
+/// In-place scale of a plan's CUDA tensors by the f64 coefficient at `coef` (a 0-dim float64
+/// CUDA tensor): the engine copies it into its own NormOutput and launches the scale.
 #[pyfunction]
-pub fn cuda_scale(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, out: u64) -> PyResult<()> {
+pub fn cuda_scale(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, coef: u64) -> PyResult<()> {
     let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().list());
-    // SAFETY: as cuda_clip_grad_norm; `out` was written on this stream before the call.
-    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.scale_raw(&t, out) }))
+    // SAFETY: as cuda_clip_grad_norm; `coef` was written on this stream before the call, and
+    // the caller's tensor stays allocated (torch's allocator orders its reuse on this stream).
+    py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.scale_raw(&t, Coefficient::F64At(coef)) }))
 }
 
 /// True when a CUDA driver and device are present.

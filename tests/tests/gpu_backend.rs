@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use gradclip::cpu::{Cpu, HostGrad, HostGradMut};
-use gradclip::gpu::{DeviceGrad, DeviceGradMut, GpuEngine, NewNorm};
+use gradclip::gpu::{Coefficient, DeviceGrad, DeviceGradMut, GpuEngine, NewNorm};
 use gradclip::plan::RawTensor;
 use gradclip::tensor_list::TensorList;
 use gradclip::{ClipOptions, DType, Error, NormType};
@@ -279,6 +279,33 @@ fn scale_by_device_coefficient(gpu: &Gpu) -> TestResult {
             if coef == 1.0 {
                 ensure(t.bits() == second[i].bits(), || format!("tensor {i} changed by a coefficient of 1"))?;
             }
+        }
+        // The raw form with a plain f64 coefficient in device memory (what the Python binding
+        // passes): the same bits as the CPU's scale by that coefficient.
+        let third = random_grads(seed + 200, 5, 90_000);
+        let mut c = gpu.upload(&third);
+        let mut twins = gpu.host_twins(&third, &c);
+        let coef_dev = gpu.stream.clone_htod(&[coef]).unwrap();
+        {
+            let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = c.iter_mut().map(|d| d.view_mut()).collect();
+            let (raws, _guards): (Vec<RawTensor>, Vec<_>) = boxes.iter_mut().map(|b| b.as_raw_mut(&gpu.stream)).unzip();
+            let (addr, _g) = coef_dev.device_ptr(&gpu.stream);
+            // SAFETY: the raws are the live buffers of `c`, borrowed by the guards; `addr` holds
+            // one f64 written before on this stream.
+            unsafe { engine.scale_raw(&list(&raws), Coefficient::F64At(addr)) }.unwrap();
+            // SAFETY: refused before anything is enqueued (a misaligned coefficient address).
+            let refused = unsafe { engine.scale_raw(&list(&raws), Coefficient::F64At(addr + 4)) };
+            ensure(matches!(refused, Err(Error::BadOutputAddress { .. })), || {
+                format!("misaligned coefficient: {refused:?}")
+            })?;
+        }
+        let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+        Cpu::new().clip_grads_with_norm(&mut views, max_norm, r.norm).unwrap();
+        drop(views);
+        for (i, (d, t)) in c.iter().zip(&twins).enumerate() {
+            ensure(d.download(&gpu.stream).bits() == t.bits(), || {
+                format!("seed {seed}: tensor {i} of the f64-coefficient scale differs from the CPU's")
+            })?;
         }
     }
     Ok(())

@@ -160,7 +160,8 @@ pub(crate) fn upload_owned_by(
     Ok(layout.tables_at(ptr))
 }
 
-/// Zeroes the counter and copies the tables, on a private non-blocking stream, and waits:
+/// Zeroes the counter and the engine's NormOutput and copies the tables, on a private
+/// non-blocking stream, and waits:
 /// nothing of this is captured, and the contents are in place before any replay.
 fn fill(ptr: sys::CUdeviceptr, layout: &Layout, tensor_words: &[u64], task_words: &[u64]) -> Result<(), DriverError> {
     let mut s: sys::CUstream = std::ptr::null_mut();
@@ -170,7 +171,8 @@ fn fill(ptr: sys::CUdeviceptr, layout: &Layout, tensor_words: &[u64], task_words
         // SAFETY: every range lies inside the allocation sized by `layout`; the host sources
         // live until the synchronization below, which completes the pageable copies.
         unsafe {
-            sys::cuMemsetD8Async(ptr + layout.counter as u64, 0, 8, s).result()?;
+            // The counter and the engine's NormOutput: everything before the tensor table.
+            sys::cuMemsetD8Async(ptr, 0, layout.tensors, s).result()?;
             for (off, words) in [(layout.tensors, tensor_words), (layout.tasks, task_words)] {
                 if !words.is_empty() {
                     sys::cuMemcpyHtoDAsync_v2(ptr + off as u64, words.as_ptr().cast(), words.len() * 8, s).result()?;

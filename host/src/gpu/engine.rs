@@ -19,6 +19,17 @@ use crate::norm::{ClipOptions, NormType, validate_max_norm};
 use crate::plan::RawTensor;
 use crate::tensor_list::TensorList;
 
+/// Where a scale finds its coefficient: in a [`NormOutput`] (of a norm or clip call, whose
+/// non-finite flag it also honours), or as a plain f64 (for example a coefficient computed by the
+/// caller from an all-reduced norm); both in device memory of the engine's context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Coefficient {
+    /// The address of a [`NormOutput`] (a [`DeviceNorm`]'s, or a [`super::RawOutput`]'s).
+    NormOutputAt(u64),
+    /// The address of one f64 (8-byte aligned).
+    F64At(u64),
+}
+
 /// The list whose tables are in the engine's workspace now, and where they are (resolved once
 /// per upload: host time per call matters).
 #[derive(Debug)]
@@ -176,7 +187,7 @@ impl GpuEngine {
         let (coef, _g) = norm.device_words().device_ptr(&stream);
         // SAFETY: as in clip_grad_norm; `coef` is the NormOutput of a DeviceNorm, ordered before
         // this launch by cudarc's guard.
-        unsafe { self.scale_raw(&TensorList::unchecked(&raws), coef) }
+        unsafe { self.scale_raw(&TensorList::unchecked(&raws), Coefficient::NormOutputAt(coef)) }
     }
 
     /// [`GpuEngine::total_norm`] over raw device addresses, on a list planned once: the engine
@@ -238,15 +249,43 @@ impl GpuEngine {
         })
     }
 
-    /// [`GpuEngine::scale`] with the coefficient of the [`NormOutput`] at device address `coef`.
+    /// [`GpuEngine::scale`] with the coefficient at a device address: in a [`NormOutput`], or a
+    /// plain f64 (copied into the engine's own NormOutput on the stream first: one copy, then the
+    /// launch; nothing when the list has no elements).
     ///
     /// # Safety
-    /// As [`GpuEngine::clip_grad_norm_raw`]; `coef` must hold a valid [`NormOutput`] in device
-    /// memory of this context, ordered before this call on the stream.
-    pub unsafe fn scale_raw(&mut self, list: &TensorList, coef: u64) -> Result<()> {
+    /// As [`GpuEngine::clip_grad_norm_raw`]; the coefficient's memory (24 bytes of a valid
+    /// [`NormOutput`], or 8 bytes) is device memory of this context, written before this call on
+    /// the stream and not freed before the work this call enqueues has run.
+    pub unsafe fn scale_raw(&mut self, list: &TensorList, coef: Coefficient) -> Result<()> {
+        let (Coefficient::NormOutputAt(addr) | Coefficient::F64At(addr)) = coef;
+        if addr == 0 || !addr.is_multiple_of(8) {
+            return Err(Error::BadOutputAddress {
+                what: "the coefficient",
+                addr,
+            });
+        }
         let prepared = self.prepare(list, true)?;
-        // SAFETY: tables uploaded, tensors disjoint (prepare) and writable, coef valid (caller).
-        unsafe { self.scale_prepared(&prepared, coef) }
+        if prepared.num_tasks == 0 {
+            return Ok(());
+        }
+        let out = match coef {
+            Coefficient::NormOutputAt(addr) => addr,
+            Coefficient::F64At(addr) => {
+                let slot = prepared.tables.coef_out;
+                self.stream.context().bind_to_thread()?;
+                // SAFETY: 8 bytes at `addr` (caller) into the coefficient word of the engine's
+                // NormOutput (inside the tables' allocation), stream-ordered.
+                unsafe {
+                    cudarc::driver::sys::cuMemcpyDtoDAsync_v2(slot + 8, addr, 8, self.stream.cu_stream()).result()?;
+                }
+                slot
+            }
+        };
+        // SAFETY: tables uploaded, tensors disjoint (prepare) and writable, `out` a NormOutput
+        // written before this launch on the stream (caller, or the copy above into a slot whose
+        // flags are zero).
+        unsafe { self.scale_prepared(&prepared, out) }
     }
 
     /// The scale launch of a prepared plan (nothing for a plan without tasks).
@@ -334,6 +373,13 @@ impl GpuEngine {
                 // stream-ordered, and a pageable source is consumed before the call returns.
                 unsafe { cudarc::driver::result::memcpy_htod_async(base + off as u64, words, self.stream.cu_stream()) }?;
             }
+        }
+        // The engine's NormOutput starts zeroed (no non-finite flag) for every upload: lent
+        // memory is only promised zero in its first 8 bytes.
+        // SAFETY: 24 bytes inside the workspace (sized above), stream-ordered.
+        unsafe {
+            cudarc::driver::sys::cuMemsetD8Async(base + layout.coef_out as u64, 0, size_of::<NormOutput>(), self.stream.cu_stream())
+                .result()?;
         }
         let prepared = Prepared {
             tables: layout.tables_at(base),

@@ -19,6 +19,8 @@ pub struct Tables {
     pub partials: u64,
     /// One u32, zero between launches (the norm kernel's last-block ticket).
     pub counter: u64,
+    /// The engine's NormOutput for a scale by a caller's coefficient (its flags stay zero).
+    pub coef_out: u64,
 }
 
 /// Cap on the blocks of the per-tensor-norm kernel (it grid-strides beyond it).

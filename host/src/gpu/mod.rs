@@ -22,7 +22,7 @@ mod workspace;
 pub use buffers::{DeviceGrad, DeviceGradMut};
 pub use capture::graph_tables_live;
 pub use device_norm::DeviceNorm;
-pub use engine::GpuEngine;
+pub use engine::{Coefficient, GpuEngine};
 pub use output::{NewNorm, Output, RawOutput};
 pub use workspace::{ExternalWorkspace, workspace_bytes};
 

@@ -5,17 +5,19 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use gradclip_kernels::abi::{ChunkTask, Partial, TensorDesc};
+use gradclip_kernels::abi::{ChunkTask, NormOutput, Partial, TensorDesc};
 
 use super::launch::Tables;
 use crate::error::Result;
 use crate::tensor_list::TensorList;
 
 /// Byte offsets of the tables in one allocation: the 8-byte counter first (so it stays put
-/// whatever the plan), then the tensor table, the task table and the partials.
+/// whatever the plan), the engine's own [`gradclip_kernels::abi::NormOutput`] (where a scale by a
+/// caller's coefficient finds it), then the tensor table, the task table and the partials.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Layout {
     pub counter: usize,
+    pub coef_out: usize,
     pub tensors: usize,
     pub tasks: usize,
     pub partials: usize,
@@ -25,11 +27,13 @@ pub(crate) struct Layout {
 impl Layout {
     /// The layout for a plan of `num_tensors` tensors and `num_tasks` tasks.
     pub fn new(num_tensors: usize, num_tasks: usize) -> Self {
-        let tensors = 8;
+        let coef_out = 8;
+        let tensors = coef_out + size_of::<NormOutput>();
         let tasks = tensors + num_tensors * size_of::<TensorDesc>();
         let partials = tasks + num_tasks * size_of::<ChunkTask>();
         Layout {
             counter: 0,
+            coef_out,
             tensors,
             tasks,
             partials,
@@ -44,6 +48,7 @@ impl Layout {
             tasks: base + self.tasks as u64,
             partials: base + self.partials as u64,
             counter: base + self.counter as u64,
+            coef_out: base + self.coef_out as u64,
         }
     }
 }

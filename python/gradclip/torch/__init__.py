@@ -355,13 +355,12 @@ def get_total_norm(
 
 
 def _scale_plan(plan, coef: torch.Tensor) -> None:
-    """Multiply every tensor of ``plan`` by ``coef`` (0-dim f64), in place: one launch on CUDA,
-    none when the coefficient is 1 (decided on the device)."""
+    """Multiply every tensor of ``plan`` by ``coef`` (0-dim f64), in place: on CUDA one copy of
+    the coefficient into the engine's result slot and one launch, which does nothing when the
+    coefficient is 1 (decided on the device)."""
     if plan.device >= 0:
-        out, stream = _cuda_out(plan.device)
-        out.zero_()
-        out[1] = coef.to(out.device)
-        _cuda_call(_native.cuda_scale, plan, stream, out.data_ptr())
+        coef = coef.to(device=plan.device, dtype=torch.float64).contiguous()
+        _cuda_call(_native.cuda_scale, plan, _raw_stream(plan.device), coef.data_ptr())
     else:
         _native.cpu_scale(plan, float(coef))
 
@@ -387,11 +386,11 @@ def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
             torch._foreach_mul_(rest, coef.to(device))
 
 
-def _clip_coef(max_norm: float, total_norm: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
     """torch's rule, in f64: min(1, max_norm / (total_norm + 1e-6)), the engine's too. A
     bf16/f16/f32 ``total_norm`` is widened to f64 first (torch would compute the coefficient in
-    that dtype). ``out``: an f64 tensor to write it into."""
-    return torch.clamp(float(max_norm) / (total_norm.to(torch.float64) + 1e-6), max=1.0, out=out)
+    that dtype)."""
+    return torch.clamp(float(max_norm) / (total_norm.to(torch.float64) + 1e-6), max=1.0)
 
 
 def _clip_grads(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
