@@ -341,11 +341,7 @@ def get_total_norm(
     if sharded or pipeline_group is not None:
         from .. import distributed
 
-        layout = distributed.collect(items, False)
-        p = _check_p(norm_type)
-        norm64 = distributed.norm_one_key(layout, p, pipeline_group)
-        if norm64 is None:
-            norm64 = distributed.global_norm(layout, p, pipeline_group)
+        norm64, layout = _sharded_norm64(items, False, _check_p(norm_type), pipeline_group)
         return distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
     if len(ts) == 0:
         return torch.tensor(0.0)
@@ -427,6 +423,18 @@ def clip_grads_with_norm_(
         _clip_grads(grads, max_norm, total_norm)
 
 
+def _sharded_norm64(items: list, grads: bool, p: float, pipeline_group=None):
+    """The global p-norm of sharded ``items`` (tensors, or parameters' gradients when ``grads``)
+    as a 0-dim f64 tensor, with their layout: the shortest path when it applies."""
+    from .. import distributed
+
+    layout = distributed.collect(items, grads)
+    norm64 = distributed.norm_one_key(layout, p, pipeline_group)
+    if norm64 is None:
+        norm64 = distributed.global_norm(layout, p, pipeline_group)
+    return norm64, layout
+
+
 def _grads_norm64(params: list, norm_type: float, pipeline_group=None):
     """The global p-norm of the gradients of ``params`` (None grads skipped; DTensor and
     ``Shards`` gradients over their process groups) as a 0-dim f64 tensor on the first
@@ -436,12 +444,7 @@ def _grads_norm64(params: list, norm_type: float, pipeline_group=None):
     p = _check_p(norm_type)
     plan, grads, sharded = _scan(params, True)
     if sharded or pipeline_group is not None:
-        from .. import distributed
-
-        layout = distributed.collect(params, True)
-        norm64 = distributed.norm_one_key(layout, p, pipeline_group)
-        if norm64 is None:
-            norm64 = distributed.global_norm(layout, p, pipeline_group)
+        norm64, layout = _sharded_norm64(params, True, p, pipeline_group)
         return norm64, layout.result_dtype()
     if len(grads) == 0:
         return None
