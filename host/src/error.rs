@@ -115,6 +115,48 @@ pub enum Error {
         /// Entries found.
         found: usize,
     },
+    /// An optimizer tensor's length differs from its parameter's.
+    #[error("tensor {index}: its {role} has {found} elements and its parameter {expected}: pass that parameter's {role}")]
+    OptimizerLength {
+        /// Position in the list.
+        index: usize,
+        /// Which tensor of the parameter (grad, exp_avg, ...).
+        role: &'static str,
+        /// The parameter's length.
+        expected: u64,
+        /// The length passed.
+        found: u64,
+    },
+    /// An optimizer tensor's dtype does not go with its parameter's.
+    #[error(
+        "tensor {index}: its {role} is {found}, which a {param} parameter's update cannot take: store it as {param} or f32 (an f64 parameter takes f64 throughout)"
+    )]
+    OptimizerDtype {
+        /// Position in the list.
+        index: usize,
+        /// Which tensor of the parameter.
+        role: &'static str,
+        /// The dtype passed.
+        found: DType,
+        /// The parameter's dtype.
+        param: DType,
+    },
+    /// amsgrad is on but a parameter has no running maximum to update.
+    #[error("amsgrad is on but tensor {index} has no max_exp_avg_sq: pass one (zeros before the first step)")]
+    MissingMaxExpAvgSq {
+        /// Position in the list.
+        index: usize,
+    },
+    /// A hyperparameter is outside its valid range (torch's checks).
+    #[error("invalid {what}: {value} (valid: {valid})")]
+    InvalidHyperparameter {
+        /// Which hyperparameter.
+        what: &'static str,
+        /// The value given.
+        value: f64,
+        /// The valid range, in words.
+        valid: &'static str,
+    },
     /// A result or coefficient address given to the raw API is null or not 8-byte aligned.
     #[error("{what} address {addr:#x} is null or not 8-byte aligned: pass the address of device memory allocated for it")]
     BadOutputAddress {

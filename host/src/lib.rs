@@ -29,6 +29,7 @@ pub mod dtype;
 pub mod error;
 pub mod gpu;
 pub mod norm;
+pub mod optim;
 pub mod plan;
 pub mod tensor_list;
 

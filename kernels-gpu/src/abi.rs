@@ -130,7 +130,38 @@ pub struct NormOutput {
     pub skip_scale: u32,
 }
 
+/// Bits of [`AdamParams::flags`].
+pub mod adam_flags {
+    /// AdamW: weight decay applied to the parameter (decoupled), not added to the gradient.
+    pub const DECOUPLED: u32 = 1;
+    /// Keep the running maximum of the second moment and divide by its root.
+    pub const AMSGRAD: u32 = 2;
+    /// Ascend the objective: the gradient's sign is flipped.
+    pub const MAXIMIZE: u32 = 4;
+}
+
+/// Hyperparameters of one Adam / AdamW step (torch's names and meanings).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AdamParams {
+    /// Learning rate.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Weight decay (decoupled with [`adam_flags::DECOUPLED`], else L2 added to the gradient).
+    pub weight_decay: f64,
+    /// Any of [`adam_flags`].
+    pub flags: u32,
+    /// Keeps the struct free of padding.
+    pub reserved: u32,
+}
+
 const _: () = {
+    assert!(core::mem::size_of::<AdamParams>() == 48);
     assert!(core::mem::size_of::<TensorDesc>() == 40);
     assert!(core::mem::size_of::<ChunkTask>() == 8);
     assert!(core::mem::size_of::<Partial>() == 32);

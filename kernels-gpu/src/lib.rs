@@ -10,7 +10,8 @@
 //! Layout: [`abi`] holds the `#[repr(C)]` types shared with the host, [`dtype`] the element
 //! encodings, [`math`] the exp2/log2 used by general p-norms, [`accum`] the f64 accumulators of
 //! each norm, [`geometry`] how a tensor is cut into block tasks and lanes, [`lane`] the per-thread
-//! loop, [`model`] the host-side reduction trees and [`scale`] the in-place clip arithmetic.
+//! loop, [`model`] the host-side reduction trees, [`scale`] the in-place clip arithmetic and
+//! [`adam`] the Adam / AdamW update of one element.
 #![no_std]
 // Nightly features on the GPU target only: the host build (the CPU backend) is stable Rust.
 #![cfg_attr(target_arch = "nvptx64", allow(internal_features))]
@@ -37,6 +38,7 @@ extern crate std;
 
 pub mod abi;
 pub mod accum;
+pub mod adam;
 pub mod dtype;
 pub mod fill;
 pub mod geometry;

@@ -45,6 +45,20 @@ pub struct HostGrad<'a> {
     _data: PhantomData<&'a [u8]>,
 }
 
+impl HostGrad<'_> {
+    /// The tensor by address (valid while the borrow lasts).
+    pub(crate) fn raw(&self) -> RawTensor {
+        self.raw
+    }
+}
+
+impl HostGradMut<'_> {
+    /// The tensor by address (valid and exclusive while the borrow lasts).
+    pub(crate) fn raw(&self) -> RawTensor {
+        self.raw
+    }
+}
+
 impl<'a, T: GradElement> From<&'a [T]> for HostGrad<'a> {
     fn from(s: &'a [T]) -> Self {
         HostGrad {

@@ -1,0 +1,181 @@
+//! The CPU step: the global norm with the CPU backend, then every element's update in parallel
+//! (rayon), each with the kernels' per-element arithmetic.
+
+use gradclip_kernels::abi::AdamParams;
+use gradclip_kernels::accum::clip_coefficient;
+use gradclip_kernels::adam::{StepScalars, scaled_grad_f32, scaled_grad_f64, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
+use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
+use rayon::prelude::*;
+
+use super::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, StepCount, StepReport, check_clip, check_tensors};
+use crate::cpu::Cpu;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::plan::RawTensor;
+use crate::tensor_list::TensorList;
+
+/// Elements per parallel piece of work.
+const PIECE: u64 = 1 << 16;
+
+/// One tensor's parts by address, and a range of its elements.
+#[derive(Clone, Copy)]
+struct Piece {
+    param: RawTensor,
+    grad: RawTensor,
+    exp_avg: RawTensor,
+    exp_avg_sq: RawTensor,
+    max_exp_avg_sq: Option<RawTensor>,
+    start: u64,
+    end: u64,
+}
+
+impl Cpu {
+    /// One Adam / AdamW step over `tensors`, clipping the gradients' global norm to
+    /// `clip.max_norm` inside the update when a clip is given: each gradient is multiplied by the
+    /// clip coefficient (in the update's f32 or f64 arithmetic) as it is read; the gradients are
+    /// not written. `count` is advanced (or its `skipped` count, when a non-finite norm skips the
+    /// step). Nothing is written when an error is returned.
+    pub fn adam_step(
+        &self,
+        tensors: &mut [HostAdamTensor<'_>],
+        cfg: &AdamConfig,
+        count: &mut StepCount,
+        clip: Option<&ClipConfig>,
+    ) -> Result<StepReport> {
+        let h = cfg.params()?;
+        check_clip(clip)?;
+        check_tensors(tensors, cfg.amsgrad)?;
+        let (norm, coef) = match clip {
+            None => (None, 1.0),
+            Some(c) => {
+                let grads: Vec<RawTensor> = tensors.iter().map(|t| t.grad.raw()).collect();
+                // SAFETY: the gradients are shared borrows held by `tensors` for this call.
+                let r = unsafe { self.total_norm_raw(&TensorList::new(&grads)?, c.norm_type, false) }?;
+                if !r.norm.is_finite() {
+                    match c.nonfinite {
+                        NonFinite::Skip => {
+                            count.skipped += 1;
+                            return Ok(StepReport {
+                                norm: Some(r.norm),
+                                coef: clip_coefficient(r.norm, c.max_norm),
+                                skipped: true,
+                            });
+                        }
+                        NonFinite::Error => {
+                            return Err(Error::NonFiniteNorm {
+                                norm: r.norm,
+                                norm_type: c.norm_type.to_string(),
+                            });
+                        }
+                        NonFinite::Propagate => {}
+                    }
+                }
+                (Some(r.norm), clip_coefficient(r.norm, c.max_norm))
+            }
+        };
+        let step = count.steps + 1;
+        let (s32, s64) = (step_scalars_f32(&h, step as f64), step_scalars_f64(&h, step as f64));
+        let pieces: Vec<Piece> = tensors
+            .iter()
+            .flat_map(|t| {
+                let len = t.param.raw().len;
+                (0..len.div_ceil(PIECE)).map(move |i| Piece {
+                    param: t.param.raw(),
+                    grad: t.grad.raw(),
+                    exp_avg: t.exp_avg.raw(),
+                    exp_avg_sq: t.exp_avg_sq.raw(),
+                    max_exp_avg_sq: t.max_exp_avg_sq.as_ref().map(|m| m.raw()),
+                    start: i * PIECE,
+                    end: ((i + 1) * PIECE).min(len),
+                })
+            })
+            .collect();
+        // SAFETY: check_tensors matched every part's length and dtype to its parameter's; the
+        // pieces of one tensor are disjoint element ranges, and the parts of different tensors
+        // are distinct borrows (`&mut` for the written ones), held by `tensors` for this call.
+        pieces.par_iter().for_each(|p| unsafe { update_piece(p, &h, &s32, &s64, coef) });
+        count.steps = step;
+        Ok(StepReport {
+            norm,
+            coef,
+            skipped: false,
+        })
+    }
+}
+
+/// Dispatches a piece to the update of its dtypes.
+///
+/// # Safety
+/// As [`update_range_f32`].
+unsafe fn update_piece(p: &Piece, h: &AdamParams, s32: &StepScalars<f32>, s64: &StepScalars<f64>, coef: f64) {
+    use DType::*;
+    // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
+    unsafe {
+        match (p.param.dtype, p.grad.dtype, p.exp_avg.dtype) {
+            (F64, _, _) => update_range_f64(p, h, s64, coef),
+            (Bf16, Bf16, Bf16) => update_range_f32::<self::Bf16, self::Bf16, self::Bf16>(p, h, s32, coef),
+            (Bf16, Bf16, _) => update_range_f32::<self::Bf16, self::Bf16, self::F32>(p, h, s32, coef),
+            (Bf16, _, Bf16) => update_range_f32::<self::Bf16, self::F32, self::Bf16>(p, h, s32, coef),
+            (Bf16, _, _) => update_range_f32::<self::Bf16, self::F32, self::F32>(p, h, s32, coef),
+            (F16, F16, F16) => update_range_f32::<self::F16, self::F16, self::F16>(p, h, s32, coef),
+            (F16, F16, _) => update_range_f32::<self::F16, self::F16, self::F32>(p, h, s32, coef),
+            (F16, _, F16) => update_range_f32::<self::F16, self::F32, self::F16>(p, h, s32, coef),
+            (F16, _, _) => update_range_f32::<self::F16, self::F32, self::F32>(p, h, s32, coef),
+            (F32, _, _) => update_range_f32::<self::F32, self::F32, self::F32>(p, h, s32, coef),
+        }
+    }
+}
+
+/// The element `i` of a part, as a pointer to its storage.
+fn at<E: Element>(t: &RawTensor, i: u64) -> *mut E::Bits {
+    (t.addr as *mut E::Bits).wrapping_add(i as usize)
+}
+
+/// The f32-opmath update of elements `start..end` (parameter `P`, gradient `G`, states `S`).
+///
+/// # Safety
+/// Every part of the piece is live host memory of its dtype and the piece's range lies inside it;
+/// the written parts (parameter and states) are used by nothing else during the call.
+unsafe fn update_range_f32<P: Element, G: Element, S: Element>(p: &Piece, h: &AdamParams, s: &StepScalars<f32>, coef: f64) {
+    let vmax = p.max_exp_avg_sq;
+    for i in p.start..p.end {
+        // SAFETY: i < len of every part (the caller's contract).
+        unsafe {
+            let g = scaled_grad_f32(G::to_f32(*at::<G>(&p.grad, i)), coef, None);
+            let m = S::to_f32(*at::<S>(&p.exp_avg, i));
+            let v = S::to_f32(*at::<S>(&p.exp_avg_sq, i));
+            let vm = vmax.map_or(0.0, |t| S::to_f32(*at::<S>(&t, i)));
+            let u = update_f32(h, s, P::to_f32(*at::<P>(&p.param, i)), g, m, v, vm);
+            *at::<P>(&p.param, i) = P::from_f64(u.param as f64);
+            *at::<S>(&p.exp_avg, i) = S::from_f64(u.exp_avg as f64);
+            *at::<S>(&p.exp_avg_sq, i) = S::from_f64(u.exp_avg_sq as f64);
+            if let Some(t) = vmax {
+                *at::<S>(&t, i) = S::from_f64(u.max_exp_avg_sq as f64);
+            }
+        }
+    }
+}
+
+/// The f64-opmath update (f64 parameters: every part f64).
+///
+/// # Safety
+/// As [`update_range_f32`].
+unsafe fn update_range_f64(p: &Piece, h: &AdamParams, s: &StepScalars<f64>, coef: f64) {
+    let vmax = p.max_exp_avg_sq;
+    for i in p.start..p.end {
+        // SAFETY: i < len of every part (the caller's contract); every part is f64.
+        unsafe {
+            let g = scaled_grad_f64(F64::widen(*at::<F64>(&p.grad, i)), coef, None);
+            let m = F64::widen(*at::<F64>(&p.exp_avg, i));
+            let v = F64::widen(*at::<F64>(&p.exp_avg_sq, i));
+            let vm = vmax.map_or(0.0, |t| F64::widen(*at::<F64>(&t, i)));
+            let u = update_f64(h, s, F64::widen(*at::<F64>(&p.param, i)), g, m, v, vm);
+            *at::<F64>(&p.param, i) = F64::from_f64(u.param);
+            *at::<F64>(&p.exp_avg, i) = F64::from_f64(u.exp_avg);
+            *at::<F64>(&p.exp_avg_sq, i) = F64::from_f64(u.exp_avg_sq);
+            if let Some(t) = vmax {
+                *at::<F64>(&t, i) = F64::from_f64(u.max_exp_avg_sq);
+            }
+        }
+    }
+}

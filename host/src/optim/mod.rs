@@ -1,0 +1,234 @@
+//! Adam / AdamW with the clip inside the step: the gradients' global norm, then one update pass
+//! that multiplies each gradient by the clip coefficient as it reads it (no scale pass, no
+//! gradient write). The per-element arithmetic is torch's fused kernel's
+//! ([`gradclip_kernels::adam`]); this module holds the configuration, the checks and the CPU
+//! step ([`cpu`]).
+//!
+//! ```
+//! use gradclip::{cpu::{Cpu, HostGrad, HostGradMut}, optim::{AdamConfig, ClipConfig, HostAdamTensor, StepCount}};
+//! let (mut w, g) = (vec![1.0f32; 4], vec![3.0f32; 4]);
+//! let (mut m, mut v) = (vec![0.0f32; 4], vec![0.0f32; 4]);
+//! let mut tensors = [HostAdamTensor {
+//!     param: HostGradMut::from(&mut w[..]),
+//!     grad: HostGrad::from(&g[..]),
+//!     exp_avg: HostGradMut::from(&mut m[..]),
+//!     exp_avg_sq: HostGradMut::from(&mut v[..]),
+//!     max_exp_avg_sq: None,
+//! }];
+//! let mut count = StepCount::default();
+//! let r = Cpu::new().adam_step(&mut tensors, &AdamConfig::adamw(1e-3), &mut count, Some(&ClipConfig::new(1.0)))?;
+//! assert_eq!((r.norm, count.steps), (Some(6.0), 1));
+//! # Ok::<(), gradclip::Error>(())
+//! ```
+
+pub mod cpu;
+
+use gradclip_kernels::abi::{AdamParams, adam_flags};
+
+use crate::cpu::{HostGrad, HostGradMut};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::norm::{NormType, validate_max_norm};
+
+/// Adam / AdamW hyperparameters, with torch's meanings and checks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamConfig {
+    /// Learning rate (>= 0).
+    pub lr: f64,
+    /// Decay rates of the first and second moments (each in [0, 1)).
+    pub betas: (f64, f64),
+    /// Added to the denominator (>= 0).
+    pub eps: f64,
+    /// Weight decay (>= 0).
+    pub weight_decay: f64,
+    /// Keep the running maximum of the second moment (each tensor then needs `max_exp_avg_sq`).
+    pub amsgrad: bool,
+    /// Ascend instead of descend.
+    pub maximize: bool,
+    /// AdamW's decoupled weight decay (true) or Adam's L2 term added to the gradient (false).
+    pub decoupled_weight_decay: bool,
+}
+
+impl AdamConfig {
+    /// `torch.optim.AdamW`'s defaults with learning rate `lr`.
+    pub fn adamw(lr: f64) -> Self {
+        AdamConfig {
+            lr,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 1e-2,
+            amsgrad: false,
+            maximize: false,
+            decoupled_weight_decay: true,
+        }
+    }
+
+    /// `torch.optim.Adam`'s defaults with learning rate `lr`.
+    pub fn adam(lr: f64) -> Self {
+        AdamConfig {
+            weight_decay: 0.0,
+            decoupled_weight_decay: false,
+            ..Self::adamw(lr)
+        }
+    }
+
+    /// The kernels' parameters, or the first hyperparameter outside its range.
+    pub fn params(&self) -> Result<AdamParams> {
+        let check = |what, value: f64, ok: bool, valid| {
+            if ok {
+                Ok(())
+            } else {
+                Err(Error::InvalidHyperparameter { what, value, valid })
+            }
+        };
+        check("learning rate", self.lr, self.lr >= 0.0, "a number >= 0")?;
+        check("eps", self.eps, self.eps >= 0.0, "a number >= 0")?;
+        check("beta1", self.betas.0, (0.0..1.0).contains(&self.betas.0), "[0, 1)")?;
+        check("beta2", self.betas.1, (0.0..1.0).contains(&self.betas.1), "[0, 1)")?;
+        check("weight_decay", self.weight_decay, self.weight_decay >= 0.0, "a number >= 0")?;
+        let flags = if self.decoupled_weight_decay { adam_flags::DECOUPLED } else { 0 }
+            | if self.amsgrad { adam_flags::AMSGRAD } else { 0 }
+            | if self.maximize { adam_flags::MAXIMIZE } else { 0 };
+        Ok(AdamParams {
+            lr: self.lr,
+            beta1: self.betas.0,
+            beta2: self.betas.1,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            flags,
+            reserved: 0,
+        })
+    }
+}
+
+/// What a step does when the gradients' norm is NaN or infinite.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NonFinite {
+    /// Leave parameters, states and the step count as they were, and count the skip.
+    #[default]
+    Skip,
+    /// Return [`Error::NonFiniteNorm`]; nothing is written.
+    Error,
+    /// Step anyway with the non-finite coefficient (torch's `clip_grad_norm_` + `step()`).
+    Propagate,
+}
+
+/// The clip a step applies.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClipConfig {
+    /// The largest global norm the step lets through.
+    pub max_norm: f64,
+    /// The norm's order.
+    pub norm_type: NormType,
+    /// What a non-finite norm does.
+    pub nonfinite: NonFinite,
+}
+
+impl ClipConfig {
+    /// Clip the L2 norm to `max_norm`, skipping non-finite steps.
+    pub fn new(max_norm: f64) -> Self {
+        ClipConfig {
+            max_norm,
+            norm_type: NormType::L2,
+            nonfinite: NonFinite::Skip,
+        }
+    }
+}
+
+/// The step count of a list of parameters (torch keeps one per parameter, all equal) and how
+/// many steps were skipped for a non-finite norm.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepCount {
+    /// Steps taken.
+    pub steps: u64,
+    /// Steps skipped ([`NonFinite::Skip`]).
+    pub skipped: u64,
+}
+
+/// What one step found.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepReport {
+    /// The gradients' global norm before clipping (None without a clip).
+    pub norm: Option<f64>,
+    /// The clip coefficient the update multiplied the gradients by (1 without a clip).
+    pub coef: f64,
+    /// True when the step was skipped.
+    pub skipped: bool,
+}
+
+/// One parameter and its optimizer state, on the host. States and gradients are in the
+/// parameter's dtype or f32 (torch's mixed precision); an f64 parameter takes f64 throughout.
+#[derive(Debug)]
+pub struct HostAdamTensor<'a> {
+    /// The parameter, updated in place.
+    pub param: HostGradMut<'a>,
+    /// Its gradient (read; the clip is applied as it is read, not written back).
+    pub grad: HostGrad<'a>,
+    /// The first moment.
+    pub exp_avg: HostGradMut<'a>,
+    /// The second moment.
+    pub exp_avg_sq: HostGradMut<'a>,
+    /// The running maximum of the second moment (amsgrad only).
+    pub max_exp_avg_sq: Option<HostGradMut<'a>>,
+}
+
+/// Fails with the first tensor whose parts do not go together (lengths, dtypes, amsgrad's state).
+pub(crate) fn check_tensors(tensors: &[HostAdamTensor<'_>], amsgrad: bool) -> Result<()> {
+    for (index, t) in tensors.iter().enumerate() {
+        let p = t.param.raw();
+        let mut parts = vec![
+            ("grad", t.grad.raw()),
+            ("exp_avg", t.exp_avg.raw()),
+            ("exp_avg_sq", t.exp_avg_sq.raw()),
+        ];
+        match (&t.max_exp_avg_sq, amsgrad) {
+            (Some(m), true) => parts.push(("max_exp_avg_sq", m.raw())),
+            (None, true) => return Err(Error::MissingMaxExpAvgSq { index }),
+            (_, false) => {}
+        }
+        // One dtype for the states (the update reads them as one type).
+        for (role, r) in parts.iter().skip(2) {
+            if r.dtype != t.exp_avg.raw().dtype {
+                return Err(Error::OptimizerDtype {
+                    index,
+                    role: if *role == "exp_avg_sq" {
+                        "exp_avg_sq (not exp_avg's dtype)"
+                    } else {
+                        "max_exp_avg_sq (not exp_avg's dtype)"
+                    },
+                    found: r.dtype,
+                    param: p.dtype,
+                });
+            }
+        }
+        for (role, r) in parts {
+            if r.len != p.len {
+                return Err(Error::OptimizerLength {
+                    index,
+                    role,
+                    expected: p.len,
+                    found: r.len,
+                });
+            }
+            let ok = r.dtype == p.dtype || (r.dtype == DType::F32 && p.dtype != DType::F64);
+            if !ok {
+                return Err(Error::OptimizerDtype {
+                    index,
+                    role,
+                    found: r.dtype,
+                    param: p.dtype,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks a clip's settings before anything is read.
+pub(crate) fn check_clip(clip: Option<&ClipConfig>) -> Result<()> {
+    if let Some(c) = clip {
+        validate_max_norm(c.max_norm)?;
+        c.norm_type.validated()?;
+    }
+    Ok(())
+}

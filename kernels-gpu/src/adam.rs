@@ -1,0 +1,268 @@
+//! The Adam / AdamW update of one element, with torch's fused CUDA kernel's arithmetic
+//! (`FusedAdamMathFunctor`): the element in its "opmath" (f32 for bf16/f16/f32 parameters, f64
+//! for f64 ones), the hyperparameters in f64, and every mixed expression evaluated in f64 and
+//! rounded to opmath where C++ would promote it. rustc never contracts `a * b + c` into an FMA,
+//! while nvcc may in torch's kernel: whether the two agree to the bit is measured on a GPU, not
+//! assumed here.
+//!
+//! Written once for both backends: the CPU backend calls it per element, the GPU kernel per
+//! thread, so the two produce identical bits.
+
+use crate::abi::{AdamParams, adam_flags};
+
+/// The values one update writes back (in opmath; the caller rounds each to its storage dtype).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Updated<T> {
+    /// The new parameter.
+    pub param: T,
+    /// The new first moment.
+    pub exp_avg: T,
+    /// The new second moment.
+    pub exp_avg_sq: T,
+    /// The new running maximum of the second moment (amsgrad; the second moment otherwise).
+    pub max_exp_avg_sq: T,
+}
+
+/// The scalars of one step that do not depend on the element, in opmath.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepScalars<T> {
+    /// `lr / (1 - beta1^step)`.
+    pub step_size: T,
+    /// `sqrt(1 - beta2^step)`.
+    pub bias_correction2_sqrt: T,
+}
+
+/// `base^n` for a whole number `n >= 0` (torch's step counts are whole numbers stored in f32),
+/// by squaring: a few units in the last place, the same on both backends.
+#[inline(always)]
+pub fn powi(base: f64, n: f64) -> f64 {
+    let mut e = n as u64;
+    let (mut acc, mut b) = (1.0f64, base);
+    while e > 0 {
+        if e & 1 == 1 {
+            acc *= b;
+        }
+        b *= b;
+        e >>= 1;
+    }
+    acc
+}
+
+/// Correctly rounded f32 square root (`sqrt.rn.f32` on the GPU, `sqrtss` on x86).
+#[inline(always)]
+pub fn sqrt32(x: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        core::intrinsics::sqrtf32(x)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        x.sqrt()
+    }
+}
+
+/// `std::max(a, b)` of C++: `b` when `a < b`, else `a` (so a NaN in `a` stays, one in `b` does not).
+#[inline(always)]
+fn cpp_max<T: PartialOrd>(a: T, b: T) -> T {
+    if a < b { b } else { a }
+}
+
+macro_rules! opmath {
+    ($t:ty, $step:ident, $update:ident, $sqrt:expr) => {
+        /// The step's scalars for step count `step` (the count after this step's increment).
+        #[inline(always)]
+        pub fn $step(h: &AdamParams, step: f64) -> StepScalars<$t> {
+            let bias_correction1 = (1.0 - powi(h.beta1, step)) as $t;
+            let bias_correction2 = (1.0 - powi(h.beta2, step)) as $t;
+            StepScalars {
+                step_size: (h.lr / bias_correction1 as f64) as $t,
+                bias_correction2_sqrt: $sqrt(bias_correction2),
+            }
+        }
+
+        /// One element's update. `grad` is already multiplied by the clip coefficient and divided
+        /// by the loss scale, if any ([`scaled_grad_f32`], [`scaled_grad_f64`]); `max_exp_avg_sq` is read only with
+        /// amsgrad.
+        #[inline(always)]
+        pub fn $update(
+            h: &AdamParams,
+            s: &StepScalars<$t>,
+            param: $t,
+            grad: $t,
+            exp_avg: $t,
+            exp_avg_sq: $t,
+            max_exp_avg_sq: $t,
+        ) -> Updated<$t> {
+            let mut param = param;
+            let mut grad = grad;
+            if h.flags & adam_flags::MAXIMIZE != 0 {
+                grad = -grad;
+            }
+            if h.weight_decay != 0.0 {
+                if h.flags & adam_flags::DECOUPLED != 0 {
+                    param = (param as f64 - h.lr * h.weight_decay * param as f64) as $t;
+                } else {
+                    grad = (grad as f64 + param as f64 * h.weight_decay) as $t;
+                }
+            }
+            let exp_avg = (h.beta1 * exp_avg as f64 + (1.0 - h.beta1) * grad as f64) as $t;
+            let exp_avg_sq = (h.beta2 * exp_avg_sq as f64 + (1.0 - h.beta2) * grad as f64 * grad as f64) as $t;
+            let max_exp_avg_sq = if h.flags & adam_flags::AMSGRAD != 0 {
+                cpp_max(max_exp_avg_sq, exp_avg_sq)
+            } else {
+                exp_avg_sq
+            };
+            let denom = (($sqrt(max_exp_avg_sq) / s.bias_correction2_sqrt) as f64 + h.eps) as $t;
+            param -= s.step_size * exp_avg / denom;
+            Updated {
+                param,
+                exp_avg,
+                exp_avg_sq,
+                max_exp_avg_sq,
+            }
+        }
+    };
+}
+
+opmath!(f32, step_scalars_f32, update_f32, sqrt32);
+opmath!(f64, step_scalars_f64, update_f64, crate::math::sqrt);
+
+/// The gradient the update sees, in opmath f32: multiplied by the clip coefficient (rounded to
+/// f32, as a clip multiplies an f32 gradient) and, with a loss scale, divided by it in f64 as
+/// torch's kernel divides by its `grad_scale`. With neither it is the gradient unchanged.
+#[inline(always)]
+pub fn scaled_grad_f32(grad: f32, coef: f64, loss_scale: Option<f64>) -> f32 {
+    let g = if coef == 1.0 { grad } else { grad * coef as f32 };
+    match loss_scale {
+        Some(s) => (g as f64 / s) as f32,
+        None => g,
+    }
+}
+
+/// [`scaled_grad_f32`] for f64 opmath.
+#[inline(always)]
+pub fn scaled_grad_f64(grad: f64, coef: f64, loss_scale: Option<f64>) -> f64 {
+    let g = if coef == 1.0 { grad } else { grad * coef };
+    match loss_scale {
+        Some(s) => g / s,
+        None => g,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hp(flags: u32, weight_decay: f64) -> AdamParams {
+        AdamParams {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay,
+            flags,
+            reserved: 0,
+        }
+    }
+
+    /// The textbook update in f64 (Kingma & Ba; Loshchilov & Hutter for decoupled decay).
+    fn reference(h: &AdamParams, step: f64, p: f64, g: f64, m: f64, v: f64, vmax: f64) -> (f64, f64, f64, f64) {
+        let g = if h.flags & adam_flags::MAXIMIZE != 0 { -g } else { g };
+        let (p, g) = if h.flags & adam_flags::DECOUPLED != 0 {
+            (p * (1.0 - h.lr * h.weight_decay), g)
+        } else {
+            (p, g + h.weight_decay * p)
+        };
+        let m = h.beta1 * m + (1.0 - h.beta1) * g;
+        let v = h.beta2 * v + (1.0 - h.beta2) * g * g;
+        let vmax = if h.flags & adam_flags::AMSGRAD != 0 { vmax.max(v) } else { v };
+        let mhat = m / (1.0 - h.beta1.powf(step));
+        let denom = vmax.sqrt() / (1.0 - h.beta2.powf(step)).sqrt() + h.eps;
+        (p - h.lr * mhat / denom, m, v, vmax)
+    }
+
+    #[test]
+    fn matches_the_textbook_update_within_opmath_rounding() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        };
+        for flags in [
+            0,
+            adam_flags::DECOUPLED,
+            adam_flags::AMSGRAD | adam_flags::DECOUPLED,
+            adam_flags::MAXIMIZE,
+        ] {
+            for step in [1.0, 2.0, 10.0, 1000.0, 123_456.0] {
+                let h = hp(flags, 0.01);
+                let (s32, s64) = (step_scalars_f32(&h, step), step_scalars_f64(&h, step));
+                for _ in 0..2000 {
+                    let (p, g, m) = (next(), next() * 1e-2, next() * 1e-3);
+                    let v = next().abs() * 1e-5;
+                    let vmax = v * 1.5;
+                    let want = reference(&h, step, p, g, m, v, vmax);
+                    let got = update_f64(&h, &s64, p, g, m, v, vmax);
+                    assert!(
+                        (got.param - want.0).abs() <= 1e-15 + 1e-12 * want.0.abs(),
+                        "f64 {got:?} vs {want:?}"
+                    );
+                    let got = update_f32(&h, &s32, p as f32, g as f32, m as f32, v as f32, vmax as f32);
+                    // f32 inputs and f32 rounding of each step: the moments to f32's precision, the
+                    // parameter within lr * 1e-3 (the update's own relative error) plus its ulp.
+                    let want = reference(
+                        &h,
+                        step,
+                        p as f32 as f64,
+                        g as f32 as f64,
+                        m as f32 as f64,
+                        v as f32 as f64,
+                        vmax as f32 as f64,
+                    );
+                    // (Relative to the terms of the sum: it may cancel.)
+                    let terms = m.abs() + g.abs() + h.weight_decay * p.abs();
+                    assert!((got.exp_avg as f64 - want.1).abs() <= 1e-6 * terms, "m {got:?} vs {want:?}");
+                    assert!(
+                        (got.param as f64 - want.0).abs() <= h.lr * 1e-3 + 1e-7 * want.0.abs(),
+                        "f32 {got:?} vs {want:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn promotions_are_torchs() {
+        // Mixed expressions are evaluated in f64 and rounded once to f32, as C++ promotes
+        // `double * float`: beta1 * m + (1 - beta1) * g with beta1 = 0.9 differs from the
+        // all-f32 evaluation for this input.
+        let h = hp(0, 0.0);
+        let s = step_scalars_f32(&h, 1.0);
+        let (m, g) = (0.3f32, 0.7f32);
+        let got = update_f32(&h, &s, 0.0, g, m, 0.0, 0.0).exp_avg;
+        assert_eq!(got, (0.9 * m as f64 + (1.0 - 0.9) * g as f64) as f32);
+        // The bias corrections of step 1: 1 - beta exactly as f64 computes it, then f32.
+        assert_eq!(s.step_size, (1e-3 / ((1.0f64 - 0.9) as f32) as f64) as f32);
+        assert_eq!(powi(0.9, 1.0), 0.9);
+        assert_eq!(powi(0.5, 10.0), 1.0 / 1024.0);
+        assert_eq!(powi(0.999, 0.0), 1.0);
+    }
+
+    #[test]
+    fn amsgrad_keeps_cpp_max_and_scaled_grad_rules() {
+        let h = hp(adam_flags::AMSGRAD, 0.0);
+        let s = step_scalars_f64(&h, 3.0);
+        let u = update_f64(&h, &s, 1.0, 0.0, 0.0, 1e-4, 2e-4);
+        assert_eq!(u.max_exp_avg_sq, 2e-4, "the running maximum stays");
+        assert!(
+            update_f64(&h, &s, 1.0, 0.0, 0.0, 1e-4, f64::NAN).max_exp_avg_sq.is_nan(),
+            "std::max keeps a NaN first argument"
+        );
+        assert_eq!(scaled_grad_f32(3.0, 1.0, None), 3.0);
+        assert_eq!(scaled_grad_f32(3.0, 0.5, None), 1.5);
+        assert_eq!(scaled_grad_f32(3.0, 1.0, Some(1024.0)), (3.0f64 / 1024.0) as f32);
+        assert_eq!(scaled_grad_f64(3.0, 0.25, Some(2.0)), 0.375);
+    }
+}

@@ -1,0 +1,343 @@
+//! The CPU Adam / AdamW step with the clip inside: against the textbook update in f64 for every
+//! dtype and option, exactly equal to "clip, then step" for f32 gradients, the non-finite
+//! policies, and every refused input leaving everything untouched.
+
+use gradclip::cpu::{Cpu, HostGrad, HostGradMut};
+use gradclip::optim::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, StepCount};
+use gradclip::{ClipOptions, Error, NormType};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// One parameter's storage, generic over the parameter's and the states' element types.
+struct Slot<P, S> {
+    param: Vec<P>,
+    grad: Vec<P>,
+    m: Vec<S>,
+    v: Vec<S>,
+    vmax: Vec<S>,
+}
+
+trait Num: Copy {
+    fn from(x: f64) -> Self;
+    fn get(self) -> f64;
+}
+macro_rules! num {
+    ($t:ty, $from:expr, $get:expr) => {
+        impl Num for $t {
+            fn from(x: f64) -> Self {
+                $from(x)
+            }
+            fn get(self) -> f64 {
+                $get(self)
+            }
+        }
+    };
+}
+num!(f32, |x| x as f32, |x: f32| x as f64);
+num!(f64, |x| x, |x| x);
+num!(bf16, bf16::from_f64, |x: bf16| x.to_f64());
+num!(f16, f16::from_f64, |x: f16| x.to_f64());
+
+fn slots<P: Num, S: Num>(seed: u64, lens: &[usize]) -> Vec<Slot<P, S>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    lens.iter()
+        .map(|&n| {
+            let mut r = |s: f64| (0..n).map(|_| s * (2.0 * rng.random::<f64>() - 1.0)).collect::<Vec<f64>>();
+            let (p, g, m, v) = (r(1.0), r(0.1), r(0.01), r(1e-4));
+            Slot {
+                param: p.iter().map(|&x| P::from(x)).collect(),
+                grad: g.iter().map(|&x| P::from(x)).collect(),
+                m: m.iter().map(|&x| S::from(x)).collect(),
+                v: v.iter().map(|&x| S::from(x.abs())).collect(),
+                vmax: v.iter().map(|&x| S::from(x.abs() * 1.5)).collect(),
+            }
+        })
+        .collect()
+}
+
+fn views<'a, P, S>(slots: &'a mut [Slot<P, S>], amsgrad: bool) -> Vec<HostAdamTensor<'a>>
+where
+    &'a mut [P]: Into<HostGradMut<'a>>,
+    &'a [P]: Into<HostGrad<'a>>,
+    &'a mut [S]: Into<HostGradMut<'a>>,
+{
+    slots
+        .iter_mut()
+        .map(|s| HostAdamTensor {
+            param: (&mut s.param[..]).into(),
+            grad: (&s.grad[..]).into(),
+            exp_avg: (&mut s.m[..]).into(),
+            exp_avg_sq: (&mut s.v[..]).into(),
+            max_exp_avg_sq: amsgrad.then(|| (&mut s.vmax[..]).into()),
+        })
+        .collect()
+}
+
+/// The textbook update in f64 of one element; returns the new (param, m, v, vmax).
+fn textbook(c: &AdamConfig, step: u64, coef: f64, g: f64, (p, m, v, vmax): (f64, f64, f64, f64)) -> (f64, f64, f64, f64) {
+    let g = g * coef;
+    let g = if c.maximize { -g } else { g };
+    let (p, g) = if c.decoupled_weight_decay {
+        (p * (1.0 - c.lr * c.weight_decay), g)
+    } else {
+        (p, g + c.weight_decay * p)
+    };
+    let m = c.betas.0 * m + (1.0 - c.betas.0) * g;
+    let v = c.betas.1 * v + (1.0 - c.betas.1) * g * g;
+    let vmax = if c.amsgrad { vmax.max(v) } else { v };
+    let mhat = m / (1.0 - c.betas.0.powi(step as i32));
+    let denom = vmax.sqrt() / (1.0 - c.betas.1.powi(step as i32)).sqrt() + c.eps;
+    (p - c.lr * mhat / denom, m, v, vmax)
+}
+
+fn configs() -> Vec<AdamConfig> {
+    vec![
+        AdamConfig::adamw(1e-2),
+        AdamConfig {
+            amsgrad: true,
+            maximize: true,
+            ..AdamConfig::adamw(3e-3)
+        },
+        AdamConfig {
+            weight_decay: 0.1,
+            ..AdamConfig::adam(1e-2)
+        },
+    ]
+}
+
+/// Three steps of every config against the textbook update (the states carried in f64), with
+/// and without an active clip; `tol` relative to lr for the parameters.
+fn against_textbook<P: Num, S: Num>(tol: f64)
+where
+    for<'a> &'a mut [P]: Into<HostGradMut<'a>>,
+    for<'a> &'a [P]: Into<HostGrad<'a>>,
+    for<'a> &'a mut [S]: Into<HostGradMut<'a>>,
+{
+    for (ci, c) in configs().into_iter().enumerate() {
+        for max_norm in [None, Some(0.05)] {
+            let lens = [1, 7, 100_003, 0, 300];
+            let mut s = slots::<P, S>(ci as u64, &lens);
+            let mut want: Vec<Vec<(f64, f64, f64, f64)>> = s
+                .iter()
+                .map(|t| {
+                    (0..t.param.len())
+                        .map(|i| (t.param[i].get(), t.m[i].get(), t.v[i].get(), t.vmax[i].get()))
+                        .collect()
+                })
+                .collect();
+            let mut count = StepCount::default();
+            let clip = max_norm.map(ClipConfig::new);
+            for step in 1..=3u64 {
+                let grads: Vec<Vec<f64>> = s.iter().map(|t| t.grad.iter().map(|g| g.get()).collect()).collect();
+                let norm = grads.iter().flatten().map(|g| g * g).sum::<f64>().sqrt();
+                let coef = max_norm.map_or(1.0, |m| (m / (norm + 1e-6)).min(1.0));
+                let r = Cpu::new()
+                    .adam_step(&mut views(&mut s, c.amsgrad), &c, &mut count, clip.as_ref())
+                    .unwrap();
+                assert_eq!(count.steps, step);
+                if let Some(n) = r.norm {
+                    assert!((n - norm).abs() <= 1e-6 * norm, "norm {n} vs {norm}");
+                    assert!(r.coef < 1.0);
+                }
+                for (t, (w, gs)) in s.iter().zip(want.iter_mut().zip(&grads)) {
+                    for i in 0..t.param.len() {
+                        w[i] = textbook(&c, step, coef, gs[i], w[i]);
+                        let got = t.param[i].get();
+                        assert!(
+                            (got - w[i].0).abs() <= tol * c.lr * step as f64 + 1e-2 * tol * w[i].0.abs(),
+                            "config {ci} step {step} element {i}: {got} vs {}",
+                            w[i].0
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_dtype_follows_the_textbook_update() {
+    against_textbook::<f64, f64>(1e-9);
+    against_textbook::<f32, f32>(1e-3);
+    // bf16 / f16 parameters are rounded to their 8 / 11 bits after every step.
+    against_textbook::<bf16, bf16>(3.0);
+    against_textbook::<bf16, f32>(3.0);
+    against_textbook::<f16, f32>(0.5);
+}
+
+/// For f32 gradients the clip inside the step is exactly "clip, then step": the update
+/// multiplies by the f32 coefficient as the clip's scale does.
+#[test]
+fn f32_clip_inside_equals_clip_then_step() {
+    for c in configs() {
+        let mut a = slots::<f32, f32>(7, &[1000, 33, 70_000]);
+        let mut b = slots::<f32, f32>(7, &[1000, 33, 70_000]);
+        let (mut ca, mut cb) = (StepCount::default(), StepCount::default());
+        for _ in 0..3 {
+            let ra = Cpu::new()
+                .adam_step(&mut views(&mut a, c.amsgrad), &c, &mut ca, Some(&ClipConfig::new(0.1)))
+                .unwrap();
+            let mut grads: Vec<HostGradMut> = b.iter_mut().map(|t| HostGradMut::from(&mut t.grad[..])).collect();
+            let rb = Cpu::new().clip_grad_norm(&mut grads, 0.1, &ClipOptions::default()).unwrap();
+            drop(grads);
+            Cpu::new().adam_step(&mut views(&mut b, c.amsgrad), &c, &mut cb, None).unwrap();
+            assert_eq!(ra.norm, Some(rb.norm));
+            assert_eq!(ra.coef.to_bits(), rb.coef.to_bits());
+            for (x, y) in a.iter().zip(&b) {
+                assert!(x.param.iter().zip(&y.param).all(|(p, q)| p.to_bits() == q.to_bits()));
+                assert!(x.v.iter().zip(&y.v).all(|(p, q)| p.to_bits() == q.to_bits()));
+            }
+            // The clip inside the step does not write the gradients; restore b's for the next step.
+            for (x, y) in a.iter().zip(b.iter_mut()) {
+                y.grad.clone_from(&x.grad);
+            }
+        }
+    }
+}
+
+fn snapshot(s: &[Slot<f32, f32>]) -> Vec<Vec<u32>> {
+    s.iter()
+        .flat_map(|t| [&t.param, &t.grad, &t.m, &t.v, &t.vmax])
+        .map(|v| v.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn nonfinite_norm_policies() {
+    let c = AdamConfig::adamw(1e-2);
+    let mut s = slots::<f32, f32>(3, &[100, 50]);
+    s[1].grad[7] = f32::INFINITY;
+    let before = snapshot(&s);
+    let mut count = StepCount { steps: 4, skipped: 0 };
+    let r = Cpu::new()
+        .adam_step(&mut views(&mut s, false), &c, &mut count, Some(&ClipConfig::new(1.0)))
+        .unwrap();
+    assert!(r.skipped && r.norm == Some(f64::INFINITY));
+    assert_eq!((count, snapshot(&s) == before), (StepCount { steps: 4, skipped: 1 }, true));
+    let error = ClipConfig {
+        nonfinite: NonFinite::Error,
+        ..ClipConfig::new(1.0)
+    };
+    let e = Cpu::new().adam_step(&mut views(&mut s, false), &c, &mut count, Some(&error));
+    assert!(matches!(e, Err(Error::NonFiniteNorm { .. })), "{e:?}");
+    assert_eq!((count.steps, snapshot(&s) == before), (4, true));
+    let propagate = ClipConfig {
+        nonfinite: NonFinite::Propagate,
+        ..ClipConfig::new(1.0)
+    };
+    Cpu::new()
+        .adam_step(&mut views(&mut s, false), &c, &mut count, Some(&propagate))
+        .unwrap();
+    // max_norm / inf = 0: every gradient counts as 0 except the infinite one (inf * 0 = NaN).
+    assert_eq!(count.steps, 5);
+    assert!(s[1].param[7].is_nan() && s[0].param.iter().all(|p| p.is_finite()));
+}
+
+#[test]
+fn refused_inputs_write_nothing() {
+    let c = AdamConfig::adamw(1e-2);
+    let mut count = StepCount::default();
+    let mut s = slots::<f32, f32>(5, &[10, 20]);
+    s[1].m.pop();
+    let before = snapshot(&s);
+    let e = Cpu::new().adam_step(&mut views(&mut s, false), &c, &mut count, None);
+    assert!(
+        matches!(
+            e,
+            Err(Error::OptimizerLength {
+                index: 1,
+                role: "exp_avg",
+                expected: 20,
+                found: 19
+            })
+        ),
+        "{e:?}"
+    );
+    assert_eq!(snapshot(&s), before);
+    s[1].m.push(0.0);
+    let e = Cpu::new().adam_step(&mut views(&mut s, true), &AdamConfig { amsgrad: true, ..c }, &mut count, None);
+    assert!(e.is_ok(), "amsgrad with its state: {e:?}");
+    let mut s = slots::<f32, f32>(5, &[10, 20]);
+    let before_ok = snapshot(&s);
+    let mut t = views(&mut s, false);
+    t[0].max_exp_avg_sq = None;
+    let e = Cpu::new().adam_step(&mut t, &AdamConfig { amsgrad: true, ..c }, &mut count, None);
+    assert!(matches!(e, Err(Error::MissingMaxExpAvgSq { index: 0 })), "{e:?}");
+    drop(t);
+    for bad in [
+        AdamConfig { lr: -1.0, ..c },
+        AdamConfig { betas: (1.0, 0.999), ..c },
+        AdamConfig { eps: -1e-8, ..c },
+        AdamConfig {
+            weight_decay: f64::NAN,
+            ..c
+        },
+    ] {
+        let e = Cpu::new().adam_step(&mut views(&mut s, false), &bad, &mut count, None);
+        assert!(matches!(e, Err(Error::InvalidHyperparameter { .. })), "{bad:?}: {e:?}");
+    }
+    let e = Cpu::new().adam_step(&mut views(&mut s, false), &c, &mut count, Some(&ClipConfig::new(-1.0)));
+    assert!(e.is_err());
+    let p = ClipConfig {
+        norm_type: NormType::P(0.5),
+        ..ClipConfig::new(1.0)
+    };
+    assert!(Cpu::new().adam_step(&mut views(&mut s, false), &c, &mut count, Some(&p)).is_err());
+    assert_eq!(snapshot(&s), before_ok);
+    assert_eq!(count.steps, 1, "only the valid amsgrad call stepped");
+    // Dtypes: an f16 state of a bf16 parameter, an f32 state of an f64 parameter.
+    let mut w = [bf16::ONE; 4];
+    let g = [bf16::ONE; 4];
+    let (mut m, mut v) = ([f16::ZERO; 4], [f16::ZERO; 4]);
+    let e = Cpu::new().adam_step(
+        &mut [HostAdamTensor {
+            param: HostGradMut::from(&mut w[..]),
+            grad: HostGrad::from(&g[..]),
+            exp_avg: HostGradMut::from(&mut m[..]),
+            exp_avg_sq: HostGradMut::from(&mut v[..]),
+            max_exp_avg_sq: None,
+        }],
+        &c,
+        &mut count,
+        None,
+    );
+    assert!(
+        matches!(
+            e,
+            Err(Error::OptimizerDtype {
+                index: 0,
+                role: "exp_avg",
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    let mut w = [1.0f64; 4];
+    let g = [1.0f64; 4];
+    let (mut m, mut v) = ([0.0f32; 4], [0.0f32; 4]);
+    let e = Cpu::new().adam_step(
+        &mut [HostAdamTensor {
+            param: HostGradMut::from(&mut w[..]),
+            grad: HostGrad::from(&g[..]),
+            exp_avg: HostGradMut::from(&mut m[..]),
+            exp_avg_sq: HostGradMut::from(&mut v[..]),
+            max_exp_avg_sq: None,
+        }],
+        &c,
+        &mut count,
+        None,
+    );
+    assert!(
+        matches!(
+            e,
+            Err(Error::OptimizerDtype {
+                index: 0,
+                role: "exp_avg",
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    assert_eq!(w, [1.0; 4]);
+}
