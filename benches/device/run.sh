@@ -5,6 +5,7 @@
 #   benches/device/run.sh graphs  compute-sanitizer memcheck on the CUDA-graph tests (Rust and Python)
 #   benches/device/run.sh sharded two GPUs: the multi-GPU tests, sharded_compare.py on 2 ranks and 1, train_fsdp.py
 #   benches/device/run.sh regress seed-500 only: gradclip-bench, torch_compare.py, host_profile.py
+#   benches/device/run.sh optim   optim_compare.py (clip + AdamW step, bf16 and f32), train_gpt.py with gradclip's AdamW
 # Logs and records go to $OUT (the device tool brings them back). No network, no Rust needed.
 set -uo pipefail
 what=${1:?tests or bench}
@@ -71,5 +72,11 @@ regress)
     python3 benches/torch/host_profile.py "$OUT/host-profile.json" > "$OUT/host-profile.txt" 2>&1
     tail -4 "$OUT/host-profile.txt"
     ;;
-*) echo "unknown: $what (tests, bench, graphs, sharded or regress)"; exit 2 ;;
+optim)
+    python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/optim-compare.json" --commit "$(cat .devbin/commit)" > "$OUT/optim-compare.txt" 2>&1
+    tail -14 "$OUT/optim-compare.txt"
+    python3 python/examples/train_gpt.py --device cuda --optimizer gradclip > "$OUT/train-gpt-optim.txt" 2>&1
+    tail -2 "$OUT/train-gpt-optim.txt"
+    ;;
+*) echo "unknown: $what (tests, bench, graphs, sharded, regress or optim)"; exit 2 ;;
 esac

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Clip + AdamW step on one GPU: torch's fused AdamW alone, torch's clip + fused step, gradclip's
+clip + torch's fused step, and gradclip.torch.optim.AdamW without and with max_grad_norm; each
+beside its floor, measured in the same run:
+
+  floor = (bytes the step reads and writes) / device-copy rate + (gradient bytes) / read rate
+
+(the step's traffic at the rate of a device-to-device copy, plus one read of the gradients for
+the norm at the rate of gradclip's norm kernel on one large tensor, a streaming read). The list
+is a prefix of a gradclip-bench workload (default: seed-500) holding --grad-gb of gradients
+(10.3 GB: the issue's "half seed-500", 5.13 G bf16 parameters); f32 runs take the prefix with
+the same gradient bytes. Times: CUDA events around --reps steps enqueued back to back, median
+of 5 such runs.
+
+  python3 benches/torch/optim_compare.py workloads.json out.json [--dtypes bf16,f32] [--reps 20]
+  python3 benches/torch/optim_compare.py workloads.json out.json --cpu    # smoke test on CPU
+"""
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+import gradclip.torch as gt
+from gradclip.torch import optim
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def per_step_ms(fn, reps, device):
+    """Milliseconds per call: median of 5 runs of `reps` calls back to back."""
+    fn()
+    runs = []
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            b.synchronize()
+            runs.append(a.elapsed_time(b) / reps)
+        else:
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            runs.append((time.perf_counter() - t) * 1e3 / reps)
+    return statistics.median(runs)
+
+
+def rates(device, gb=4.0):
+    """(copy, read) in bytes/s: a device-to-device copy (bytes read + written) and gradclip's
+    norm of one large bf16 tensor (bytes read)."""
+    n = int(gb * 1e9) // 2
+    src = torch.ones(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = per_step_ms(lambda: dst.copy_(src), 5, device)
+    read_ms = per_step_ms(lambda: gt.get_total_norm([src]), 5, device)
+    del src, dst
+    return 2 * n * 2 / (copy_ms * 1e-3), n * 2 / (read_ms * 1e-3)
+
+
+def prefix(tensors, dtype, grad_bytes):
+    """The shortest prefix of the workload's tensors whose gradients (in `dtype`) reach
+    `grad_bytes`."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    out, total = [], 0
+    for t in tensors:
+        if total >= grad_bytes:
+            break
+        out.append(t["shape"])
+        total += math.prod(t["shape"]) * size
+    return out
+
+
+def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate):
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter(torch.empty(s, dtype=dtype, device=device).uniform_(-1, 1, generator=gen))
+        p.grad = torch.empty_like(p).uniform_(-1e-3, 1e-3, generator=gen)
+        params.append(p)
+    numel = sum(p.numel() for p in params)
+    size = params[0].element_size()
+    grads = [p.grad for p in params]
+    max_norm = float(gt.get_total_norm(grads)) / 2  # clipping active on every step
+    # Adam reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq.
+    step_bytes = numel * size * 7
+    grad_bytes = numel * size
+    floor_step = step_bytes / copy_rate * 1e3
+    floor_clip = floor_step + grad_bytes / read_rate * 1e3
+    torch_opt = torch.optim.AdamW(params, lr=1e-6, fused=True)
+    ours_plain = optim.AdamW(params, lr=1e-6)
+    ours_clip = optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm)
+    for o in (torch_opt, ours_plain, ours_clip):
+        o.step()  # states allocated before timing
+    rows = [
+        ("torch fused AdamW step alone", lambda: torch_opt.step(), floor_step),
+        ("torch clip_grad_norm_ (foreach) + fused step", lambda: (torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), torch_opt.step()), floor_clip),
+        ("gradclip clip_grad_norm_ + torch fused step", lambda: (gt.clip_grad_norm_(params, max_norm), torch_opt.step()), floor_clip),
+        ("gradclip optim.AdamW, no max_grad_norm", lambda: ours_plain.step(), floor_step),
+        ("gradclip optim.AdamW, max_grad_norm", lambda: ours_clip.step(), floor_clip),
+    ]
+    out = []
+    for name, fn, floor in rows:
+        ms = per_step_ms(fn, reps, device)
+        out.append({"row": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor})
+        print(f"  {name:48s} {ms:8.3f} ms   floor {floor:8.3f} ms   {ms / floor:5.2f}x", flush=True)
+    return {"dtype": str(dtype), "tensors": len(params), "params": numel, "grad_bytes": grad_bytes, "step_bytes": step_bytes, "rows": out}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workloads")
+    ap.add_argument("out")
+    ap.add_argument("--workload", default="seed-500")
+    ap.add_argument("--dtypes", default="bf16,f32")
+    ap.add_argument("--grad-gb", type=float, default=10.26)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--cpu", action="store_true", help="a smoke test of this script on CPU (tiny list), not a measurement")
+    args = ap.parse_args()
+    device = "cpu" if args.cpu else "cuda"
+    w = next(w for w in json.load(open(args.workloads)) if w["name"] == args.workload)
+    if args.cpu:
+        args.reps = 2
+    copy_rate, read_rate = rates(device, 0.01 if args.cpu else 4.0)
+    record = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke test)",
+        "torch": torch.__version__,
+        "commit": args.commit,
+        "workload": args.workload,
+        "copy_rate_GBps": copy_rate / 1e9,
+        "read_rate_GBps": read_rate / 1e9,
+        "results": [],
+    }
+    print(f"copy {copy_rate / 1e9:.0f} GB/s, read {read_rate / 1e9:.0f} GB/s", flush=True)
+    for name in args.dtypes.split(","):
+        dtype = DTYPES[name]
+        shapes = prefix(w["tensors"], dtype, args.grad_gb * 1e9)
+        if args.cpu:  # the workload's first shapes, cut to at most 64 per dimension
+            shapes = [[min(d, 64) for d in s] for s in [t["shape"] for t in w["tensors"][:20]]]
+        print(f"{name}: {len(shapes)} tensors", flush=True)
+        record["results"].append(run_dtype(shapes, dtype, args.reps, device, copy_rate, read_rate))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
