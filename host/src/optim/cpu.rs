@@ -7,7 +7,7 @@ use gradclip_kernels::adam::{StepScalars, scaled_grad_f32, scaled_grad_f64, step
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use rayon::prelude::*;
 
-use super::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, StepCount, StepReport, check_clip, check_tensors};
+use super::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, Parts, StepCount, StepReport, check_clip, check_parts};
 use crate::cpu::Cpu;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -17,14 +17,10 @@ use crate::tensor_list::TensorList;
 /// Elements per parallel piece of work.
 const PIECE: u64 = 1 << 16;
 
-/// One tensor's parts by address, and a range of its elements.
+/// A range of one tensor's elements.
 #[derive(Clone, Copy)]
 struct Piece {
-    param: RawTensor,
-    grad: RawTensor,
-    exp_avg: RawTensor,
-    exp_avg_sq: RawTensor,
-    max_exp_avg_sq: Option<RawTensor>,
+    parts: Parts,
     start: u64,
     end: u64,
 }
@@ -44,7 +40,7 @@ impl Cpu {
     ) -> Result<StepReport> {
         let h = cfg.params()?;
         check_clip(clip)?;
-        check_tensors(tensors, cfg.amsgrad)?;
+        check_parts(tensors.iter().map(HostAdamTensor::parts), cfg.amsgrad)?;
         let (norm, coef) = match clip {
             None => (None, 1.0),
             Some(c) => {
@@ -78,13 +74,10 @@ impl Cpu {
         let pieces: Vec<Piece> = tensors
             .iter()
             .flat_map(|t| {
-                let len = t.param.raw().len;
+                let parts = t.parts();
+                let len = parts.param.len;
                 (0..len.div_ceil(PIECE)).map(move |i| Piece {
-                    param: t.param.raw(),
-                    grad: t.grad.raw(),
-                    exp_avg: t.exp_avg.raw(),
-                    exp_avg_sq: t.exp_avg_sq.raw(),
-                    max_exp_avg_sq: t.max_exp_avg_sq.as_ref().map(|m| m.raw()),
+                    parts,
                     start: i * PIECE,
                     end: ((i + 1) * PIECE).min(len),
                 })
@@ -111,7 +104,7 @@ unsafe fn update_piece(p: &Piece, h: &AdamParams, s32: &StepScalars<f32>, s64: &
     use DType::*;
     // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
     unsafe {
-        match (p.param.dtype, p.grad.dtype, p.exp_avg.dtype) {
+        match (p.parts.param.dtype, p.parts.grad.dtype, p.parts.exp_avg.dtype) {
             (F64, _, _) => update_range_f64(p, h, s64, coef),
             (Bf16, Bf16, Bf16) => update_range_f32::<self::Bf16, self::Bf16, self::Bf16>(p, h, s32, coef),
             (Bf16, Bf16, _) => update_range_f32::<self::Bf16, self::Bf16, self::F32>(p, h, s32, coef),
@@ -137,20 +130,20 @@ fn at<E: Element>(t: &RawTensor, i: u64) -> *mut E::Bits {
 /// Every part of the piece is live host memory of its dtype and the piece's range lies inside it;
 /// the written parts (parameter and states) are used by nothing else during the call.
 unsafe fn update_range_f32<P: Element, G: Element, S: Element>(p: &Piece, h: &AdamParams, s: &StepScalars<f32>, coef: f64) {
-    let vmax = p.max_exp_avg_sq;
+    let (t, vmax) = (&p.parts, p.parts.max_exp_avg_sq);
     for i in p.start..p.end {
         // SAFETY: i < len of every part (the caller's contract).
         unsafe {
-            let g = scaled_grad_f32(G::to_f32(*at::<G>(&p.grad, i)), coef, None);
-            let m = S::to_f32(*at::<S>(&p.exp_avg, i));
-            let v = S::to_f32(*at::<S>(&p.exp_avg_sq, i));
-            let vm = vmax.map_or(0.0, |t| S::to_f32(*at::<S>(&t, i)));
-            let u = update_f32(h, s, P::to_f32(*at::<P>(&p.param, i)), g, m, v, vm);
-            *at::<P>(&p.param, i) = P::from_f64(u.param as f64);
-            *at::<S>(&p.exp_avg, i) = S::from_f64(u.exp_avg as f64);
-            *at::<S>(&p.exp_avg_sq, i) = S::from_f64(u.exp_avg_sq as f64);
-            if let Some(t) = vmax {
-                *at::<S>(&t, i) = S::from_f64(u.max_exp_avg_sq as f64);
+            let g = scaled_grad_f32(G::to_f32(*at::<G>(&t.grad, i)), coef, None);
+            let m = S::to_f32(*at::<S>(&t.exp_avg, i));
+            let v = S::to_f32(*at::<S>(&t.exp_avg_sq, i));
+            let vm = vmax.map_or(0.0, |x| S::to_f32(*at::<S>(&x, i)));
+            let u = update_f32(h, s, P::to_f32(*at::<P>(&t.param, i)), g, m, v, vm);
+            *at::<P>(&t.param, i) = P::from_f64(u.param as f64);
+            *at::<S>(&t.exp_avg, i) = S::from_f64(u.exp_avg as f64);
+            *at::<S>(&t.exp_avg_sq, i) = S::from_f64(u.exp_avg_sq as f64);
+            if let Some(x) = vmax {
+                *at::<S>(&x, i) = S::from_f64(u.max_exp_avg_sq as f64);
             }
         }
     }
@@ -161,20 +154,20 @@ unsafe fn update_range_f32<P: Element, G: Element, S: Element>(p: &Piece, h: &Ad
 /// # Safety
 /// As [`update_range_f32`].
 unsafe fn update_range_f64(p: &Piece, h: &AdamParams, s: &StepScalars<f64>, coef: f64) {
-    let vmax = p.max_exp_avg_sq;
+    let (t, vmax) = (&p.parts, p.parts.max_exp_avg_sq);
     for i in p.start..p.end {
         // SAFETY: i < len of every part (the caller's contract); every part is f64.
         unsafe {
-            let g = scaled_grad_f64(F64::widen(*at::<F64>(&p.grad, i)), coef, None);
-            let m = F64::widen(*at::<F64>(&p.exp_avg, i));
-            let v = F64::widen(*at::<F64>(&p.exp_avg_sq, i));
-            let vm = vmax.map_or(0.0, |t| F64::widen(*at::<F64>(&t, i)));
-            let u = update_f64(h, s, F64::widen(*at::<F64>(&p.param, i)), g, m, v, vm);
-            *at::<F64>(&p.param, i) = F64::from_f64(u.param);
-            *at::<F64>(&p.exp_avg, i) = F64::from_f64(u.exp_avg);
-            *at::<F64>(&p.exp_avg_sq, i) = F64::from_f64(u.exp_avg_sq);
-            if let Some(t) = vmax {
-                *at::<F64>(&t, i) = F64::from_f64(u.max_exp_avg_sq);
+            let g = scaled_grad_f64(F64::widen(*at::<F64>(&t.grad, i)), coef, None);
+            let m = F64::widen(*at::<F64>(&t.exp_avg, i));
+            let v = F64::widen(*at::<F64>(&t.exp_avg_sq, i));
+            let vm = vmax.map_or(0.0, |x| F64::widen(*at::<F64>(&x, i)));
+            let u = update_f64(h, s, F64::widen(*at::<F64>(&t.param, i)), g, m, v, vm);
+            *at::<F64>(&t.param, i) = F64::from_f64(u.param);
+            *at::<F64>(&t.exp_avg, i) = F64::from_f64(u.exp_avg);
+            *at::<F64>(&t.exp_avg_sq, i) = F64::from_f64(u.exp_avg_sq);
+            if let Some(x) = vmax {
+                *at::<F64>(&x, i) = F64::from_f64(u.max_exp_avg_sq);
             }
         }
     }

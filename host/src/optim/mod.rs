@@ -29,6 +29,7 @@ use crate::cpu::{HostGrad, HostGradMut};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::norm::{NormType, validate_max_norm};
+use crate::plan::RawTensor;
 
 /// Adam / AdamW hyperparameters, with torch's meanings and checks.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -172,30 +173,44 @@ pub struct HostAdamTensor<'a> {
     pub max_exp_avg_sq: Option<HostGradMut<'a>>,
 }
 
+/// One parameter's parts by address: what both backends check and the GPU plans.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Parts {
+    pub param: RawTensor,
+    pub grad: RawTensor,
+    pub exp_avg: RawTensor,
+    pub exp_avg_sq: RawTensor,
+    pub max_exp_avg_sq: Option<RawTensor>,
+}
+
+impl HostAdamTensor<'_> {
+    pub(crate) fn parts(&self) -> Parts {
+        Parts {
+            param: self.param.raw(),
+            grad: self.grad.raw(),
+            exp_avg: self.exp_avg.raw(),
+            exp_avg_sq: self.exp_avg_sq.raw(),
+            max_exp_avg_sq: self.max_exp_avg_sq.as_ref().map(|m| m.raw()),
+        }
+    }
+}
+
 /// Fails with the first tensor whose parts do not go together (lengths, dtypes, amsgrad's state).
-pub(crate) fn check_tensors(tensors: &[HostAdamTensor<'_>], amsgrad: bool) -> Result<()> {
-    for (index, t) in tensors.iter().enumerate() {
-        let p = t.param.raw();
-        let mut parts = vec![
-            ("grad", t.grad.raw()),
-            ("exp_avg", t.exp_avg.raw()),
-            ("exp_avg_sq", t.exp_avg_sq.raw()),
-        ];
-        match (&t.max_exp_avg_sq, amsgrad) {
-            (Some(m), true) => parts.push(("max_exp_avg_sq", m.raw())),
+pub(crate) fn check_parts(tensors: impl Iterator<Item = Parts>, amsgrad: bool) -> Result<()> {
+    for (index, t) in tensors.enumerate() {
+        let p = t.param;
+        let mut parts = vec![("grad", t.grad), ("exp_avg", t.exp_avg), ("exp_avg_sq", t.exp_avg_sq)];
+        match (t.max_exp_avg_sq, amsgrad) {
+            (Some(m), true) => parts.push(("max_exp_avg_sq", m)),
             (None, true) => return Err(Error::MissingMaxExpAvgSq { index }),
             (_, false) => {}
         }
         // One dtype for the states (the update reads them as one type).
         for (role, r) in parts.iter().skip(2) {
-            if r.dtype != t.exp_avg.raw().dtype {
+            if r.dtype != t.exp_avg.dtype {
                 return Err(Error::OptimizerDtype {
                     index,
-                    role: if *role == "exp_avg_sq" {
-                        "exp_avg_sq (not exp_avg's dtype)"
-                    } else {
-                        "max_exp_avg_sq (not exp_avg's dtype)"
-                    },
+                    role: if *role == "exp_avg_sq" { "exp_avg_sq (not exp_avg's dtype)" } else { "max_exp_avg_sq (not exp_avg's dtype)" },
                     found: r.dtype,
                     param: p.dtype,
                 });
