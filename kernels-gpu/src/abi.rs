@@ -138,6 +138,46 @@ pub mod adam_flags {
     pub const AMSGRAD: u32 = 2;
     /// Ascend the objective: the gradient's sign is flipped.
     pub const MAXIMIZE: u32 = 4;
+    /// Leave everything untouched (and count a skipped step) when the norm is not finite.
+    pub const SKIP_NONFINITE: u32 = 8;
+}
+
+/// Elements of one block task of the Adam kernel: each of its threads updates 16, strided by
+/// the block size so that every load and store of a warp is coalesced.
+pub const ADAM_CHUNK_ELEMS: u64 = BLOCK_THREADS as u64 * 16;
+
+/// One parameter as the Adam kernel sees it: the addresses of its parts (states and gradient in
+/// the parameter's dtype or f32; one dtype for the states).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AdamTensorDesc {
+    /// The parameter.
+    pub param: u64,
+    /// Its gradient.
+    pub grad: u64,
+    /// First moment.
+    pub exp_avg: u64,
+    /// Second moment.
+    pub exp_avg_sq: u64,
+    /// Running maximum of the second moment (0 without amsgrad).
+    pub max_exp_avg_sq: u64,
+    /// Elements of each part.
+    pub len: u64,
+    /// [`dtype_code`]s: the parameter's in bits 0-3, the gradient's in 4-7, the states' in 8-11.
+    pub dtypes: u32,
+    /// Keeps the struct free of padding.
+    pub reserved: u32,
+}
+
+/// What the Adam kernel keeps on the device between steps: the step count (torch's `step`) and
+/// the steps skipped for a non-finite norm. Written only by the last block of a launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AdamCount {
+    /// Steps taken.
+    pub steps: u64,
+    /// Steps skipped.
+    pub skipped: u64,
 }
 
 /// Hyperparameters of one Adam / AdamW step (torch's names and meanings).
@@ -162,6 +202,9 @@ pub struct AdamParams {
 
 const _: () = {
     assert!(core::mem::size_of::<AdamParams>() == 48);
+    assert!(core::mem::size_of::<AdamTensorDesc>() == 56);
+    assert!(core::mem::size_of::<AdamCount>() == 16);
+    assert!(ADAM_CHUNK_ELEMS <= u32::MAX as u64);
     assert!(core::mem::size_of::<TensorDesc>() == 40);
     assert!(core::mem::size_of::<ChunkTask>() == 8);
     assert!(core::mem::size_of::<Partial>() == 32);

@@ -47,6 +47,8 @@ pub mod math;
 pub mod model;
 pub mod scale;
 
+#[cfg(target_arch = "nvptx64")]
+pub mod adam_entry;
 #[cfg(all(target_arch = "nvptx64", feature = "bench-kernels"))]
 pub mod bench_entry;
 #[cfg(target_arch = "nvptx64")]

@@ -311,6 +311,194 @@ fn scale_by_device_coefficient(gpu: &Gpu) -> TestResult {
     Ok(())
 }
 
+/// One parameter's parts for the optimizer tests: parameter, gradient, exp_avg, exp_avg_sq,
+/// max_exp_avg_sq.
+fn adam_parts(seed: u64) -> Vec<[Grad; 5]> {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    let mut rng = StdRng::seed_from_u64(seed);
+    let combos = [
+        (DType::Bf16, DType::Bf16, DType::F32),
+        (DType::Bf16, DType::Bf16, DType::Bf16),
+        (DType::Bf16, DType::F32, DType::F32),
+        (DType::F16, DType::F16, DType::F16),
+        (DType::F16, DType::F16, DType::F32),
+        (DType::F32, DType::F32, DType::F32),
+        (DType::F64, DType::F64, DType::F64),
+    ];
+    let lens = [0usize, 1, 4095, 4097, 100_000, 300_001, 17];
+    combos
+        .iter()
+        .zip(lens)
+        .map(|(&(p, g, st), n)| {
+            let mut r = |s: f64| (0..n).map(|_| s * (2.0 * rng.random::<f64>() - 1.0)).collect::<Vec<f64>>();
+            let (pv, gv, mv, vv) = (r(1.0), r(0.05), r(0.01), r(1e-4));
+            let vv: Vec<f64> = vv.iter().map(|x| x.abs()).collect();
+            let vmax: Vec<f64> = vv.iter().map(|x| x * 1.5).collect();
+            let start = rng.random_range(0..3);
+            [
+                Grad::from_f64(p, &pv, start),
+                Grad::from_f64(g, &gv, start),
+                Grad::from_f64(st, &mv, start),
+                Grad::from_f64(st, &vv, start),
+                Grad::from_f64(st, &vmax, start),
+            ]
+        })
+        .collect()
+}
+
+/// Device views of one parameter's five parts (see [`adam_parts`]).
+struct AdamViews<'a> {
+    p: Box<dyn DeviceGradMut + 'a>,
+    g: Box<dyn DeviceGrad + 'a>,
+    m: Box<dyn DeviceGradMut + 'a>,
+    v: Box<dyn DeviceGradMut + 'a>,
+    vm: Box<dyn DeviceGradMut + 'a>,
+}
+
+impl<'a> AdamViews<'a> {
+    fn of(dev: &'a mut [Vec<DevGrad>]) -> Vec<AdamViews<'a>> {
+        dev.iter_mut()
+            .map(|parts| {
+                let [p, g, m, v, vm] = &mut parts[..] else {
+                    unreachable!("five parts")
+                };
+                AdamViews {
+                    p: p.view_mut(),
+                    g: g.view(),
+                    m: m.view_mut(),
+                    v: v.view_mut(),
+                    vm: vm.view_mut(),
+                }
+            })
+            .collect()
+    }
+
+    fn tensors<'b>(views: &'b mut [AdamViews<'a>], amsgrad: bool) -> Vec<gradclip::gpu::DeviceAdamTensor<'b>> {
+        views
+            .iter_mut()
+            .map(|x| gradclip::gpu::DeviceAdamTensor {
+                param: x.p.as_mut(),
+                grad: &*x.g,
+                exp_avg: x.m.as_mut(),
+                exp_avg_sq: x.v.as_mut(),
+                max_exp_avg_sq: if amsgrad { Some(x.vm.as_mut()) } else { None },
+            })
+            .collect()
+    }
+}
+
+/// The GPU's Adam / AdamW step (norm kernel + Adam kernel) equals the CPU backend's bit for bit,
+/// for every dtype combination and option, with and without an active clip, over three steps;
+/// a non-finite norm skips the step on the device.
+fn adam_step_equals_cpu_bits(gpu: &Gpu) -> TestResult {
+    use gradclip::gpu::DeviceStepCount;
+    use gradclip::optim::{AdamConfig, ClipConfig, HostAdamTensor, StepCount};
+    let configs = [
+        AdamConfig::adamw(1e-2),
+        AdamConfig {
+            amsgrad: true,
+            maximize: true,
+            ..AdamConfig::adamw(3e-3)
+        },
+        AdamConfig {
+            weight_decay: 0.1,
+            ..AdamConfig::adam(1e-2)
+        },
+    ];
+    for (ci, cfg) in configs.iter().enumerate() {
+        for clip in [None, Some(ClipConfig::new(0.05))] {
+            let mut host = adam_parts(40 + ci as u64);
+            let mut dev: Vec<Vec<DevGrad>> = host.iter().map(|parts| gpu.upload(parts)).collect();
+            // Host copies at the device copies' phases (the CPU's lanes follow addresses too).
+            for (h, d) in host.iter_mut().zip(&dev) {
+                for (x, y) in h.iter_mut().zip(d) {
+                    *x = x.with_host_phase(y.phase_bytes(&gpu.stream));
+                }
+            }
+            let mut engine = gpu.engine();
+            let mut count = DeviceStepCount::new(&gpu.stream, StepCount::default()).unwrap();
+            let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+            let mut cpu_count = StepCount::default();
+            for step in 1..=3u64 {
+                let rep = {
+                    let mut views: Vec<HostAdamTensor> = host
+                        .iter_mut()
+                        .map(|[p, g, m, v, vm]| HostAdamTensor {
+                            param: p.host_mut(),
+                            grad: g.host(),
+                            exp_avg: m.host_mut(),
+                            exp_avg_sq: v.host_mut(),
+                            max_exp_avg_sq: cfg.amsgrad.then(|| vm.host_mut()),
+                        })
+                        .collect();
+                    gradclip::cpu::Cpu::new()
+                        .adam_step(&mut views, cfg, &mut cpu_count, clip.as_ref())
+                        .unwrap()
+                };
+                {
+                    let mut views = AdamViews::of(&mut dev);
+                    let mut tensors = AdamViews::tensors(&mut views, cfg.amsgrad);
+                    engine.adam_step(&mut tensors, cfg, &mut count, clip.as_ref(), &mut norm).unwrap();
+                }
+                let c = count.read().unwrap();
+                ensure(c == cpu_count && c.steps == step, || {
+                    format!("config {ci} step {step}: count {c:?} vs {cpu_count:?}")
+                })?;
+                if let Some(n) = rep.norm {
+                    let g = norm.read().unwrap();
+                    ensure(same_bits(g.norm, n) && same_bits(g.coef, rep.coef), || {
+                        format!("config {ci} step {step}: norm/coef {g:?} vs {n} {}", rep.coef)
+                    })?;
+                }
+                for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
+                    for (part, (x, y)) in h.iter().zip(d).enumerate() {
+                        ensure(y.download(&gpu.stream).bits() == x.bits(), || {
+                            format!(
+                                "config {ci} clip {} step {step}: tensor {i} part {part} ({:?}) differs from the CPU",
+                                clip.is_some(),
+                                x.dtype()
+                            )
+                        })?;
+                    }
+                }
+            }
+        }
+    }
+    // A non-finite norm: nothing written, the skip counted on the device.
+    let mut host = adam_parts(77);
+    if let Grad::Bf16(v, s) = &mut host[1][1] {
+        v[*s] = bf16::NAN;
+    }
+    let mut dev: Vec<Vec<DevGrad>> = host.iter().map(|parts| gpu.upload(parts)).collect();
+    let mut engine = gpu.engine();
+    let mut count = DeviceStepCount::new(&gpu.stream, StepCount { steps: 9, skipped: 0 }).unwrap();
+    let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+    {
+        let mut views = AdamViews::of(&mut dev);
+        let mut tensors = AdamViews::tensors(&mut views, false);
+        engine
+            .adam_step(
+                &mut tensors,
+                &AdamConfig::adamw(1e-2),
+                &mut count,
+                Some(&ClipConfig::new(1.0)),
+                &mut norm,
+            )
+            .unwrap();
+    }
+    ensure(count.read().unwrap() == StepCount { steps: 9, skipped: 1 }, || {
+        format!("{:?}", count.read())
+    })?;
+    for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
+        for (x, y) in h.iter().zip(d) {
+            ensure(y.download(&gpu.stream).bits() == x.bits(), || {
+                format!("skipped step wrote tensor {i}")
+            })?;
+        }
+    }
+    Ok(())
+}
+
 fn error_if_nonfinite(gpu: &Gpu) -> TestResult {
     let grads = vec![
         Grad::from_f64(DType::F32, &vec![3.0; 1000], 0),
@@ -753,6 +941,7 @@ fn main() {
         ("edge_values_norm_bits_equal_cpu", edge_values),
         ("clip_bits_equal_cpu_and_torch_rule", clip_equals_cpu_bits),
         ("scale_by_device_coefficient_equals_cpu_bits", scale_by_device_coefficient),
+        ("adam_step_equals_cpu_bits", adam_step_equals_cpu_bits),
         ("error_if_nonfinite_leaves_gradients", error_if_nonfinite),
         ("one_million_tensors", million_tensors),
         ("tensor_over_2_pow_32_elements", huge_tensor),

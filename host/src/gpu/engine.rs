@@ -40,7 +40,7 @@ struct Uploaded {
 
 /// A planned list whose tables are in device memory, ready for launches.
 #[derive(Clone, Copy, Debug)]
-struct Prepared {
+pub(super) struct Prepared {
     tables: Tables,
     num_tasks: usize,
     num_tensors: usize,
@@ -74,6 +74,8 @@ pub struct GpuEngine {
     ws: OwnWorkspace,
     external: Option<ExternalWorkspace>,
     uploaded: Option<Uploaded>,
+    /// The optimizer's tables ([`super::adam`]).
+    pub(super) adam: super::adam::AdamUpload,
 }
 
 impl GpuEngine {
@@ -86,6 +88,7 @@ impl GpuEngine {
             ws: OwnWorkspace::default(),
             external: None,
             uploaded: None,
+            adam: Default::default(),
         })
     }
 
@@ -132,7 +135,7 @@ impl GpuEngine {
     }
 
     /// Fails with the first buffer whose context is not the engine's.
-    fn check_contexts<'a>(&self, contexts: impl Iterator<Item = &'a Arc<CudaContext>>) -> Result<()> {
+    pub(super) fn check_contexts<'a>(&self, contexts: impl Iterator<Item = &'a Arc<CudaContext>>) -> Result<()> {
         let mine = self.stream.context();
         for (index, ctx) in contexts.enumerate() {
             if ctx.cu_ctx() != mine.cu_ctx() {
@@ -318,7 +321,7 @@ impl GpuEngine {
     /// owns ([`capture`]); otherwise the engine's workspace, uploaded unless it holds this list's
     /// tables already (the same list, or one of the same tensors). `write`: the call writes the
     /// tensors, which must not overlap (decided once per list).
-    fn prepare(&mut self, list: &TensorList, write: bool) -> Result<Prepared> {
+    pub(super) fn prepare(&mut self, list: &TensorList, write: bool) -> Result<Prepared> {
         let graph = match capture::status(&self.stream)? {
             Capture::Active(graph) => Some(graph),
             Capture::None => {
@@ -395,7 +398,7 @@ impl GpuEngine {
 
     /// # Safety
     /// The prepared plan's tensors are readable device memory of this context (caller).
-    unsafe fn run(
+    pub(super) unsafe fn run(
         &mut self,
         norm_type: NormType,
         p: &Prepared,

@@ -23,6 +23,7 @@ pub enum Kernel {
     TensorNormsInf,
     TensorNormsP,
     Scale,
+    Adam,
     #[cfg(feature = "bench-kernels")]
     Fill,
     #[cfg(feature = "bench-kernels")]
@@ -45,6 +46,7 @@ impl Kernel {
         Kernel::TensorNormsInf,
         Kernel::TensorNormsP,
         Kernel::Scale,
+        Kernel::Adam,
         #[cfg(feature = "bench-kernels")]
         Kernel::Fill,
         #[cfg(feature = "bench-kernels")]
@@ -67,6 +69,7 @@ impl Kernel {
             Kernel::TensorNormsInf => "gradclip_tensor_norms_inf",
             Kernel::TensorNormsP => "gradclip_tensor_norms_p",
             Kernel::Scale => "gradclip_scale",
+            Kernel::Adam => "gradclip_adam",
             #[cfg(feature = "bench-kernels")]
             Kernel::Fill => "gradclip_fill",
             #[cfg(feature = "bench-kernels")]

@@ -2,7 +2,7 @@
 //! lists what the caller ([`super::engine`]) must have established.
 
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
-use gradclip_kernels::abi::{BLOCK_SMEM_BYTES, BLOCK_THREADS, NormParams, WARP_THREADS};
+use gradclip_kernels::abi::{AdamParams, BLOCK_SMEM_BYTES, BLOCK_THREADS, NormParams, WARP_THREADS};
 
 use super::kernels::{Kernel, KernelSet};
 use crate::error::Result;
@@ -98,6 +98,53 @@ pub unsafe fn scale(stream: &CudaStream, ks: &KernelSet, t: &Tables, num_tasks: 
     b.arg(&t.tensors).arg(&t.tasks).arg(&out);
     let cfg = LaunchConfig {
         grid_dim: (num_tasks, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Device addresses of the optimizer's tables.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamTables {
+    /// `num_tensors` [`gradclip_kernels::abi::AdamTensorDesc`]s.
+    pub tensors: u64,
+    /// `num_tasks` [`gradclip_kernels::abi::ChunkTask`]s.
+    pub tasks: u64,
+    /// One u32, zero between launches (the last-block ticket).
+    pub counter: u64,
+}
+
+/// Launches the Adam kernel: one block per task (one block when `num_tasks == 0`).
+///
+/// # Safety
+/// `t` holds a plan of `num_tasks` tasks uploaded on `stream` (or ordered before it) whose parts
+/// are live device memory of the stream's context of their lengths and dtypes, the written parts
+/// pairwise disjoint and disjoint from the gradients, until the launch completes; `t.counter` is
+/// zero; `count` (an [`gradclip_kernels::abi::AdamCount`]) and `norm` (a NormOutput, or 0 for
+/// no clip) are device memory of the context written before on the stream.
+pub unsafe fn adam(
+    stream: &CudaStream,
+    ks: &KernelSet,
+    t: &AdamTables,
+    num_tasks: u64,
+    count: u64,
+    norm: u64,
+    h: &AdamParams,
+) -> Result<()> {
+    let mut b = stream.launch_builder(ks.get(Kernel::Adam));
+    b.arg(&t.tensors).arg(&t.tasks).arg(&t.counter).arg(&count).arg(&norm);
+    b.arg(&h.lr)
+        .arg(&h.beta1)
+        .arg(&h.beta2)
+        .arg(&h.eps)
+        .arg(&h.weight_decay)
+        .arg(&h.flags)
+        .arg(&num_tasks);
+    let cfg = LaunchConfig {
+        grid_dim: (num_tasks.max(1) as u32, 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };

@@ -7,6 +7,7 @@
 //! [`buffers`] adapts cudarc's typed device buffers; `tools` (with the `bench-kernels` feature
 //! only) holds the fill, streaming-read and eager-baseline launches that tests and benchmarks use.
 
+mod adam;
 pub mod buffers;
 mod capture;
 mod device_norm;
@@ -19,6 +20,7 @@ pub mod tools;
 mod words;
 mod workspace;
 
+pub use adam::{DeviceAdamTensor, DeviceStepCount};
 pub use buffers::{DeviceGrad, DeviceGradMut};
 pub use capture::graph_tables_live;
 pub use device_norm::DeviceNorm;

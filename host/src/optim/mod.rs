@@ -174,7 +174,7 @@ pub struct HostAdamTensor<'a> {
 }
 
 /// One parameter's parts by address: what both backends check and the GPU plans.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Parts {
     pub param: RawTensor,
     pub grad: RawTensor,
@@ -210,7 +210,11 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = Parts>, amsgrad: bool) -
             if r.dtype != t.exp_avg.dtype {
                 return Err(Error::OptimizerDtype {
                     index,
-                    role: if *role == "exp_avg_sq" { "exp_avg_sq (not exp_avg's dtype)" } else { "max_exp_avg_sq (not exp_avg's dtype)" },
+                    role: if *role == "exp_avg_sq" {
+                        "exp_avg_sq (not exp_avg's dtype)"
+                    } else {
+                        "max_exp_avg_sq (not exp_avg's dtype)"
+                    },
                     found: r.dtype,
                     param: p.dtype,
                 });

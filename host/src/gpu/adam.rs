@@ -1,0 +1,248 @@
+//! The Adam / AdamW step on the GPU ([`GpuEngine::adam_step`]): with a clip, the norm kernel
+//! (its last block writes the norm, the clip coefficient and the non-finite flag to a
+//! [`DeviceNorm`]), then the Adam kernel, which multiplies each gradient by that coefficient as it
+//! reads it and, with [`NonFinite::Skip`], leaves everything untouched on a non-finite norm. Two
+//! launches, no scale pass, no gradient write, no host synchronization (except
+//! [`NonFinite::Error`], which reads the norm). The step count lives on the device
+//! ([`DeviceStepCount`]).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use gradclip_kernels::abi::{ADAM_CHUNK_ELEMS, AdamCount, AdamTensorDesc, ChunkTask, adam_flags, flags};
+
+use super::buffers::{DeviceGrad, DeviceGradMut};
+use super::capture::{self, Capture};
+use super::device_norm::DeviceNorm;
+use super::engine::GpuEngine;
+use super::launch::{self, AdamTables};
+use super::words::{as_words, from_words};
+use crate::error::{Error, Result};
+use crate::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, check_clip, check_parts};
+use crate::plan::{MAX_TASKS, RawTensor};
+use crate::tensor_list::TensorList;
+
+/// One parameter and its optimizer state in device memory of the engine's context. States and
+/// gradients are in the parameter's dtype or f32; an f64 parameter takes f64 throughout.
+pub struct DeviceAdamTensor<'a> {
+    /// The parameter, updated in place.
+    pub param: &'a mut (dyn DeviceGradMut + 'a),
+    /// Its gradient (read, never written).
+    pub grad: &'a (dyn DeviceGrad + 'a),
+    /// The first moment.
+    pub exp_avg: &'a mut (dyn DeviceGradMut + 'a),
+    /// The second moment.
+    pub exp_avg_sq: &'a mut (dyn DeviceGradMut + 'a),
+    /// The running maximum of the second moment (amsgrad only).
+    pub max_exp_avg_sq: Option<&'a mut (dyn DeviceGradMut + 'a)>,
+}
+
+/// A [`StepCount`] in device memory: the Adam kernel reads it and its last block advances it,
+/// so a step needs no host value (and can be captured in a CUDA graph).
+#[derive(Debug)]
+pub struct DeviceStepCount {
+    words: CudaSlice<u64>,
+}
+
+impl DeviceStepCount {
+    /// A count on `stream`, starting at `start` (zero for a new optimizer).
+    pub fn new(stream: &Arc<CudaStream>, start: StepCount) -> Result<Self> {
+        Ok(DeviceStepCount {
+            words: stream.clone_htod(&[start.steps, start.skipped])?,
+        })
+    }
+
+    /// Waits for the count's stream and reads it.
+    pub fn read(&self) -> Result<StepCount> {
+        let c: AdamCount = from_words(&self.words.stream().clone_dtoh(&self.words)?);
+        Ok(StepCount {
+            steps: c.steps,
+            skipped: c.skipped,
+        })
+    }
+}
+
+/// The optimizer tables last uploaded, in the engine's own memory: counter word, tensor table,
+/// task table.
+#[derive(Debug, Default)]
+pub(crate) struct AdamUpload {
+    parts: Vec<Parts>,
+    buf: Option<CudaSlice<u64>>,
+    num_tasks: u64,
+}
+
+/// The kernel's tables for `parts` (checked by the caller).
+fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
+    let mut descs = Vec::with_capacity(parts.len());
+    let mut tasks = Vec::new();
+    for (i, p) in parts.iter().enumerate() {
+        let n = p.param.len.div_ceil(ADAM_CHUNK_ELEMS);
+        if tasks.len() as u64 + n > MAX_TASKS {
+            return Err(Error::TooManyTasks {
+                tasks: tasks.len() as u64 + n,
+                max: MAX_TASKS,
+            });
+        }
+        tasks.extend((0..n).map(|c| ChunkTask {
+            tensor: i as u32,
+            chunk: c as u32,
+        }));
+        descs.push(AdamTensorDesc {
+            param: p.param.addr,
+            grad: p.grad.addr,
+            exp_avg: p.exp_avg.addr,
+            exp_avg_sq: p.exp_avg_sq.addr,
+            max_exp_avg_sq: p.max_exp_avg_sq.map_or(0, |m| m.addr),
+            len: p.param.len,
+            dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | p.exp_avg.dtype.code() << 8,
+            reserved: 0,
+        });
+    }
+    Ok((descs, tasks))
+}
+
+/// Fails unless every part is a valid tensor and no written part (parameter, states) shares a
+/// byte with another part of any parameter.
+fn check_memory(parts: &[Parts]) -> Result<()> {
+    let all: Vec<RawTensor> = parts
+        .iter()
+        .flat_map(|p| [Some(p.param), Some(p.grad), Some(p.exp_avg), Some(p.exp_avg_sq), p.max_exp_avg_sq])
+        .flatten()
+        .collect();
+    TensorList::new(&all)?.check_writable()
+}
+
+impl GpuEngine {
+    /// One Adam / AdamW step over `tensors` on the engine's stream; with `clip`, the gradients'
+    /// global norm is clipped to `clip.max_norm` inside the update (the norm, coefficient and
+    /// non-finite flag go to `norm`). `count` is advanced on the device (or its skipped count).
+    /// Every input is checked before anything is enqueued; nothing is written when an error is
+    /// returned. Not capturable yet ([`Error::NotCapturable`]): the tables would have to belong
+    /// to the graph, as the norm's do.
+    pub fn adam_step(
+        &mut self,
+        tensors: &mut [DeviceAdamTensor<'_>],
+        cfg: &AdamConfig,
+        count: &mut DeviceStepCount,
+        clip: Option<&ClipConfig>,
+        norm: &mut DeviceNorm,
+    ) -> Result<()> {
+        let h = cfg.params()?;
+        check_clip(clip)?;
+        let contexts = tensors.iter().flat_map(|t| {
+            [
+                Some(t.param.context()),
+                Some(t.grad.context()),
+                Some(t.exp_avg.context()),
+                Some(t.exp_avg_sq.context()),
+            ]
+            .into_iter()
+            .chain([t.max_exp_avg_sq.as_ref().map(|m| m.context())])
+            .flatten()
+        });
+        self.check_contexts(contexts)?;
+        if let Capture::Active(_) = capture::status(self.stream())? {
+            return Err(Error::NotCapturable {
+                what: "an optimizer step",
+                instead: "run it outside the capture (its tables are not yet owned by graphs)",
+            });
+        }
+        let stream = self.stream().clone();
+        let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
+        let mut parts = Vec::with_capacity(tensors.len());
+        for t in tensors.iter_mut() {
+            let (param, g1) = t.param.as_raw_mut(&stream);
+            let (grad, g2) = t.grad.as_raw(&stream);
+            let (exp_avg, g3) = t.exp_avg.as_raw_mut(&stream);
+            let (exp_avg_sq, g4) = t.exp_avg_sq.as_raw_mut(&stream);
+            let max_exp_avg_sq = t.max_exp_avg_sq.as_mut().map(|m| {
+                let (r, g) = m.as_raw_mut(&stream);
+                guards.push(g);
+                r
+            });
+            guards.extend([g1, g2, g3, g4]);
+            parts.push(Parts {
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                max_exp_avg_sq,
+            });
+        }
+        check_parts(parts.iter().copied(), cfg.amsgrad)?;
+        check_memory(&parts)?;
+        let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
+        let mut kflags = h.flags;
+        let norm_addr = match clip {
+            None => 0,
+            Some(c) => {
+                let norm_type = c.norm_type.validated()?;
+                let prepared = self.prepare(&grads, false)?;
+                let addrs = norm.addresses(&stream, grads.len())?;
+                // SAFETY: the gradients are live device memory of this context borrowed by the
+                // guards until the launches are enqueued; `addrs` is the DeviceNorm's memory.
+                unsafe { self.run(norm_type, &prepared, c.max_norm, flags::CLIP, addrs.norm, addrs.per_tensor) }?;
+                let at = addrs.norm;
+                drop(addrs);
+                match c.nonfinite {
+                    NonFinite::Skip => kflags |= adam_flags::SKIP_NONFINITE,
+                    NonFinite::Error => {
+                        let r = norm.read()?;
+                        if r.nonfinite {
+                            return Err(Error::NonFiniteNorm {
+                                norm: r.norm,
+                                norm_type: norm_type.to_string(),
+                            });
+                        }
+                    }
+                    NonFinite::Propagate => {}
+                }
+                at
+            }
+        };
+        let tables = self.upload_adam(&parts)?;
+        let (count_addr, _g) = count.words.device_ptr_mut(&stream);
+        let h = gradclip_kernels::abi::AdamParams { flags: kflags, ..h };
+        // SAFETY: the tables were planned from `parts` (checked above: lengths, dtypes, valid and
+        // disjoint memory) and uploaded on this stream; the parts stay borrowed by `guards`
+        // until the launch is enqueued, and cudarc orders the buffers' later use after it;
+        // `count_addr` is the DeviceStepCount's memory, `norm_addr` the DeviceNorm's written by
+        // the norm launch above (or 0).
+        unsafe { launch::adam(&stream, self.kernels(), &tables, self.adam.num_tasks, count_addr, norm_addr, &h) }?;
+        drop(guards);
+        Ok(())
+    }
+
+    /// The optimizer tables of `parts` in device memory: uploaded unless the last upload was of
+    /// the same parts.
+    fn upload_adam(&mut self, parts: &[Parts]) -> Result<AdamTables> {
+        if self.adam.parts != parts || self.adam.buf.is_none() {
+            self.adam = AdamUpload::default();
+            let (descs, tasks) = plan(parts)?;
+            let (dw, tw) = (as_words(&descs), as_words(&tasks));
+            let stream = self.stream().clone();
+            let mut buf = stream.alloc_zeros::<u64>(1 + dw.len() + tw.len())?;
+            let mut at = 1;
+            for words in [dw, tw] {
+                if !words.is_empty() {
+                    stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
+                }
+                at += words.len();
+            }
+            self.adam = AdamUpload {
+                parts: parts.to_vec(),
+                buf: Some(buf),
+                num_tasks: tasks.len() as u64,
+            };
+        }
+        let stream = self.stream().clone();
+        let buf = self.adam.buf.as_ref().expect("uploaded above");
+        let (base, _g) = buf.device_ptr(&stream);
+        let descs_words = self.adam.parts.len() * size_of::<AdamTensorDesc>() / 8;
+        Ok(AdamTables {
+            counter: base,
+            tensors: base + 8,
+            tasks: base + 8 + 8 * descs_words as u64,
+        })
+    }
+}
