@@ -267,3 +267,21 @@ pub fn torch_scaled_bits(dtype: DType, bits: u64, coef: f64) -> u64 {
 
 /// The norm orders every test covers.
 pub const NORM_ORDERS: [f64; 5] = [1.0, 2.0, 3.0, 7.5, f64::INFINITY];
+
+/// The optimizer settings every optimizer test runs: AdamW's defaults, amsgrad with maximize,
+/// and Adam with L2 weight decay.
+pub fn adam_configs() -> Vec<gradclip::optim::AdamConfig> {
+    use gradclip::optim::AdamConfig;
+    vec![
+        AdamConfig::adamw(1e-2),
+        AdamConfig {
+            amsgrad: true,
+            maximize: true,
+            ..AdamConfig::adamw(3e-3)
+        },
+        AdamConfig {
+            weight_decay: 0.1,
+            ..AdamConfig::adam(1e-2)
+        },
+    ]
+}

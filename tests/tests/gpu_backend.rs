@@ -393,18 +393,7 @@ impl<'a> AdamViews<'a> {
 fn adam_step_equals_cpu_bits(gpu: &Gpu) -> TestResult {
     use gradclip::gpu::DeviceStepCount;
     use gradclip::optim::{AdamConfig, ClipConfig, HostAdamTensor, StepCount};
-    let configs = [
-        AdamConfig::adamw(1e-2),
-        AdamConfig {
-            amsgrad: true,
-            maximize: true,
-            ..AdamConfig::adamw(3e-3)
-        },
-        AdamConfig {
-            weight_decay: 0.1,
-            ..AdamConfig::adam(1e-2)
-        },
-    ];
+    let configs = adam_configs();
     for (ci, cfg) in configs.iter().enumerate() {
         for clip in [None, Some(ClipConfig::new(0.05))] {
             let mut host = adam_parts(40 + ci as u64);
