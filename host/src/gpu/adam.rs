@@ -115,9 +115,9 @@ fn check_memory(parts: &[Parts]) -> Result<()> {
 impl GpuEngine {
     /// One Adam / AdamW step over `tensors` on the engine's stream; with `clip`, the gradients'
     /// global norm is clipped to `clip.max_norm` inside the update (the norm, coefficient and
-    /// non-finite flag go to `norm`). `count` is advanced on the device (or its skipped count).
-    /// Every input is checked before anything is enqueued; nothing is written when an error is
-    /// returned. Not capturable yet ([`Error::NotCapturable`]): the tables would have to belong
+    /// non-finite flag go to `norm`, a [`DeviceNorm`] of this stream without per-tensor room).
+    /// `count` is advanced on the device (or its skipped count). Every input is checked before
+    /// anything is enqueued; nothing is written when an error is returned. Not capturable yet ([`Error::NotCapturable`]): the tables would have to belong
     /// to the graph, as the norm's do.
     pub fn adam_step(
         &mut self,
@@ -127,8 +127,6 @@ impl GpuEngine {
         clip: Option<&ClipConfig>,
         norm: &mut DeviceNorm,
     ) -> Result<()> {
-        let h = cfg.params()?;
-        check_clip(clip)?;
         let contexts = tensors.iter().flat_map(|t| {
             [
                 Some(t.param.context()),
@@ -141,12 +139,6 @@ impl GpuEngine {
             .flatten()
         });
         self.check_contexts(contexts)?;
-        if let Capture::Active(_) = capture::status(self.stream())? {
-            return Err(Error::NotCapturable {
-                what: "an optimizer step",
-                instead: "run it outside the capture (its tables are not yet owned by graphs)",
-            });
-        }
         let stream = self.stream().clone();
         let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
         let mut parts = Vec::with_capacity(tensors.len());
@@ -169,8 +161,50 @@ impl GpuEngine {
                 max_exp_avg_sq,
             });
         }
+        let (count_addr, _gc) = count.words.device_ptr_mut(&stream);
+        let addrs = norm.addresses(&stream, 0)?;
+        let norm_addr = addrs.norm;
+        // SAFETY: every part is a live cudarc allocation of this context (checked above),
+        // borrowed by the guards until the launches are enqueued (cudarc orders later uses);
+        // `count_addr` and `norm_addr` are the DeviceStepCount's and DeviceNorm's memory.
+        let r = unsafe { self.adam_step_raw(&parts, cfg, count_addr, clip, norm_addr) };
+        drop(addrs);
+        drop(guards);
+        r
+    }
+
+    /// [`GpuEngine::adam_step`] over device addresses. `count` is an [`AdamCount`] (two u64:
+    /// steps, skipped) and `norm` a 24-byte NormOutput, both in device memory of this context
+    /// (`norm` is used only with a clip and may be 0 without one).
+    ///
+    /// # Safety
+    /// Every part is device memory of this context of its length and dtype, the written parts
+    /// (parameters, states) used by nothing else until the work this call enqueues has run, and
+    /// `count` and `norm` (when used) valid, 8-byte aligned device memory written before on the
+    /// stream, not freed before that work has run.
+    pub unsafe fn adam_step_raw(
+        &mut self,
+        parts: &[Parts],
+        cfg: &AdamConfig,
+        count: u64,
+        clip: Option<&ClipConfig>,
+        norm: u64,
+    ) -> Result<()> {
+        let h = cfg.params()?;
+        check_clip(clip)?;
+        for (what, addr, needed) in [("the step count", count, true), ("the norm output", norm, clip.is_some())] {
+            if needed && (addr == 0 || !addr.is_multiple_of(8)) {
+                return Err(Error::BadOutputAddress { what, addr });
+            }
+        }
+        if let Capture::Active(_) = capture::status(self.stream())? {
+            return Err(Error::NotCapturable {
+                what: "an optimizer step",
+                instead: "run it outside the capture (its tables are not yet owned by graphs)",
+            });
+        }
         check_parts(parts.iter().copied(), cfg.amsgrad)?;
-        check_memory(&parts)?;
+        check_memory(parts)?;
         let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
         let mut kflags = h.flags;
         let norm_addr = match clip {
@@ -178,17 +212,20 @@ impl GpuEngine {
             Some(c) => {
                 let norm_type = c.norm_type.validated()?;
                 let prepared = self.prepare(&grads, false)?;
-                let addrs = norm.addresses(&stream, grads.len())?;
-                // SAFETY: the gradients are live device memory of this context borrowed by the
-                // guards until the launches are enqueued; `addrs` is the DeviceNorm's memory.
-                unsafe { self.run(norm_type, &prepared, c.max_norm, flags::CLIP, addrs.norm, addrs.per_tensor) }?;
-                let at = addrs.norm;
-                drop(addrs);
+                // SAFETY: the gradients are readable device memory of this context and `norm`
+                // 24 bytes of it (the caller's contract).
+                unsafe { self.run(norm_type, &prepared, c.max_norm, flags::CLIP, norm, None) }?;
                 match c.nonfinite {
                     NonFinite::Skip => kflags |= adam_flags::SKIP_NONFINITE,
                     NonFinite::Error => {
-                        let r = norm.read()?;
-                        if r.nonfinite {
+                        let mut words = [0u64; 3];
+                        self.stream().context().bind_to_thread()?;
+                        // SAFETY: 24 bytes at `norm` (the caller's contract) into `words`,
+                        // completed by the synchronization below.
+                        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut words, norm, self.stream().cu_stream()) }?;
+                        self.stream().synchronize()?;
+                        let r: gradclip_kernels::abi::NormOutput = from_words(&words);
+                        if r.nonfinite != 0 {
                             return Err(Error::NonFiniteNorm {
                                 norm: r.norm,
                                 norm_type: norm_type.to_string(),
@@ -197,20 +234,16 @@ impl GpuEngine {
                     }
                     NonFinite::Propagate => {}
                 }
-                at
+                norm
             }
         };
-        let tables = self.upload_adam(&parts)?;
-        let (count_addr, _g) = count.words.device_ptr_mut(&stream);
+        let tables = self.upload_adam(parts)?;
+        let stream = self.stream().clone();
         let h = gradclip_kernels::abi::AdamParams { flags: kflags, ..h };
         // SAFETY: the tables were planned from `parts` (checked above: lengths, dtypes, valid and
-        // disjoint memory) and uploaded on this stream; the parts stay borrowed by `guards`
-        // until the launch is enqueued, and cudarc orders the buffers' later use after it;
-        // `count_addr` is the DeviceStepCount's memory, `norm_addr` the DeviceNorm's written by
-        // the norm launch above (or 0).
-        unsafe { launch::adam(&stream, self.kernels(), &tables, self.adam.num_tasks, count_addr, norm_addr, &h) }?;
-        drop(guards);
-        Ok(())
+        // disjoint memory) and uploaded on this stream; the caller vouches for the memory of the
+        // parts, of `count` and of `norm_addr` (written by the norm launch above, or 0).
+        unsafe { launch::adam(&stream, self.kernels(), &tables, self.adam.num_tasks, count, norm_addr, &h) }
     }
 
     /// The optimizer tables of `parts` in device memory: uploaded unless the last upload was of

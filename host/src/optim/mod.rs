@@ -173,13 +173,19 @@ pub struct HostAdamTensor<'a> {
     pub max_exp_avg_sq: Option<HostGradMut<'a>>,
 }
 
-/// One parameter's parts by address: what both backends check and the GPU plans.
+/// One parameter's parts by address: what the raw entry points take, both backends check and
+/// the GPU plans.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Parts {
+pub struct Parts {
+    /// The parameter (written).
     pub param: RawTensor,
+    /// Its gradient (read).
     pub grad: RawTensor,
+    /// The first moment (written).
     pub exp_avg: RawTensor,
+    /// The second moment (written).
     pub exp_avg_sq: RawTensor,
+    /// The running maximum of the second moment (amsgrad; written).
     pub max_exp_avg_sq: Option<RawTensor>,
 }
 
