@@ -27,7 +27,7 @@ fn ordinal(plan: &Plan) -> PyResult<usize> {
 /// binds its device's context to the calling thread, so callers that share the thread with
 /// PyTorch make that device torch's current one first (gradclip.torch does): torch then keeps
 /// knowing which device is current, and restores its own on the way out.
-fn with_engine<R>(
+pub(crate) fn with_engine<R>(
     device: usize,
     stream: usize,
     ws: Option<ExternalWorkspace>,

@@ -28,16 +28,16 @@ const DTYPES: [DType; 4] = DType::ALL;
 
 /// Where a tensor lives, as far as the fast path cares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Place {
+pub(crate) enum Place {
     Cpu,
     Cuda(i64),
 }
 
 /// One tensor of a key: everything that decides the engine's reads and writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Entry {
-    tensor: RawTensor,
-    place: Place,
+pub(crate) struct Entry {
+    pub(crate) tensor: RawTensor,
+    pub(crate) place: Place,
     /// An inference tensor (torch refuses in-place writes to it outside inference mode).
     inference: bool,
 }
@@ -184,7 +184,7 @@ struct Cache {
 
 impl Planner {
     /// Reads one tensor; None when the engine does not take it (dtype, layout, device kind).
-    fn entry(&self, t: &Bound<'_, PyAny>) -> PyResult<Option<Entry>> {
+    pub(crate) fn entry(&self, t: &Bound<'_, PyAny>) -> PyResult<Option<Entry>> {
         let py = t.py();
         let dtype = t.getattr(intern!(py, "dtype"))?;
         let Some(code) = self.dtypes.iter().position(|d| d.is(&dtype)) else {

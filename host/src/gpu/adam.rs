@@ -18,8 +18,8 @@ use super::engine::GpuEngine;
 use super::launch::{self, AdamTables};
 use super::words::{as_words, from_words};
 use crate::error::{Error, Result};
-use crate::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, check_clip, check_parts};
-use crate::plan::{MAX_TASKS, RawTensor};
+use crate::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, check, check_clip};
+use crate::plan::MAX_TASKS;
 use crate::tensor_list::TensorList;
 
 /// One parameter and its optimizer state in device memory of the engine's context. States and
@@ -62,14 +62,22 @@ impl DeviceStepCount {
     }
 }
 
-/// The optimizer tables last uploaded, in the engine's own memory: counter word, tensor table,
-/// task table.
+/// The optimizer tables of the lists uploaded last (a few: one per parameter group), in the
+/// engine's own memory: counter word, tensor table, task table.
 #[derive(Debug, Default)]
 pub(crate) struct AdamUpload {
+    lists: Vec<Uploaded>,
+}
+
+#[derive(Debug)]
+struct Uploaded {
     parts: Vec<Parts>,
-    buf: Option<CudaSlice<u64>>,
+    buf: CudaSlice<u64>,
     num_tasks: u64,
 }
+
+/// Lists kept uploaded (the most recently used first).
+const KEPT_LISTS: usize = 8;
 
 /// The kernel's tables for `parts` (checked by the caller).
 fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
@@ -99,17 +107,6 @@ fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
         });
     }
     Ok((descs, tasks))
-}
-
-/// Fails unless every part is a valid tensor and no written part (parameter, states) shares a
-/// byte with another part of any parameter.
-fn check_memory(parts: &[Parts]) -> Result<()> {
-    let all: Vec<RawTensor> = parts
-        .iter()
-        .flat_map(|p| [Some(p.param), Some(p.grad), Some(p.exp_avg), Some(p.exp_avg_sq), p.max_exp_avg_sq])
-        .flatten()
-        .collect();
-    TensorList::new(&all)?.check_writable()
 }
 
 impl GpuEngine {
@@ -173,9 +170,10 @@ impl GpuEngine {
         r
     }
 
-    /// [`GpuEngine::adam_step`] over device addresses. `count` is an [`AdamCount`] (two u64:
-    /// steps, skipped) and `norm` a 24-byte NormOutput, both in device memory of this context
-    /// (`norm` is used only with a clip and may be 0 without one).
+    /// [`GpuEngine::adam_step`] over device addresses: [`GpuEngine::clip_norm_raw`] over the
+    /// gradients (with a clip), then [`GpuEngine::adam_update_raw`]. `count` is an
+    /// [`AdamCount`] (two u64: steps, skipped) and `norm` a 24-byte NormOutput, both in device
+    /// memory of this context (`norm` is used only with a clip and may be 0 without one).
     ///
     /// # Safety
     /// Every part is device memory of this context of its length and dtype, the written parts
@@ -190,92 +188,146 @@ impl GpuEngine {
         clip: Option<&ClipConfig>,
         norm: u64,
     ) -> Result<()> {
+        cfg.params()?;
+        if let Some(c) = clip {
+            check_clip(Some(c))?;
+        }
+        self.refuse_capture()?;
+        check(parts, cfg.amsgrad)?;
+        let skip = match clip {
+            None => None,
+            Some(c) => {
+                let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
+                // SAFETY: the caller's contract covers the gradients and `norm`.
+                unsafe { self.clip_norm_raw(&grads, c, norm) }?;
+                Some((norm, c.nonfinite == NonFinite::Skip))
+            }
+        };
+        // SAFETY: the caller's contract; `norm` was written just above on this stream.
+        unsafe { self.adam_update_raw(parts, cfg, count, skip) }
+    }
+
+    /// The first half of a clipped step over several parameter groups: the norm kernel over
+    /// `grads` (all groups' gradients) writes the norm, the clip coefficient for `clip.max_norm`
+    /// and the non-finite flag to the NormOutput at `norm`; with [`NonFinite::Error`] it then
+    /// reads the norm (a host synchronization) and fails on a non-finite one.
+    ///
+    /// # Safety
+    /// The gradients are readable device memory of this context until the work this call
+    /// enqueues has run; `norm` is 24 bytes of it, 8-byte aligned.
+    pub unsafe fn clip_norm_raw(&mut self, grads: &TensorList, clip: &ClipConfig, norm: u64) -> Result<()> {
+        check_clip(Some(clip))?;
+        if norm == 0 || !norm.is_multiple_of(8) {
+            return Err(Error::BadOutputAddress {
+                what: "the norm output",
+                addr: norm,
+            });
+        }
+        let norm_type = clip.norm_type.validated()?;
+        let prepared = self.prepare(grads, false)?;
+        // SAFETY: the caller's contract covers the gradients and `norm`.
+        unsafe { self.run(norm_type, &prepared, clip.max_norm, flags::CLIP, norm, None) }?;
+        if clip.nonfinite == NonFinite::Error {
+            let mut words = [0u64; 3];
+            self.stream().context().bind_to_thread()?;
+            // SAFETY: 24 bytes at `norm` (the caller's contract) into `words`, completed by the
+            // synchronization below.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut words, norm, self.stream().cu_stream()) }?;
+            self.stream().synchronize()?;
+            let r: gradclip_kernels::abi::NormOutput = from_words(&words);
+            if r.nonfinite != 0 {
+                return Err(Error::NonFiniteNorm {
+                    norm: r.norm,
+                    norm_type: norm_type.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The update half: the Adam kernel over one parameter group. `clipped`: the NormOutput a
+    /// [`GpuEngine::clip_norm_raw`] wrote (its coefficient multiplies each gradient as it is
+    /// read) and whether a non-finite norm skips the step; None: no clip.
+    ///
+    /// # Safety
+    /// As [`GpuEngine::adam_step_raw`]; the NormOutput was written before on this stream.
+    pub unsafe fn adam_update_raw(&mut self, parts: &[Parts], cfg: &AdamConfig, count: u64, clipped: Option<(u64, bool)>) -> Result<()> {
         let h = cfg.params()?;
-        check_clip(clip)?;
-        for (what, addr, needed) in [("the step count", count, true), ("the norm output", norm, clip.is_some())] {
+        let norm = clipped.map_or(0, |(n, _)| n);
+        for (what, addr, needed) in [("the step count", count, true), ("the norm output", norm, clipped.is_some())] {
             if needed && (addr == 0 || !addr.is_multiple_of(8)) {
                 return Err(Error::BadOutputAddress { what, addr });
             }
         }
-        if let Capture::Active(_) = capture::status(self.stream())? {
-            return Err(Error::NotCapturable {
-                what: "an optimizer step",
-                instead: "run it outside the capture (its tables are not yet owned by graphs)",
-            });
-        }
-        check_parts(parts.iter().copied(), cfg.amsgrad)?;
-        check_memory(parts)?;
-        let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
-        let mut kflags = h.flags;
-        let norm_addr = match clip {
-            None => 0,
-            Some(c) => {
-                let norm_type = c.norm_type.validated()?;
-                let prepared = self.prepare(&grads, false)?;
-                // SAFETY: the gradients are readable device memory of this context and `norm`
-                // 24 bytes of it (the caller's contract).
-                unsafe { self.run(norm_type, &prepared, c.max_norm, flags::CLIP, norm, None) }?;
-                match c.nonfinite {
-                    NonFinite::Skip => kflags |= adam_flags::SKIP_NONFINITE,
-                    NonFinite::Error => {
-                        let mut words = [0u64; 3];
-                        self.stream().context().bind_to_thread()?;
-                        // SAFETY: 24 bytes at `norm` (the caller's contract) into `words`,
-                        // completed by the synchronization below.
-                        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut words, norm, self.stream().cu_stream()) }?;
-                        self.stream().synchronize()?;
-                        let r: gradclip_kernels::abi::NormOutput = from_words(&words);
-                        if r.nonfinite != 0 {
-                            return Err(Error::NonFiniteNorm {
-                                norm: r.norm,
-                                norm_type: norm_type.to_string(),
-                            });
-                        }
-                    }
-                    NonFinite::Propagate => {}
-                }
-                norm
-            }
+        self.refuse_capture()?;
+        check(parts, cfg.amsgrad)?;
+        let skip = matches!(clipped, Some((_, true)));
+        let h = gradclip_kernels::abi::AdamParams {
+            flags: h.flags | if skip { adam_flags::SKIP_NONFINITE } else { 0 },
+            ..h
         };
-        let tables = self.upload_adam(parts)?;
+        let (tables, num_tasks) = self.upload_adam(parts)?;
         let stream = self.stream().clone();
-        let h = gradclip_kernels::abi::AdamParams { flags: kflags, ..h };
         // SAFETY: the tables were planned from `parts` (checked above: lengths, dtypes, valid and
         // disjoint memory) and uploaded on this stream; the caller vouches for the memory of the
-        // parts, of `count` and of `norm_addr` (written by the norm launch above, or 0).
-        unsafe { launch::adam(&stream, self.kernels(), &tables, self.adam.num_tasks, count, norm_addr, &h) }
+        // parts, of `count` and of the NormOutput.
+        unsafe { launch::adam(&stream, self.kernels(), &tables, num_tasks, count, norm, &h) }
     }
 
-    /// The optimizer tables of `parts` in device memory: uploaded unless the last upload was of
-    /// the same parts.
-    fn upload_adam(&mut self, parts: &[Parts]) -> Result<AdamTables> {
-        if self.adam.parts != parts || self.adam.buf.is_none() {
-            self.adam = AdamUpload::default();
-            let (descs, tasks) = plan(parts)?;
-            let (dw, tw) = (as_words(&descs), as_words(&tasks));
-            let stream = self.stream().clone();
-            let mut buf = stream.alloc_zeros::<u64>(1 + dw.len() + tw.len())?;
-            let mut at = 1;
-            for words in [dw, tw] {
-                if !words.is_empty() {
-                    stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
-                }
-                at += words.len();
-            }
-            self.adam = AdamUpload {
-                parts: parts.to_vec(),
-                buf: Some(buf),
-                num_tasks: tasks.len() as u64,
-            };
+    /// [`Error::NotCapturable`] while the stream is capturing: the optimizer's tables are not
+    /// yet owned by graphs.
+    fn refuse_capture(&self) -> Result<()> {
+        match capture::status(self.stream())? {
+            Capture::Active(_) => Err(Error::NotCapturable {
+                what: "an optimizer step",
+                instead: "run it outside the capture (its tables are not yet owned by graphs)",
+            }),
+            Capture::None => Ok(()),
         }
+    }
+
+    /// The optimizer tables of `parts` in device memory and their task count: uploaded unless
+    /// one of the lists kept is the same parts.
+    fn upload_adam(&mut self, parts: &[Parts]) -> Result<(AdamTables, u64)> {
         let stream = self.stream().clone();
-        let buf = self.adam.buf.as_ref().expect("uploaded above");
-        let (base, _g) = buf.device_ptr(&stream);
-        let descs_words = self.adam.parts.len() * size_of::<AdamTensorDesc>() / 8;
-        Ok(AdamTables {
-            counter: base,
-            tensors: base + 8,
-            tasks: base + 8 + 8 * descs_words as u64,
-        })
+        let lists = &mut self.adam.lists;
+        match lists.iter().position(|u| u.parts == parts) {
+            Some(i) => {
+                let u = lists.remove(i);
+                lists.insert(0, u);
+            }
+            None => {
+                let (descs, tasks) = plan(parts)?;
+                let (dw, tw) = (as_words(&descs), as_words(&tasks));
+                let mut buf = stream.alloc_zeros::<u64>(1 + dw.len() + tw.len())?;
+                let mut at = 1;
+                for words in [dw, tw] {
+                    if !words.is_empty() {
+                        stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
+                    }
+                    at += words.len();
+                }
+                lists.truncate(KEPT_LISTS - 1);
+                lists.insert(
+                    0,
+                    Uploaded {
+                        parts: parts.to_vec(),
+                        buf,
+                        num_tasks: tasks.len() as u64,
+                    },
+                );
+            }
+        }
+        let u = &lists[0];
+        let (base, _g) = u.buf.device_ptr(&stream);
+        let descs_bytes = (u.parts.len() * size_of::<AdamTensorDesc>()) as u64;
+        Ok((
+            AdamTables {
+                counter: base,
+                tensors: base + 8,
+                tasks: base + 8 + descs_bytes,
+            },
+            u.num_tasks,
+        ))
     }
 }

@@ -249,6 +249,20 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = Parts>, amsgrad: bool) -
     Ok(())
 }
 
+/// Fails with the first parameter whose parts do not go together (lengths, dtypes, amsgrad's
+/// state), or that is not valid memory (null, misaligned, wrapping), or whose written parts
+/// (parameter, states) share a byte with any part of any parameter: every check an update
+/// makes before it writes anything, for callers that update several groups in a row.
+pub fn check(parts: &[Parts], amsgrad: bool) -> Result<()> {
+    check_parts(parts.iter().copied(), amsgrad)?;
+    let all: Vec<RawTensor> = parts
+        .iter()
+        .flat_map(|p| [Some(p.param), Some(p.grad), Some(p.exp_avg), Some(p.exp_avg_sq), p.max_exp_avg_sq])
+        .flatten()
+        .collect();
+    crate::tensor_list::TensorList::new(&all)?.check_writable()
+}
+
 /// Checks a clip's settings before anything is read.
 pub(crate) fn check_clip(clip: Option<&ClipConfig>) -> Result<()> {
     if let Some(c) = clip {

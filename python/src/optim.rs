@@ -1,0 +1,162 @@
+//! The GPU optimizer step on PyTorch's tensors: lists of parameters, gradients and Adam states
+//! read by the planner's one reader ([`Planner::entry`]), then `GpuEngine::adam_step_raw` on
+//! torch's stream (the norm kernel when clipping, then the Adam kernel).
+
+use gradclip::NormType;
+use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts};
+use gradclip::tensor_list::TensorList;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::cuda::with_engine;
+use crate::scan::{Place, Planner};
+use crate::to_py;
+
+/// Reads one list of tensors: each must be one the engine takes, on CUDA device `device`.
+fn read(planner: &Planner, what: &str, list: &Bound<'_, PyList>, device: Option<i64>) -> PyResult<(Vec<gradclip::plan::RawTensor>, i64)> {
+    let mut out = Vec::with_capacity(list.len());
+    let mut dev = device;
+    for (i, t) in list.iter().enumerate() {
+        let e = planner
+            .entry(&t)?
+            .ok_or_else(|| PyValueError::new_err(format!("{what}[{i}] is not a contiguous bf16/f16/f32/f64 tensor")))?;
+        let Place::Cuda(d) = e.place else {
+            return Err(PyValueError::new_err(format!("{what}[{i}] is not on a CUDA device")));
+        };
+        if *dev.get_or_insert(d) != d {
+            return Err(PyValueError::new_err(format!(
+                "{what}[{i}] is on CUDA device {d}, not {}",
+                dev.unwrap_or(d)
+            )));
+        }
+        out.push(e.tensor);
+    }
+    Ok((out, dev.unwrap_or(0)))
+}
+
+/// One parameter group read from Python: its parts and its settings.
+struct Group {
+    parts: Vec<Parts>,
+    cfg: AdamConfig,
+    count: u64,
+}
+
+/// Reads one group: `(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or None, (lr,
+/// beta1, beta2, eps, weight_decay), (amsgrad, maximize, decoupled_weight_decay), count)`.
+fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, device: &mut Option<i64>) -> PyResult<Group> {
+    #[allow(clippy::type_complexity)]
+    let (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, hyper, options, count): (
+        Bound<'_, PyList>,
+        Bound<'_, PyList>,
+        Bound<'_, PyList>,
+        Bound<'_, PyList>,
+        Option<Bound<'_, PyList>>,
+        (f64, f64, f64, f64, f64),
+        (bool, bool, bool),
+        u64,
+    ) = g.extract()?;
+    let (p, d) = read(pl, "params", &params, *device)?;
+    *device = Some(d);
+    let (gr, _) = read(pl, "grads", &grads, *device)?;
+    let (m, _) = read(pl, "exp_avgs", &exp_avgs, *device)?;
+    let (v, _) = read(pl, "exp_avg_sqs", &exp_avg_sqs, *device)?;
+    let vm = match &max_exp_avg_sqs {
+        Some(l) => Some(read(pl, "max_exp_avg_sqs", l, *device)?.0),
+        None => None,
+    };
+    let n = p.len();
+    for (what, len) in [("grads", gr.len()), ("exp_avgs", m.len()), ("exp_avg_sqs", v.len())]
+        .into_iter()
+        .chain(vm.as_ref().map(|x| ("max_exp_avg_sqs", x.len())))
+    {
+        if len != n {
+            return Err(PyValueError::new_err(format!("{what} has {len} tensors, params {n}")));
+        }
+    }
+    let parts = (0..n)
+        .map(|i| Parts {
+            param: p[i],
+            grad: gr[i],
+            exp_avg: m[i],
+            exp_avg_sq: v[i],
+            max_exp_avg_sq: vm.as_ref().map(|x| x[i]),
+        })
+        .collect();
+    let (lr, beta1, beta2, eps, weight_decay) = hyper;
+    let cfg = AdamConfig {
+        lr,
+        betas: (beta1, beta2),
+        eps,
+        weight_decay,
+        amsgrad: options.0,
+        maximize: options.1,
+        decoupled_weight_decay: options.2,
+    };
+    Ok(Group { parts, cfg, count })
+}
+
+/// One Adam / AdamW step over parameter groups of CUDA tensors on `stream` (see
+/// [`read_group`] for a group; `count` is the address of two int64, steps and skipped, on the
+/// device). `clip` = (max_norm, p, nonfinite) or None: the norm over every group's gradients
+/// goes to the 3 float64 at `norm_out`, then each group's update reads its coefficient. Raises
+/// ValueError, before anything is enqueued, for tensors the kernel does not take (the caller then
+/// uses torch's step).
+#[pyfunction]
+pub fn cuda_adam_step(
+    py: Python<'_>,
+    planner: &Bound<'_, Planner>,
+    stream: usize,
+    groups: &Bound<'_, PyList>,
+    clip: Option<(f64, f64, String)>,
+    norm_out: u64,
+) -> PyResult<()> {
+    let pl = planner.get();
+    let mut device = None;
+    let groups: Vec<Group> = groups.iter().map(|g| read_group(pl, &g, &mut device)).collect::<PyResult<_>>()?;
+    let clip = match clip {
+        None => None,
+        Some((max_norm, p, policy)) => Some(ClipConfig {
+            max_norm,
+            norm_type: NormType::from_p(p).map_err(to_py)?,
+            nonfinite: match policy.as_str() {
+                "skip" => NonFinite::Skip,
+                "error" => NonFinite::Error,
+                "propagate" => NonFinite::Propagate,
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "nonfinite must be skip, error or propagate; got {other:?}"
+                    )));
+                }
+            },
+        }),
+    };
+    let device = usize::try_from(device.unwrap_or(0)).map_err(|_| PyValueError::new_err("a negative CUDA device"))?;
+    // Every group is checked before anything is enqueued.
+    for g in &groups {
+        g.cfg.params().map_err(to_py)?;
+        gradclip::optim::check(&g.parts, g.cfg.amsgrad).map_err(to_py)?;
+    }
+    let grads: Vec<_> = groups.iter().flat_map(|g| g.parts.iter().map(|p| p.grad)).collect();
+    let grads = TensorList::new(&grads).map_err(to_py)?;
+    py.detach(|| {
+        with_engine(device, stream, None, |e| {
+            // SAFETY: the tensors are live CUDA memory of `device` that the caller holds (torch's
+            // caching allocator orders their reuse after this stream's work); each `count` and
+            // `norm_out` are the caller's device tensors of the stated sizes.
+            unsafe {
+                let clipped = match &clip {
+                    None => None,
+                    Some(c) => {
+                        e.clip_norm_raw(&grads, c, norm_out)?;
+                        Some((norm_out, c.nonfinite == NonFinite::Skip))
+                    }
+                };
+                for g in &groups {
+                    e.adam_update_raw(&g.parts, &g.cfg, g.count, clipped)?;
+                }
+                Ok(())
+            }
+        })
+    })
+}
