@@ -26,19 +26,24 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import _check_max_norm, _check_p, _clip_coef, _grads_norm64, _refuse_host_read_under_capture
+from .. import _native
+from . import _PLANNER, _check_max_norm, _check_p, _clip_coef, _grads_norm64, _is_dtensor, _refuse_host_read_under_capture, _result_dtype
 
 __all__ = ["AdamW", "Adam"]
 
 #: What a step does when the gradients' norm is NaN or infinite.
 NONFINITE_POLICIES = ("skip", "error", "propagate")
+#: Which kernel updates: torch's fused kernel (the coefficient through its grad_scale), or
+#: gradclip's (CUDA: the coefficient applied as gradients are read, no gradient write; other
+#: devices and cases it does not take run torch's).
+UPDATES = ("torch", "gradclip")
 
 
 class _ClippingStep:
     """The clip half of the step, shared by ``AdamW`` and ``Adam`` (mixed in before the torch
     class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``)."""
 
-    def _init_clip(self, max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable):
+    def _init_clip(self, max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update="torch"):
         if fused is False or foreach or differentiable:
             raise ValueError(
                 "gradclip's optimizers run torch's fused kernel (fused=True): foreach=True, fused=False and "
@@ -46,6 +51,12 @@ class _ClippingStep:
             )
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}; got {nonfinite!r}")
+        if update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}; got {update!r}")
+        self.update = update
+        # gradclip's kernel keeps each group's step count on the device (steps, skipped), read
+        # from torch's per-parameter "step" when first used and after load_state_dict.
+        self._counts: Dict[int, torch.Tensor] = {}
         self.max_grad_norm = None if max_grad_norm is None else _check_max_norm(max_grad_norm)
         self.norm_type = _check_p(norm_type)
         self.nonfinite = nonfinite
@@ -62,13 +73,18 @@ class _ClippingStep:
             max_grad_norm=self.max_grad_norm,
             norm_type=self.norm_type,
             nonfinite=self.nonfinite,
+            update=self.update,
         )
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        clip = {k: state.pop(k, d) for k, d in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"))}
+        clip = {k: state.pop(k, d) for k, d in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "torch"))}
         super().__setstate__(state)
-        self.__dict__.update(clip, pipeline_group=None, last_grad_norm=None, skipped_steps=None)
+        self.__dict__.update(clip, pipeline_group=None, last_grad_norm=None, skipped_steps=None, _counts={})
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._counts = {}  # the step counts come from the loaded "step" values
 
     #: The torch optimizer class whose fused step this one runs.
     _TORCH: type = torch.optim.Optimizer
@@ -81,6 +97,75 @@ class _ClippingStep:
             step = step.__wrapped__
         step(self)
 
+    def _gradclip_step(self) -> bool:
+        """The step with gradclip's CUDA kernels: with a clip, the norm kernel over every group's
+        gradients, then one Adam launch per group that multiplies each gradient by the
+        coefficient as it reads it (no scale pass, no gradient write). False, before anything is
+        written, when this step cannot take it (CPU or DTensor parameters, several devices, a
+        tensor learning rate, GradScaler, a pipeline group, CUDA-graph capture); torch's step
+        then runs."""
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            return False
+        if self.pipeline_group is not None or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+            return False
+        plan = []
+        for i, group in enumerate(self.param_groups):
+            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
+            if not params:
+                continue
+            if isinstance(group["lr"], torch.Tensor) or any(_is_dtensor(p) or not p.is_cuda for p in params):
+                return False
+            plan.append((i, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps))
+        if not plan or len({g[2][0].device for g in plan}) != 1:
+            return False
+        device = plan[0][2][0].device
+        groups = []
+        for i, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps in plan:
+            count = self._counts.get(i)
+            if count is None:
+                # One host read per group, at the first step and after load_state_dict.
+                count = torch.tensor([int(steps[0]), 0], dtype=torch.int64, device=device)
+                self._counts[i] = count
+            beta1, beta2 = group["betas"]
+            decoupled = isinstance(self, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+            groups.append(
+                (
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    max_sqs if group["amsgrad"] else None,
+                    (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])),
+                    (bool(group["amsgrad"]), bool(group["maximize"]), bool(decoupled)),
+                    count.data_ptr(),
+                )
+            )
+        out = torch.empty(3, dtype=torch.float64, device=device)
+        clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, self.nonfinite)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            with torch.cuda.device(index):
+                _native.cuda_adam_step(_PLANNER, torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr())
+        except ValueError:
+            return False  # a tensor the kernel does not take: torch's step
+        except RuntimeError as e:
+            if self.nonfinite == "error" and "non-finite" in str(e):
+                raise RuntimeError(
+                    f"the gradients' norm of order {self.norm_type} is not finite: the step was not taken and nothing "
+                    "was written (nonfinite='error')"
+                ) from None
+            raise
+        # torch's per-parameter step counts advance with the kernel's (not on a skipped step).
+        inc = 1.0 if clip is None or self.nonfinite != "skip" else torch.isfinite(out[0]).to(torch.float32)
+        for _, _, _, _, _, _, _, steps in plan:
+            torch._foreach_add_(steps, inc)
+        if clip is not None:
+            self.last_grad_norm = out[0].to(_result_dtype([g for p in plan for g in p[3]]))
+            if self.nonfinite == "skip":
+                self.skipped_steps = self._counts[plan[0][0]][1]
+        return True
+
     @torch.no_grad()
     def step(self, closure=None):
         """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
@@ -89,6 +174,8 @@ class _ClippingStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.update == "gradclip" and self._gradclip_step():
+            return loss
         if self.max_grad_norm is None:
             self._torch_step()
             return loss
@@ -143,7 +230,12 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     left as they were, decided on the device, and ``skipped_steps`` counts it), ``"error"``
     (reads the norm on the host and raises before anything is written), or ``"propagate"``
     (torch's behavior: the non-finite coefficient reaches the parameters). ``pipeline_group``:
-    a process group over which stages' norms are combined. The other arguments are torch's.
+    a process group over which stages' norms are combined. ``update``: ``"torch"`` (default:
+    torch's fused kernel, the coefficient through its ``grad_scale``) or ``"gradclip"``
+    (gradclip's CUDA kernels: the norm, then the update multiplying each gradient by the
+    coefficient as it reads it, with no gradient write-back, so ``.grad`` keeps the unclipped
+    gradients; steps it does not take, such as CPU or DTensor parameters, GradScaler or CUDA-graph
+    capture, run torch's). The other arguments are torch's.
 
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
@@ -173,8 +265,9 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
         norm_type=2.0,
         nonfinite="skip",
         pipeline_group=None,
+        update="torch",
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update)
         super().__init__(
             params,
             lr,
@@ -214,8 +307,9 @@ class Adam(_ClippingStep, torch.optim.Adam):
         norm_type=2.0,
         nonfinite="skip",
         pipeline_group=None,
+        update="torch",
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update)
         super().__init__(
             params,
             lr,
