@@ -362,3 +362,28 @@ def test_native_update_reads_groups_and_refuses_host_tensors():
     with pytest.raises(ValueError, match="length 8"):
         _native.cuda_adam_step(_PLANNER, 0, [group[:5]], None, 0)
     assert all(torch.equal(p, torch.zeros_like(p)) for p in ps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_gradclip_update_captured_in_a_cuda_graph():
+    """After one eager step, step() with update="gradclip" is captured (norm kernel + Adam kernel,
+    tables owned by the graph) and every replay equals the eager step on a twin, bit for bit."""
+    ours_m, twin_m = model("cuda", torch.float32), model("cuda", torch.float32)
+    ours = AdamW(ours_m.parameters(), lr=1e-3, max_grad_norm=0.3, update="gradclip")
+    twin = AdamW(twin_m.parameters(), lr=1e-3, max_grad_norm=0.3, update="gradclip")
+    for m in (ours_m, twin_m):
+        backward(m, 0)
+    ours.step()
+    twin.step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            ours.step()
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(5):
+        g.replay()
+        twin.step()
+        torch.cuda.synchronize()
+        assert same(ours_m, twin_m) and states_equal(ours, twin)

@@ -4,7 +4,8 @@
 //! reads it and, with [`NonFinite::Skip`], leaves everything untouched on a non-finite norm. Two
 //! launches, no scale pass, no gradient write, no host synchronization (except
 //! [`NonFinite::Error`], which reads the norm). The step count lives on the device
-//! ([`DeviceStepCount`]).
+//! ([`DeviceStepCount`]), so a step can be captured in a CUDA graph: under capture its tables go
+//! to memory the graph owns, as the norm's do.
 
 use std::sync::Arc;
 
@@ -114,8 +115,8 @@ impl GpuEngine {
     /// global norm is clipped to `clip.max_norm` inside the update (the norm, coefficient and
     /// non-finite flag go to `norm`, a [`DeviceNorm`] of this stream without per-tensor room).
     /// `count` is advanced on the device (or its skipped count). Every input is checked before
-    /// anything is enqueued; nothing is written when an error is returned. Not capturable yet ([`Error::NotCapturable`]): the tables would have to belong
-    /// to the graph, as the norm's do.
+    /// anything is enqueued; nothing is written when an error is returned. Capturable (with
+    /// [`NonFinite::Skip`] or `Propagate`).
     pub fn adam_step(
         &mut self,
         tensors: &mut [DeviceAdamTensor<'_>],
@@ -192,7 +193,6 @@ impl GpuEngine {
         if let Some(c) = clip {
             check_clip(Some(c))?;
         }
-        self.refuse_capture()?;
         check(parts, cfg.amsgrad)?;
         let skip = match clip {
             None => None,
@@ -224,6 +224,12 @@ impl GpuEngine {
             });
         }
         let norm_type = clip.norm_type.validated()?;
+        if clip.nonfinite == NonFinite::Error && matches!(capture::status(self.stream())?, Capture::Active(_)) {
+            return Err(Error::NotCapturable {
+                what: "a clipped step with NonFinite::Error (it reads the norm on the host)",
+                instead: "capture with NonFinite::Skip: the kernel skips a non-finite step on the device and counts it",
+            });
+        }
         let prepared = self.prepare(grads, false)?;
         // SAFETY: the caller's contract covers the gradients and `norm`.
         unsafe { self.run(norm_type, &prepared, clip.max_norm, flags::CLIP, norm, None) }?;
@@ -259,7 +265,6 @@ impl GpuEngine {
                 return Err(Error::BadOutputAddress { what, addr });
             }
         }
-        self.refuse_capture()?;
         check(parts, cfg.amsgrad)?;
         let skip = matches!(clipped, Some((_, true)));
         let h = gradclip_kernels::abi::AdamParams {
@@ -274,22 +279,26 @@ impl GpuEngine {
         unsafe { launch::adam(&stream, self.kernels(), &tables, num_tasks, count, norm, &h) }
     }
 
-    /// [`Error::NotCapturable`] while the stream is capturing: the optimizer's tables are not
-    /// yet owned by graphs.
-    fn refuse_capture(&self) -> Result<()> {
-        match capture::status(self.stream())? {
-            Capture::Active(_) => Err(Error::NotCapturable {
-                what: "an optimizer step",
-                instead: "run it outside the capture (its tables are not yet owned by graphs)",
-            }),
-            Capture::None => Ok(()),
-        }
-    }
-
-    /// The optimizer tables of `parts` in device memory and their task count: uploaded unless
-    /// one of the lists kept is the same parts.
+    /// The optimizer tables of `parts` in device memory and their task count: under CUDA-graph
+    /// capture, fresh ones that the graph owns (as the norm's, [`capture`]); otherwise uploaded
+    /// unless one of the lists kept is the same parts.
     fn upload_adam(&mut self, parts: &[Parts]) -> Result<(AdamTables, u64)> {
         let stream = self.stream().clone();
+        match capture::status(&stream)? {
+            Capture::Active(graph) => {
+                let (descs, tasks) = plan(parts)?;
+                let (dw, tw) = (as_words(&descs), as_words(&tasks));
+                let tasks_at = 8 + 8 * dw.len();
+                let base = capture::upload_words_owned_by(&stream, graph, tasks_at + 8 * tw.len(), 8, &[(8, dw), (tasks_at, tw)])?;
+                let tables = AdamTables {
+                    counter: base,
+                    tensors: base + 8,
+                    tasks: base + tasks_at as u64,
+                };
+                return Ok((tables, tasks.len() as u64));
+            }
+            Capture::None => capture::free_released(&stream),
+        }
         let lists = &mut self.adam.lists;
         match lists.iter().position(|u| u.parts == parts) {
             Some(i) => {

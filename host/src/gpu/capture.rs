@@ -132,7 +132,8 @@ pub(crate) fn free_released(stream: &CudaStream) {
 }
 
 /// Plans' tables (`tensor_words`, `task_words`, laid out by `layout`) uploaded into fresh
-/// device memory owned by `graph`, with the counter zeroed. Returns where they are.
+/// device memory owned by `graph`, with the counter and the engine's NormOutput zeroed. Returns
+/// where they are.
 pub(crate) fn upload_owned_by(
     stream: &CudaStream,
     graph: sys::CUgraph,
@@ -140,40 +141,55 @@ pub(crate) fn upload_owned_by(
     tensor_words: &[u64],
     task_words: &[u64],
 ) -> Result<Tables> {
+    let copies = [(layout.tensors, tensor_words), (layout.tasks, task_words)];
+    let base = upload_words_owned_by(stream, graph, layout.total, layout.tensors, &copies)?;
+    Ok(layout.tables_at(base))
+}
+
+/// `total` bytes of fresh device memory owned by `graph`: the first `zeroed` bytes zero, each
+/// `(offset, words)` copied there, before any replay. Returns its address.
+pub(crate) fn upload_words_owned_by(
+    stream: &CudaStream,
+    graph: sys::CUgraph,
+    total: usize,
+    zeroed: usize,
+    copies: &[(usize, &[u64])],
+) -> Result<u64> {
     let _relaxed = RelaxedMode::enter()?;
     stream.context().bind_to_thread()?;
     let mut ptr: sys::CUdeviceptr = 0;
     // SAFETY: out-pointer to a local; relaxed mode lets this thread allocate during capture.
-    unsafe { sys::cuMemAlloc_v2(&mut ptr, layout.total).result()? };
+    unsafe { sys::cuMemAlloc_v2(&mut ptr, total.max(8)).result()? };
     LIVE.fetch_add(1, Ordering::Relaxed);
     let owned = Owned {
         ctx: stream.context().cu_ctx() as usize,
         ptr,
     };
-    if let Err(e) = fill(ptr, layout, tensor_words, task_words) {
+    if let Err(e) = fill(ptr, zeroed, copies) {
         // SAFETY: just allocated above and not yet used by any work.
         unsafe { sys::cuMemFree_v2(ptr) };
         LIVE.fetch_sub(1, Ordering::Relaxed);
         return Err(e.into());
     }
     attach(graph, owned)?;
-    Ok(layout.tables_at(ptr))
+    Ok(ptr)
 }
 
-/// Zeroes the counter and the engine's NormOutput and copies the tables, on a private
-/// non-blocking stream, and waits:
-/// nothing of this is captured, and the contents are in place before any replay.
-fn fill(ptr: sys::CUdeviceptr, layout: &Layout, tensor_words: &[u64], task_words: &[u64]) -> Result<(), DriverError> {
+/// Zeroes the first `zeroed` bytes and makes the copies, on a private non-blocking stream, and
+/// waits: nothing of this is captured, and the contents are in place before any replay.
+fn fill(ptr: sys::CUdeviceptr, zeroed: usize, copies: &[(usize, &[u64])]) -> Result<(), DriverError> {
     let mut s: sys::CUstream = std::ptr::null_mut();
     // SAFETY: creates a stream of the current context (bound by the caller); destroyed below.
     unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32).result()? };
     let r = (|| {
-        // SAFETY: every range lies inside the allocation sized by `layout`; the host sources
-        // live until the synchronization below, which completes the pageable copies.
+        // SAFETY: every range lies inside the allocation (the callers size it from the same
+        // layout); the host sources live until the synchronization below, which completes the
+        // pageable copies.
         unsafe {
-            // The counter and the engine's NormOutput: everything before the tensor table.
-            sys::cuMemsetD8Async(ptr, 0, layout.tensors, s).result()?;
-            for (off, words) in [(layout.tensors, tensor_words), (layout.tasks, task_words)] {
+            if zeroed > 0 {
+                sys::cuMemsetD8Async(ptr, 0, zeroed, s).result()?;
+            }
+            for &(off, words) in copies {
                 if !words.is_empty() {
                     sys::cuMemcpyHtoDAsync_v2(ptr + off as u64, words.as_ptr().cast(), words.len() * 8, s).result()?;
                 }

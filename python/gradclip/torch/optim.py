@@ -102,12 +102,13 @@ class _ClippingStep:
         gradients, then one Adam launch per group that multiplies each gradient by the
         coefficient as it reads it (no scale pass, no gradient write). False, before anything is
         written, when this step cannot take it (CPU or DTensor parameters, several devices, a
-        tensor learning rate, GradScaler, a pipeline group, CUDA-graph capture); torch's step
-        then runs."""
+        tensor learning rate, GradScaler, a pipeline group); torch's step then runs. Capturable in
+        a CUDA graph after one eager step."""
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             return False
-        if self.pipeline_group is not None or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+        if self.pipeline_group is not None:
             return False
+        capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
         plan = []
         for i, group in enumerate(self.param_groups):
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
@@ -123,6 +124,11 @@ class _ClippingStep:
         groups = []
         for i, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps in plan:
             count = self._counts.get(i)
+            if count is None and capturing:
+                raise RuntimeError(
+                    "gradclip's optimizer step reads its step counts once before its first step: take one step "
+                    "eagerly before capturing step() in a CUDA graph"
+                )
             if count is None:
                 # One host read per group, at the first step and after load_state_dict.
                 count = torch.tensor([int(steps[0]), 0], dtype=torch.int64, device=device)
@@ -234,8 +240,8 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     torch's fused kernel, the coefficient through its ``grad_scale``) or ``"gradclip"``
     (gradclip's CUDA kernels: the norm, then the update multiplying each gradient by the
     coefficient as it reads it, with no gradient write-back, so ``.grad`` keeps the unclipped
-    gradients; steps it does not take, such as CPU or DTensor parameters, GradScaler or CUDA-graph
-    capture, run torch's). The other arguments are torch's.
+    gradients; capturable in a CUDA graph after one eager step; steps it does not take, such as
+    CPU or DTensor parameters or GradScaler's, run torch's). The other arguments are torch's.
 
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
