@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Clip + AdamW step on one GPU: torch's fused AdamW alone, torch's clip + fused step, gradclip's
-clip + torch's fused step, and gradclip.torch.optim.AdamW without and with max_grad_norm; each
+clip + torch's fused step, and gradclip.torch.optim.AdamW without and with max_grad_norm (torch's fused
+kernel through grad_scale, and on CUDA gradclip's own kernels, update="gradclip"); each
 beside its floor, measured in the same run:
 
   floor = (bytes the step reads and writes) / device-copy rate + (gradient bytes) / read rate
@@ -95,7 +96,10 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate):
     torch_opt = torch.optim.AdamW(params, lr=1e-6, fused=True)
     ours_plain = optim.AdamW(params, lr=1e-6)
     ours_clip = optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm)
-    for o in (torch_opt, ours_plain, ours_clip):
+    kernel_plain = optim.AdamW(params, lr=1e-6, update="gradclip")
+    kernel_clip = optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="gradclip")
+    opts = [torch_opt, ours_plain, ours_clip] + ([kernel_plain, kernel_clip] if device == "cuda" else [])
+    for o in opts:
         o.step()  # states allocated before timing
     rows = [
         ("torch fused AdamW step alone", lambda: torch_opt.step(), floor_step),
@@ -104,6 +108,12 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate):
         ("gradclip optim.AdamW, no max_grad_norm", lambda: ours_plain.step(), floor_step),
         ("gradclip optim.AdamW, max_grad_norm", lambda: ours_clip.step(), floor_clip),
     ]
+    if device == "cuda":
+        # gradclip's own kernels (norm kernel + Adam kernel, no gradient write-back).
+        rows += [
+            ("gradclip optim.AdamW(update='gradclip')", lambda: kernel_plain.step(), floor_step),
+            ("gradclip optim.AdamW(update='gradclip'), max_grad_norm", lambda: kernel_clip.step(), floor_clip),
+        ]
     out = []
     for name, fn, floor in rows:
         ms = per_step_ms(fn, reps, device)
