@@ -340,3 +340,70 @@ impl GpuEngine {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+    use crate::plan::RawTensor;
+
+    fn raw(addr: u64, len: u64, dtype: DType) -> RawTensor {
+        RawTensor { addr, len, dtype }
+    }
+
+    fn parts(i: u64, len: u64, p: DType, s: DType, amsgrad: bool) -> Parts {
+        let at = |k: u64| (i + 1) << 32 | k << 24;
+        Parts {
+            param: raw(at(0), len, p),
+            grad: raw(at(1), len, p),
+            exp_avg: raw(at(2), len, s),
+            exp_avg_sq: raw(at(3), len, s),
+            max_exp_avg_sq: amsgrad.then(|| raw(at(4), len, s)),
+        }
+    }
+
+    /// Tasks enumerate each parameter's 4,096-element chunks in order; the table carries every
+    /// part's address and the three dtypes packed as the kernel unpacks them.
+    #[test]
+    fn plan_tasks_and_descriptors() {
+        let list = [
+            parts(0, 10_000, DType::Bf16, DType::F32, true),
+            parts(1, 0, DType::F32, DType::F32, false),
+            parts(2, 4096, DType::F64, DType::F64, false),
+        ];
+        let (descs, tasks) = plan(&list).unwrap();
+        assert_eq!(
+            tasks.iter().map(|t| (t.tensor, t.chunk)).collect::<Vec<_>>(),
+            [(0, 0), (0, 1), (0, 2), (2, 0)]
+        );
+        assert_eq!(
+            descs[0].dtypes,
+            DType::Bf16.code() | DType::Bf16.code() << 4 | DType::F32.code() << 8
+        );
+        assert_eq!(
+            (descs[0].max_exp_avg_sq, descs[1].max_exp_avg_sq),
+            (list[0].max_exp_avg_sq.unwrap().addr, 0)
+        );
+        assert_eq!((descs[2].grad, descs[2].len), (list[2].grad.addr, 4096));
+    }
+
+    #[test]
+    fn overlapping_parts_are_refused() {
+        let mut p = parts(0, 100, DType::F32, DType::F32, false);
+        assert!(check(&[p], false).is_ok());
+        p.exp_avg.addr = p.param.addr + 8;
+        assert!(matches!(check(&[p], false), Err(Error::Overlap { .. })));
+        let (a, mut b) = (
+            parts(0, 100, DType::F32, DType::F32, false),
+            parts(1, 100, DType::F32, DType::F32, false),
+        );
+        b.grad = a.exp_avg_sq;
+        assert!(
+            matches!(check(&[a, b], false), Err(Error::Overlap { .. })),
+            "a gradient on another parameter's state"
+        );
+        b = parts(1, 100, DType::F32, DType::F32, false);
+        b.param.addr = 0;
+        assert!(matches!(check(&[a, b], false), Err(Error::NullPointer { .. })));
+    }
+}
