@@ -15,6 +15,9 @@ mkdir -p /tmp/libcuda
 for d in /usr/lib/x86_64-linux-gnu /usr/local/nvidia/lib64 /usr/lib64; do
     [ -e "$d/libcuda.so.1" ] && ln -sf "$d/libcuda.so.1" /tmp/libcuda/libcuda.so && break
 done
+# cudarc's NCCL loads libnccl.so: torch's wheels ship libnccl.so.2.
+nccl_lib=$(python3 -c "import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$nccl_lib" ] && [ -e "$nccl_lib/libnccl.so.2" ] && ln -sf "$nccl_lib/libnccl.so.2" /tmp/libcuda/libnccl.so
 export LD_LIBRARY_PATH=/tmp/libcuda:${LD_LIBRARY_PATH:-}
 # Two GPUs of one host: no NVLink multicast (see the device notes).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -157,6 +157,14 @@ pub enum Error {
         /// The valid range, in words.
         valid: &'static str,
     },
+    /// NCCL failed, or is missing, or was misused.
+    #[error("NCCL, {what}: {detail}")]
+    Nccl {
+        /// What was being done.
+        what: &'static str,
+        /// What went wrong and what to do.
+        detail: String,
+    },
     /// A result or coefficient address given to the raw API is null or not 8-byte aligned.
     #[error("{what} address {addr:#x} is null or not 8-byte aligned: pass the address of device memory allocated for it")]
     BadOutputAddress {

@@ -39,6 +39,7 @@ extern crate std;
 pub mod abi;
 pub mod accum;
 pub mod adam;
+pub mod combine;
 pub mod dtype;
 pub mod fill;
 pub mod geometry;
@@ -51,6 +52,8 @@ pub mod scale;
 pub mod adam_entry;
 #[cfg(all(target_arch = "nvptx64", feature = "bench-kernels"))]
 pub mod bench_entry;
+#[cfg(target_arch = "nvptx64")]
+pub mod combine_entry;
 #[cfg(target_arch = "nvptx64")]
 mod device;
 #[cfg(target_arch = "nvptx64")]

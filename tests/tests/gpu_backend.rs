@@ -660,6 +660,81 @@ fn second_device(gpu: &Gpu) -> TestResult {
     ensure(matches!(r, Err(Error::WrongContext { index: 1, .. })), || format!("{r:?}"))
 }
 
+/// The sharded clip over NCCL on two GPUs (one thread per rank, a communicator bootstrapped
+/// from one id): each rank holds different gradients; both get the global norm of all of them
+/// (within 1e-12 of the CPU's norm over both lists; the p-th powers are combined, not the
+/// partial accumulators), the same bits on both ranks, and their gradients scaled by its
+/// coefficient exactly as the CPU scales them.
+/// One rank's result: its report, its gradients' host twins, its gradients after the clip.
+type RankResult = std::result::Result<(gradclip::NormReport, Vec<Grad>, Vec<Grad>), String>;
+
+fn nccl_sharded_clip(_gpu: &Gpu) -> TestResult {
+    use gradclip::gpu::{Nccl, NcclId};
+    let id = NcclId::new().map_err(|e| format!("{e}"))?;
+    let shards = [random_grads(9100, 30, 150_000), random_grads(9200, 7, 300_000)];
+    for p in NORM_ORDERS {
+        let max_norm = 0.5;
+        let results: Vec<RankResult> = std::thread::scope(|sc| {
+            let handles: Vec<_> = shards
+                .iter()
+                .enumerate()
+                .map(|(rank, grads)| {
+                    sc.spawn(move || -> std::result::Result<_, String> {
+                        let ctx = CudaContext::new(rank).map_err(|e| format!("device {rank}: {e}"))?;
+                        let g = Gpu {
+                            stream: ctx.default_stream(),
+                        };
+                        let mut devs = g.upload(grads);
+                        let twins = g.host_twins(grads, &devs);
+                        let comm = Nccl::new(g.stream.clone(), rank, 2, id).map_err(|e| format!("rank {rank}: {e}"))?;
+                        let mut engine = g.engine();
+                        let mut out = gradclip::gpu::DeviceNorm::new(&g.stream, 0).unwrap();
+                        {
+                            let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
+                            let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+                            engine
+                                .clip_grad_norm_sharded(&mut refs, max_norm, NormType::from_p(p).unwrap(), &[&comm], &mut out)
+                                .map_err(|e| format!("rank {rank}: {e}"))?;
+                        }
+                        let r = out.read().map_err(|e| format!("{e}"))?;
+                        let after = devs.iter().map(|d| d.download(&g.stream)).collect();
+                        Ok((r, twins, after))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+                .collect()
+        });
+        let results = results.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
+        let all: Vec<Grad> = shards.iter().flatten().cloned().collect();
+        let want = cpu_norm(&all, p, false).norm;
+        let (r0, r1) = (&results[0].0, &results[1].0);
+        ensure(same_bits(r0.norm, r1.norm) && same_bits(r0.coef, r1.coef), || {
+            format!("p={p}: ranks disagree: {r0:?} vs {r1:?}")
+        })?;
+        ensure((r0.norm - want).abs() <= 1e-12 * want, || {
+            format!("p={p}: global norm {} vs CPU {want}", r0.norm)
+        })?;
+        for (rank, (r, twins, after)) in results.into_iter().enumerate() {
+            let mut twins = twins;
+            let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+            let coef = Cpu::new().clip_grads_with_norm(&mut views, max_norm, r.norm).unwrap();
+            drop(views);
+            ensure(same_bits(coef, r.coef), || {
+                format!("p={p} rank {rank}: coefficient {} vs {coef}", r.coef)
+            })?;
+            for (i, (a, t)) in after.iter().zip(&twins).enumerate() {
+                ensure(a.bits() == t.bits(), || {
+                    format!("p={p} rank {rank}: tensor {i} differs from the CPU's scale")
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The device addresses of `devs` (uploaded from `grads`), for the raw calls.
 fn raw_tensors(devs: &[DevGrad], grads: &[Grad], stream: &CudaStream) -> Vec<RawTensor> {
     devs.iter()
@@ -941,7 +1016,10 @@ fn main() {
         ("graph_capture_patterns_replay_like_eager", graph_capture_patterns),
     ];
     // Tests that need two GPUs: reported as ignored on one.
-    let two_gpu_tests: Vec<Case> = vec![("second_device_engine_bits_and_context_check", second_device)];
+    let two_gpu_tests: Vec<Case> = vec![
+        ("second_device_engine_bits_and_context_check", second_device),
+        ("nccl_sharded_clip_two_gpus", nccl_sharded_clip),
+    ];
     let gpu = if gradclip::gpu::gpu_available() {
         let ctx = CudaContext::new(0).expect("CUDA context");
         eprintln!("GPU tests on {}", ctx.name().unwrap_or_default());

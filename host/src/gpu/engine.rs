@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, SyncOnDrop};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, SyncOnDrop};
 use gradclip_kernels::abi::{NormOutput, NormParams, flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
@@ -76,12 +76,16 @@ pub struct GpuEngine {
     uploaded: Option<Uploaded>,
     /// The optimizer's tables ([`super::adam`]).
     pub(super) adam: super::adam::AdamUpload,
+    /// One f64 for the sharded clip's cross-rank combine ([`super::sharded`]), allocated with
+    /// the engine so that a sharded clip can be captured.
+    pub(super) partial: CudaSlice<f64>,
 }
 
 impl GpuEngine {
     /// An engine that launches on `stream` (ordered with the caller's other work there).
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
         let kernels = kernels::load(stream.context())?;
+        let partial = stream.alloc_zeros::<f64>(1)?;
         Ok(GpuEngine {
             stream,
             kernels,
@@ -89,6 +93,7 @@ impl GpuEngine {
             external: None,
             uploaded: None,
             adam: Default::default(),
+            partial,
         })
     }
 
@@ -132,6 +137,11 @@ impl GpuEngine {
     /// The loaded kernels (for the launch tools of the `bench-kernels` feature).
     pub fn kernels(&self) -> &KernelSet {
         &self.kernels
+    }
+
+    /// The loaded kernels, shared (for launches while a field of the engine is borrowed).
+    pub(super) fn kernel_set(&self) -> Arc<KernelSet> {
+        self.kernels.clone()
     }
 
     /// Fails with the first buffer whose context is not the engine's.
@@ -296,7 +306,7 @@ impl GpuEngine {
     /// # Safety
     /// As [`launch::scale`]: `out` holds a [`NormOutput`] ordered before this on the stream, and
     /// the prepared tensors are writable and pairwise disjoint.
-    unsafe fn scale_prepared(&self, p: &Prepared, out: u64) -> Result<()> {
+    pub(super) unsafe fn scale_prepared(&self, p: &Prepared, out: u64) -> Result<()> {
         if p.num_tasks == 0 {
             return Ok(());
         }

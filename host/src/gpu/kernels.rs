@@ -24,6 +24,8 @@ pub enum Kernel {
     TensorNormsP,
     Scale,
     Adam,
+    NormToPartial,
+    NormFromPartial,
     #[cfg(feature = "bench-kernels")]
     Fill,
     #[cfg(feature = "bench-kernels")]
@@ -47,6 +49,8 @@ impl Kernel {
         Kernel::TensorNormsP,
         Kernel::Scale,
         Kernel::Adam,
+        Kernel::NormToPartial,
+        Kernel::NormFromPartial,
         #[cfg(feature = "bench-kernels")]
         Kernel::Fill,
         #[cfg(feature = "bench-kernels")]
@@ -70,6 +74,8 @@ impl Kernel {
             Kernel::TensorNormsP => "gradclip_tensor_norms_p",
             Kernel::Scale => "gradclip_scale",
             Kernel::Adam => "gradclip_adam",
+            Kernel::NormToPartial => "gradclip_norm_to_partial",
+            Kernel::NormFromPartial => "gradclip_norm_from_partial",
             #[cfg(feature = "bench-kernels")]
             Kernel::Fill => "gradclip_fill",
             #[cfg(feature = "bench-kernels")]

@@ -152,3 +152,49 @@ pub unsafe fn adam(
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
+
+/// One-thread launch configuration (the combine kernels).
+const ONE_THREAD: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (1, 1, 1),
+    shared_mem_bytes: 0,
+};
+
+/// The combine kind and p of a norm type (see `gradclip_kernels::combine`).
+pub fn combine_kind(norm: NormType) -> u32 {
+    use gradclip_kernels::combine::kind;
+    match norm {
+        NormType::L1 => kind::L1,
+        NormType::L2 => kind::L2,
+        NormType::Inf => kind::INF,
+        NormType::P(_) => kind::P,
+    }
+}
+
+/// Launches `partial[0] = partial of out.norm`.
+///
+/// # Safety
+/// `out` is a NormOutput written before on `stream`, `partial` one f64, both device memory of
+/// the stream's context.
+pub unsafe fn norm_to_partial(stream: &CudaStream, ks: &KernelSet, out: u64, partial: u64, norm: NormType) -> Result<()> {
+    let mut b = stream.launch_builder(ks.get(Kernel::NormToPartial));
+    let (kind, p) = (combine_kind(norm), norm.p());
+    b.arg(&out).arg(&partial).arg(&kind).arg(&p);
+    // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+    unsafe { b.launch(ONE_THREAD) }?;
+    Ok(())
+}
+
+/// Launches `out = NormOutput of the global norm of partial[0]` (clip coefficient for `max_norm`).
+///
+/// # Safety
+/// `partial` is one f64 written before on `stream`, `out` a NormOutput, both device memory of
+/// the stream's context.
+pub unsafe fn norm_from_partial(stream: &CudaStream, ks: &KernelSet, partial: u64, out: u64, norm: NormType, max_norm: f64) -> Result<()> {
+    let mut b = stream.launch_builder(ks.get(Kernel::NormFromPartial));
+    let (kind, p, flags) = (combine_kind(norm), norm.p(), gradclip_kernels::abi::flags::CLIP);
+    b.arg(&partial).arg(&out).arg(&kind).arg(&p).arg(&max_norm).arg(&flags);
+    // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+    unsafe { b.launch(ONE_THREAD) }?;
+    Ok(())
+}

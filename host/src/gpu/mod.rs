@@ -10,11 +10,13 @@
 mod adam;
 pub mod buffers;
 mod capture;
+pub mod comm;
 mod device_norm;
 pub mod engine;
 pub mod kernels;
 pub mod launch;
 mod output;
+mod sharded;
 #[cfg(feature = "bench-kernels")]
 pub mod tools;
 mod words;
@@ -23,6 +25,9 @@ mod workspace;
 pub use adam::{DeviceAdamTensor, DeviceStepCount};
 pub use buffers::{DeviceGrad, DeviceGradMut};
 pub use capture::graph_tables_live;
+pub use comm::{Communicator, Reduce};
+#[cfg(feature = "nccl")]
+pub use comm::{Nccl, NcclId};
 pub use device_norm::DeviceNorm;
 pub use engine::{Coefficient, GpuEngine};
 pub use output::{NewNorm, Output, RawOutput};
