@@ -4,8 +4,11 @@
 //! - [`engine`]: the safe API ([`GpuEngine`], [`DeviceNorm`]) that checks every input and then
 //!   calls [`launch`], saying at each call which check covers which precondition.
 //!
-//! [`buffers`] adapts cudarc's typed device buffers; `tools` (with the `bench-kernels` feature
-//! only) holds the fill, streaming-read and eager-baseline launches that tests and benchmarks use.
+//! The engine's capabilities beyond the norm and clip live in their own modules, as `impl
+//! GpuEngine` blocks: the optimizer step (`adam`: [`DeviceAdamTensor`], [`DeviceStepCount`]) and
+//! the sharded clip (`sharded`, over the [`comm`] communicators). [`buffers`] adapts cudarc's
+//! typed device buffers; `tools` (with the `bench-kernels` feature only) holds the fill,
+//! streaming-read and eager-baseline launches that tests and benchmarks use.
 
 mod adam;
 pub mod buffers;
