@@ -51,7 +51,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_scale, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;
-    m.add_function(wrap_pyfunction!(optim::cuda_adam_step, m)?)?;
+    m.add_function(wrap_pyfunction!(optim::adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(check_max_norm, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

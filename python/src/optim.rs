@@ -3,7 +3,8 @@
 //! torch's stream (the norm kernel when clipping, then the Adam kernel).
 
 use gradclip::NormType;
-use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts};
+use gradclip::cpu::Cpu;
+use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount};
 use gradclip::tensor_list::TensorList;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -13,26 +14,22 @@ use crate::cuda::with_engine;
 use crate::scan::{Place, Planner};
 use crate::to_py;
 
-/// Reads one list of tensors: each must be one the engine takes, on CUDA device `device`.
-fn read(planner: &Planner, what: &str, list: &Bound<'_, PyList>, device: Option<i64>) -> PyResult<(Vec<gradclip::plan::RawTensor>, i64)> {
+/// Reads one list of tensors: each must be one the engine takes, all where the first one read
+/// (by any list) is.
+fn read(planner: &Planner, what: &str, list: &Bound<'_, PyList>, place: &mut Option<Place>) -> PyResult<Vec<gradclip::plan::RawTensor>> {
     let mut out = Vec::with_capacity(list.len());
-    let mut dev = device;
     for (i, t) in list.iter().enumerate() {
         let e = planner
             .entry(&t)?
             .ok_or_else(|| PyValueError::new_err(format!("{what}[{i}] is not a contiguous bf16/f16/f32/f64 tensor")))?;
-        let Place::Cuda(d) = e.place else {
-            return Err(PyValueError::new_err(format!("{what}[{i}] is not on a CUDA device")));
-        };
-        if *dev.get_or_insert(d) != d {
+        if *place.get_or_insert(e.place) != e.place {
             return Err(PyValueError::new_err(format!(
-                "{what}[{i}] is on CUDA device {d}, not {}",
-                dev.unwrap_or(d)
+                "{what}[{i}] is on another device than the first tensor"
             )));
         }
         out.push(e.tensor);
     }
-    Ok((out, dev.unwrap_or(0)))
+    Ok(out)
 }
 
 /// One parameter group read from Python: its parts and its settings.
@@ -44,7 +41,7 @@ struct Group {
 
 /// Reads one group: `(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or None, (lr,
 /// beta1, beta2, eps, weight_decay), (amsgrad, maximize, decoupled_weight_decay), count)`.
-fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, device: &mut Option<i64>) -> PyResult<Group> {
+fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Group> {
     #[allow(clippy::type_complexity)]
     let (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, hyper, options, count): (
         Bound<'_, PyList>,
@@ -56,13 +53,12 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, device: &mut Option<i64>) -> P
         (bool, bool, bool),
         u64,
     ) = g.extract()?;
-    let (p, d) = read(pl, "params", &params, *device)?;
-    *device = Some(d);
-    let (gr, _) = read(pl, "grads", &grads, *device)?;
-    let (m, _) = read(pl, "exp_avgs", &exp_avgs, *device)?;
-    let (v, _) = read(pl, "exp_avg_sqs", &exp_avg_sqs, *device)?;
+    let p = read(pl, "params", &params, place)?;
+    let gr = read(pl, "grads", &grads, place)?;
+    let m = read(pl, "exp_avgs", &exp_avgs, place)?;
+    let v = read(pl, "exp_avg_sqs", &exp_avg_sqs, place)?;
     let vm = match &max_exp_avg_sqs {
-        Some(l) => Some(read(pl, "max_exp_avg_sqs", l, *device)?.0),
+        Some(l) => Some(read(pl, "max_exp_avg_sqs", l, place)?),
         None => None,
     };
     let n = p.len();
@@ -96,24 +92,25 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, device: &mut Option<i64>) -> P
     Ok(Group { parts, cfg, count })
 }
 
-/// One Adam / AdamW step over parameter groups of CUDA tensors on `stream` (see
-/// [`read_group`] for a group; `count` is the address of two int64, steps and skipped, on the
-/// device). `clip` = (max_norm, p, nonfinite) or None: the norm over every group's gradients
-/// goes to the 3 float64 at `norm_out`, then each group's update reads its coefficient. Raises
-/// ValueError, before anything is enqueued, for tensors the kernel does not take (the caller then
+/// One Adam / AdamW step over parameter groups (see [`read_group`] for a group; `count` is the
+/// address of two int64, steps and skipped, on the tensors' device), on CUDA on `stream`, on the
+/// CPU with the CPU backend. `clip` = (max_norm, p, nonfinite) or None: the norm over every
+/// group's gradients (on CUDA to the 3 float64 at `norm_out`), then each group's update reads
+/// its coefficient. Returns the norm on the CPU (None on CUDA: it stays on the device). Raises
+/// ValueError, before anything is written, for tensors the engine does not take (the caller then
 /// uses torch's step).
 #[pyfunction]
-pub fn cuda_adam_step(
+pub fn adam_step(
     py: Python<'_>,
     planner: &Bound<'_, Planner>,
     stream: usize,
     groups: &Bound<'_, PyList>,
     clip: Option<(f64, f64, String)>,
     norm_out: u64,
-) -> PyResult<()> {
+) -> PyResult<Option<f64>> {
     let pl = planner.get();
-    let mut device = None;
-    let groups: Vec<Group> = groups.iter().map(|g| read_group(pl, &g, &mut device)).collect::<PyResult<_>>()?;
+    let mut place = None;
+    let groups: Vec<Group> = groups.iter().map(|g| read_group(pl, &g, &mut place)).collect::<PyResult<_>>()?;
     let clip = match clip {
         None => None,
         Some((max_norm, p, policy)) => Some(ClipConfig {
@@ -131,32 +128,67 @@ pub fn cuda_adam_step(
             },
         }),
     };
-    let device = usize::try_from(device.unwrap_or(0)).map_err(|_| PyValueError::new_err("a negative CUDA device"))?;
-    // Every group is checked before anything is enqueued.
+    // Every group is checked before anything is enqueued or written.
     for g in &groups {
         g.cfg.params().map_err(to_py)?;
         gradclip::optim::check(&g.parts, g.cfg.amsgrad).map_err(to_py)?;
+        if g.count == 0 || !g.count.is_multiple_of(8) {
+            return Err(PyValueError::new_err("the step count must be an int64 tensor of two elements"));
+        }
     }
     let grads: Vec<_> = groups.iter().flat_map(|g| g.parts.iter().map(|p| p.grad)).collect();
     let grads = TensorList::new(&grads).map_err(to_py)?;
-    py.detach(|| {
-        with_engine(device, stream, None, |e| {
-            // SAFETY: the tensors are live CUDA memory of `device` that the caller holds (torch's
-            // caching allocator orders their reuse after this stream's work); each `count` and
-            // `norm_out` are the caller's device tensors of the stated sizes.
-            unsafe {
-                let clipped = match &clip {
-                    None => None,
-                    Some(c) => {
-                        e.clip_norm_raw(&grads, c, norm_out)?;
-                        Some((norm_out, c.nonfinite == NonFinite::Skip))
+    match place {
+        Some(Place::Cuda(d)) => {
+            let device = usize::try_from(d).map_err(|_| PyValueError::new_err("a negative CUDA device"))?;
+            py.detach(|| {
+                with_engine(device, stream, None, |e| {
+                    // SAFETY: the tensors are live CUDA memory of `device` that the caller holds
+                    // (torch's caching allocator orders their reuse after this stream's work);
+                    // each `count` and `norm_out` are the caller's device tensors of the stated
+                    // sizes.
+                    unsafe {
+                        let clipped = match &clip {
+                            None => None,
+                            Some(c) => {
+                                e.clip_norm_raw(&grads, c, norm_out)?;
+                                Some((norm_out, c.nonfinite == NonFinite::Skip))
+                            }
+                        };
+                        for g in &groups {
+                            e.adam_update_raw(&g.parts, &g.cfg, g.count, clipped)?;
+                        }
+                        Ok(None)
                     }
-                };
-                for g in &groups {
-                    e.adam_update_raw(&g.parts, &g.cfg, g.count, clipped)?;
+                })
+            })
+        }
+        _ => py
+            .detach(|| {
+                let cpu = Cpu::new();
+                // SAFETY: the tensors are live host memory the caller holds for the call; each
+                // `count` is the address of the caller's two int64 (checked aligned above).
+                unsafe {
+                    let r = match &clip {
+                        None => None,
+                        Some(c) => Some(cpu.clip_norm_raw(&grads, c)?),
+                    };
+                    for g in &groups {
+                        let words = g.count as *mut u64;
+                        let mut count = StepCount {
+                            steps: words.read(),
+                            skipped: words.add(1).read(),
+                        };
+                        match &r {
+                            Some(r) if r.skipped => count.skipped += 1,
+                            _ => cpu.adam_update_raw(&g.parts, &g.cfg, &mut count, r.as_ref().map_or(1.0, |r| r.coef))?,
+                        }
+                        words.write(count.steps);
+                        words.add(1).write(count.skipped);
+                    }
+                    Ok(r.and_then(|r| r.norm))
                 }
-                Ok(())
-            }
-        })
-    })
+            })
+            .map_err(to_py),
+    }
 }

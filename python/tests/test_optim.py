@@ -294,29 +294,14 @@ def test_grad_scaler_protocol(device, unscale_first):
     assert not hasattr(ours, "grad_scale") and not hasattr(ours, "found_inf"), "the scaler's attributes are gone"
 
 
-def test_gradclip_update_off_cuda_is_torchs_step():
-    """update="gradclip" runs gradclip's kernels on CUDA only; elsewhere the step is torch's."""
-    ours_m, ref_m = model("cpu", torch.float32), model("cpu", torch.float32)
-    ours = AdamW(ours_m.parameters(), lr=1e-2, update="gradclip")
-    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
-    for step in range(3):
-        backward(ours_m, step)
-        backward(ref_m, step)
-        ours.step()
-        ref.step()
-        assert same(ours_m, ref_m) and states_equal(ours, ref)
-    with pytest.raises(ValueError, match="update"):
-        AdamW(ours_m.parameters(), update="fast")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.3])
-def test_gradclip_update_on_cuda(dtype, max_grad_norm):
-    """gradclip's CUDA kernels against torch's fused step: the same steps within 1% of lr per
-    step, the gradients not written, the step counts advanced alike, a non-finite norm skipped,
-    and the state dict still torch's."""
-    ours_m, ref_m = model("cuda", dtype), model("cuda", dtype)
+def test_gradclip_update(device, dtype, max_grad_norm):
+    """gradclip's engine (CUDA kernels, or the CPU backend) against torch's fused step: the same
+    steps within 1% of lr per step, the gradients not written, the step counts advanced alike,
+    the norm gradclip's, a non-finite norm skipped, and the state dict still torch's."""
+    ours_m, ref_m = model(device, dtype), model(device, dtype)
     ours = AdamW(ours_m.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm, update="gradclip")
     ref = AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm)
     for step in range(4):
@@ -341,26 +326,42 @@ def test_gradclip_update_on_cuda(dtype, max_grad_norm):
         assert all(torch.equal(a, b) for a, b in zip(params, ours_m.parameters()))
         assert int(ours.skipped_steps) == 1
         assert [float(s["step"]) for s in ours.state_dict()["state"].values()][0] == 4.0
-    # The state dict moves to torch's optimizer and on.
+    # The state dict moves to torch's optimizer and back; a loaded step count is the one used.
     torch_opt = torch.optim.AdamW(ours_m.parameters(), lr=1e-3, weight_decay=0.05, fused=True)
     torch_opt.load_state_dict(copy.deepcopy(ours.state_dict()))
     backward(ours_m, 10)
     torch_opt.step()
+    ref_m.load_state_dict(ours_m.state_dict())
+    ref = AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.05)
+    ref.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    ours.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    backward(ours_m, 11)
+    backward(ref_m, 11)
+    ours.step()
+    ref.step()
+    for a, b in zip(ours_m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(a, b, rtol=0 if dtype == torch.float32 else 1e-2, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    want = float(torch_opt.state_dict()["state"][0]["step"]) + 1
+    assert [float(s["step"]) for s in ours.state_dict()["state"].values()] == [want] * len(ours.state)
 
 
-def test_native_update_reads_groups_and_refuses_host_tensors():
+def test_native_update_reads_groups_and_refuses_bad_input():
     """The native entry reads torch's parameter groups (the tuple layout the optimizer builds)
-    and refuses, before anything runs, tensors that are not on a CUDA device."""
+    and refuses, before anything is written, a bad step count and a malformed group."""
     from gradclip import _native
     from gradclip.torch import _PLANNER
 
     ps = [torch.zeros(4), torch.zeros(3)]
     group = (ps, [torch.ones(4), torch.ones(3)], [torch.zeros(4), torch.zeros(3)], [torch.zeros(4), torch.zeros(3)], None,
              (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True), 0)
-    with pytest.raises(ValueError, match=r"params\[0\] is not on a CUDA device"):
-        _native.cuda_adam_step(_PLANNER, 0, [group], (1.0, 2.0, "skip"), 0)
+    with pytest.raises(ValueError, match="step count"):
+        _native.adam_step(_PLANNER, 0, [group], (1.0, 2.0, "skip"), 0)
     with pytest.raises(ValueError, match="length 8"):
-        _native.cuda_adam_step(_PLANNER, 0, [group[:5]], None, 0)
+        _native.adam_step(_PLANNER, 0, [group[:5]], None, 0)
+    bad = (ps, [torch.ones(4)], [torch.zeros(4), torch.zeros(3)], [torch.zeros(4), torch.zeros(3)], None,
+           (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True), torch.zeros(2, dtype=torch.int64).data_ptr())
+    with pytest.raises(ValueError, match="grads has 1 tensors"):
+        _native.adam_step(_PLANNER, 0, [bad], None, 0)
     assert all(torch.equal(p, torch.zeros_like(p)) for p in ps)
 
 

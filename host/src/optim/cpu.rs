@@ -7,7 +7,7 @@ use gradclip_kernels::adam::{StepScalars, scaled_grad_f32, scaled_grad_f64, step
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use rayon::prelude::*;
 
-use super::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, Parts, StepCount, StepReport, check_clip, check_parts};
+use super::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, Parts, StepCount, StepReport, check, check_clip};
 use crate::cpu::Cpu;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -38,43 +38,87 @@ impl Cpu {
         count: &mut StepCount,
         clip: Option<&ClipConfig>,
     ) -> Result<StepReport> {
-        let h = cfg.params()?;
-        check_clip(clip)?;
-        check_parts(tensors.iter().map(HostAdamTensor::parts), cfg.amsgrad)?;
-        let (norm, coef) = match clip {
-            None => (None, 1.0),
-            Some(c) => {
-                let grads: Vec<RawTensor> = tensors.iter().map(|t| t.grad.raw()).collect();
-                // SAFETY: the gradients are shared borrows held by `tensors` for this call.
-                let r = unsafe { self.total_norm_raw(&TensorList::new(&grads)?, c.norm_type, false) }?;
-                if !r.norm.is_finite() {
-                    match c.nonfinite {
-                        NonFinite::Skip => {
-                            count.skipped += 1;
-                            return Ok(StepReport {
-                                norm: Some(r.norm),
-                                coef: clip_coefficient(r.norm, c.max_norm),
-                                skipped: true,
-                            });
-                        }
-                        NonFinite::Error => {
-                            return Err(Error::NonFiniteNorm {
-                                norm: r.norm,
-                                norm_type: c.norm_type.to_string(),
-                            });
-                        }
-                        NonFinite::Propagate => {}
-                    }
-                }
-                (Some(r.norm), clip_coefficient(r.norm, c.max_norm))
-            }
+        let parts: Vec<Parts> = tensors.iter().map(HostAdamTensor::parts).collect();
+        // SAFETY: the parts are the borrows `tensors` holds for this call (`&mut` for the written
+        // ones, so no written part overlaps another).
+        unsafe { self.adam_step_raw(&parts, cfg, count, clip) }
+    }
+
+    /// [`Cpu::adam_step`] over host addresses: [`Cpu::clip_norm_raw`] over the gradients (with a
+    /// clip), then [`Cpu::adam_update_raw`].
+    ///
+    /// # Safety
+    /// Every part is live host memory of its length and dtype, the written parts (parameters,
+    /// states) used by nothing else during the call.
+    pub unsafe fn adam_step_raw(
+        &self,
+        parts: &[Parts],
+        cfg: &AdamConfig,
+        count: &mut StepCount,
+        clip: Option<&ClipConfig>,
+    ) -> Result<StepReport> {
+        cfg.params()?;
+        check(parts, cfg.amsgrad)?;
+        let Some(c) = clip else {
+            // SAFETY: the caller's contract.
+            unsafe { self.adam_update_raw(parts, cfg, count, 1.0) }?;
+            return Ok(StepReport {
+                norm: None,
+                coef: 1.0,
+                skipped: false,
+            });
         };
+        let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
+        // SAFETY: the caller's contract covers the gradients.
+        let r = unsafe { self.clip_norm_raw(&grads, c) }?;
+        if r.skipped {
+            count.skipped += 1;
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { self.adam_update_raw(parts, cfg, count, r.coef) }?;
+        }
+        Ok(r)
+    }
+
+    /// The first half of a clipped step over several parameter groups: the global norm of
+    /// `grads` (all groups' gradients) and its clip coefficient, with `clip.nonfinite`'s verdict
+    /// on a non-finite norm: `skipped` (Skip), [`Error::NonFiniteNorm`] (Error), or the
+    /// non-finite coefficient (Propagate).
+    ///
+    /// # Safety
+    /// The gradients are live host memory of their lengths and dtypes, not written during the call.
+    pub unsafe fn clip_norm_raw(&self, grads: &TensorList, clip: &ClipConfig) -> Result<StepReport> {
+        check_clip(Some(clip))?;
+        // SAFETY: the caller's contract.
+        let r = unsafe { self.total_norm_raw(grads, clip.norm_type, false) }?;
+        let coef = clip_coefficient(r.norm, clip.max_norm);
+        let skipped = !r.norm.is_finite() && clip.nonfinite == NonFinite::Skip;
+        if !r.norm.is_finite() && clip.nonfinite == NonFinite::Error {
+            return Err(Error::NonFiniteNorm {
+                norm: r.norm,
+                norm_type: clip.norm_type.to_string(),
+            });
+        }
+        Ok(StepReport {
+            norm: Some(r.norm),
+            coef,
+            skipped,
+        })
+    }
+
+    /// The update half over one parameter group: every gradient multiplied by `coef` as it is
+    /// read (1: no clip), `count.steps` advanced.
+    ///
+    /// # Safety
+    /// As [`Cpu::adam_step_raw`].
+    pub unsafe fn adam_update_raw(&self, parts: &[Parts], cfg: &AdamConfig, count: &mut StepCount, coef: f64) -> Result<()> {
+        let h = cfg.params()?;
+        check(parts, cfg.amsgrad)?;
         let step = count.steps + 1;
         let (s32, s64) = (step_scalars_f32(&h, step as f64), step_scalars_f64(&h, step as f64));
-        let pieces: Vec<Piece> = tensors
+        let pieces: Vec<Piece> = parts
             .iter()
-            .flat_map(|t| {
-                let parts = t.parts();
+            .flat_map(|&parts| {
                 let len = parts.param.len;
                 (0..len.div_ceil(PIECE)).map(move |i| Piece {
                     parts,
@@ -83,16 +127,12 @@ impl Cpu {
                 })
             })
             .collect();
-        // SAFETY: check_tensors matched every part's length and dtype to its parameter's; the
-        // pieces of one tensor are disjoint element ranges, and the parts of different tensors
-        // are distinct borrows (`&mut` for the written ones), held by `tensors` for this call.
+        // SAFETY: check() matched every part's length and dtype to its parameter's and found no
+        // written part overlapping any other part; the pieces of one tensor are disjoint element
+        // ranges; the memory is the caller's (contract).
         pieces.par_iter().for_each(|p| unsafe { update_piece(p, &h, &s32, &s64, coef) });
         count.steps = step;
-        Ok(StepReport {
-            norm,
-            coef,
-            skipped: false,
-        })
+        Ok(())
     }
 }
 

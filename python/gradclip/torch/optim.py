@@ -22,6 +22,7 @@ tensors hold the clipped gradients, as after a clip.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional
 
 import torch
@@ -34,8 +35,8 @@ __all__ = ["AdamW", "Adam"]
 #: What a step does when the gradients' norm is NaN or infinite.
 NONFINITE_POLICIES = ("skip", "error", "propagate")
 #: Which kernel updates: torch's fused kernel (the coefficient through its grad_scale), or
-#: gradclip's (CUDA: the coefficient applied as gradients are read, no gradient write; other
-#: devices and cases it does not take run torch's).
+#: gradclip's engine (the coefficient applied as gradients are read, no gradient write; CUDA
+#: kernels or the CPU backend; the cases it does not take run torch's).
 UPDATES = ("torch", "gradclip")
 
 
@@ -98,12 +99,13 @@ class _ClippingStep:
         step(self)
 
     def _gradclip_step(self) -> bool:
-        """The step with gradclip's CUDA kernels: with a clip, the norm kernel over every group's
-        gradients, then one Adam launch per group that multiplies each gradient by the
-        coefficient as it reads it (no scale pass, no gradient write). False, before anything is
-        written, when this step cannot take it (CPU or DTensor parameters, several devices, a
-        tensor learning rate, GradScaler, a pipeline group); torch's step then runs. Capturable in
-        a CUDA graph after one eager step."""
+        """The step with gradclip's engine: with a clip, the norm over every group's gradients,
+        then one update per group that multiplies each gradient by the coefficient as it reads it
+        (no scale pass, no gradient write); on CUDA the norm kernel and one Adam launch per group,
+        on the CPU the CPU backend (the same arithmetic). False, before anything is written, when
+        this step cannot take it (DTensor parameters, several devices, a tensor learning rate,
+        GradScaler, a pipeline group); torch's step then runs. Capturable in a CUDA graph after
+        one eager step."""
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             return False
         if self.pipeline_group is not None:
@@ -115,7 +117,7 @@ class _ClippingStep:
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
             if not params:
                 continue
-            if isinstance(group["lr"], torch.Tensor) or any(_is_dtensor(p) or not p.is_cuda for p in params):
+            if isinstance(group["lr"], torch.Tensor) or any(_is_dtensor(p) or p.device.type not in ("cuda", "cpu") for p in params):
                 return False
             plan.append((i, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps))
         if not plan or len({g[2][0].device for g in plan}) != 1:
@@ -147,12 +149,16 @@ class _ClippingStep:
                     count.data_ptr(),
                 )
             )
-        out = torch.empty(3, dtype=torch.float64, device=device)
         clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, self.nonfinite)
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        out = torch.empty(3, dtype=torch.float64, device=device)
         try:
-            with torch.cuda.device(index):
-                _native.cuda_adam_step(_PLANNER, torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr())
+            if device.type == "cuda":
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                with torch.cuda.device(index):
+                    _native.adam_step(_PLANNER, torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr())
+            else:
+                norm = _native.adam_step(_PLANNER, 0, groups, clip, 0)
+                out[0] = math.nan if norm is None else norm
         except ValueError:
             return False  # a tensor the kernel does not take: torch's step
         except RuntimeError as e:
@@ -238,10 +244,11 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     (torch's behavior: the non-finite coefficient reaches the parameters). ``pipeline_group``:
     a process group over which stages' norms are combined. ``update``: ``"torch"`` (default:
     torch's fused kernel, the coefficient through its ``grad_scale``) or ``"gradclip"``
-    (gradclip's CUDA kernels: the norm, then the update multiplying each gradient by the
-    coefficient as it reads it, with no gradient write-back, so ``.grad`` keeps the unclipped
-    gradients; capturable in a CUDA graph after one eager step; steps it does not take, such as
-    CPU or DTensor parameters or GradScaler's, run torch's). The other arguments are torch's.
+    (gradclip's engine: the norm, then the update multiplying each gradient by the coefficient as
+    it reads it, with no gradient write-back, so ``.grad`` keeps the unclipped gradients; CUDA
+    kernels, or the CPU backend for CPU parameters; capturable in a CUDA graph after one eager
+    step; steps it does not take, such as DTensor parameters or GradScaler's, run torch's). The
+    other arguments are torch's.
 
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
