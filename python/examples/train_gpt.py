@@ -64,7 +64,7 @@ def train(clip, args):
     dtype = getattr(torch, args.dtype)
     model = GPT().to(args.device, dtype)
     if clip is None:
-        opt = optim.AdamW(model.parameters(), lr=3e-3, max_grad_norm=args.max_norm)
+        opt = optim.AdamW(model.parameters(), lr=3e-3, max_grad_norm=args.max_norm, update=args.update)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, norms = [], []
@@ -99,6 +99,12 @@ def main():
         default="clip",
         help="clip: gradclip.torch.clip_grad_norm_ before torch's AdamW step; gradclip: gradclip.torch.optim.AdamW, the clip inside the step",
     )
+    ap.add_argument(
+        "--update",
+        choices=["torch", "gradclip"],
+        default="torch",
+        help="with --optimizer gradclip: the update kernel (torch's fused kernel, or gradclip's engine)",
+    )
     args = ap.parse_args()
     if args.steps < MIN_STEPS:
         ap.error(f"--steps {args.steps} is too few: the 'learned' check (mean loss of the last fifth below half the "
@@ -130,7 +136,7 @@ def main():
     failed = [f"{name}: {why}" for name, ok, why in checks if not ok]
     if failed:
         raise SystemExit("check failed: " + "; ".join(failed))
-    what = "gradclip.torch.clip_grad_norm_" if args.optimizer == "clip" else "gradclip.torch.optim.AdamW(max_grad_norm)"
+    what = "gradclip.torch.clip_grad_norm_" if args.optimizer == "clip" else f"gradclip.torch.optim.AdamW(max_grad_norm, update={args.update!r})"
     print(f"{what} matches torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW within the stated tolerance (checks: " + ", ".join(n for n, _, _ in checks) + ")")
 
 
