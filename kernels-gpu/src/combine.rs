@@ -38,6 +38,20 @@ pub fn from_partial(v: f64, kind: u32, p: f64) -> f64 {
     }
 }
 
+/// Two partials combined: the sum, or for inf the maximum (a NaN in either stays NaN).
+#[inline(always)]
+pub fn combine(a: f64, b: f64, kind: u32) -> f64 {
+    if kind != kind::INF {
+        a + b
+    } else if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else if a < b {
+        b
+    } else {
+        a
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,5 +80,8 @@ mod tests {
         );
         let c = from_partial(to_partial(1.0, kind::P, 3.0) + to_partial(2.0, kind::P, 3.0), kind::P, 3.0);
         assert!((c - 9f64.powf(1.0 / 3.0)).abs() < 1e-14);
+        assert_eq!(combine(2.0, 3.0, kind::L2), 5.0);
+        assert_eq!(combine(2.0, 3.0, kind::INF), 3.0);
+        assert!(combine(f64::NAN, 3.0, kind::INF).is_nan() && combine(3.0, f64::NAN, kind::INF).is_nan());
     }
 }

@@ -4,7 +4,8 @@
 //! coefficient and the flags as the norm kernel writes them, for the scale kernel.
 
 use crate::abi::{NormOutput, NormParams};
-use crate::combine::{from_partial, to_partial};
+use crate::combine::{combine, from_partial, to_partial};
+use crate::device::thread_idx;
 use crate::scale::norm_output;
 
 /// One thread: `partial[0]` = the partial of `out.norm`.
@@ -42,4 +43,76 @@ pub unsafe extern "gpu-kernel" fn gradclip_norm_from_partial(
     };
     // SAFETY: the kernel's contract.
     unsafe { out.write(norm_output(from_partial(partial.read(), kind, p), &params)) }
+}
+
+/// Thread k < `num_keys`: `partials[k]` = the combination of the partials of the per-tensor
+/// norms `per_tensor[idx[j]]` for j in `offsets[k]..offsets[k + 1]` (in that order: the same
+/// bits on every run). One block of at least `num_keys` threads.
+///
+/// # Safety
+/// `per_tensor` holds the norms written before on the stream for every index in `idx`;
+/// `offsets` holds `num_keys + 1` nondecreasing entries ending at the length of `idx`;
+/// `partials` holds `num_keys` f64s of device memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn gradclip_key_partials(
+    per_tensor: *const f64,
+    idx: *const u32,
+    offsets: *const u32,
+    num_keys: u32,
+    partials: *mut f64,
+    kind: u32,
+    p: f64,
+) {
+    let k = thread_idx();
+    if k >= num_keys {
+        return;
+    }
+    // SAFETY: the kernel's contract: offsets has num_keys + 1 entries, and every j in a key's
+    // range indexes idx, whose entries index per_tensor.
+    unsafe {
+        let (a, b) = (offsets.add(k as usize).read(), offsets.add(k as usize + 1).read());
+        let mut acc = 0.0f64;
+        let mut j = a;
+        while j < b {
+            let t = idx.add(j as usize).read();
+            acc = combine(acc, to_partial(per_tensor.add(t as usize).read(), kind, p), kind);
+            j += 1;
+        }
+        partials.add(k as usize).write(acc);
+    }
+}
+
+/// One thread: `out` = the NormOutput of the global norm of the `num_keys` combined partials
+/// (in key order), with the clip coefficient for `max_norm` when `flags` asks for it.
+///
+/// # Safety
+/// `partials` holds `num_keys` f64s written before on the stream (all-reduced); `out` a
+/// NormOutput of device memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn gradclip_keys_total(
+    partials: *const f64,
+    num_keys: u32,
+    out: *mut NormOutput,
+    kind: u32,
+    p: f64,
+    max_norm: f64,
+    flags: u32,
+) {
+    let mut acc = 0.0f64;
+    let mut k = 0;
+    while k < num_keys {
+        // SAFETY: k < num_keys (the kernel's contract).
+        acc = combine(acc, unsafe { partials.add(k as usize).read() }, kind);
+        k += 1;
+    }
+    let params = NormParams {
+        p,
+        max_norm,
+        num_tasks: 0,
+        num_tensors: 0,
+        flags,
+        reserved: 0,
+    };
+    // SAFETY: the kernel's contract.
+    unsafe { out.write(norm_output(from_partial(acc, kind, p), &params)) }
 }

@@ -661,10 +661,11 @@ fn second_device(gpu: &Gpu) -> TestResult {
 }
 
 /// The sharded clip over NCCL on two GPUs (one thread per rank, a communicator bootstrapped
-/// from one id): each rank holds different gradients; both get the global norm of all of them
-/// (within 1e-12 of the CPU's norm over both lists; the p-th powers are combined, not the
-/// partial accumulators), the same bits on both ranks, and their gradients scaled by its
-/// coefficient exactly as the CPU scales them.
+/// from one id): each rank holds different gradients (and, in the second round, the same
+/// replicated gradients on both ranks, in a group of their own that is not reduced); both get
+/// the global norm of all of them, each replicated gradient counted once (within 1e-12 of the
+/// CPU's norm; the p-th powers are combined, not the partial accumulators), the same bits on
+/// both ranks, and their gradients scaled by its coefficient exactly as the CPU scales them.
 /// One rank's result: its report, its gradients' host twins, its gradients after the clip.
 type RankResult = std::result::Result<(gradclip::NormReport, Vec<Grad>, Vec<Grad>), String>;
 
@@ -672,7 +673,8 @@ fn nccl_sharded_clip(_gpu: &Gpu) -> TestResult {
     use gradclip::gpu::{Nccl, NcclId};
     let id = NcclId::new().map_err(|e| format!("{e}"))?;
     let shards = [random_grads(9100, 30, 150_000), random_grads(9200, 7, 300_000)];
-    for p in NORM_ORDERS {
+    let replicated_lists = [Vec::new(), random_grads(9300, 5, 50_000)];
+    for (p, replicated) in NORM_ORDERS.iter().flat_map(|&p| replicated_lists.iter().map(move |r| (p, r))) {
         let max_norm = 0.5;
         let results: Vec<RankResult> = std::thread::scope(|sc| {
             let handles: Vec<_> = shards
@@ -684,16 +686,27 @@ fn nccl_sharded_clip(_gpu: &Gpu) -> TestResult {
                         let g = Gpu {
                             stream: ctx.default_stream(),
                         };
-                        let mut devs = g.upload(grads);
-                        let twins = g.host_twins(grads, &devs);
+                        let mine: Vec<Grad> = grads.iter().chain(replicated).cloned().collect();
+                        let mut devs = g.upload(&mine);
+                        let twins = g.host_twins(&mine, &devs);
                         let comm = Nccl::new(g.stream.clone(), rank, 2, id).map_err(|e| format!("rank {rank}: {e}"))?;
                         let mut engine = g.engine();
                         let mut out = gradclip::gpu::DeviceNorm::new(&g.stream, 0).unwrap();
                         {
                             let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
                             let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+                            let (sharded, rest) = refs.split_at_mut(grads.len());
+                            let over: [&dyn gradclip::gpu::Communicator; 1] = [&comm];
+                            // Without replicated gradients one group: the one-key path.
+                            let mut groups = vec![gradclip::gpu::ShardGroup {
+                                grads: sharded,
+                                over: &over,
+                            }];
+                            if !rest.is_empty() {
+                                groups.push(gradclip::gpu::ShardGroup { grads: rest, over: &[] });
+                            }
                             engine
-                                .clip_grad_norm_sharded(&mut refs, max_norm, NormType::from_p(p).unwrap(), &[&comm], &mut out)
+                                .clip_grad_norm_sharded_groups(&mut groups, max_norm, NormType::from_p(p).unwrap(), &mut out)
                                 .map_err(|e| format!("rank {rank}: {e}"))?;
                         }
                         let r = out.read().map_err(|e| format!("{e}"))?;
@@ -708,7 +721,7 @@ fn nccl_sharded_clip(_gpu: &Gpu) -> TestResult {
                 .collect()
         });
         let results = results.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
-        let all: Vec<Grad> = shards.iter().flatten().cloned().collect();
+        let all: Vec<Grad> = shards.iter().flatten().chain(replicated).cloned().collect();
         let want = cpu_norm(&all, p, false).norm;
         let (r0, r1) = (&results[0].0, &results[1].0);
         ensure(same_bits(r0.norm, r1.norm) && same_bits(r0.coef, r1.coef), || {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaStream, CudaViewMut};
 
 use crate::error::{Error, Result};
 
@@ -25,7 +25,7 @@ pub trait Communicator {
     /// Enqueues an in-place all-reduce of `buf` on `stream` (the engine's, so that it is ordered
     /// after the kernels that wrote `buf` and before those that read it): no host
     /// synchronization.
-    fn all_reduce_f64(&self, buf: &mut CudaSlice<f64>, op: Reduce, stream: &Arc<CudaStream>) -> Result<()>;
+    fn all_reduce_f64(&self, buf: &mut CudaViewMut<'_, f64>, op: Reduce, stream: &Arc<CudaStream>) -> Result<()>;
 }
 
 /// An NCCL communicator (one rank of it), created on the stream of the engine that will use it.
@@ -120,7 +120,7 @@ impl Communicator for Nccl {
         self.comm.world_size()
     }
 
-    fn all_reduce_f64(&self, buf: &mut CudaSlice<f64>, op: Reduce, stream: &Arc<CudaStream>) -> Result<()> {
+    fn all_reduce_f64(&self, buf: &mut CudaViewMut<'_, f64>, op: Reduce, stream: &Arc<CudaStream>) -> Result<()> {
         if self.comm.stream().cu_stream() != stream.cu_stream() {
             return Err(Error::Nccl {
                 what: "an all-reduce",

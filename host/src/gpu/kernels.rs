@@ -26,6 +26,8 @@ pub enum Kernel {
     Adam,
     NormToPartial,
     NormFromPartial,
+    KeyPartials,
+    KeysTotal,
     #[cfg(feature = "bench-kernels")]
     Fill,
     #[cfg(feature = "bench-kernels")]
@@ -51,6 +53,8 @@ impl Kernel {
         Kernel::Adam,
         Kernel::NormToPartial,
         Kernel::NormFromPartial,
+        Kernel::KeyPartials,
+        Kernel::KeysTotal,
         #[cfg(feature = "bench-kernels")]
         Kernel::Fill,
         #[cfg(feature = "bench-kernels")]
@@ -76,6 +80,8 @@ impl Kernel {
             Kernel::Adam => "gradclip_adam",
             Kernel::NormToPartial => "gradclip_norm_to_partial",
             Kernel::NormFromPartial => "gradclip_norm_from_partial",
+            Kernel::KeyPartials => "gradclip_key_partials",
+            Kernel::KeysTotal => "gradclip_keys_total",
             #[cfg(feature = "bench-kernels")]
             Kernel::Fill => "gradclip_fill",
             #[cfg(feature = "bench-kernels")]

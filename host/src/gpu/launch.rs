@@ -198,3 +198,76 @@ pub unsafe fn norm_from_partial(stream: &CudaStream, ks: &KernelSet, partial: u6
     unsafe { b.launch(ONE_THREAD) }?;
     Ok(())
 }
+
+/// Where the sharded clip's key tables are: tensor indices grouped by key, and `num_keys + 1`
+/// offsets into them.
+#[derive(Clone, Copy, Debug)]
+pub struct KeyTables {
+    /// u32 tensor indices, key after key.
+    pub idx: u64,
+    /// u32 offsets of each key's indices, ending at their count.
+    pub offsets: u64,
+    /// Number of keys.
+    pub num_keys: u32,
+}
+
+/// Launches the per-key combination of per-tensor norms (one thread per key).
+///
+/// # Safety
+/// As the kernel `gradclip_key_partials`: `per_tensor` written before on `stream` for every index
+/// in `t.idx`, `t.offsets` nondecreasing, ending at the length of `t.idx`; `partials` holds
+/// `t.num_keys` f64s; all device memory of the stream's context.
+pub unsafe fn key_partials(
+    stream: &CudaStream,
+    ks: &KernelSet,
+    per_tensor: u64,
+    t: &KeyTables,
+    partials: u64,
+    norm: NormType,
+) -> Result<()> {
+    let mut b = stream.launch_builder(ks.get(Kernel::KeyPartials));
+    let (kind, p) = (combine_kind(norm), norm.p());
+    b.arg(&per_tensor)
+        .arg(&t.idx)
+        .arg(&t.offsets)
+        .arg(&t.num_keys)
+        .arg(&partials)
+        .arg(&kind)
+        .arg(&p);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (t.num_keys.max(1).next_multiple_of(WARP_THREADS), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Launches the global norm of the combined per-key partials into the NormOutput at `out`.
+///
+/// # Safety
+/// `partials` holds `num_keys` f64s written before on `stream`; `out` a NormOutput; device
+/// memory of the stream's context.
+pub unsafe fn keys_total(
+    stream: &CudaStream,
+    ks: &KernelSet,
+    partials: u64,
+    num_keys: u32,
+    out: u64,
+    norm: NormType,
+    max_norm: f64,
+) -> Result<()> {
+    let mut b = stream.launch_builder(ks.get(Kernel::KeysTotal));
+    let (kind, p, flags) = (combine_kind(norm), norm.p(), gradclip_kernels::abi::flags::CLIP);
+    b.arg(&partials)
+        .arg(&num_keys)
+        .arg(&out)
+        .arg(&kind)
+        .arg(&p)
+        .arg(&max_norm)
+        .arg(&flags);
+    // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+    unsafe { b.launch(ONE_THREAD) }?;
+    Ok(())
+}

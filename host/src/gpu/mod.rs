@@ -34,6 +34,7 @@ pub use comm::{Nccl, NcclId};
 pub use device_norm::DeviceNorm;
 pub use engine::{Coefficient, GpuEngine};
 pub use output::{NewNorm, Output, RawOutput};
+pub use sharded::ShardGroup;
 pub use workspace::{ExternalWorkspace, workspace_bytes};
 
 /// True when the CUDA driver library loads and reports at least one device.
