@@ -51,7 +51,8 @@ sharded)
     export PYTHONUNBUFFERED=1 GRADCLIP_COMMIT=$(cat .devbin/commit)
     if [ -z "${SKIP_TESTS:-}" ]; then
         .devbin/gpu_backend --test-threads 1 second_device > "$OUT/two-gpu-rust.log" 2>&1
-        tail -2 "$OUT/two-gpu-rust.log"
+        .devbin/gpu_backend --test-threads 1 two_gpus >> "$OUT/two-gpu-rust.log" 2>&1
+        grep "test result" "$OUT/two-gpu-rust.log"
         python3 -m pytest -q -rs --import-mode=importlib -p no:cacheprovider python/tests/test_sharded_placements.py \
             ${TESTS_ALL:+python/tests/test_distributed.py python/tests/test_multi_device.py} > "$OUT/two-gpu-python.log" 2>&1
         tail -2 "$OUT/two-gpu-python.log"
