@@ -8,6 +8,25 @@ use crate::combine::{combine, from_partial, to_partial};
 use crate::device::thread_idx;
 use crate::scale::norm_output;
 
+/// Writes the NormOutput of the global norm of the combined partial `v`, as the norm kernel's
+/// last block writes its own.
+///
+/// # Safety
+/// `out` is a NormOutput of device memory written by this thread alone.
+#[inline(always)]
+unsafe fn write_global(out: *mut NormOutput, v: f64, kind: u32, p: f64, max_norm: f64, flags: u32) {
+    let params = NormParams {
+        p,
+        max_norm,
+        num_tasks: 0,
+        num_tensors: 0,
+        flags,
+        reserved: 0,
+    };
+    // SAFETY: the caller's contract.
+    unsafe { out.write(norm_output(from_partial(v, kind, p), &params)) }
+}
+
 /// One thread: `partial[0]` = the partial of `out.norm`.
 ///
 /// # Safety
@@ -33,16 +52,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_norm_from_partial(
     max_norm: f64,
     flags: u32,
 ) {
-    let params = NormParams {
-        p,
-        max_norm,
-        num_tasks: 0,
-        num_tensors: 0,
-        flags,
-        reserved: 0,
-    };
     // SAFETY: the kernel's contract.
-    unsafe { out.write(norm_output(from_partial(partial.read(), kind, p), &params)) }
+    unsafe { write_global(out, partial.read(), kind, p, max_norm, flags) }
 }
 
 /// Thread k < `num_keys`: `partials[k]` = the combination of the partials of the per-tensor
@@ -105,14 +116,6 @@ pub unsafe extern "gpu-kernel" fn gradclip_keys_total(
         acc = combine(acc, unsafe { partials.add(k as usize).read() }, kind);
         k += 1;
     }
-    let params = NormParams {
-        p,
-        max_norm,
-        num_tasks: 0,
-        num_tensors: 0,
-        flags,
-        reserved: 0,
-    };
     // SAFETY: the kernel's contract.
-    unsafe { out.write(norm_output(from_partial(acc, kind, p), &params)) }
+    unsafe { write_global(out, acc, kind, p, max_norm, flags) }
 }
