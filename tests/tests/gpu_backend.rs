@@ -666,6 +666,96 @@ fn second_device(gpu: &Gpu) -> TestResult {
 /// the global norm of all of them, each replicated gradient counted once (within 1e-12 of the
 /// CPU's norm; the p-th powers are combined, not the partial accumulators), the same bits on
 /// both ranks, and their gradients scaled by its coefficient exactly as the CPU scales them.
+/// A stand-in for a group of `ranks` ranks that all hold what this rank holds: its all-reduce
+/// multiplies by `ranks` (max: leaves as is), through the host (a test needs no speed).
+struct Mirror {
+    ranks: usize,
+}
+
+impl gradclip::gpu::Communicator for Mirror {
+    fn size(&self) -> usize {
+        self.ranks
+    }
+    fn all_reduce_f64(
+        &self,
+        buf: &mut cudarc::driver::CudaViewMut<'_, f64>,
+        op: gradclip::gpu::Reduce,
+        stream: &Arc<CudaStream>,
+    ) -> gradclip::Result<()> {
+        let mut v = vec![0.0f64; buf.len()];
+        stream.memcpy_dtoh(buf, &mut v)?;
+        if op == gradclip::gpu::Reduce::Sum {
+            v.iter_mut().for_each(|x| *x *= self.ranks as f64);
+        }
+        stream.memcpy_htod(&v, buf)?;
+        Ok(())
+    }
+}
+
+/// The sharded clips on one GPU with mirrored "ranks": gradients over a group of 2 count twice,
+/// over a group of 3 three times, replicated ones once, mixed in one call (several keys, two
+/// process groups: one all-reduce each) and alone (the one-key path); against the CPU's norm
+/// of the lists repeated that many times, and the CPU's scale by the coefficient.
+fn sharded_keys_with_mirrors(gpu: &Gpu) -> TestResult {
+    use gradclip::gpu::{Communicator, ShardGroup};
+    let (two, three) = (Mirror { ranks: 2 }, Mirror { ranks: 3 });
+    let lists = [
+        random_grads(9400, 6, 80_000),
+        random_grads(9500, 4, 60_000),
+        random_grads(9600, 3, 40_000),
+    ];
+    for p in NORM_ORDERS {
+        for mixed in [true, false] {
+            let used: Vec<usize> = if mixed { vec![0, 1, 2] } else { vec![0] };
+            let mine: Vec<Grad> = used.iter().flat_map(|&i| lists[i].iter().cloned()).collect();
+            let mut devs = gpu.upload(&mine);
+            let mut twins = gpu.host_twins(&mine, &devs);
+            let mut out = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+            let mut engine = gpu.engine();
+            {
+                let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
+                let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+                let (a, rest) = refs.split_at_mut(lists[0].len());
+                let (b, c) = rest.split_at_mut(if mixed { lists[1].len() } else { 0 });
+                let o2: [&dyn Communicator; 1] = [&two];
+                let o23: [&dyn Communicator; 2] = [&two, &three];
+                let mut groups = vec![ShardGroup { grads: a, over: &o2 }];
+                if mixed {
+                    groups.push(ShardGroup { grads: b, over: &[] });
+                    groups.push(ShardGroup { grads: c, over: &o23 });
+                }
+                engine
+                    .clip_grad_norm_sharded_groups(&mut groups, 0.5, NormType::from_p(p).unwrap(), &mut out)
+                    .map_err(|e| format!("p={p}: {e}"))?;
+            }
+            // The reference: list 0 twice, list 1 once, list 2 six times (2 x 3 ranks).
+            let mut all: Vec<Grad> = Vec::new();
+            for (i, times) in [(0usize, 2usize), (1, 1), (2, 6)] {
+                if used.contains(&i) {
+                    for _ in 0..times {
+                        all.extend(lists[i].iter().cloned());
+                    }
+                }
+            }
+            let want = cpu_norm(&all, p, false).norm;
+            let r = out.read().unwrap();
+            ensure((r.norm - want).abs() <= 1e-12 * want, || {
+                format!("p={p} mixed={mixed}: norm {} vs {want}", r.norm)
+            })?;
+            let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+            let coef = Cpu::new().clip_grads_with_norm(&mut views, 0.5, r.norm).unwrap();
+            drop(views);
+            ensure(same_bits(coef, r.coef), || format!("p={p}: coefficient {} vs {coef}", r.coef))?;
+            for (i, (d, t)) in devs.iter().zip(&twins).enumerate() {
+                ensure(d.download(&gpu.stream).bits() == t.bits(), || {
+                    format!("p={p} mixed={mixed}: tensor {i} differs from the CPU's scale")
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One rank's result: its report, its gradients' host twins, its gradients after the clip.
 type RankResult = std::result::Result<(gradclip::NormReport, Vec<Grad>, Vec<Grad>), String>;
 
@@ -1019,6 +1109,7 @@ fn main() {
         ("clip_bits_equal_cpu_and_torch_rule", clip_equals_cpu_bits),
         ("scale_by_device_coefficient_equals_cpu_bits", scale_by_device_coefficient),
         ("adam_step_equals_cpu_bits", adam_step_equals_cpu_bits),
+        ("sharded_keys_with_mirrored_ranks", sharded_keys_with_mirrors),
         ("error_if_nonfinite_leaves_gradients", error_if_nonfinite),
         ("one_million_tensors", million_tensors),
         ("tensor_over_2_pow_32_elements", huge_tensor),
