@@ -170,6 +170,25 @@ def test_state_dict_moves_between_torch_and_gradclip(device):
         assert same(a_m, b_m) and same(c_m, back_m) and same(a_m, c_m), f"step {step}"
 
 
+@pytest.mark.parametrize("update", ["torch", "gradclip"])
+def test_load_state_dict_keeps_the_clip_settings(update):
+    """torch's load_state_dict goes through __setstate__: the clip must survive it (a loaded
+    optimizer that stopped clipping would train on unclipped gradients without a word)."""
+    m, r = model("cpu", torch.float32), model("cpu", torch.float32)
+    o = AdamW(m.parameters(), lr=1e-2, max_grad_norm=0.1, nonfinite="propagate", update=update)
+    backward(m, 0)
+    o.step()
+    o.load_state_dict(copy.deepcopy(o.state_dict()))
+    assert (o.max_grad_norm, o.nonfinite, o.update) == (0.1, "propagate", update)
+    ref = AdamW(r.parameters(), lr=1e-2, max_grad_norm=0.1, update=update)
+    r.load_state_dict(m.state_dict())
+    ref.load_state_dict(copy.deepcopy(o.state_dict()))
+    for x, step in ((m, o), (r, ref)):
+        backward(x, 1)
+        step.step()
+    assert same(m, r) and float(o.last_grad_norm) > 0.1, "still clipping, alike"
+
+
 def test_pickle_and_deepcopy_keep_the_clip_settings():
     o = AdamW(model("cpu", torch.float32).parameters(), max_grad_norm=0.7, norm_type=math.inf, nonfinite="propagate")
     for c in (copy.deepcopy(o), pickle.loads(pickle.dumps(o))):
@@ -332,7 +351,7 @@ def test_gradclip_update(device, dtype, max_grad_norm):
     backward(ours_m, 10)
     torch_opt.step()
     ref_m.load_state_dict(ours_m.state_dict())
-    ref = AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.05)
+    ref = AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm)
     ref.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     ours.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     backward(ours_m, 11)

@@ -79,9 +79,15 @@ class _ClippingStep:
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        clip = {k: state.pop(k, d) for k, d in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "torch"))}
+        # Unpickling passes the settings saved by __getstate__; torch's load_state_dict calls this
+        # too, with only state and param_groups: the settings in place then stay.
+        clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update") if k in state}
         super().__setstate__(state)
-        self.__dict__.update(clip, pipeline_group=None, last_grad_norm=None, skipped_steps=None, _counts={})
+        self.__dict__.update(clip)
+        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "torch"), ("pipeline_group", None),
+                     ("last_grad_norm", None), ("skipped_steps", None)):
+            self.__dict__.setdefault(k, v)
+        self._counts = {}
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
