@@ -116,6 +116,28 @@ pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
     Ok(Plan { tensors: descs, tasks })
 }
 
+/// The table limits of [`plan`] (tensor and block counts) without building the table: O(tensors).
+/// The tensors must have passed [`check_disjoint`]'s or [`plan`]'s validation.
+pub(crate) fn check_limits(tensors: &[RawTensor]) -> Result<()> {
+    if tensors.len() as u64 > u32::MAX as u64 {
+        return Err(Error::TooManyTensors {
+            count: tensors.len(),
+            max: u32::MAX as u64,
+        });
+    }
+    let mut total: u64 = 0;
+    for t in tensors {
+        total += Frame::new(t.addr, t.len, t.dtype.size()).num_chunks();
+        if total > MAX_TASKS {
+            return Err(Error::TooManyTasks {
+                tasks: total,
+                max: MAX_TASKS,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Fails if two non-empty tensors share any byte (a clip would scale those elements twice), or,
 /// first, with the error of [`plan`] for a tensor no kernel may read (its byte range computed
 /// only once it is known not to overflow).
@@ -182,6 +204,16 @@ mod tests {
         assert!(check_disjoint(&[a, t(0x1000 + 400, 4, DType::F32)]).is_ok());
         assert!(matches!(check_disjoint(&[a, a]), Err(Error::Overlap { .. })));
         assert!(check_disjoint(&[t(0x1000, 0, DType::F32), a]).is_ok());
+    }
+
+    /// The count-only check refuses exactly what planning refuses for the table's size.
+    #[test]
+    fn limits_match_planning() {
+        let too_many = [t(1 << 20, (MAX_TASKS + 1) * CHUNK_VECS * 4, DType::F32)];
+        assert!(matches!(check_limits(&too_many), Err(Error::TooManyTasks { .. })));
+        assert!(matches!(plan(&too_many), Err(Error::TooManyTasks { .. })));
+        let fits = [t(1 << 20, MAX_TASKS * CHUNK_VECS * 4, DType::F32)];
+        assert!(check_limits(&fits).is_ok());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Result};
-use crate::plan::{Plan, RawTensor, check_disjoint, plan};
+use crate::plan::{Plan, RawTensor, check_disjoint, check_limits, plan};
 
 /// A validated list of tensors by address, with its kernel tables built on first use and kept.
 ///
@@ -46,7 +46,7 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 impl TensorList {
     /// Checks every tensor (the errors of [`plan`]: null, misaligned, an address range that
     /// overflows, too many tensors or blocks) and keeps the list. The tables are built when
-    /// first needed.
+    /// first needed (a GPU engine that already holds this list's tables never builds them).
     pub fn new(tensors: &[RawTensor]) -> Result<Self> {
         // check_disjoint validates every tensor before comparing ranges; an overlap is not an
         // error for a list (a norm may read aliased tensors), only for what writes it.
@@ -55,11 +55,11 @@ impl TensorList {
             Err(Error::Overlap { first, second }) => Some((first, second)),
             Err(e) => return Err(e),
         };
-        let p = plan(tensors)?; // the table's limits (tensor and block counts) are part of validity
+        check_limits(tensors)?; // the table's limits are part of validity
         Ok(TensorList(Arc::new(Inner {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             tensors: tensors.into(),
-            plan: OnceLock::from(p),
+            plan: OnceLock::new(),
             overlap: OnceLock::from(overlap),
         })))
     }
@@ -96,7 +96,7 @@ impl TensorList {
         self.0.id
     }
 
-    /// The kernels' tables for this list, built once.
+    /// The kernels' tables for this list, built once, when first asked for.
     pub fn plan(&self) -> Result<&Plan> {
         if let Some(p) = self.0.plan.get() {
             return Ok(p);
