@@ -95,11 +95,13 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> 
 /// One Adam / AdamW step over parameter groups (see [`read_group`] for a group; `count` is the
 /// address of two int64, steps and skipped, on the tensors' device), on CUDA on `stream`, on the
 /// CPU with the CPU backend. `clip` = (max_norm, p, nonfinite) or None: the norm over every
-/// group's gradients (on CUDA to the 3 float64 at `norm_out`), then each group's update reads
-/// its coefficient. Returns the norm on the CPU (None on CUDA: it stays on the device). Raises
+/// group's gradients (on CUDA to the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the
+/// global norm in the float64 at `norm_in` (sharded parameters: combined across ranks), then
+/// each group's update reads its coefficient. Returns the norm on the CPU (None on CUDA: it stays on the device). Raises
 /// ValueError, before anything is written, for tensors the engine does not take (the caller then
 /// uses torch's step).
 #[pyfunction]
+#[pyo3(signature = (planner, stream, groups, clip, norm_out, norm_in=0))]
 pub fn adam_step(
     py: Python<'_>,
     planner: &Bound<'_, Planner>,
@@ -107,6 +109,7 @@ pub fn adam_step(
     groups: &Bound<'_, PyList>,
     clip: Option<(f64, f64, String)>,
     norm_out: u64,
+    norm_in: u64,
 ) -> PyResult<Option<f64>> {
     let pl = planner.get();
     let mut place = None;
@@ -136,6 +139,9 @@ pub fn adam_step(
             return Err(PyValueError::new_err("the step count must be an int64 tensor of two elements"));
         }
     }
+    if norm_in != 0 && !norm_in.is_multiple_of(8) {
+        return Err(PyValueError::new_err("the global norm must be a float64 tensor"));
+    }
     let grads: Vec<_> = groups.iter().flat_map(|g| g.parts.iter().map(|p| p.grad)).collect();
     let grads = TensorList::new(&grads).map_err(to_py)?;
     match place {
@@ -151,7 +157,11 @@ pub fn adam_step(
                         let clipped = match &clip {
                             None => None,
                             Some(c) => {
-                                e.clip_norm_raw(&grads, c, norm_out)?;
+                                if norm_in == 0 {
+                                    e.clip_norm_raw(&grads, c, norm_out)?;
+                                } else {
+                                    e.clip_from_norm_raw(norm_in, c, norm_out)?;
+                                }
                                 Some((norm_out, c.nonfinite == NonFinite::Skip))
                             }
                         };
@@ -171,7 +181,8 @@ pub fn adam_step(
                 unsafe {
                     let r = match &clip {
                         None => None,
-                        Some(c) => Some(cpu.clip_norm_raw(&grads, c)?),
+                        Some(c) if norm_in == 0 => Some(cpu.clip_norm_raw(&grads, c)?),
+                        Some(c) => Some(cpu.clip_from_norm((norm_in as *const f64).read(), c)?),
                     };
                     for g in &groups {
                         let words = g.count as *mut u64;

@@ -316,6 +316,23 @@ def fsdp_optimizer(rank, world, p):
         # reference) may differ from the reference's in its last f32 bit.
         assert torch.allclose(got, exp, rtol=1e-6, atol=0.0), f"fsdp_optimizer p={p} tensor {i}"
         assert not torch.equal(got, torch.full_like(got, 0.5)) or got.numel() == 0, "the step moved the shard"
+    # update="gradclip": gradclip's engine updates the local shards with the global norm; the
+    # same as its update of the whole (unsharded) tensors in one process, sharded.
+    engine, whole = params(), [torch.nn.Parameter(torch.full_like(f, 0.5)) for f in fulls]
+    for q, f in zip(whole, fulls):
+        q.grad = dev(f.clone())
+        q.data = dev(q.data)
+    grads_before = [q.grad._local_tensor.clone() for q in engine]
+    opt = AdamW(engine, lr=0.1, max_grad_norm=MAX_NORM, norm_type=p, update="gradclip")
+    with CountingAllReduce() as c:
+        opt.step()
+    assert sum(c.calls.values()) == (1 if world > 1 else 0), dict(c.calls)
+    check_norm(opt.last_grad_norm, want, f"fsdp_optimizer update=gradclip p={p}")
+    AdamW(whole, lr=0.1, max_grad_norm=MAX_NORM, norm_type=p, update="gradclip").step()
+    for i, (q, w, g) in enumerate(zip(engine, whole, grads_before)):
+        got, exp = q._local_tensor.cpu(), distribute_tensor(w.detach(), mesh, [Shard(0)])._local_tensor.cpu()
+        assert torch.allclose(got, exp, rtol=1e-6, atol=0.0), f"fsdp_optimizer update=gradclip p={p} tensor {i}"
+        assert torch.equal(q.grad._local_tensor, g), "no gradient write-back"
 
 
 SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity, "fsdp_optimizer": fsdp_optimizer}

@@ -251,6 +251,50 @@ impl GpuEngine {
         Ok(())
     }
 
+    /// [`GpuEngine::clip_norm_raw`] for a global norm computed elsewhere (for example combined
+    /// across ranks): the NormOutput at `out` gets that norm, its clip coefficient and its
+    /// non-finite flag, on the stream; with [`NonFinite::Error`] the norm is read (a host
+    /// synchronization) and a non-finite one is an error.
+    ///
+    /// # Safety
+    /// `norm` is one f64 of device memory of this context written before on the stream; `out`
+    /// 24 bytes of it, 8-byte aligned.
+    pub unsafe fn clip_from_norm_raw(&mut self, norm: u64, clip: &ClipConfig, out: u64) -> Result<()> {
+        check_clip(Some(clip))?;
+        for (what, addr) in [("the norm", norm), ("the norm output", out)] {
+            if addr == 0 || !addr.is_multiple_of(8) {
+                return Err(Error::BadOutputAddress { what, addr });
+            }
+        }
+        if clip.nonfinite == NonFinite::Error && matches!(capture::status(self.stream())?, Capture::Active(_)) {
+            return Err(Error::NotCapturable {
+                what: "a clipped step with NonFinite::Error (it reads the norm on the host)",
+                instead: "capture with NonFinite::Skip: the kernel skips a non-finite step on the device and counts it",
+            });
+        }
+        let stream = self.stream().clone();
+        // An L1 "partial" is the norm itself: the kernel writes the NormOutput of `norm` as the
+        // norm kernel's last block would.
+        // SAFETY: the caller's contract covers `norm` and `out`.
+        unsafe { launch::norm_from_partial(&stream, self.kernels(), norm, out, crate::NormType::L1, clip.max_norm) }?;
+        if clip.nonfinite == NonFinite::Error {
+            let mut words = [0u64; 3];
+            stream.context().bind_to_thread()?;
+            // SAFETY: 24 bytes at `out`, written just above on the stream, into `words`,
+            // completed by the synchronization below.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut words, out, stream.cu_stream()) }?;
+            stream.synchronize()?;
+            let r: gradclip_kernels::abi::NormOutput = from_words(&words);
+            if r.nonfinite != 0 {
+                return Err(Error::NonFiniteNorm {
+                    norm: r.norm,
+                    norm_type: clip.norm_type.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The update half: the Adam kernel over one parameter group. `clipped`: the NormOutput a
     /// [`GpuEngine::clip_norm_raw`] wrote (its coefficient multiplies each gradient as it is
     /// read) and whether a non-finite norm skips the step; None: no clip.

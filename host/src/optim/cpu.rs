@@ -91,18 +91,23 @@ impl Cpu {
         check_clip(Some(clip))?;
         // SAFETY: the caller's contract.
         let r = unsafe { self.total_norm_raw(grads, clip.norm_type, false) }?;
-        let coef = clip_coefficient(r.norm, clip.max_norm);
-        let skipped = !r.norm.is_finite() && clip.nonfinite == NonFinite::Skip;
-        if !r.norm.is_finite() && clip.nonfinite == NonFinite::Error {
+        self.clip_from_norm(r.norm, clip)
+    }
+
+    /// [`Cpu::clip_norm_raw`] for a global norm computed elsewhere (for example combined across
+    /// ranks): its clip coefficient and `clip.nonfinite`'s verdict.
+    pub fn clip_from_norm(&self, norm: f64, clip: &ClipConfig) -> Result<StepReport> {
+        check_clip(Some(clip))?;
+        if !norm.is_finite() && clip.nonfinite == NonFinite::Error {
             return Err(Error::NonFiniteNorm {
-                norm: r.norm,
+                norm,
                 norm_type: clip.norm_type.to_string(),
             });
         }
         Ok(StepReport {
-            norm: Some(r.norm),
-            coef,
-            skipped,
+            norm: Some(norm),
+            coef: clip_coefficient(norm, clip.max_norm),
+            skipped: !norm.is_finite() && clip.nonfinite == NonFinite::Skip,
         })
     }
 

@@ -40,6 +40,11 @@ NONFINITE_POLICIES = ("skip", "error", "propagate")
 UPDATES = ("torch", "gradclip")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
 class _ClippingStep:
     """The clip half of the step, shared by ``AdamW`` and ``Adam`` (mixed in before the torch
     class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``)."""
@@ -109,12 +114,11 @@ class _ClippingStep:
         then one update per group that multiplies each gradient by the coefficient as it reads it
         (no scale pass, no gradient write); on CUDA the norm kernel and one Adam launch per group,
         on the CPU the CPU backend (the same arithmetic). False, before anything is written, when
-        this step cannot take it (DTensor parameters, several devices, a tensor learning rate,
-        GradScaler, a pipeline group); torch's step then runs. Capturable in a CUDA graph after
-        one eager step."""
+        this step cannot take it (several devices, a tensor learning rate, GradScaler); torch's
+        step then runs. DTensor parameters update their local shards with the global norm of
+        the sharded gradients (one all-reduce per process group), as ``clip_grad_norm_``
+        computes it. Capturable in a CUDA graph after one eager step."""
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            return False
-        if self.pipeline_group is not None:
             return False
         capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
         plan = []
@@ -123,14 +127,20 @@ class _ClippingStep:
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
             if not params:
                 continue
-            if isinstance(group["lr"], torch.Tensor) or any(_is_dtensor(p) or p.device.type not in ("cuda", "cpu") for p in params):
+            if isinstance(group["lr"], torch.Tensor):
                 return False
             plan.append((i, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps))
-        if not plan or len({g[2][0].device for g in plan}) != 1:
+        if not plan:
             return False
-        device = plan[0][2][0].device
+        # Sharded parameters (DTensor): this rank's shards, clipped by the global norm of all of
+        # them (gradclip's sharded norm: one all-reduce per process group).
+        sharded = self.pipeline_group is not None or any(_is_dtensor(p) for g in plan for p in g[2])
+        local = [tuple([_local(t) for t in ts] for ts in g[2:7]) for g in plan]
+        if any(t.device.type not in ("cuda", "cpu") for ts in local for t in ts[0]) or len({ts[0][0].device for ts in local}) != 1:
+            return False
+        device = local[0][0][0].device
         groups = []
-        for i, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps in plan:
+        for (i, group, *_, steps), (params, grads, exp_avgs, exp_avg_sqs, max_sqs) in zip(plan, local):
             count = self._counts.get(i)
             if count is None and capturing:
                 raise RuntimeError(
@@ -157,13 +167,18 @@ class _ClippingStep:
             )
         clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, self.nonfinite)
         out = torch.empty(3, dtype=torch.float64, device=device)
+        norm_in, dtype = None, None
+        if clip is not None and sharded:
+            norm_in, dtype = _grads_norm64([p for g in plan for p in g[2]], self.norm_type, self.pipeline_group)
+            norm_in = norm_in.to(device=device, dtype=torch.float64).contiguous()
         try:
+            ptr = 0 if norm_in is None else norm_in.data_ptr()
             if device.type == "cuda":
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 with torch.cuda.device(index):
-                    _native.adam_step(_PLANNER, torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr())
+                    _native.adam_step(_PLANNER, torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr(), ptr)
             else:
-                norm = _native.adam_step(_PLANNER, 0, groups, clip, 0)
+                norm = _native.adam_step(_PLANNER, 0, groups, clip, 0, ptr)
                 out[0] = math.nan if norm is None else norm
         except ValueError:
             return False  # a tensor the kernel does not take: torch's step
@@ -176,10 +191,10 @@ class _ClippingStep:
             raise
         # torch's per-parameter step counts advance with the kernel's (not on a skipped step).
         inc = 1.0 if clip is None or self.nonfinite != "skip" else torch.isfinite(out[0]).to(torch.float32)
-        for _, _, _, _, _, _, _, steps in plan:
-            torch._foreach_add_(steps, inc)
+        for *_, steps in plan:
+            torch._foreach_add_([_local(s) for s in steps], inc)
         if clip is not None:
-            self.last_grad_norm = out[0].to(_result_dtype([g for p in plan for g in p[3]]))
+            self.last_grad_norm = out[0].to(dtype or _result_dtype([g for ts in local for g in ts[1]]))
             if self.nonfinite == "skip":
                 self.skipped_steps = self._counts[plan[0][0]][1]
         return True
