@@ -19,5 +19,6 @@ cp target/release/gradclip-bench "$out/"
 strip "$out/gpu_backend" "$out/gradclip-bench"
 (cd python && "${MATURIN:-maturin}" build --release -q -o "../$out/wheels")
 "$out/gradclip-bench" --preset all,small-1000 --dump-workloads "$out/w-all.json"
+"$out/gradclip-bench" --preset seed-500 --dump-workloads "$out/w-seed.json"
 git rev-parse --short HEAD > "$out/commit"
 ls -l "$out" "$out/wheels"
