@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
-use gradclip_kernels::abi::{ADAM_CHUNK_ELEMS, AdamCount, AdamTensorDesc, ChunkTask, adam_flags, flags};
+use gradclip_kernels::abi::{ADAM_CHUNK_ELEMS, AdamCount, AdamParams, AdamTensorDesc, ChunkTask, adam_flags, flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::capture::{self, Capture};
@@ -110,6 +110,19 @@ fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
     Ok((descs, tasks))
 }
 
+/// Every check an update makes before anything is enqueued: the hyperparameters, the step
+/// count's and (with a clip) the norm output's addresses, and the parts ([`check`]).
+fn check_update(parts: &[Parts], cfg: &AdamConfig, count: u64, norm: Option<u64>) -> Result<AdamParams> {
+    let h = cfg.params()?;
+    for (what, addr) in [("the step count", Some(count)), ("the norm output", norm)] {
+        if let Some(addr) = addr.filter(|&a| a == 0 || !a.is_multiple_of(8)) {
+            return Err(Error::BadOutputAddress { what, addr });
+        }
+    }
+    check(parts, cfg.amsgrad)?;
+    Ok(h)
+}
+
 impl GpuEngine {
     /// One Adam / AdamW step over `tensors` on the engine's stream; with `clip`, the gradients'
     /// global norm is clipped to `clip.max_norm` inside the update (the norm, coefficient and
@@ -189,11 +202,8 @@ impl GpuEngine {
         clip: Option<&ClipConfig>,
         norm: u64,
     ) -> Result<()> {
-        cfg.params()?;
-        if let Some(c) = clip {
-            check_clip(Some(c))?;
-        }
-        check(parts, cfg.amsgrad)?;
+        // Every check of the update before the norm is enqueued: nothing is written on an error.
+        let h = check_update(parts, cfg, count, clip.map(|_| norm))?;
         let skip = match clip {
             None => None,
             Some(c) => {
@@ -203,8 +213,8 @@ impl GpuEngine {
                 Some((norm, c.nonfinite == NonFinite::Skip))
             }
         };
-        // SAFETY: the caller's contract; `norm` was written just above on this stream.
-        unsafe { self.adam_update_raw(parts, cfg, count, skip) }
+        // SAFETY: the caller's contract, checked above; `norm` was written just above.
+        unsafe { self.launch_update(parts, h, count, skip) }
     }
 
     /// The first half of a clipped step over several parameter groups: the norm kernel over
@@ -224,31 +234,12 @@ impl GpuEngine {
             });
         }
         let norm_type = clip.norm_type.validated()?;
-        if clip.nonfinite == NonFinite::Error && matches!(capture::status(self.stream())?, Capture::Active(_)) {
-            return Err(Error::NotCapturable {
-                what: "a clipped step with NonFinite::Error (it reads the norm on the host)",
-                instead: "capture with NonFinite::Skip: the kernel skips a non-finite step on the device and counts it",
-            });
-        }
+        self.refuse_host_read_under_capture(clip)?;
         let prepared = self.prepare(grads, false)?;
         // SAFETY: the caller's contract covers the gradients and `norm`.
         unsafe { self.run(norm_type, &prepared, clip.max_norm, flags::CLIP, norm, None) }?;
-        if clip.nonfinite == NonFinite::Error {
-            let mut words = [0u64; 3];
-            self.stream().context().bind_to_thread()?;
-            // SAFETY: 24 bytes at `norm` (the caller's contract) into `words`, completed by the
-            // synchronization below.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut words, norm, self.stream().cu_stream()) }?;
-            self.stream().synchronize()?;
-            let r: gradclip_kernels::abi::NormOutput = from_words(&words);
-            if r.nonfinite != 0 {
-                return Err(Error::NonFiniteNorm {
-                    norm: r.norm,
-                    norm_type: norm_type.to_string(),
-                });
-            }
-        }
-        Ok(())
+        // SAFETY: `norm` was written just above on the stream (the caller's contract: 24 bytes).
+        unsafe { self.fail_if_nonfinite(clip, norm) }
     }
 
     /// [`GpuEngine::clip_norm_raw`] for a global norm computed elsewhere (for example combined
@@ -266,31 +257,44 @@ impl GpuEngine {
                 return Err(Error::BadOutputAddress { what, addr });
             }
         }
+        self.refuse_host_read_under_capture(clip)?;
+        let stream = self.stream().clone();
+        // An L1 "partial" is the norm itself: the kernel writes the NormOutput of `norm` as the
+        // norm kernel's last block would.
+        // SAFETY: the caller's contract covers `norm` and `out`.
+        unsafe { launch::norm_from_partial(&stream, self.kernels(), norm, out, crate::NormType::L1, clip.max_norm) }?;
+        // SAFETY: `out` was written just above on the stream (the caller's contract: 24 bytes).
+        unsafe { self.fail_if_nonfinite(clip, out) }
+    }
+
+    /// [`Error::NotCapturable`] for a clip with [`NonFinite::Error`] while the stream captures:
+    /// it reads the norm on the host.
+    fn refuse_host_read_under_capture(&self, clip: &ClipConfig) -> Result<()> {
         if clip.nonfinite == NonFinite::Error && matches!(capture::status(self.stream())?, Capture::Active(_)) {
             return Err(Error::NotCapturable {
                 what: "a clipped step with NonFinite::Error (it reads the norm on the host)",
                 instead: "capture with NonFinite::Skip: the kernel skips a non-finite step on the device and counts it",
             });
         }
-        let stream = self.stream().clone();
-        // An L1 "partial" is the norm itself: the kernel writes the NormOutput of `norm` as the
-        // norm kernel's last block would.
-        // SAFETY: the caller's contract covers `norm` and `out`.
-        unsafe { launch::norm_from_partial(&stream, self.kernels(), norm, out, crate::NormType::L1, clip.max_norm) }?;
-        if clip.nonfinite == NonFinite::Error {
-            let mut words = [0u64; 3];
-            stream.context().bind_to_thread()?;
-            // SAFETY: 24 bytes at `out`, written just above on the stream, into `words`,
-            // completed by the synchronization below.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut words, out, stream.cu_stream()) }?;
-            stream.synchronize()?;
-            let r: gradclip_kernels::abi::NormOutput = from_words(&words);
-            if r.nonfinite != 0 {
-                return Err(Error::NonFiniteNorm {
-                    norm: r.norm,
-                    norm_type: clip.norm_type.to_string(),
-                });
-            }
+        Ok(())
+    }
+
+    /// With [`NonFinite::Error`], reads the NormOutput at `out` (a host synchronization) and
+    /// fails on a non-finite norm; otherwise nothing.
+    ///
+    /// # Safety
+    /// `out` is 24 bytes of device memory of this context, written before on the stream.
+    unsafe fn fail_if_nonfinite(&self, clip: &ClipConfig, out: u64) -> Result<()> {
+        if clip.nonfinite != NonFinite::Error {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        let r = unsafe { self.read_output_at(out) }?;
+        if r.nonfinite != 0 {
+            return Err(Error::NonFiniteNorm {
+                norm: r.norm,
+                norm_type: clip.norm_type.to_string(),
+            });
         }
         Ok(())
     }
@@ -302,16 +306,19 @@ impl GpuEngine {
     /// # Safety
     /// As [`GpuEngine::adam_step_raw`]; the NormOutput was written before on this stream.
     pub unsafe fn adam_update_raw(&mut self, parts: &[Parts], cfg: &AdamConfig, count: u64, clipped: Option<(u64, bool)>) -> Result<()> {
-        let h = cfg.params()?;
+        let h = check_update(parts, cfg, count, clipped.map(|(n, _)| n))?;
+        // SAFETY: the caller's contract, checked above.
+        unsafe { self.launch_update(parts, h, count, clipped) }
+    }
+
+    /// The Adam launch of parts that passed [`check_update`].
+    ///
+    /// # Safety
+    /// As [`GpuEngine::adam_update_raw`], and `parts` passed [`check_update`].
+    unsafe fn launch_update(&mut self, parts: &[Parts], h: AdamParams, count: u64, clipped: Option<(u64, bool)>) -> Result<()> {
         let norm = clipped.map_or(0, |(n, _)| n);
-        for (what, addr, needed) in [("the step count", count, true), ("the norm output", norm, clipped.is_some())] {
-            if needed && (addr == 0 || !addr.is_multiple_of(8)) {
-                return Err(Error::BadOutputAddress { what, addr });
-            }
-        }
-        check(parts, cfg.amsgrad)?;
         let skip = matches!(clipped, Some((_, true)));
-        let h = gradclip_kernels::abi::AdamParams {
+        let h = AdamParams {
             flags: h.flags | if skip { adam_flags::SKIP_NONFINITE } else { 0 },
             ..h
         };

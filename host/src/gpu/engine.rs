@@ -318,7 +318,7 @@ impl GpuEngine {
     ///
     /// # Safety
     /// `out` must be 24 readable bytes of device memory of this context.
-    unsafe fn read_output_at(&self, out: u64) -> Result<NormOutput> {
+    pub(super) unsafe fn read_output_at(&self, out: u64) -> Result<NormOutput> {
         let mut words = [0u64; OUT_WORDS];
         self.stream.context().bind_to_thread()?;
         // SAFETY: 24 bytes at `out` (caller); `words` is 24 bytes; synchronized below.

@@ -165,7 +165,12 @@ impl GpuEngine {
         }
         if keys.len() == 1 {
             // One set for everything: the one-key path (norm kernel partials, capturable).
-            let over: Vec<&dyn Communicator> = comms.iter().copied().filter(|c| keys[0] & mask_of(&[*c]) != 0).collect();
+            let over: Vec<&dyn Communicator> = comms
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| keys[0] & (1 << i) != 0)
+                .map(|(_, &c)| c)
+                .collect();
             let mut all: Vec<&mut (dyn DeviceGradMut + '_)> = Vec::new();
             for g in groups.iter_mut() {
                 for x in g.grads.iter_mut() {

@@ -57,11 +57,11 @@ impl Cpu {
         count: &mut StepCount,
         clip: Option<&ClipConfig>,
     ) -> Result<StepReport> {
-        cfg.params()?;
+        let h = cfg.params()?;
         check(parts, cfg.amsgrad)?;
         let Some(c) = clip else {
-            // SAFETY: the caller's contract.
-            unsafe { self.adam_update_raw(parts, cfg, count, 1.0) }?;
+            // SAFETY: the caller's contract, checked above.
+            unsafe { update_checked(parts, &h, count, 1.0) };
             return Ok(StepReport {
                 norm: None,
                 coef: 1.0,
@@ -74,8 +74,8 @@ impl Cpu {
         if r.skipped {
             count.skipped += 1;
         } else {
-            // SAFETY: the caller's contract.
-            unsafe { self.adam_update_raw(parts, cfg, count, r.coef) }?;
+            // SAFETY: the caller's contract, checked above.
+            unsafe { update_checked(parts, &h, count, r.coef) };
         }
         Ok(r)
     }
@@ -119,26 +119,36 @@ impl Cpu {
     pub unsafe fn adam_update_raw(&self, parts: &[Parts], cfg: &AdamConfig, count: &mut StepCount, coef: f64) -> Result<()> {
         let h = cfg.params()?;
         check(parts, cfg.amsgrad)?;
-        let step = count.steps + 1;
-        let (s32, s64) = (step_scalars_f32(&h, step as f64), step_scalars_f64(&h, step as f64));
-        let pieces: Vec<Piece> = parts
-            .iter()
-            .flat_map(|&parts| {
-                let len = parts.param.len;
-                (0..len.div_ceil(PIECE)).map(move |i| Piece {
-                    parts,
-                    start: i * PIECE,
-                    end: ((i + 1) * PIECE).min(len),
-                })
-            })
-            .collect();
-        // SAFETY: check() matched every part's length and dtype to its parameter's and found no
-        // written part overlapping any other part; the pieces of one tensor are disjoint element
-        // ranges; the memory is the caller's (contract).
-        pieces.par_iter().for_each(|p| unsafe { update_piece(p, &h, &s32, &s64, coef) });
-        count.steps = step;
+        // SAFETY: the caller's contract, checked above.
+        unsafe { update_checked(parts, &h, count, coef) };
         Ok(())
     }
+}
+
+/// The update of parts that passed [`check`]: every gradient multiplied by `coef` as it is read,
+/// `count.steps` advanced.
+///
+/// # Safety
+/// As [`Cpu::adam_step_raw`], and `parts` passed [`check`].
+unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount, coef: f64) {
+    let step = count.steps + 1;
+    let (s32, s64) = (step_scalars_f32(h, step as f64), step_scalars_f64(h, step as f64));
+    let pieces: Vec<Piece> = parts
+        .iter()
+        .flat_map(|&parts| {
+            let len = parts.param.len;
+            (0..len.div_ceil(PIECE)).map(move |i| Piece {
+                parts,
+                start: i * PIECE,
+                end: ((i + 1) * PIECE).min(len),
+            })
+        })
+        .collect();
+    // SAFETY: check() matched every part's length and dtype to its parameter's and found no
+    // written part overlapping any other part; the pieces of one tensor are disjoint element
+    // ranges; the memory is the caller's (contract).
+    pieces.par_iter().for_each(|p| unsafe { update_piece(p, h, &s32, &s64, coef) });
+    count.steps = step;
 }
 
 /// Dispatches a piece to the update of its dtypes.
