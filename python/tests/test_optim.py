@@ -407,3 +407,21 @@ def test_gradclip_update_captured_in_a_cuda_graph():
         twin.step()
         torch.cuda.synchronize()
         assert same(ours_m, twin_m) and states_equal(ours, twin)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("update", ["torch", "gradclip"])
+def test_clipped_step_does_not_synchronize_on_cuda(update):
+    """The promise of no host synchronization: torch's sync debug mode raises on any
+    synchronizing torch call in the step (after one step: the first reads the step counts)."""
+    m = model("cuda", torch.float32)
+    o = AdamW(m.parameters(), lr=1e-3, max_grad_norm=0.3, update=update)
+    backward(m, 0)
+    o.step()
+    backward(m, 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -5,7 +5,8 @@ A clip is a norm (one read of the gradients) and a scale (a read and a write). H
 gradclip's (one launch on CUDA, f64, no host synchronization, global over DTensor and ``Shards``
 gradients) and the scale rides on the optimizer: the clip coefficient reaches torch's fused Adam
 kernel through the ``grad_scale`` input that ``GradScaler`` uses, and a non-finite norm through
-its ``found_inf`` input, so the step skips on the device, with no host synchronization.
+its ``found_inf`` input, so the step skips on the device, with no host synchronization (checked
+on CUDA by ``test_clipped_step_does_not_synchronize_on_cuda``, which has not run on a GPU yet).
 
 Everything else is ``torch.optim.AdamW(fused=True)`` / ``Adam(fused=True)`` unchanged: the
 constructor's arguments, param groups, LR schedulers, ``zero_grad``, ``state_dict`` (the same
