@@ -191,9 +191,15 @@ class _ClippingStep:
                 ) from None
             raise
         # torch's per-parameter step counts advance with the kernel's (not on a skipped step).
-        inc = 1.0 if clip is None or self.nonfinite != "skip" else torch.isfinite(out[0]).to(torch.float32)
+        skip = clip is not None and self.nonfinite == "skip"
+        inc = torch.isfinite(out[0]).to(torch.float32) if skip else None
         for *_, steps in plan:
-            torch._foreach_add_([_local(s) for s in steps], inc)
+            if inc is None:
+                torch._foreach_add_([_local(s) for s in steps], 1.0)
+            else:
+                # alpha picks the Tensor overload: without it a 0-dim tensor binds to the Scalar
+                # one, which reads it on the host (a sync; under capture, an error).
+                torch._foreach_add_([_local(s) for s in steps], inc, alpha=1.0)
         if clip is not None:
             self.last_grad_norm = out[0].to(dtype or _result_dtype([g for ts in local for g in ts[1]]))
             if self.nonfinite == "skip":
