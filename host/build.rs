@@ -89,7 +89,37 @@ fn main() {
              mark the callee #[inline(always)] or avoid that core API in kernels"
         );
     }
-    fs::write(out_dir.join("gradclip_kernels.ptx"), text).expect("writing the PTX");
+    fs::write(out_dir.join("gradclip_kernels.ptx"), with_register_limits(text)).expect("writing the PTX");
+}
+
+/// Register limits per kernel, as `.maxnreg` directives: rustc has no `__launch_bounds__`, and
+/// ptxas gives a kernel the registers of its most demanding path. The Adam kernel's vector path
+/// takes 94 registers unbounded (2 blocks of 256 threads per SM); at 80 it runs 3 blocks per SM
+/// with 20 bytes of spills (measured on the H200: benches/NOTES.md). `GRADCLIP_ADAM_MAXNREG`
+/// overrides it for tuning runs (0: no limit).
+fn with_register_limits(mut text: String) -> String {
+    println!("cargo:rerun-if-env-changed=GRADCLIP_ADAM_MAXNREG");
+    let adam = match env::var("GRADCLIP_ADAM_MAXNREG") {
+        Ok(v) => v
+            .parse()
+            .unwrap_or_else(|_| panic!("GRADCLIP_ADAM_MAXNREG={v}: expected a register count")),
+        Err(_) => 80u32,
+    };
+    for (kernel, regs) in [("gradclip_adam", adam)] {
+        if regs == 0 {
+            continue;
+        }
+        let entry = format!(".entry {kernel}(");
+        let Some(at) = text.find(&entry) else {
+            panic!("the PTX has no kernel {kernel} to limit");
+        };
+        // The directive goes between the parameter list and the body.
+        let Some(close) = text[at..].find(")\n").map(|i| at + i + 2) else {
+            panic!("kernel {kernel}: no end of its parameter list in the PTX");
+        };
+        text.insert_str(close, &format!(".maxnreg {regs}\n"));
+    }
+    text
 }
 
 /// The `channel` of the kernels' rust-toolchain.toml (one line, no TOML parser needed).

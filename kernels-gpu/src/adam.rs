@@ -1,9 +1,14 @@
-//! The Adam / AdamW update of one element, with torch's fused CUDA kernel's arithmetic
-//! (`FusedAdamMathFunctor`): the element in its "opmath" (f32 for bf16/f16/f32 parameters, f64
-//! for f64 ones), the hyperparameters in f64, and every mixed expression evaluated in f64 and
-//! rounded to opmath where C++ would promote it. rustc never contracts `a * b + c` into an FMA,
-//! while nvcc may in torch's kernel: whether the two agree to the bit is measured on a GPU, not
-//! assumed here.
+//! The Adam / AdamW update of one element, in the parameter's "opmath" (f32 for bf16/f16/f32
+//! parameters, f64 for f64 ones): the hyperparameters and the step's bias corrections are rounded
+//! to opmath once per step ([`StepScalars`]), then every operation of the update is one opmath
+//! operation, rounded to nearest-even. rustc never contracts `a * b + c` into an FMA, on either
+//! target, so the CPU backend and the GPU kernel produce identical bits.
+//!
+//! torch's fused CUDA kernel evaluates the same formulas with its hyperparameters in f64 (C++
+//! promotes `double * float`), which costs nine f32<->f64 conversions per element: at the H200's
+//! 16 conversions per clock per SM that alone exceeds the bandwidth budget of a bf16 step. The
+//! two differ by a few f32 rounding errors per step (tests bound it against the f64 textbook
+//! update); `update="torch"` keeps torch's own kernel where its exact bits matter.
 //!
 //! Written once for both backends: the CPU backend calls it per element, the GPU kernel per
 //! thread, so the two produce identical bits.
@@ -23,9 +28,24 @@ pub struct Updated<T> {
     pub max_exp_avg_sq: T,
 }
 
-/// The scalars of one step that do not depend on the element, in opmath.
+/// The step's constants in opmath: every value that does not depend on the element, each
+/// computed in f64 and rounded once.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepScalars<T> {
+    /// `beta1`.
+    pub beta1: T,
+    /// `1 - beta1`.
+    pub one_minus_beta1: T,
+    /// `beta2`.
+    pub beta2: T,
+    /// `1 - beta2`.
+    pub one_minus_beta2: T,
+    /// `eps`.
+    pub eps: T,
+    /// `weight_decay` (L2 penalty added to the gradient).
+    pub weight_decay: T,
+    /// `lr * weight_decay` (decoupled decay).
+    pub lr_weight_decay: T,
     /// `lr / (1 - beta1^step)`.
     pub step_size: T,
     /// `sqrt(1 - beta2^step)`.
@@ -69,20 +89,24 @@ fn cpp_max<T: PartialOrd>(a: T, b: T) -> T {
 
 macro_rules! opmath {
     ($t:ty, $step:ident, $update:ident, $sqrt:expr) => {
-        /// The step's scalars for step count `step` (the count after this step's increment).
+        /// The step's constants for step count `step` (the count after this step's increment).
         #[inline(always)]
         pub fn $step(h: &AdamParams, step: f64) -> StepScalars<$t> {
-            let bias_correction1 = (1.0 - powi(h.beta1, step)) as $t;
-            let bias_correction2 = (1.0 - powi(h.beta2, step)) as $t;
             StepScalars {
-                step_size: (h.lr / bias_correction1 as f64) as $t,
-                bias_correction2_sqrt: $sqrt(bias_correction2),
+                beta1: h.beta1 as $t,
+                one_minus_beta1: (1.0 - h.beta1) as $t,
+                beta2: h.beta2 as $t,
+                one_minus_beta2: (1.0 - h.beta2) as $t,
+                eps: h.eps as $t,
+                weight_decay: h.weight_decay as $t,
+                lr_weight_decay: (h.lr * h.weight_decay) as $t,
+                step_size: (h.lr / (1.0 - powi(h.beta1, step))) as $t,
+                bias_correction2_sqrt: crate::math::sqrt(1.0 - powi(h.beta2, step)) as $t,
             }
         }
 
-        /// One element's update. `grad` is already multiplied by the clip coefficient and divided
-        /// by the loss scale, if any ([`scaled_grad_f32`], [`scaled_grad_f64`]); `max_exp_avg_sq` is read only with
-        /// amsgrad.
+        /// One element's update. `grad` is already multiplied by the clip coefficient
+        /// ([`scaled_grad_f32`], [`scaled_grad_f64`]); `max_exp_avg_sq` is read only with amsgrad.
         #[inline(always)]
         pub fn $update(
             h: &AdamParams,
@@ -100,19 +124,19 @@ macro_rules! opmath {
             }
             if h.weight_decay != 0.0 {
                 if h.flags & adam_flags::DECOUPLED != 0 {
-                    param = (param as f64 - h.lr * h.weight_decay * param as f64) as $t;
+                    param -= s.lr_weight_decay * param;
                 } else {
-                    grad = (grad as f64 + param as f64 * h.weight_decay) as $t;
+                    grad += param * s.weight_decay;
                 }
             }
-            let exp_avg = (h.beta1 * exp_avg as f64 + (1.0 - h.beta1) * grad as f64) as $t;
-            let exp_avg_sq = (h.beta2 * exp_avg_sq as f64 + (1.0 - h.beta2) * grad as f64 * grad as f64) as $t;
+            let exp_avg = s.beta1 * exp_avg + s.one_minus_beta1 * grad;
+            let exp_avg_sq = s.beta2 * exp_avg_sq + s.one_minus_beta2 * grad * grad;
             let max_exp_avg_sq = if h.flags & adam_flags::AMSGRAD != 0 {
                 cpp_max(max_exp_avg_sq, exp_avg_sq)
             } else {
                 exp_avg_sq
             };
-            let denom = (($sqrt(max_exp_avg_sq) / s.bias_correction2_sqrt) as f64 + h.eps) as $t;
+            let denom = $sqrt(max_exp_avg_sq) / s.bias_correction2_sqrt + s.eps;
             param -= s.step_size * exp_avg / denom;
             Updated {
                 param,
@@ -127,26 +151,18 @@ macro_rules! opmath {
 opmath!(f32, step_scalars_f32, update_f32, sqrt32);
 opmath!(f64, step_scalars_f64, update_f64, crate::math::sqrt);
 
-/// The gradient the update sees, in opmath f32: multiplied by the clip coefficient (rounded to
-/// f32, as a clip multiplies an f32 gradient) and, with a loss scale, divided by it in f64 as
-/// torch's kernel divides by its `grad_scale`. With neither it is the gradient unchanged.
+/// The gradient the update sees, in opmath f32: multiplied by the clip coefficient rounded to
+/// f32 (`coef32`, as a clip multiplies an f32 gradient); with a coefficient of 1 the gradient
+/// unchanged.
 #[inline(always)]
-pub fn scaled_grad_f32(grad: f32, coef: f64, loss_scale: Option<f64>) -> f32 {
-    let g = if coef == 1.0 { grad } else { grad * coef as f32 };
-    match loss_scale {
-        Some(s) => (g as f64 / s) as f32,
-        None => g,
-    }
+pub fn scaled_grad_f32(grad: f32, coef32: f32) -> f32 {
+    if coef32 == 1.0 { grad } else { grad * coef32 }
 }
 
 /// [`scaled_grad_f32`] for f64 opmath.
 #[inline(always)]
-pub fn scaled_grad_f64(grad: f64, coef: f64, loss_scale: Option<f64>) -> f64 {
-    let g = if coef == 1.0 { grad } else { grad * coef };
-    match loss_scale {
-        Some(s) => g / s,
-        None => g,
-    }
+pub fn scaled_grad_f64(grad: f64, coef: f64) -> f64 {
+    if coef == 1.0 { grad } else { grad * coef }
 }
 
 #[cfg(test)]
@@ -234,17 +250,17 @@ mod tests {
     }
 
     #[test]
-    fn promotions_are_torchs() {
-        // Mixed expressions are evaluated in f64 and rounded once to f32, as C++ promotes
-        // `double * float`: beta1 * m + (1 - beta1) * g with beta1 = 0.9 differs from the
-        // all-f32 evaluation for this input.
+    fn every_operation_is_one_opmath_rounding() {
+        // The hyperparameters are rounded to f32 once; beta1 * m + (1 - beta1) * g is then two
+        // f32 products and an f32 sum (no FMA, no f64 intermediate).
         let h = hp(0, 0.0);
         let s = step_scalars_f32(&h, 1.0);
         let (m, g) = (0.3f32, 0.7f32);
         let got = update_f32(&h, &s, 0.0, g, m, 0.0, 0.0).exp_avg;
-        assert_eq!(got, (0.9 * m as f64 + (1.0 - 0.9) * g as f64) as f32);
-        // The bias corrections of step 1: 1 - beta exactly as f64 computes it, then f32.
-        assert_eq!(s.step_size, (1e-3 / ((1.0f64 - 0.9) as f32) as f64) as f32);
+        assert_eq!(got, 0.9f32 * m + (1.0f64 - 0.9) as f32 * g);
+        // The bias corrections of step 1, computed in f64 and rounded once.
+        assert_eq!(s.step_size, (1e-3 / (1.0f64 - 0.9)) as f32);
+        assert_eq!(s.bias_correction2_sqrt, (1.0f64 - 0.999).sqrt() as f32);
         assert_eq!(powi(0.9, 1.0), 0.9);
         assert_eq!(powi(0.5, 10.0), 1.0 / 1024.0);
         assert_eq!(powi(0.999, 0.0), 1.0);
@@ -260,9 +276,8 @@ mod tests {
             update_f64(&h, &s, 1.0, 0.0, 0.0, 1e-4, f64::NAN).max_exp_avg_sq.is_nan(),
             "std::max keeps a NaN first argument"
         );
-        assert_eq!(scaled_grad_f32(3.0, 1.0, None), 3.0);
-        assert_eq!(scaled_grad_f32(3.0, 0.5, None), 1.5);
-        assert_eq!(scaled_grad_f32(3.0, 1.0, Some(1024.0)), (3.0f64 / 1024.0) as f32);
-        assert_eq!(scaled_grad_f64(3.0, 0.25, Some(2.0)), 0.375);
+        assert_eq!(scaled_grad_f32(3.0, 1.0), 3.0);
+        assert_eq!(scaled_grad_f32(3.0, 0.5), 1.5);
+        assert_eq!(scaled_grad_f64(3.0, 0.25), 0.75);
     }
 }

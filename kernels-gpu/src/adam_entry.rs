@@ -5,13 +5,17 @@
 //! finishes last advances the step count, so the count lives on the device (capturable).
 
 use crate::abi::{ADAM_CHUNK_ELEMS, AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, NormOutput, adam_flags, dtype_code};
-use crate::adam::{StepScalars, scaled_grad_f32, scaled_grad_f64, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
-use crate::device::{atomic_add_u32, block_idx, fence_gpu, sync_threads, thread_idx};
+use crate::adam::{StepScalars, Updated, scaled_grad_f32, scaled_grad_f64, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
+use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, st_v4, sync_threads, thread_idx};
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 
 /// Elements per thread per task.
 const PER_THREAD: u64 = ADAM_CHUNK_ELEMS / BLOCK_THREADS as u64;
-/// Elements a thread loads before it computes (memory-level parallelism).
+/// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part.
+const GROUP: u64 = 8;
+/// Vector groups per thread per task.
+const GROUPS: usize = (PER_THREAD / GROUP) as usize;
+/// Elements a thread loads before it computes on the unaligned (scalar) path.
 const UNROLL: usize = 4;
 
 /// # Safety
@@ -30,50 +34,190 @@ unsafe fn store<E: Element>(addr: u64, i: u64, v: E::Bits) {
     unsafe { (addr as *mut E::Bits).add(i as usize).write(v) }
 }
 
+/// The raw 16-byte vectors of one group of one part (two of them hold 8 f32).
+type Raw = [[u32; 4]; 2];
+
+/// Loads elements `first..first + GROUP` of a part, raw, in 16-byte loads (`nc`: through the
+/// read-only path, for a part the launch does not write). Kept raw until the update widens them:
+/// half the registers of f32 values for the 16-bit parts.
+///
+/// # Safety
+/// `E` is a 16- or 32-bit type; `addr + first * E::SIZE` is 16-byte aligned and the group lies
+/// inside the part.
+#[inline(always)]
+unsafe fn load_group<E: Element>(addr: u64, first: u64, nc: bool) -> Raw {
+    let base = addr + first * E::SIZE;
+    // SAFETY (both): the vector is 16-byte aligned and inside the part (the contract).
+    let ld = |a: u64| unsafe { if nc { ld_nc_v4(a) } else { ld_v4(a) } };
+    // Straight-line code: a loop here is kept as a loop over an array in local memory.
+    if E::SIZE == 4 {
+        [ld(base), ld(base + 16)]
+    } else {
+        [ld(base), [0; 4]]
+    }
+}
+
+/// Element `k` of a group loaded by [`load_group`], as f32.
+#[inline(always)]
+fn widen_at<E: Element>(raw: &Raw, k: usize) -> f32 {
+    let lanes = E::LANES as usize;
+    // SAFETY: every Vector type is 16 bytes of plain integers.
+    let vec: E::Vector = unsafe { core::mem::transmute_copy(&raw[k / lanes]) };
+    E::to_f32(vec.as_ref()[k % lanes])
+}
+
+/// Rounds a group to `E` and stores it in 16-byte stores.
+///
+/// # Safety
+/// As [`load_group`], the group written by no other thread.
+#[inline(always)]
+unsafe fn store_group<E: Element>(addr: u64, first: u64, x: &[f32; GROUP as usize]) {
+    let base = addr + first * E::SIZE;
+    let mut bits = [E::Bits::default(); GROUP as usize];
+    for k in 0..GROUP as usize {
+        bits[k] = E::from_f32(x[k]);
+    }
+    // SAFETY: `bits` is 16 (16-bit E) or 32 (32-bit E) bytes of plain integers, read as that many;
+    // each vector is 16-byte aligned, inside the part, and this thread's alone (the contract).
+    unsafe {
+        if E::SIZE == 4 {
+            let w: [[u32; 4]; 2] = core::mem::transmute_copy(&bits);
+            st_v4(base, w[0]);
+            st_v4(base + 16, w[1]);
+        } else {
+            st_v4(base, core::mem::transmute_copy(&bits));
+        }
+    }
+}
+
 /// One task of a parameter with f32 opmath (bf16, f16 or f32 parameter `P`, gradient `G`,
-/// states `S`).
+/// states `S`): in 16-byte groups when every part is 16-byte aligned, element by element
+/// otherwise and for the tail of a group that ends past the tensor.
 ///
 /// # Safety
 /// `d` describes live device memory (every part `d.len` elements of its dtype, the written parts
-/// disjoint from everything else of the launch) and `chunk` is one of its tasks.
+/// disjoint from everything else of the launch, the gradient not written during it) and `chunk`
+/// is one of its tasks.
 #[inline(always)]
-unsafe fn chunk_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, chunk: u64, h: &AdamParams, s: &StepScalars<f32>, coef: f64) {
+unsafe fn chunk_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, chunk: u64, h: &AdamParams, s: &StepScalars<f32>, coef32: f32) {
     let amsgrad = h.flags & adam_flags::AMSGRAD != 0;
-    let first = chunk * ADAM_CHUNK_ELEMS + thread_idx() as u64;
-    let mut k = 0;
-    while k < PER_THREAD {
-        let mut vals = [(0.0f32, 0.0f32, 0.0f32, 0.0f32, 0.0f32); UNROLL];
-        for (u, v) in vals.iter_mut().enumerate() {
-            let i = first + (k + u as u64) * BLOCK_THREADS as u64;
-            if i < d.len {
-                // SAFETY: i < d.len (the caller's contract covers every part up to d.len).
+    let vmax_addr = if amsgrad { d.max_exp_avg_sq } else { 0 };
+    let start = chunk * ADAM_CHUNK_ELEMS;
+    let end = if d.len < start + ADAM_CHUNK_ELEMS {
+        d.len
+    } else {
+        start + ADAM_CHUNK_ELEMS
+    };
+    if (d.param | d.grad | d.exp_avg | d.exp_avg_sq | vmax_addr) & 15 == 0 {
+        // One group at a time: with the registers that leaves (79 in all, 3 blocks per SM) the
+        // SM keeps more bytes in flight than two groups per thread at 2 blocks per SM.
+        for u in 0..GROUPS as u64 {
+            // Consecutive threads take consecutive groups (coalesced).
+            let i = start + (u * BLOCK_THREADS as u64 + thread_idx() as u64) * GROUP;
+            if i + GROUP <= end {
+                // SAFETY: the group lies inside every part, whose bases are 16-byte aligned, and
+                // starts at a multiple of 8 elements: each of its vectors is aligned. The group
+                // belongs to this thread alone; the gradient is not written by the launch.
                 unsafe {
-                    *v = (
-                        P::to_f32(load::<P>(d.param, i)),
-                        scaled_grad_f32(G::to_f32(load::<G>(d.grad, i)), coef, None),
-                        S::to_f32(load::<S>(d.exp_avg, i)),
-                        S::to_f32(load::<S>(d.exp_avg_sq, i)),
-                        if amsgrad { S::to_f32(load::<S>(d.max_exp_avg_sq, i)) } else { 0.0 },
-                    );
+                    let (p, g) = (load_group::<P>(d.param, i, false), load_group::<G>(d.grad, i, true));
+                    let (m, v) = (load_group::<S>(d.exp_avg, i, false), load_group::<S>(d.exp_avg_sq, i, false));
+                    let vm = if amsgrad {
+                        load_group::<S>(vmax_addr, i, false)
+                    } else {
+                        [[0; 4]; 2]
+                    };
+                    let mut out = [[0.0f32; GROUP as usize]; 4];
+                    for k in 0..GROUP as usize {
+                        let vmk = if amsgrad { widen_at::<S>(&vm, k) } else { 0.0 };
+                        let gk = scaled_grad_f32(widen_at::<G>(&g, k), coef32);
+                        let r = update_f32(h, s, widen_at::<P>(&p, k), gk, widen_at::<S>(&m, k), widen_at::<S>(&v, k), vmk);
+                        (out[0][k], out[1][k], out[2][k], out[3][k]) = (r.param, r.exp_avg, r.exp_avg_sq, r.max_exp_avg_sq);
+                    }
+                    store_group::<P>(d.param, i, &out[0]);
+                    store_group::<S>(d.exp_avg, i, &out[1]);
+                    store_group::<S>(d.exp_avg_sq, i, &out[2]);
+                    if amsgrad {
+                        store_group::<S>(vmax_addr, i, &out[3]);
+                    }
+                }
+            } else if i < end {
+                // The tensor's last, partial group.
+                for j in i..end {
+                    // SAFETY: j < d.len; element j belongs to this thread alone.
+                    unsafe { element_f32::<P, G, S>(d, j, h, s, coef32) };
                 }
             }
         }
-        for (u, &(p, g, m, v, vm)) in vals.iter().enumerate() {
-            let i = first + (k + u as u64) * BLOCK_THREADS as u64;
-            if i < d.len {
-                let r = update_f32(h, s, p, g, m, v, vm);
-                // SAFETY: as the loads; element i belongs to this thread alone.
-                unsafe {
-                    store::<P>(d.param, i, P::from_f64(r.param as f64));
-                    store::<S>(d.exp_avg, i, S::from_f64(r.exp_avg as f64));
-                    store::<S>(d.exp_avg_sq, i, S::from_f64(r.exp_avg_sq as f64));
-                    if amsgrad {
-                        store::<S>(d.max_exp_avg_sq, i, S::from_f64(r.max_exp_avg_sq as f64));
+    } else {
+        let first = start + thread_idx() as u64;
+        let mut k = 0;
+        while k < PER_THREAD {
+            let mut vals = [(0.0f32, 0.0f32, 0.0f32, 0.0f32, 0.0f32); UNROLL];
+            for (u, v) in vals.iter_mut().enumerate() {
+                let i = first + (k + u as u64) * BLOCK_THREADS as u64;
+                if i < end {
+                    // SAFETY: i < d.len (the caller's contract covers every part up to d.len).
+                    unsafe {
+                        *v = (
+                            P::to_f32(load::<P>(d.param, i)),
+                            G::to_f32(load::<G>(d.grad, i)),
+                            S::to_f32(load::<S>(d.exp_avg, i)),
+                            S::to_f32(load::<S>(d.exp_avg_sq, i)),
+                            if amsgrad { S::to_f32(load::<S>(vmax_addr, i)) } else { 0.0 },
+                        );
                     }
                 }
             }
+            for (u, &(p, g, m, v, vm)) in vals.iter().enumerate() {
+                let i = first + (k + u as u64) * BLOCK_THREADS as u64;
+                if i < end {
+                    let r = update_f32(h, s, p, scaled_grad_f32(g, coef32), m, v, vm);
+                    // SAFETY: as the loads; element i belongs to this thread alone.
+                    unsafe { store_f32::<P, S>(d, i, amsgrad, &r) };
+                }
+            }
+            k += UNROLL as u64;
         }
-        k += UNROLL as u64;
+    }
+}
+
+/// Rounds element `i`'s update to the parts' dtypes and stores it.
+///
+/// # Safety
+/// `i < d.len`; element `i` of the written parts belongs to this thread alone.
+#[inline(always)]
+unsafe fn store_f32<P: Element, S: Element>(d: &AdamTensorDesc, i: u64, amsgrad: bool, r: &Updated<f32>) {
+    // SAFETY: the contract.
+    unsafe {
+        store::<P>(d.param, i, P::from_f32(r.param));
+        store::<S>(d.exp_avg, i, S::from_f32(r.exp_avg));
+        store::<S>(d.exp_avg_sq, i, S::from_f32(r.exp_avg_sq));
+        if amsgrad {
+            store::<S>(d.max_exp_avg_sq, i, S::from_f32(r.max_exp_avg_sq));
+        }
+    }
+}
+
+/// One element's update, loaded and stored alone.
+///
+/// # Safety
+/// As [`store_f32`].
+#[inline(always)]
+unsafe fn element_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, i: u64, h: &AdamParams, s: &StepScalars<f32>, coef32: f32) {
+    let amsgrad = h.flags & adam_flags::AMSGRAD != 0;
+    // SAFETY: the contract.
+    unsafe {
+        let vm = if amsgrad { S::to_f32(load::<S>(d.max_exp_avg_sq, i)) } else { 0.0 };
+        let r = update_f32(
+            h,
+            s,
+            P::to_f32(load::<P>(d.param, i)),
+            scaled_grad_f32(G::to_f32(load::<G>(d.grad, i)), coef32),
+            S::to_f32(load::<S>(d.exp_avg, i)),
+            S::to_f32(load::<S>(d.exp_avg_sq, i)),
+            vm,
+        );
+        store_f32::<P, S>(d, i, amsgrad, &r);
     }
 }
 
@@ -91,7 +235,7 @@ unsafe fn chunk_f64(d: &AdamTensorDesc, chunk: u64, h: &AdamParams, s: &StepScal
         if i < d.len {
             // SAFETY: i < d.len; element i belongs to this thread alone.
             unsafe {
-                let g = scaled_grad_f64(F64::widen(load::<F64>(d.grad, i)), coef, None);
+                let g = scaled_grad_f64(F64::widen(load::<F64>(d.grad, i)), coef);
                 let vm = if amsgrad {
                     F64::widen(load::<F64>(d.max_exp_avg_sq, i))
                 } else {
@@ -171,18 +315,19 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
             let chunk = task.chunk as u64;
             let (p, g, st) = (d.dtypes & 0xF, (d.dtypes >> 4) & 0xF, (d.dtypes >> 8) & 0xF);
             let s32 = step_scalars_f32(&h, step);
+            let coef32 = coef as f32;
             use dtype_code::{BF16 as B, F16 as H, F32 as S, F64 as D};
             match (p, g, st) {
                 (D, D, D) => chunk_f64(&d, chunk, &h, &step_scalars_f64(&h, step), coef),
-                (B, B, B) => chunk_f32::<Bf16, Bf16, Bf16>(&d, chunk, &h, &s32, coef),
-                (B, B, S) => chunk_f32::<Bf16, Bf16, F32>(&d, chunk, &h, &s32, coef),
-                (B, S, B) => chunk_f32::<Bf16, F32, Bf16>(&d, chunk, &h, &s32, coef),
-                (B, S, S) => chunk_f32::<Bf16, F32, F32>(&d, chunk, &h, &s32, coef),
-                (H, H, H) => chunk_f32::<F16, F16, F16>(&d, chunk, &h, &s32, coef),
-                (H, H, S) => chunk_f32::<F16, F16, F32>(&d, chunk, &h, &s32, coef),
-                (H, S, H) => chunk_f32::<F16, F32, F16>(&d, chunk, &h, &s32, coef),
-                (H, S, S) => chunk_f32::<F16, F32, F32>(&d, chunk, &h, &s32, coef),
-                (S, S, S) => chunk_f32::<F32, F32, F32>(&d, chunk, &h, &s32, coef),
+                (B, B, B) => chunk_f32::<Bf16, Bf16, Bf16>(&d, chunk, &h, &s32, coef32),
+                (B, B, S) => chunk_f32::<Bf16, Bf16, F32>(&d, chunk, &h, &s32, coef32),
+                (B, S, B) => chunk_f32::<Bf16, F32, Bf16>(&d, chunk, &h, &s32, coef32),
+                (B, S, S) => chunk_f32::<Bf16, F32, F32>(&d, chunk, &h, &s32, coef32),
+                (H, H, H) => chunk_f32::<F16, F16, F16>(&d, chunk, &h, &s32, coef32),
+                (H, H, S) => chunk_f32::<F16, F16, F32>(&d, chunk, &h, &s32, coef32),
+                (H, S, H) => chunk_f32::<F16, F32, F16>(&d, chunk, &h, &s32, coef32),
+                (H, S, S) => chunk_f32::<F16, F32, F32>(&d, chunk, &h, &s32, coef32),
+                (S, S, S) => chunk_f32::<F32, F32, F32>(&d, chunk, &h, &s32, coef32),
                 _ => {}
             }
         }

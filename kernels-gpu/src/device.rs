@@ -171,7 +171,7 @@ pub fn smem_flag<const WARPS: u32>() -> *mut u32 {
 /// # Safety
 /// `addr` must be a 16-byte-aligned global address of 16 readable bytes.
 #[inline(always)]
-unsafe fn ld_nc_v4(addr: u64) -> [u32; 4] {
+pub(crate) unsafe fn ld_nc_v4(addr: u64) -> [u32; 4] {
     let (a, b, c, d): (u32, u32, u32, u32);
     // SAFETY: `addr` is a 16-byte-aligned global address of 16 readable bytes (this function's contract).
     unsafe {
@@ -182,11 +182,14 @@ unsafe fn ld_nc_v4(addr: u64) -> [u32; 4] {
     [a, b, c, d]
 }
 
-/// 16-byte coherent load (the scale pass reads what it then overwrites).
+/// 16-byte coherent load (the scale pass and the Adam kernel read what they then overwrite).
+///
+/// # Safety
+/// `addr` must be a 16-byte-aligned global address of 16 readable bytes.
 #[inline(always)]
-unsafe fn ld_v4(addr: u64) -> [u32; 4] {
+pub(crate) unsafe fn ld_v4(addr: u64) -> [u32; 4] {
     let (a, b, c, d): (u32, u32, u32, u32);
-    // SAFETY: `addr` is a 16-byte-aligned global address of 16 readable bytes (the Source contract of the caller).
+    // SAFETY: `addr` is a 16-byte-aligned global address of 16 readable bytes (this function's contract).
     unsafe {
         asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
@@ -195,9 +198,13 @@ unsafe fn ld_v4(addr: u64) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// 16-byte store.
+///
+/// # Safety
+/// `addr` must be a 16-byte-aligned global address of 16 writable bytes no other thread accesses.
 #[inline(always)]
-unsafe fn st_v4(addr: u64, v: [u32; 4]) {
-    // SAFETY: `addr` is a 16-byte-aligned global address of 16 writable bytes (the SourceMut contract of the caller).
+pub(crate) unsafe fn st_v4(addr: u64, v: [u32; 4]) {
+    // SAFETY: `addr` is a 16-byte-aligned global address of 16 writable bytes (this function's contract).
     unsafe {
         asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
             a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3], p = in(reg64) addr,

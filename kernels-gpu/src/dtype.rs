@@ -35,6 +35,8 @@ pub trait Element: Copy + 'static {
     fn scale(bits: Self::Bits, coef32: f32, coef64: f64) -> Self::Bits;
     /// Rounds an f64 to this type (through f32 for the 16-bit types), NaN canonical.
     fn from_f64(x: f64) -> Self::Bits;
+    /// Rounds an f32 to this type (exact for f32 and f64), NaN canonical.
+    fn from_f32(x: f32) -> Self::Bits;
     /// The value as f32 (rounded for f64): the opmath of framework kernels.
     fn to_f32(bits: Self::Bits) -> f32;
 }
@@ -130,6 +132,10 @@ impl Element for Bf16 {
         f32_to_bf16_bits(x as f32)
     }
     #[inline(always)]
+    fn from_f32(x: f32) -> u16 {
+        f32_to_bf16_bits(x)
+    }
+    #[inline(always)]
     fn to_f32(bits: u16) -> f32 {
         f32::from_bits((bits as u32) << 16)
     }
@@ -160,6 +166,10 @@ impl Element for F16 {
     #[inline(always)]
     fn from_f64(x: f64) -> u16 {
         f32_to_f16_bits(x as f32)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> u16 {
+        f32_to_f16_bits(x)
     }
     #[inline(always)]
     fn to_f32(bits: u16) -> f32 {
@@ -194,6 +204,10 @@ impl Element for F32 {
         canon_f32(x as f32)
     }
     #[inline(always)]
+    fn from_f32(x: f32) -> u32 {
+        canon_f32(x)
+    }
+    #[inline(always)]
     fn to_f32(bits: u32) -> f32 {
         f32::from_bits(bits)
     }
@@ -224,6 +238,10 @@ impl Element for F64 {
     #[inline(always)]
     fn from_f64(x: f64) -> u64 {
         canon_f64(x)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> u64 {
+        canon_f64(x as f64)
     }
     #[inline(always)]
     fn to_f32(bits: u64) -> f32 {

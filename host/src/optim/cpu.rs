@@ -186,19 +186,21 @@ fn at<E: Element>(t: &RawTensor, i: u64) -> *mut E::Bits {
 /// the written parts (parameter and states) are used by nothing else during the call.
 unsafe fn update_range_f32<P: Element, G: Element, S: Element>(p: &Piece, h: &AdamParams, s: &StepScalars<f32>, coef: f64) {
     let (t, vmax) = (&p.parts, p.parts.max_exp_avg_sq);
+    // The kernel's rounding of the coefficient (once per step).
+    let coef32 = coef as f32;
     for i in p.start..p.end {
         // SAFETY: i < len of every part (the caller's contract).
         unsafe {
-            let g = scaled_grad_f32(G::to_f32(*at::<G>(&t.grad, i)), coef, None);
+            let g = scaled_grad_f32(G::to_f32(*at::<G>(&t.grad, i)), coef32);
             let m = S::to_f32(*at::<S>(&t.exp_avg, i));
             let v = S::to_f32(*at::<S>(&t.exp_avg_sq, i));
             let vm = vmax.map_or(0.0, |x| S::to_f32(*at::<S>(&x, i)));
             let u = update_f32(h, s, P::to_f32(*at::<P>(&t.param, i)), g, m, v, vm);
-            *at::<P>(&t.param, i) = P::from_f64(u.param as f64);
-            *at::<S>(&t.exp_avg, i) = S::from_f64(u.exp_avg as f64);
-            *at::<S>(&t.exp_avg_sq, i) = S::from_f64(u.exp_avg_sq as f64);
+            *at::<P>(&t.param, i) = P::from_f32(u.param);
+            *at::<S>(&t.exp_avg, i) = S::from_f32(u.exp_avg);
+            *at::<S>(&t.exp_avg_sq, i) = S::from_f32(u.exp_avg_sq);
             if let Some(x) = vmax {
-                *at::<S>(&x, i) = S::from_f64(u.max_exp_avg_sq as f64);
+                *at::<S>(&x, i) = S::from_f32(u.max_exp_avg_sq);
             }
         }
     }
@@ -213,7 +215,7 @@ unsafe fn update_range_f64(p: &Piece, h: &AdamParams, s: &StepScalars<f64>, coef
     for i in p.start..p.end {
         // SAFETY: i < len of every part (the caller's contract); every part is f64.
         unsafe {
-            let g = scaled_grad_f64(F64::widen(*at::<F64>(&t.grad, i)), coef, None);
+            let g = scaled_grad_f64(F64::widen(*at::<F64>(&t.grad, i)), coef);
             let m = F64::widen(*at::<F64>(&t.exp_avg, i));
             let v = F64::widen(*at::<F64>(&t.exp_avg_sq, i));
             let vm = vmax.map_or(0.0, |x| F64::widen(*at::<F64>(&x, i)));
