@@ -48,8 +48,9 @@ pub struct StepScalars<T> {
     pub lr_weight_decay: T,
     /// `lr / (1 - beta1^step)`.
     pub step_size: T,
-    /// `sqrt(1 - beta2^step)`.
-    pub bias_correction2_sqrt: T,
+    /// `1 / sqrt(1 - beta2^step)`: a multiply per element where the textbook divides (a
+    /// correctly rounded f32 division is about ten instructions on the GPU).
+    pub inv_bias_correction2_sqrt: T,
 }
 
 /// `base^n` for a whole number `n >= 0` (torch's step counts are whole numbers stored in f32),
@@ -101,7 +102,7 @@ macro_rules! opmath {
                 weight_decay: h.weight_decay as $t,
                 lr_weight_decay: (h.lr * h.weight_decay) as $t,
                 step_size: (h.lr / (1.0 - powi(h.beta1, step))) as $t,
-                bias_correction2_sqrt: crate::math::sqrt(1.0 - powi(h.beta2, step)) as $t,
+                inv_bias_correction2_sqrt: (1.0 / crate::math::sqrt(1.0 - powi(h.beta2, step))) as $t,
             }
         }
 
@@ -136,7 +137,7 @@ macro_rules! opmath {
             } else {
                 exp_avg_sq
             };
-            let denom = $sqrt(max_exp_avg_sq) / s.bias_correction2_sqrt + s.eps;
+            let denom = $sqrt(max_exp_avg_sq) * s.inv_bias_correction2_sqrt + s.eps;
             param -= s.step_size * exp_avg / denom;
             Updated {
                 param,
@@ -260,7 +261,7 @@ mod tests {
         assert_eq!(got, 0.9f32 * m + (1.0f64 - 0.9) as f32 * g);
         // The bias corrections of step 1, computed in f64 and rounded once.
         assert_eq!(s.step_size, (1e-3 / (1.0f64 - 0.9)) as f32);
-        assert_eq!(s.bias_correction2_sqrt, (1.0f64 - 0.999).sqrt() as f32);
+        assert_eq!(s.inv_bias_correction2_sqrt, (1.0 / (1.0f64 - 0.999).sqrt()) as f32);
         assert_eq!(powi(0.9, 1.0), 0.9);
         assert_eq!(powi(0.5, 10.0), 1.0 / 1024.0);
         assert_eq!(powi(0.999, 0.0), 1.0);

@@ -4,6 +4,8 @@
 //! coefficient that the norm kernel left in device memory as it is read. The block that
 //! finishes last advances the step count, so the count lives on the device (capturable).
 
+use core::arch::asm;
+
 use crate::abi::{ADAM_CHUNK_ELEMS, AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, NormOutput, adam_flags, dtype_code};
 use crate::adam::{StepScalars, Updated, scaled_grad_f32, scaled_grad_f64, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
 use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, st_v4, sync_threads, thread_idx};
@@ -73,21 +75,43 @@ fn widen_at<E: Element>(raw: &Raw, k: usize) -> f32 {
 #[inline(always)]
 unsafe fn store_group<E: Element>(addr: u64, first: u64, x: &[f32; GROUP as usize]) {
     let base = addr + first * E::SIZE;
-    let mut bits = [E::Bits::default(); GROUP as usize];
-    for k in 0..GROUP as usize {
-        bits[k] = E::from_f32(x[k]);
-    }
-    // SAFETY: `bits` is 16 (16-bit E) or 32 (32-bit E) bytes of plain integers, read as that many;
-    // each vector is 16-byte aligned, inside the part, and this thread's alone (the contract).
-    unsafe {
-        if E::SIZE == 4 {
+    if E::SIZE == 2 {
+        let mut w = [0u32; 4];
+        for (k, w) in w.iter_mut().enumerate() {
+            *w = pack_pair::<E>(x[2 * k], x[2 * k + 1]);
+        }
+        // SAFETY: the vector is 16-byte aligned, inside the part and this thread's alone (the contract).
+        unsafe { st_v4(base, w) };
+    } else {
+        let mut bits = [E::Bits::default(); GROUP as usize];
+        for k in 0..GROUP as usize {
+            bits[k] = E::from_f32(x[k]);
+        }
+        // SAFETY: `bits` is 32 bytes of plain integers (a 32-bit E), read as 32; each vector is
+        // 16-byte aligned, inside the part and this thread's alone (the contract).
+        unsafe {
             let w: [[u32; 4]; 2] = core::mem::transmute_copy(&bits);
             st_v4(base, w[0]);
             st_v4(base + 16, w[1]);
-        } else {
-            st_v4(base, core::mem::transmute_copy(&bits));
         }
     }
+}
+
+/// Two f32 rounded to a 16-bit type and packed (`lo` in the low half) by one `cvt.rn.*x2.f32`:
+/// the bits of [`Element::from_f32`] (nearest-even, NaN to the canonical 0x7FFF) in one
+/// instruction where the bit-exact integer rounding takes about seven per value.
+#[inline(always)]
+fn pack_pair<E: Element>(lo: f32, hi: f32) -> u32 {
+    let d: u32;
+    // SAFETY: register-only conversions (sm_80+, PTX 7.0+: the kernels target sm_80, PTX 7.8).
+    unsafe {
+        if E::CODE == dtype_code::BF16 {
+            asm!("cvt.rn.bf16x2.f32 {d}, {a}, {b};", d = out(reg32) d, a = in(reg32) hi, b = in(reg32) lo, options(pure, nomem, nostack, preserves_flags));
+        } else {
+            asm!("cvt.rn.f16x2.f32 {d}, {a}, {b};", d = out(reg32) d, a = in(reg32) hi, b = in(reg32) lo, options(pure, nomem, nostack, preserves_flags));
+        }
+    }
+    d
 }
 
 /// One task of a parameter with f32 opmath (bf16, f16 or f32 parameter `P`, gradient `G`,
