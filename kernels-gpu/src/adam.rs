@@ -44,13 +44,43 @@ pub struct StepScalars<T> {
     pub eps: T,
     /// `weight_decay` (L2 penalty added to the gradient).
     pub weight_decay: T,
-    /// `lr * weight_decay` (decoupled decay).
-    pub lr_weight_decay: T,
+    /// The parameter's decoupled decay factor, `1 - lr * weight_decay` (AdamW; torch's foreach
+    /// and for-loop AdamW multiply by it too), exactly 1 otherwise: a multiply by 1 leaves every
+    /// value as it is, so the update needs no per-element test for it.
+    pub param_decay: T,
+    /// What the gradient is multiplied by as it is read: -1 to maximize, 1 otherwise, times the
+    /// clip coefficient ([`StepScalars::clipped_by`]). Multiplying by +-1 is exact, so this is
+    /// the clip's rounding and torch's negation in one multiply.
+    pub grad_factor: T,
     /// `lr / (1 - beta1^step)`.
     pub step_size: T,
     /// `1 / sqrt(1 - beta2^step)`: a multiply per element where the textbook divides (a
     /// correctly rounded f32 division is about ten instructions on the GPU).
     pub inv_bias_correction2_sqrt: T,
+    /// What the update does, decided once: [`step_mode`] bits (integer tests per element
+    /// where `weight_decay != 0.0` would be an f64 comparison).
+    pub mode: u32,
+}
+
+/// Bits of [`StepScalars::mode`].
+pub mod step_mode {
+    /// Keep the running maximum of the second moment.
+    pub const AMSGRAD: u32 = 1;
+    /// L2 weight decay added to the gradient (Adam), with a nonzero `weight_decay`.
+    pub const DECAY_GRAD: u32 = 2;
+}
+
+/// The [`step_mode`] bits of hyperparameters `h`.
+#[inline(always)]
+pub fn mode_of(h: &AdamParams) -> u32 {
+    let mut m = 0;
+    if h.flags & adam_flags::AMSGRAD != 0 {
+        m |= step_mode::AMSGRAD;
+    }
+    if h.weight_decay != 0.0 && h.flags & adam_flags::DECOUPLED == 0 {
+        m |= step_mode::DECAY_GRAD;
+    }
+    m
 }
 
 /// `base^n` for a whole number `n >= 0` (torch's step counts are whole numbers stored in f32),
@@ -100,39 +130,30 @@ macro_rules! opmath {
                 one_minus_beta2: (1.0 - h.beta2) as $t,
                 eps: h.eps as $t,
                 weight_decay: h.weight_decay as $t,
-                lr_weight_decay: (h.lr * h.weight_decay) as $t,
+                param_decay: if h.weight_decay != 0.0 && h.flags & adam_flags::DECOUPLED != 0 {
+                    (1.0 - h.lr * h.weight_decay) as $t
+                } else {
+                    1.0
+                },
+                grad_factor: if h.flags & adam_flags::MAXIMIZE != 0 { -1.0 } else { 1.0 },
                 step_size: (h.lr / (1.0 - powi(h.beta1, step))) as $t,
                 inv_bias_correction2_sqrt: (1.0 / crate::math::sqrt(1.0 - powi(h.beta2, step))) as $t,
+                mode: mode_of(h),
             }
         }
 
-        /// One element's update. `grad` is already multiplied by the clip coefficient
-        /// ([`scaled_grad_f32`], [`scaled_grad_f64`]); `max_exp_avg_sq` is read only with amsgrad.
+        /// One element's update from the stored gradient (multiplied by `s.grad_factor` here);
+        /// `max_exp_avg_sq` is read only with amsgrad.
         #[inline(always)]
-        pub fn $update(
-            h: &AdamParams,
-            s: &StepScalars<$t>,
-            param: $t,
-            grad: $t,
-            exp_avg: $t,
-            exp_avg_sq: $t,
-            max_exp_avg_sq: $t,
-        ) -> Updated<$t> {
-            let mut param = param;
-            let mut grad = grad;
-            if h.flags & adam_flags::MAXIMIZE != 0 {
-                grad = -grad;
-            }
-            if h.weight_decay != 0.0 {
-                if h.flags & adam_flags::DECOUPLED != 0 {
-                    param -= s.lr_weight_decay * param;
-                } else {
-                    grad += param * s.weight_decay;
-                }
+        pub fn $update(s: &StepScalars<$t>, param: $t, grad: $t, exp_avg: $t, exp_avg_sq: $t, max_exp_avg_sq: $t) -> Updated<$t> {
+            let mut param = param * s.param_decay;
+            let mut grad = grad * s.grad_factor;
+            if s.mode & step_mode::DECAY_GRAD != 0 {
+                grad += param * s.weight_decay;
             }
             let exp_avg = s.beta1 * exp_avg + s.one_minus_beta1 * grad;
             let exp_avg_sq = s.beta2 * exp_avg_sq + s.one_minus_beta2 * grad * grad;
-            let max_exp_avg_sq = if h.flags & adam_flags::AMSGRAD != 0 {
+            let max_exp_avg_sq = if s.mode & step_mode::AMSGRAD != 0 {
                 cpp_max(max_exp_avg_sq, exp_avg_sq)
             } else {
                 exp_avg_sq
@@ -146,25 +167,23 @@ macro_rules! opmath {
                 max_exp_avg_sq,
             }
         }
+
+        impl StepScalars<$t> {
+            /// These scalars for gradients clipped by `coef` (rounded to opmath once, as a clip
+            /// multiplies an opmath gradient by it).
+            #[inline(always)]
+            pub fn clipped_by(self, coef: f64) -> Self {
+                StepScalars {
+                    grad_factor: self.grad_factor * coef as $t,
+                    ..self
+                }
+            }
+        }
     };
 }
 
 opmath!(f32, step_scalars_f32, update_f32, sqrt32);
 opmath!(f64, step_scalars_f64, update_f64, crate::math::sqrt);
-
-/// The gradient the update sees, in opmath f32: multiplied by the clip coefficient rounded to
-/// f32 (`coef32`, as a clip multiplies an f32 gradient); with a coefficient of 1 the gradient
-/// unchanged.
-#[inline(always)]
-pub fn scaled_grad_f32(grad: f32, coef32: f32) -> f32 {
-    if coef32 == 1.0 { grad } else { grad * coef32 }
-}
-
-/// [`scaled_grad_f32`] for f64 opmath.
-#[inline(always)]
-pub fn scaled_grad_f64(grad: f64, coef: f64) -> f64 {
-    if coef == 1.0 { grad } else { grad * coef }
-}
 
 #[cfg(test)]
 mod tests {
@@ -221,12 +240,12 @@ mod tests {
                     let v = next().abs() * 1e-5;
                     let vmax = v * 1.5;
                     let want = reference(&h, step, p, g, m, v, vmax);
-                    let got = update_f64(&h, &s64, p, g, m, v, vmax);
+                    let got = update_f64(&s64, p, g, m, v, vmax);
                     assert!(
                         (got.param - want.0).abs() <= 1e-15 + 1e-12 * want.0.abs(),
                         "f64 {got:?} vs {want:?}"
                     );
-                    let got = update_f32(&h, &s32, p as f32, g as f32, m as f32, v as f32, vmax as f32);
+                    let got = update_f32(&s32, p as f32, g as f32, m as f32, v as f32, vmax as f32);
                     // f32 inputs and f32 rounding of each step: the moments to f32's precision, the
                     // parameter within lr * 1e-3 (the update's own relative error) plus its ulp.
                     let want = reference(
@@ -257,7 +276,7 @@ mod tests {
         let h = hp(0, 0.0);
         let s = step_scalars_f32(&h, 1.0);
         let (m, g) = (0.3f32, 0.7f32);
-        let got = update_f32(&h, &s, 0.0, g, m, 0.0, 0.0).exp_avg;
+        let got = update_f32(&s, 0.0, g, m, 0.0, 0.0).exp_avg;
         assert_eq!(got, 0.9f32 * m + (1.0f64 - 0.9) as f32 * g);
         // The bias corrections of step 1, computed in f64 and rounded once.
         assert_eq!(s.step_size, (1e-3 / (1.0f64 - 0.9)) as f32);
@@ -271,14 +290,19 @@ mod tests {
     fn amsgrad_keeps_cpp_max_and_scaled_grad_rules() {
         let h = hp(adam_flags::AMSGRAD, 0.0);
         let s = step_scalars_f64(&h, 3.0);
-        let u = update_f64(&h, &s, 1.0, 0.0, 0.0, 1e-4, 2e-4);
+        let u = update_f64(&s, 1.0, 0.0, 0.0, 1e-4, 2e-4);
         assert_eq!(u.max_exp_avg_sq, 2e-4, "the running maximum stays");
         assert!(
-            update_f64(&h, &s, 1.0, 0.0, 0.0, 1e-4, f64::NAN).max_exp_avg_sq.is_nan(),
+            update_f64(&s, 1.0, 0.0, 0.0, 1e-4, f64::NAN).max_exp_avg_sq.is_nan(),
             "std::max keeps a NaN first argument"
         );
-        assert_eq!(scaled_grad_f32(3.0, 1.0), 3.0);
-        assert_eq!(scaled_grad_f32(3.0, 0.5), 1.5);
-        assert_eq!(scaled_grad_f64(3.0, 0.25), 0.75);
+        // The clip coefficient and the maximize sign in one factor.
+        let s = step_scalars_f32(&hp(adam_flags::MAXIMIZE, 0.0), 1.0).clipped_by(0.5);
+        assert_eq!(s.grad_factor, -0.5);
+        assert_eq!(step_scalars_f64(&hp(0, 0.0), 1.0).clipped_by(0.25).grad_factor, 0.25);
+        // No decay: the parameter's factor is exactly 1 (an infinite parameter stays infinite).
+        let s = step_scalars_f32(&hp(adam_flags::DECOUPLED, 0.0), 1.0);
+        assert_eq!(s.param_decay, 1.0);
+        assert_eq!(update_f32(&s, f32::INFINITY, 0.0, 0.0, 0.0, 0.0).param, f32::INFINITY);
     }
 }

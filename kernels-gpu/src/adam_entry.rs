@@ -7,7 +7,7 @@
 use core::arch::asm;
 
 use crate::abi::{ADAM_CHUNK_ELEMS, AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, NormOutput, adam_flags, dtype_code};
-use crate::adam::{StepScalars, Updated, scaled_grad_f32, scaled_grad_f64, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
+use crate::adam::{StepScalars, Updated, step_mode, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
 use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, st_v4, sync_threads, thread_idx};
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 
@@ -123,8 +123,18 @@ fn pack_pair<E: Element>(lo: f32, hi: f32) -> u32 {
 /// disjoint from everything else of the launch, the gradient not written during it) and `chunk`
 /// is one of its tasks.
 #[inline(always)]
-unsafe fn chunk_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, chunk: u64, h: &AdamParams, s: &StepScalars<f32>, coef32: f32) {
-    let amsgrad = h.flags & adam_flags::AMSGRAD != 0;
+unsafe fn chunk_f32<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: &AdamTensorDesc, chunk: u64, s: &StepScalars<f32>) {
+    let amsgrad = AMSGRAD;
+    // The same scalars with the amsgrad bit a compile-time constant: the update's test of it
+    // folds away (no per-element branch or moves for the path not taken).
+    let s = &StepScalars {
+        mode: if AMSGRAD {
+            s.mode | step_mode::AMSGRAD
+        } else {
+            s.mode & !step_mode::AMSGRAD
+        },
+        ..*s
+    };
     let vmax_addr = if amsgrad { d.max_exp_avg_sq } else { 0 };
     let start = chunk * ADAM_CHUNK_ELEMS;
     let end = if d.len < start + ADAM_CHUNK_ELEMS {
@@ -153,8 +163,8 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, chun
                     let mut out = [[0.0f32; GROUP as usize]; 4];
                     for k in 0..GROUP as usize {
                         let vmk = if amsgrad { widen_at::<S>(&vm, k) } else { 0.0 };
-                        let gk = scaled_grad_f32(widen_at::<G>(&g, k), coef32);
-                        let r = update_f32(h, s, widen_at::<P>(&p, k), gk, widen_at::<S>(&m, k), widen_at::<S>(&v, k), vmk);
+                        let gk = widen_at::<G>(&g, k);
+                        let r = update_f32(s, widen_at::<P>(&p, k), gk, widen_at::<S>(&m, k), widen_at::<S>(&v, k), vmk);
                         (out[0][k], out[1][k], out[2][k], out[3][k]) = (r.param, r.exp_avg, r.exp_avg_sq, r.max_exp_avg_sq);
                     }
                     store_group::<P>(d.param, i, &out[0]);
@@ -168,7 +178,7 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, chun
                 // The tensor's last, partial group.
                 for j in i..end {
                     // SAFETY: j < d.len; element j belongs to this thread alone.
-                    unsafe { element_f32::<P, G, S>(d, j, h, s, coef32) };
+                    unsafe { element_f32::<P, G, S>(d, j, s) };
                 }
             }
         }
@@ -195,7 +205,7 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, chun
             for (u, &(p, g, m, v, vm)) in vals.iter().enumerate() {
                 let i = first + (k + u as u64) * BLOCK_THREADS as u64;
                 if i < end {
-                    let r = update_f32(h, s, p, scaled_grad_f32(g, coef32), m, v, vm);
+                    let r = update_f32(s, p, g, m, v, vm);
                     // SAFETY: as the loads; element i belongs to this thread alone.
                     unsafe { store_f32::<P, S>(d, i, amsgrad, &r) };
                 }
@@ -227,16 +237,15 @@ unsafe fn store_f32<P: Element, S: Element>(d: &AdamTensorDesc, i: u64, amsgrad:
 /// # Safety
 /// As [`store_f32`].
 #[inline(always)]
-unsafe fn element_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, i: u64, h: &AdamParams, s: &StepScalars<f32>, coef32: f32) {
-    let amsgrad = h.flags & adam_flags::AMSGRAD != 0;
+unsafe fn element_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, i: u64, s: &StepScalars<f32>) {
+    let amsgrad = s.mode & step_mode::AMSGRAD != 0;
     // SAFETY: the contract.
     unsafe {
         let vm = if amsgrad { S::to_f32(load::<S>(d.max_exp_avg_sq, i)) } else { 0.0 };
         let r = update_f32(
-            h,
             s,
             P::to_f32(load::<P>(d.param, i)),
-            scaled_grad_f32(G::to_f32(load::<G>(d.grad, i)), coef32),
+            G::to_f32(load::<G>(d.grad, i)),
             S::to_f32(load::<S>(d.exp_avg, i)),
             S::to_f32(load::<S>(d.exp_avg_sq, i)),
             vm,
@@ -250,8 +259,8 @@ unsafe fn element_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, i:
 /// # Safety
 /// As [`chunk_f32`].
 #[inline(always)]
-unsafe fn chunk_f64(d: &AdamTensorDesc, chunk: u64, h: &AdamParams, s: &StepScalars<f64>, coef: f64) {
-    let amsgrad = h.flags & adam_flags::AMSGRAD != 0;
+unsafe fn chunk_f64(d: &AdamTensorDesc, chunk: u64, s: &StepScalars<f64>) {
+    let amsgrad = s.mode & step_mode::AMSGRAD != 0;
     let first = chunk * ADAM_CHUNK_ELEMS + thread_idx() as u64;
     let mut k = 0;
     while k < PER_THREAD {
@@ -259,14 +268,13 @@ unsafe fn chunk_f64(d: &AdamTensorDesc, chunk: u64, h: &AdamParams, s: &StepScal
         if i < d.len {
             // SAFETY: i < d.len; element i belongs to this thread alone.
             unsafe {
-                let g = scaled_grad_f64(F64::widen(load::<F64>(d.grad, i)), coef);
+                let g = F64::widen(load::<F64>(d.grad, i));
                 let vm = if amsgrad {
                     F64::widen(load::<F64>(d.max_exp_avg_sq, i))
                 } else {
                     0.0
                 };
                 let r = update_f64(
-                    h,
                     s,
                     F64::widen(load::<F64>(d.param, i)),
                     g,
@@ -283,6 +291,31 @@ unsafe fn chunk_f64(d: &AdamTensorDesc, chunk: u64, h: &AdamParams, s: &StepScal
             }
         }
         k += 1;
+    }
+}
+
+/// [`chunk_f32`] for the parts' dtypes `(param, grad, states)` (codes); other combinations
+/// are refused by the host and do nothing here.
+///
+/// # Safety
+/// As [`chunk_f32`], with `dtypes` the parts' own.
+#[inline(always)]
+unsafe fn chunk_any_f32<const AMSGRAD: bool>(d: &AdamTensorDesc, chunk: u64, s: &StepScalars<f32>, dtypes: (u32, u32, u32)) {
+    use dtype_code::{BF16 as B, F16 as H, F32 as S};
+    // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
+    unsafe {
+        match dtypes {
+            (B, B, B) => chunk_f32::<Bf16, Bf16, Bf16, AMSGRAD>(d, chunk, s),
+            (B, B, S) => chunk_f32::<Bf16, Bf16, F32, AMSGRAD>(d, chunk, s),
+            (B, S, B) => chunk_f32::<Bf16, F32, Bf16, AMSGRAD>(d, chunk, s),
+            (B, S, S) => chunk_f32::<Bf16, F32, F32, AMSGRAD>(d, chunk, s),
+            (H, H, H) => chunk_f32::<F16, F16, F16, AMSGRAD>(d, chunk, s),
+            (H, H, S) => chunk_f32::<F16, F16, F32, AMSGRAD>(d, chunk, s),
+            (H, S, H) => chunk_f32::<F16, F32, F16, AMSGRAD>(d, chunk, s),
+            (H, S, S) => chunk_f32::<F16, F32, F32, AMSGRAD>(d, chunk, s),
+            (S, S, S) => chunk_f32::<F32, F32, F32, AMSGRAD>(d, chunk, s),
+            _ => {}
+        }
     }
 }
 
@@ -338,21 +371,13 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
             let d = tensors.add(task.tensor as usize).read();
             let chunk = task.chunk as u64;
             let (p, g, st) = (d.dtypes & 0xF, (d.dtypes >> 4) & 0xF, (d.dtypes >> 8) & 0xF);
-            let s32 = step_scalars_f32(&h, step);
-            let coef32 = coef as f32;
-            use dtype_code::{BF16 as B, F16 as H, F32 as S, F64 as D};
-            match (p, g, st) {
-                (D, D, D) => chunk_f64(&d, chunk, &h, &step_scalars_f64(&h, step), coef),
-                (B, B, B) => chunk_f32::<Bf16, Bf16, Bf16>(&d, chunk, &h, &s32, coef32),
-                (B, B, S) => chunk_f32::<Bf16, Bf16, F32>(&d, chunk, &h, &s32, coef32),
-                (B, S, B) => chunk_f32::<Bf16, F32, Bf16>(&d, chunk, &h, &s32, coef32),
-                (B, S, S) => chunk_f32::<Bf16, F32, F32>(&d, chunk, &h, &s32, coef32),
-                (H, H, H) => chunk_f32::<F16, F16, F16>(&d, chunk, &h, &s32, coef32),
-                (H, H, S) => chunk_f32::<F16, F16, F32>(&d, chunk, &h, &s32, coef32),
-                (H, S, H) => chunk_f32::<F16, F32, F16>(&d, chunk, &h, &s32, coef32),
-                (H, S, S) => chunk_f32::<F16, F32, F32>(&d, chunk, &h, &s32, coef32),
-                (S, S, S) => chunk_f32::<F32, F32, F32>(&d, chunk, &h, &s32, coef32),
-                _ => {}
+            let s32 = step_scalars_f32(&h, step).clipped_by(coef);
+            if (p, g, st) == (dtype_code::F64, dtype_code::F64, dtype_code::F64) {
+                chunk_f64(&d, chunk, &step_scalars_f64(&h, step).clipped_by(coef));
+            } else if s32.mode & step_mode::AMSGRAD != 0 {
+                chunk_any_f32::<true>(&d, chunk, &s32, (p, g, st));
+            } else {
+                chunk_any_f32::<false>(&d, chunk, &s32, (p, g, st));
             }
         }
     }

@@ -3,7 +3,7 @@
 
 use gradclip_kernels::abi::AdamParams;
 use gradclip_kernels::accum::clip_coefficient;
-use gradclip_kernels::adam::{StepScalars, scaled_grad_f32, scaled_grad_f64, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
+use gradclip_kernels::adam::{StepScalars, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use rayon::prelude::*;
 
@@ -132,7 +132,10 @@ impl Cpu {
 /// As [`Cpu::adam_step_raw`], and `parts` passed [`check`].
 unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount, coef: f64) {
     let step = count.steps + 1;
-    let (s32, s64) = (step_scalars_f32(h, step as f64), step_scalars_f64(h, step as f64));
+    let (s32, s64) = (
+        step_scalars_f32(h, step as f64).clipped_by(coef),
+        step_scalars_f64(h, step as f64).clipped_by(coef),
+    );
     let pieces: Vec<Piece> = parts
         .iter()
         .flat_map(|&parts| {
@@ -147,7 +150,7 @@ unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount,
     // SAFETY: check() matched every part's length and dtype to its parameter's and found no
     // written part overlapping any other part; the pieces of one tensor are disjoint element
     // ranges; the memory is the caller's (contract).
-    pieces.par_iter().for_each(|p| unsafe { update_piece(p, h, &s32, &s64, coef) });
+    pieces.par_iter().for_each(|p| unsafe { update_piece(p, &s32, &s64) });
     count.steps = step;
 }
 
@@ -155,21 +158,21 @@ unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount,
 ///
 /// # Safety
 /// As [`update_range_f32`].
-unsafe fn update_piece(p: &Piece, h: &AdamParams, s32: &StepScalars<f32>, s64: &StepScalars<f64>, coef: f64) {
+unsafe fn update_piece(p: &Piece, s32: &StepScalars<f32>, s64: &StepScalars<f64>) {
     use DType::*;
     // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
     unsafe {
         match (p.parts.param.dtype, p.parts.grad.dtype, p.parts.exp_avg.dtype) {
-            (F64, _, _) => update_range_f64(p, h, s64, coef),
-            (Bf16, Bf16, Bf16) => update_range_f32::<self::Bf16, self::Bf16, self::Bf16>(p, h, s32, coef),
-            (Bf16, Bf16, _) => update_range_f32::<self::Bf16, self::Bf16, self::F32>(p, h, s32, coef),
-            (Bf16, _, Bf16) => update_range_f32::<self::Bf16, self::F32, self::Bf16>(p, h, s32, coef),
-            (Bf16, _, _) => update_range_f32::<self::Bf16, self::F32, self::F32>(p, h, s32, coef),
-            (F16, F16, F16) => update_range_f32::<self::F16, self::F16, self::F16>(p, h, s32, coef),
-            (F16, F16, _) => update_range_f32::<self::F16, self::F16, self::F32>(p, h, s32, coef),
-            (F16, _, F16) => update_range_f32::<self::F16, self::F32, self::F16>(p, h, s32, coef),
-            (F16, _, _) => update_range_f32::<self::F16, self::F32, self::F32>(p, h, s32, coef),
-            (F32, _, _) => update_range_f32::<self::F32, self::F32, self::F32>(p, h, s32, coef),
+            (F64, _, _) => update_range_f64(p, s64),
+            (Bf16, Bf16, Bf16) => update_range_f32::<self::Bf16, self::Bf16, self::Bf16>(p, s32),
+            (Bf16, Bf16, _) => update_range_f32::<self::Bf16, self::Bf16, self::F32>(p, s32),
+            (Bf16, _, Bf16) => update_range_f32::<self::Bf16, self::F32, self::Bf16>(p, s32),
+            (Bf16, _, _) => update_range_f32::<self::Bf16, self::F32, self::F32>(p, s32),
+            (F16, F16, F16) => update_range_f32::<self::F16, self::F16, self::F16>(p, s32),
+            (F16, F16, _) => update_range_f32::<self::F16, self::F16, self::F32>(p, s32),
+            (F16, _, F16) => update_range_f32::<self::F16, self::F32, self::F16>(p, s32),
+            (F16, _, _) => update_range_f32::<self::F16, self::F32, self::F32>(p, s32),
+            (F32, _, _) => update_range_f32::<self::F32, self::F32, self::F32>(p, s32),
         }
     }
 }
@@ -184,18 +187,16 @@ fn at<E: Element>(t: &RawTensor, i: u64) -> *mut E::Bits {
 /// # Safety
 /// Every part of the piece is live host memory of its dtype and the piece's range lies inside it;
 /// the written parts (parameter and states) are used by nothing else during the call.
-unsafe fn update_range_f32<P: Element, G: Element, S: Element>(p: &Piece, h: &AdamParams, s: &StepScalars<f32>, coef: f64) {
+unsafe fn update_range_f32<P: Element, G: Element, S: Element>(p: &Piece, s: &StepScalars<f32>) {
     let (t, vmax) = (&p.parts, p.parts.max_exp_avg_sq);
-    // The kernel's rounding of the coefficient (once per step).
-    let coef32 = coef as f32;
     for i in p.start..p.end {
         // SAFETY: i < len of every part (the caller's contract).
         unsafe {
-            let g = scaled_grad_f32(G::to_f32(*at::<G>(&t.grad, i)), coef32);
+            let g = G::to_f32(*at::<G>(&t.grad, i));
             let m = S::to_f32(*at::<S>(&t.exp_avg, i));
             let v = S::to_f32(*at::<S>(&t.exp_avg_sq, i));
             let vm = vmax.map_or(0.0, |x| S::to_f32(*at::<S>(&x, i)));
-            let u = update_f32(h, s, P::to_f32(*at::<P>(&t.param, i)), g, m, v, vm);
+            let u = update_f32(s, P::to_f32(*at::<P>(&t.param, i)), g, m, v, vm);
             *at::<P>(&t.param, i) = P::from_f32(u.param);
             *at::<S>(&t.exp_avg, i) = S::from_f32(u.exp_avg);
             *at::<S>(&t.exp_avg_sq, i) = S::from_f32(u.exp_avg_sq);
@@ -210,16 +211,16 @@ unsafe fn update_range_f32<P: Element, G: Element, S: Element>(p: &Piece, h: &Ad
 ///
 /// # Safety
 /// As [`update_range_f32`].
-unsafe fn update_range_f64(p: &Piece, h: &AdamParams, s: &StepScalars<f64>, coef: f64) {
+unsafe fn update_range_f64(p: &Piece, s: &StepScalars<f64>) {
     let (t, vmax) = (&p.parts, p.parts.max_exp_avg_sq);
     for i in p.start..p.end {
         // SAFETY: i < len of every part (the caller's contract); every part is f64.
         unsafe {
-            let g = scaled_grad_f64(F64::widen(*at::<F64>(&t.grad, i)), coef);
+            let g = F64::widen(*at::<F64>(&t.grad, i));
             let m = F64::widen(*at::<F64>(&t.exp_avg, i));
             let v = F64::widen(*at::<F64>(&t.exp_avg_sq, i));
             let vm = vmax.map_or(0.0, |x| F64::widen(*at::<F64>(&x, i)));
-            let u = update_f64(h, s, F64::widen(*at::<F64>(&t.param, i)), g, m, v, vm);
+            let u = update_f64(s, F64::widen(*at::<F64>(&t.param, i)), g, m, v, vm);
             *at::<F64>(&t.param, i) = F64::from_f64(u.param);
             *at::<F64>(&t.exp_avg, i) = F64::from_f64(u.exp_avg);
             *at::<F64>(&t.exp_avg_sq, i) = F64::from_f64(u.exp_avg_sq);
