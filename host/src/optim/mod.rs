@@ -1,8 +1,9 @@
 //! Adam / AdamW with the clip inside the step: the gradients' global norm, then one update pass
 //! that multiplies each gradient by the clip coefficient as it reads it (no scale pass, no
-//! gradient write). The per-element arithmetic is torch's fused kernel's
-//! ([`gradclip_kernels::adam`]); this module holds the configuration, the checks and the CPU
-//! step ([`cpu`]).
+//! gradient write). The per-element arithmetic ([`gradclip_kernels::adam`]) is torch's formulas
+//! in the parameter's opmath (f32 for bf16/f16/f32, f64 for f64) with the step's constants
+//! rounded once, the same bits on both backends; this module holds the configuration, the checks
+//! and the CPU step ([`cpu`]).
 //!
 //! ```
 //! use gradclip::{cpu::{Cpu, HostGrad, HostGradMut}, optim::{AdamConfig, ClipConfig, HostAdamTensor, StepCount}};

@@ -6,7 +6,8 @@ gradclip's (one launch on CUDA, f64, no host synchronization, global over DTenso
 gradients) and the scale rides on the optimizer: the clip coefficient reaches torch's fused Adam
 kernel through the ``grad_scale`` input that ``GradScaler`` uses, and a non-finite norm through
 its ``found_inf`` input, so the step skips on the device, with no host synchronization (checked
-on CUDA by ``test_clipped_step_does_not_synchronize_on_cuda``, which has not run on a GPU yet).
+on CUDA by ``test_clipped_step_does_not_synchronize_on_cuda`` under torch's sync debug mode; it
+passes on the H200).
 
 Everything else is ``torch.optim.AdamW(fused=True)`` / ``Adam(fused=True)`` unchanged: the
 constructor's arguments, param groups, LR schedulers, ``zero_grad``, ``state_dict`` (the same
