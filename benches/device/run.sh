@@ -77,7 +77,7 @@ regress)
     tail -4 "$OUT/host-profile.txt"
     ;;
 optim)
-    python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/optim-compare.json" --commit "$(cat .devbin/commit)" > "$OUT/optim-compare.txt" 2>&1
+    python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/optim-compare.json" --probe --commit "$(cat .devbin/commit)" > "$OUT/optim-compare.txt" 2>&1
     tail -14 "$OUT/optim-compare.txt"
     python3 python/examples/train_gpt.py --device cuda --optimizer gradclip > "$OUT/train-gpt-optim.txt" 2>&1
     tail -2 "$OUT/train-gpt-optim.txt"

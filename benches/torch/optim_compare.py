@@ -77,7 +77,33 @@ def prefix(tensors, dtype, grad_bytes):
     return out
 
 
-def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate):
+def memory_probe_ms(numel, dtype, reps):
+    """Milliseconds for the step's memory traffic alone: four flat buffers of `numel` elements
+    read and three written back (p += g, m += g, v += g) by a Triton kernel, one launch. What the
+    memory system gives the Adam access pattern (four read and three write streams), beside the
+    floor's device-copy rate (one of each)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(p, g, m, v, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        gv = tl.load(g + i, mask=mask)
+        tl.store(p + i, tl.load(p + i, mask=mask) + gv, mask=mask)
+        tl.store(m + i, tl.load(m + i, mask=mask) + gv, mask=mask)
+        tl.store(v + i, tl.load(v + i, mask=mask) + gv, mask=mask)
+
+    bufs = [torch.zeros(numel, dtype=dtype, device="cuda") for _ in range(4)]
+    block = 4096
+    grid = (triton.cdiv(numel, block),)
+    ms = per_step_ms(lambda: probe[grid](*bufs, numel, BLOCK=block), reps, "cuda")
+    del bufs
+    torch.cuda.empty_cache()
+    return ms
+
+
+def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, probe=False):
     gen = torch.Generator(device=device).manual_seed(0)
     params = []
     for s in shapes:
@@ -93,33 +119,46 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate):
     grad_bytes = numel * size
     floor_step = step_bytes / copy_rate * 1e3
     floor_clip = floor_step + grad_bytes / read_rate * 1e3
-    torch_opt = torch.optim.AdamW(params, lr=1e-6, fused=True)
-    ours_plain = optim.AdamW(params, lr=1e-6)
-    ours_clip = optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm)
-    kernel_plain = optim.AdamW(params, lr=1e-6, update="gradclip")
-    kernel_clip = optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="gradclip")
-    opts = [torch_opt, ours_plain, ours_clip] + ([kernel_plain, kernel_clip] if device == "cuda" else [])
-    for o in opts:
-        o.step()  # states allocated before timing
+    probe_ms = None
+    if probe and device == "cuda":
+        probe_ms = memory_probe_ms(numel, dtype, reps)
+        print(f"  {'memory only: 4 read + 3 write streams (Triton)':48s} {probe_ms:8.3f} ms   floor {floor_step:8.3f} ms   {probe_ms / floor_step:5.2f}x", flush=True)
+    # Each optimizer is made (its states allocated, one untimed step) only for the rows that run:
+    # five sets of Adam states do not fit beside a 10 GB list in some dtypes.
+    made = {}
+
+    def opt(key):
+        if key not in made:
+            made[key] = {
+                "torch": lambda: torch.optim.AdamW(params, lr=1e-6, fused=True),
+                "plain": lambda: optim.AdamW(params, lr=1e-6),
+                "clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm),
+                "kernel_plain": lambda: optim.AdamW(params, lr=1e-6, update="gradclip"),
+                "kernel_clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="gradclip"),
+            }[key]()
+            made[key].step()
+        return made[key]
+
     rows = [
-        ("torch fused AdamW step alone", lambda: torch_opt.step(), floor_step),
-        ("torch clip_grad_norm_ (foreach) + fused step", lambda: (torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), torch_opt.step()), floor_clip),
-        ("gradclip clip_grad_norm_ + torch fused step", lambda: (gt.clip_grad_norm_(params, max_norm), torch_opt.step()), floor_clip),
-        ("gradclip optim.AdamW, no max_grad_norm", lambda: ours_plain.step(), floor_step),
-        ("gradclip optim.AdamW, max_grad_norm", lambda: ours_clip.step(), floor_clip),
+        ("torch fused AdamW step alone", lambda: opt("torch").step(), floor_step),
+        ("torch clip_grad_norm_ (foreach) + fused step", lambda: (torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), opt("torch").step()), floor_clip),
+        ("gradclip clip_grad_norm_ + torch fused step", lambda: (gt.clip_grad_norm_(params, max_norm), opt("torch").step()), floor_clip),
+        ("gradclip optim.AdamW, no max_grad_norm", lambda: opt("plain").step(), floor_step),
+        ("gradclip optim.AdamW, max_grad_norm", lambda: opt("clip").step(), floor_clip),
     ]
     if device == "cuda":
         # gradclip's own kernels (norm kernel + Adam kernel, no gradient write-back).
         rows += [
-            ("gradclip optim.AdamW(update='gradclip')", lambda: kernel_plain.step(), floor_step),
-            ("gradclip optim.AdamW(update='gradclip'), max_grad_norm", lambda: kernel_clip.step(), floor_clip),
+            ("gradclip optim.AdamW(update='gradclip')", lambda: opt("kernel_plain").step(), floor_step),
+            ("gradclip optim.AdamW(update='gradclip'), max_grad_norm", lambda: opt("kernel_clip").step(), floor_clip),
         ]
+    rows = [r for r in rows if only is None or only in r[0]]
     out = []
     for name, fn, floor in rows:
         ms = per_step_ms(fn, reps, device)
         out.append({"row": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor})
         print(f"  {name:48s} {ms:8.3f} ms   floor {floor:8.3f} ms   {ms / floor:5.2f}x", flush=True)
-    return {"dtype": str(dtype), "tensors": len(params), "params": numel, "grad_bytes": grad_bytes, "step_bytes": step_bytes, "rows": out}
+    return {"dtype": str(dtype), "tensors": len(params), "params": numel, "grad_bytes": grad_bytes, "step_bytes": step_bytes, "memory_probe_ms": probe_ms, "rows": out}
 
 
 def main():
@@ -131,6 +170,8 @@ def main():
     ap.add_argument("--grad-gb", type=float, default=10.26)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--rows", default=None, help="run only the rows whose name contains this text")
+    ap.add_argument("--probe", action="store_true", help="also time the step's memory traffic alone (Triton, one launch)")
     ap.add_argument("--cpu", action="store_true", help="a smoke test of this script on CPU (tiny list), not a measurement")
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
@@ -155,7 +196,7 @@ def main():
         if args.cpu:  # the workload's first shapes, cut to at most 64 per dimension
             shapes = [[min(d, 64) for d in s] for s in [t["shape"] for t in w["tensors"][:20]]]
         print(f"{name}: {len(shapes)} tensors", flush=True)
-        record["results"].append(run_dtype(shapes, dtype, args.reps, device, copy_rate, read_rate))
+        record["results"].append(run_dtype(shapes, dtype, args.reps, device, copy_rate, read_rate, args.rows, args.probe))
         if device == "cuda":
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
