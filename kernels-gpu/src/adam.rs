@@ -4,11 +4,15 @@
 //! operation, rounded to nearest-even. rustc never contracts `a * b + c` into an FMA, on either
 //! target, so the CPU backend and the GPU kernel produce identical bits.
 //!
-//! torch's fused CUDA kernel evaluates the same formulas with its hyperparameters in f64 (C++
-//! promotes `double * float`), which costs nine f32<->f64 conversions per element: at the H200's
-//! 16 conversions per clock per SM that alone exceeds the bandwidth budget of a bf16 step. The
-//! two differ by a few f32 rounding errors per step (tests bound it against the f64 textbook
-//! update); `update="torch"` keeps torch's own kernel where its exact bits matter.
+//! The update is torch's, in mathematically equal forms chosen for the GPU: decoupled decay as
+//! `param * (1 - lr * weight_decay)` (torch's foreach AdamW; its fused kernel subtracts
+//! `lr * weight_decay * param`), the second bias correction's root as a reciprocal multiplied,
+//! the maximize sign and the clip coefficient as one factor on the gradient. torch's fused CUDA
+//! kernel evaluates its formulas with the hyperparameters in f64 (C++ promotes
+//! `double * float`), which costs nine f32<->f64 conversions per element: at the H200's 16
+//! conversions per clock per SM that alone exceeds the bandwidth budget of a bf16 step. The two
+//! differ by a few f32 rounding errors per step (tests bound it against the f64 textbook update);
+//! `update="torch"` keeps torch's own kernel where its exact bits matter.
 //!
 //! Written once for both backends: the CPU backend calls it per element, the GPU kernel per
 //! thread, so the two produce identical bits.
