@@ -49,7 +49,7 @@ type Raw = [[u32; 4]; 2];
 #[inline(always)]
 unsafe fn load_group<E: Element>(addr: u64, first: u64, nc: bool) -> Raw {
     let base = addr + first * E::SIZE;
-    // SAFETY (both): the vector is 16-byte aligned and inside the part (the contract).
+    // SAFETY: (both loads) the vector is 16-byte aligned and inside the part (the contract).
     let ld = |a: u64| unsafe { if nc { ld_nc_v4(a) } else { ld_v4(a) } };
     // Straight-line code: a loop here is kept as a loop over an array in local memory.
     if E::SIZE == 4 {
@@ -161,6 +161,8 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: 
                         [[0; 4]; 2]
                     };
                     let mut out = [[0.0f32; GROUP as usize]; 4];
+                    // k indexes five inputs and four outputs at once.
+                    #[allow(clippy::needless_range_loop)]
                     for k in 0..GROUP as usize {
                         let vmk = if amsgrad { widen_at::<S>(&vm, k) } else { 0.0 };
                         let gk = widen_at::<G>(&g, k);
@@ -302,7 +304,7 @@ unsafe fn chunk_f64(d: &AdamTensorDesc, chunk: u64, s: &StepScalars<f64>) {
 #[inline(always)]
 unsafe fn chunk_any_f32<const AMSGRAD: bool>(d: &AdamTensorDesc, chunk: u64, s: &StepScalars<f32>, dtypes: (u32, u32, u32)) {
     use dtype_code::{BF16 as B, F16 as H, F32 as S};
-    // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
+    // SAFETY: (every arm) the caller's contract; the dtypes named are the parts' own.
     unsafe {
         match dtypes {
             (B, B, B) => chunk_f32::<Bf16, Bf16, Bf16, AMSGRAD>(d, chunk, s),
