@@ -324,17 +324,22 @@ fn adam_parts(seed: u64) -> Vec<[Grad; 5]> {
         (DType::F16, DType::F16, DType::F32),
         (DType::F32, DType::F32, DType::F32),
         (DType::F64, DType::F64, DType::F64),
+        // Torch's two common layouts again, long and at offset 0 (all parts 16-byte aligned), so
+        // the kernel's vector path and its partial last group are always covered.
+        (DType::Bf16, DType::Bf16, DType::Bf16),
+        (DType::Bf16, DType::Bf16, DType::F32),
     ];
-    let lens = [0usize, 1, 4095, 4097, 100_000, 300_001, 17];
+    let lens = [0usize, 1, 4095, 4097, 100_000, 300_001, 17, 100_003, 70_001];
     combos
         .iter()
         .zip(lens)
-        .map(|(&(p, g, st), n)| {
+        .enumerate()
+        .map(|(k, (&(p, g, st), n))| {
             let mut r = |s: f64| (0..n).map(|_| s * (2.0 * rng.random::<f64>() - 1.0)).collect::<Vec<f64>>();
             let (pv, gv, mv, vv) = (r(1.0), r(0.05), r(0.01), r(1e-4));
             let vv: Vec<f64> = vv.iter().map(|x| x.abs()).collect();
             let vmax: Vec<f64> = vv.iter().map(|x| x * 1.5).collect();
-            let start = rng.random_range(0..3);
+            let start = if k >= 7 { 0 } else { rng.random_range(0..3) };
             [
                 Grad::from_f64(p, &pv, start),
                 Grad::from_f64(g, &gv, start),
