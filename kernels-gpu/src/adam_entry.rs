@@ -143,8 +143,8 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: 
         start + ADAM_CHUNK_ELEMS
     };
     if (d.param | d.grad | d.exp_avg | d.exp_avg_sq | vmax_addr) & 15 == 0 {
-        // One group at a time: with the registers that leaves (79 in all, 3 blocks per SM) the
-        // SM keeps more bytes in flight than two groups per thread at 2 blocks per SM.
+        // One group at a time: within the 80 registers of 3 blocks per SM (host/build.rs); two
+        // groups loaded per thread ahead of their arithmetic needed 128 and ran slower.
         for u in 0..GROUPS as u64 {
             // Consecutive threads take consecutive groups (coalesced).
             let i = start + (u * BLOCK_THREADS as u64 + thread_idx() as u64) * GROUP;
@@ -193,15 +193,7 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: 
                 let i = first + (k + u as u64) * BLOCK_THREADS as u64;
                 if i < end {
                     // SAFETY: i < d.len (the caller's contract covers every part up to d.len).
-                    unsafe {
-                        *v = (
-                            P::to_f32(load::<P>(d.param, i)),
-                            G::to_f32(load::<G>(d.grad, i)),
-                            S::to_f32(load::<S>(d.exp_avg, i)),
-                            S::to_f32(load::<S>(d.exp_avg_sq, i)),
-                            if amsgrad { S::to_f32(load::<S>(vmax_addr, i)) } else { 0.0 },
-                        );
-                    }
+                    *v = unsafe { load_f32::<P, G, S>(d, i, amsgrad) };
                 }
             }
             for (u, &(p, g, m, v, vm)) in vals.iter().enumerate() {
@@ -234,6 +226,24 @@ unsafe fn store_f32<P: Element, S: Element>(d: &AdamTensorDesc, i: u64, amsgrad:
     }
 }
 
+/// Element `i` of every part, as f32: (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq or 0).
+///
+/// # Safety
+/// `i < d.len` (the parts of `d` are live device memory of that length).
+#[inline(always)]
+unsafe fn load_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, i: u64, amsgrad: bool) -> (f32, f32, f32, f32, f32) {
+    // SAFETY: the contract.
+    unsafe {
+        (
+            P::to_f32(load::<P>(d.param, i)),
+            G::to_f32(load::<G>(d.grad, i)),
+            S::to_f32(load::<S>(d.exp_avg, i)),
+            S::to_f32(load::<S>(d.exp_avg_sq, i)),
+            if amsgrad { S::to_f32(load::<S>(d.max_exp_avg_sq, i)) } else { 0.0 },
+        )
+    }
+}
+
 /// One element's update, loaded and stored alone.
 ///
 /// # Safety
@@ -243,16 +253,8 @@ unsafe fn element_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, i:
     let amsgrad = s.mode & step_mode::AMSGRAD != 0;
     // SAFETY: the contract.
     unsafe {
-        let vm = if amsgrad { S::to_f32(load::<S>(d.max_exp_avg_sq, i)) } else { 0.0 };
-        let r = update_f32(
-            s,
-            P::to_f32(load::<P>(d.param, i)),
-            G::to_f32(load::<G>(d.grad, i)),
-            S::to_f32(load::<S>(d.exp_avg, i)),
-            S::to_f32(load::<S>(d.exp_avg_sq, i)),
-            vm,
-        );
-        store_f32::<P, S>(d, i, amsgrad, &r);
+        let (p, g, m, v, vm) = load_f32::<P, G, S>(d, i, amsgrad);
+        store_f32::<P, S>(d, i, amsgrad, &update_f32(s, p, g, m, v, vm));
     }
 }
 
