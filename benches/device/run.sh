@@ -6,6 +6,9 @@
 #   benches/device/run.sh sharded two GPUs: the multi-GPU tests, sharded_compare.py on 2 ranks and 1, train_fsdp.py
 #   benches/device/run.sh regress seed-500 only: gradclip-bench, torch_compare.py, host_profile.py
 #   benches/device/run.sh optim   optim_compare.py (clip + AdamW step, bf16 and f32), train_gpt.py with gradclip's AdamW
+#   benches/device/run.sh variants  each kernel variant of .devbin/variants/ (build-variant.sh) and .devbin's own:
+#                                 the Adam bit test, test_optim.py and optim_compare.py's update="gradclip" rows
+# Any other word does the set-up alone. SHARDED_REPEATS=N runs the two-rank comparison N times (torch's time varies).
 # Logs and records go to $OUT (the device tool brings them back). No network, no Rust needed.
 set -uo pipefail
 what=${1:?tests or bench}
@@ -57,8 +60,11 @@ sharded)
             ${TESTS_ALL:+python/tests/test_distributed.py python/tests/test_multi_device.py} > "$OUT/two-gpu-python.log" 2>&1
         tail -2 "$OUT/two-gpu-python.log"
     fi
-    python3 -m torch.distributed.run --nproc-per-node 2 benches/torch/sharded_compare.py "$OUT/sharded-x2.json" > "$OUT/sharded-x2.txt" 2>&1
-    grep -v "^W1" "$OUT/sharded-x2.txt" | tail -32
+    for r in $(seq 1 "${SHARDED_REPEATS:-1}"); do
+        sfx=$([ "$r" = 1 ] && echo "" || echo "-run$r")
+        python3 -m torch.distributed.run --nproc-per-node 2 benches/torch/sharded_compare.py "$OUT/sharded-x2$sfx.json" > "$OUT/sharded-x2$sfx.txt" 2>&1
+        grep -v "^W1" "$OUT/sharded-x2$sfx.txt" | grep "_ms\|speedup\|ratio"
+    done
     python3 -m torch.distributed.run --nproc-per-node 1 benches/torch/sharded_compare.py "$OUT/sharded-x1.json" > "$OUT/sharded-x1.txt" 2>&1
     grep -A8 one_rank "$OUT/sharded-x1.txt"
     # At most 8 files come back: the sharded records travel as one archive.
@@ -82,5 +88,43 @@ optim)
     python3 python/examples/train_gpt.py --device cuda --optimizer gradclip > "$OUT/train-gpt-optim.txt" 2>&1
     tail -2 "$OUT/train-gpt-optim.txt"
     ;;
-*) echo "unknown: $what (tests, bench, graphs, sharded, regress or optim)"; exit 2 ;;
+variants)
+    # One variant at a time: its wheel in its own site folder; the correctness runs on the last GPU
+    # while the timings run on the first, when there are two.
+    gpus=$(nvidia-smi -L | wc -l)
+    test_gpu=$((gpus - 1))
+    names="main $(ls .devbin/variants 2>/dev/null | tr '\n' ' ')"
+    mkdir -p "$OUT/variants"
+    for v in $names; do
+        dir=.devbin/variants/$v; [ "$v" = main ] && dir=.devbin/wheels
+        python3 -m pip install -q --no-index --no-deps --target "/tmp/site-$v" "$dir"/*.whl
+    done
+    (
+        for v in $names; do
+            dir=.devbin/variants/$v; [ "$v" = main ] && dir=.devbin
+            site=/tmp/site-$v
+            if [ -x "$dir/gpu_backend" ]; then
+                CUDA_VISIBLE_DEVICES=$test_gpu "$dir/gpu_backend" --test-threads 1 adam > "$OUT/variants/$v-rust-adam.log" 2>&1
+            fi
+            CUDA_VISIBLE_DEVICES=$test_gpu PYTHONPATH=$site python3 -m pytest -q -p no:cacheprovider --import-mode=importlib \
+                python/tests/test_optim.py > "$OUT/variants/$v-test-optim.log" 2>&1
+        done
+    ) &
+    tests=$!
+    [ "$gpus" -lt 2 ] && wait $tests
+    for v in $names; do
+        dir=.devbin/variants/$v; [ "$v" = main ] && dir=.devbin
+        probe=$([ "$v" = main ] && echo --probe)
+        echo "== $v: $(cat "$dir/what" 2>/dev/null || echo main at "$(cat .devbin/commit)")"
+        CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site-$v python3 benches/torch/optim_compare.py .devbin/w-seed.json \
+            "$OUT/variants/$v-optim.json" --rows "update=" $probe --commit "$v $(head -1 "$dir/commit")" > "$OUT/variants/$v-optim.txt" 2>&1
+        grep "x$" "$OUT/variants/$v-optim.txt"
+    done
+    wait $tests
+    for v in $names; do
+        echo "$v: $(grep -h "test result" "$OUT/variants/$v-rust-adam.log" 2>/dev/null) $(tail -n 1 "$OUT/variants/$v-test-optim.log")"
+    done
+    (cd "$OUT" && tar czf variants.tgz variants && rm -rf variants)
+    ;;
+*) echo "set-up done; modes: tests, bench, graphs, sharded, regress, optim, variants"; exit 2 ;;
 esac
