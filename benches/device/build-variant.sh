@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds the current working tree's GPU test binary and wheel into .devbin/variants/NAME, beside a
+# .devbin/ from build.sh, so that one device call can test and time several kernel variants
+# (benches/device/run.sh variants). Needs maturin on PATH or MATURIN=/path/to/maturin.
+#   benches/device/build-variant.sh NAME "what differs from main"
+set -euo pipefail
+name=${1:?variant name}
+what=${2:?one line saying what the variant changes}
+cd "$(dirname "$0")/../.."
+out=.devbin/variants/$name
+rm -rf "$out" && mkdir -p "$out"
+test_bin=$(cargo test --release --no-run -p gradclip-tests --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu_backend" and m.get("executable"):
+        print(m["executable"])')
+cp "$test_bin" "$out/gpu_backend"
+strip "$out/gpu_backend"
+(cd python && "${MATURIN:-maturin}" build --release -q -o "../$out")
+{ git rev-parse --short HEAD; git diff --stat HEAD | tail -1; } > "$out/commit"
+echo "$what" > "$out/what"
+ls -l "$out"
