@@ -143,44 +143,75 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: 
         start + ADAM_CHUNK_ELEMS
     };
     if (d.param | d.grad | d.exp_avg | d.exp_avg_sq | vmax_addr) & 15 == 0 {
-        // One group at a time: within the 80 registers of 3 blocks per SM (host/build.rs); two
-        // groups loaded per thread ahead of their arithmetic needed 128 and ran slower.
-        for u in 0..GROUPS as u64 {
-            // Consecutive threads take consecutive groups (coalesced).
-            let i = start + (u * BLOCK_THREADS as u64 + thread_idx() as u64) * GROUP;
-            if i + GROUP <= end {
-                // SAFETY: the group lies inside every part, whose bases are 16-byte aligned, and
-                // starts at a multiple of 8 elements: each of its vectors is aligned. The group
-                // belongs to this thread alone; the gradient is not written by the launch.
-                unsafe {
-                    let (p, g) = (load_group::<P>(d.param, i, false), load_group::<G>(d.grad, i, true));
-                    let (m, v) = (load_group::<S>(d.exp_avg, i, false), load_group::<S>(d.exp_avg_sq, i, false));
-                    let vm = if amsgrad {
-                        load_group::<S>(vmax_addr, i, false)
-                    } else {
-                        [[0; 4]; 2]
-                    };
-                    let mut out = [[0.0f32; GROUP as usize]; 4];
-                    // k indexes five inputs and four outputs at once.
-                    #[allow(clippy::needless_range_loop)]
-                    for k in 0..GROUP as usize {
-                        let vmk = if amsgrad { widen_at::<S>(&vm, k) } else { 0.0 };
-                        let gk = widen_at::<G>(&g, k);
-                        let r = update_f32(s, widen_at::<P>(&p, k), gk, widen_at::<S>(&m, k), widen_at::<S>(&v, k), vmk);
-                        (out[0][k], out[1][k], out[2][k], out[3][k]) = (r.param, r.exp_avg, r.exp_avg_sq, r.max_exp_avg_sq);
-                    }
-                    store_group::<P>(d.param, i, &out[0]);
-                    store_group::<S>(d.exp_avg, i, &out[1]);
-                    store_group::<S>(d.exp_avg_sq, i, &out[2]);
-                    if amsgrad {
-                        store_group::<S>(vmax_addr, i, &out[3]);
-                    }
+        // Consecutive threads take consecutive groups (coalesced).
+        let at = |u: usize| start + (u as u64 * BLOCK_THREADS as u64 + thread_idx() as u64) * GROUP;
+        let full = |u: usize| at(u) + GROUP <= end;
+        // SAFETY: (load, and update below) a full group lies inside every part, whose bases are
+        // 16-byte aligned, and starts at a multiple of 8 elements, so each of its vectors is
+        // aligned; it belongs to this thread alone and the gradient is not written by the launch.
+        let load = |i: u64| unsafe {
+            [
+                load_group::<P>(d.param, i, false),
+                load_group::<G>(d.grad, i, true),
+                load_group::<S>(d.exp_avg, i, false),
+                load_group::<S>(d.exp_avg_sq, i, false),
+                if amsgrad {
+                    load_group::<S>(vmax_addr, i, false)
+                } else {
+                    [[0; 4]; 2]
+                },
+            ]
+        };
+        // SAFETY: as for load: the full group at i, this thread's alone.
+        let update = |i: u64, [p, g, m, v, vm]: &[Raw; 5]| unsafe {
+            let mut out = [[0.0f32; GROUP as usize]; 4];
+            // k indexes five inputs and four outputs at once.
+            #[allow(clippy::needless_range_loop)]
+            for k in 0..GROUP as usize {
+                let vmk = if amsgrad { widen_at::<S>(vm, k) } else { 0.0 };
+                let r = update_f32(
+                    s,
+                    widen_at::<P>(p, k),
+                    widen_at::<G>(g, k),
+                    widen_at::<S>(m, k),
+                    widen_at::<S>(v, k),
+                    vmk,
+                );
+                (out[0][k], out[1][k], out[2][k], out[3][k]) = (r.param, r.exp_avg, r.exp_avg_sq, r.max_exp_avg_sq);
+            }
+            store_group::<P>(d.param, i, &out[0]);
+            store_group::<S>(d.exp_avg, i, &out[1]);
+            store_group::<S>(d.exp_avg_sq, i, &out[2]);
+            if amsgrad {
+                store_group::<S>(vmax_addr, i, &out[3]);
+            }
+        };
+        // All-16-bit parts: software-pipelined, the next group's loads in flight while this one
+        // is computed (a group's arithmetic outlasts a warp's share of the memory latency; the
+        // raw group is 16 registers). With f32 parts a prefetched group is twice that and spills
+        // at 3 blocks per SM, measured slower: one group at a time.
+        let prefetch = P::SIZE == 2 && G::SIZE == 2 && S::SIZE == 2;
+        let mut next = if prefetch && full(0) { Some(load(at(0))) } else { None };
+        for u in 0..GROUPS {
+            let this = if prefetch {
+                let this = next.take();
+                if u + 1 < GROUPS && full(u + 1) {
+                    next = Some(load(at(u + 1)));
                 }
-            } else if i < end {
-                // The tensor's last, partial group.
-                for j in i..end {
-                    // SAFETY: j < d.len; element j belongs to this thread alone.
-                    unsafe { element_f32::<P, G, S>(d, j, s) };
+                this
+            } else if full(u) {
+                Some(load(at(u)))
+            } else {
+                None
+            };
+            match this {
+                Some(raw) => update(at(u), &raw),
+                None => {
+                    // The tensor's last, partial group (or nothing past the tensor's end).
+                    for j in at(u)..end {
+                        // SAFETY: j < d.len; element j belongs to this thread alone.
+                        unsafe { element_f32::<P, G, S>(d, j, s) };
+                    }
                 }
             }
         }
