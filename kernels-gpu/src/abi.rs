@@ -142,9 +142,11 @@ pub mod adam_flags {
     pub const SKIP_NONFINITE: u32 = 8;
 }
 
-/// Elements of one block task of the Adam kernel: each of its threads updates 16, strided by
-/// the block size so that every load and store of a warp is coalesced.
-pub const ADAM_CHUNK_ELEMS: u64 = BLOCK_THREADS as u64 * 16;
+/// Elements of one block task of the Adam kernel: each of its threads updates 64, strided by
+/// the block size so that every load and store of a warp is coalesced. Long enough that a
+/// block's fixed costs (reading its task, the step's scalars, the finishing ticket) are small
+/// beside its traffic.
+pub const ADAM_CHUNK_ELEMS: u64 = BLOCK_THREADS as u64 * 64;
 
 /// One parameter as the Adam kernel sees it: the addresses of its parts (states and gradient in
 /// the parameter's dtype or f32; one dtype for the states).

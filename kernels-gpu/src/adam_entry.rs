@@ -11,12 +11,10 @@ use crate::adam::{StepScalars, Updated, step_mode, step_scalars_f32, step_scalar
 use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, st_v4, sync_threads, thread_idx};
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 
-/// Elements per thread per task.
-const PER_THREAD: u64 = ADAM_CHUNK_ELEMS / BLOCK_THREADS as u64;
 /// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part.
 const GROUP: u64 = 8;
-/// Vector groups per thread per task.
-const GROUPS: usize = (PER_THREAD / GROUP) as usize;
+/// Whether groups whose parts are all 16-bit are software-pipelined (see `chunk_f32`).
+const PIPELINE_16BIT: bool = true;
 /// Elements a thread loads before it computes on the unaligned (scalar) path.
 const UNROLL: usize = 4;
 
@@ -114,6 +112,54 @@ fn pack_pair<E: Element>(lo: f32, hi: f32) -> u32 {
     d
 }
 
+/// The five parts' raw group at element `i` (the maximum's zero without amsgrad).
+///
+/// # Safety
+/// Every part of `d` is 16-byte aligned, `i` is a multiple of [`GROUP`] and the group lies
+/// inside the parts (live device memory of `d.len` elements).
+#[inline(always)]
+unsafe fn load_parts<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: &AdamTensorDesc, i: u64) -> [Raw; 5] {
+    // SAFETY: (every load) the contract; the gradient is not written by the launch (`nc`).
+    unsafe {
+        [
+            load_group::<P>(d.param, i, false),
+            load_group::<G>(d.grad, i, true),
+            load_group::<S>(d.exp_avg, i, false),
+            load_group::<S>(d.exp_avg_sq, i, false),
+            if AMSGRAD {
+                load_group::<S>(d.max_exp_avg_sq, i, false)
+            } else {
+                [[0; 4]; 2]
+            },
+        ]
+    }
+}
+
+/// Updates the group at element `i` from its raw values `[p, g, m, v, vmax]` and stores it.
+///
+/// # Safety
+/// As [`load_parts`], the group written by no other thread.
+#[inline(always)]
+unsafe fn update_parts<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: &AdamTensorDesc, i: u64, s: &StepScalars<f32>, [p, g, m, v, vm]: &[Raw; 5]) {
+    let mut out = [[0.0f32; GROUP as usize]; 4];
+    // k indexes five inputs and four outputs at once.
+    #[allow(clippy::needless_range_loop)]
+    for k in 0..GROUP as usize {
+        let vmk = if AMSGRAD { widen_at::<S>(vm, k) } else { 0.0 };
+        let r = update_f32(s, widen_at::<P>(p, k), widen_at::<G>(g, k), widen_at::<S>(m, k), widen_at::<S>(v, k), vmk);
+        (out[0][k], out[1][k], out[2][k], out[3][k]) = (r.param, r.exp_avg, r.exp_avg_sq, r.max_exp_avg_sq);
+    }
+    // SAFETY: the contract.
+    unsafe {
+        store_group::<P>(d.param, i, &out[0]);
+        store_group::<S>(d.exp_avg, i, &out[1]);
+        store_group::<S>(d.exp_avg_sq, i, &out[2]);
+        if AMSGRAD {
+            store_group::<S>(d.max_exp_avg_sq, i, &out[3]);
+        }
+    }
+}
+
 /// One task of a parameter with f32 opmath (bf16, f16 or f32 parameter `P`, gradient `G`,
 /// states `S`): in 16-byte groups when every part is 16-byte aligned, element by element
 /// otherwise and for the tail of a group that ends past the tensor.
@@ -143,99 +189,65 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: 
         start + ADAM_CHUNK_ELEMS
     };
     if (d.param | d.grad | d.exp_avg | d.exp_avg_sq | vmax_addr) & 15 == 0 {
-        // Consecutive threads take consecutive groups (coalesced).
-        let at = |u: usize| start + (u as u64 * BLOCK_THREADS as u64 + thread_idx() as u64) * GROUP;
-        let full = |u: usize| at(u) + GROUP <= end;
-        // SAFETY: (load, and update below) a full group lies inside every part, whose bases are
-        // 16-byte aligned, and starts at a multiple of 8 elements, so each of its vectors is
-        // aligned; it belongs to this thread alone and the gradient is not written by the launch.
-        let load = |i: u64| unsafe {
-            [
-                load_group::<P>(d.param, i, false),
-                load_group::<G>(d.grad, i, true),
-                load_group::<S>(d.exp_avg, i, false),
-                load_group::<S>(d.exp_avg_sq, i, false),
-                if amsgrad {
-                    load_group::<S>(vmax_addr, i, false)
-                } else {
-                    [[0; 4]; 2]
-                },
-            ]
-        };
-        // SAFETY: as for load: the full group at i, this thread's alone.
-        let update = |i: u64, [p, g, m, v, vm]: &[Raw; 5]| unsafe {
-            let mut out = [[0.0f32; GROUP as usize]; 4];
-            // k indexes five inputs and four outputs at once.
-            #[allow(clippy::needless_range_loop)]
-            for k in 0..GROUP as usize {
-                let vmk = if amsgrad { widen_at::<S>(vm, k) } else { 0.0 };
-                let r = update_f32(
-                    s,
-                    widen_at::<P>(p, k),
-                    widen_at::<G>(g, k),
-                    widen_at::<S>(m, k),
-                    widen_at::<S>(v, k),
-                    vmk,
-                );
-                (out[0][k], out[1][k], out[2][k], out[3][k]) = (r.param, r.exp_avg, r.exp_avg_sq, r.max_exp_avg_sq);
-            }
-            store_group::<P>(d.param, i, &out[0]);
-            store_group::<S>(d.exp_avg, i, &out[1]);
-            store_group::<S>(d.exp_avg_sq, i, &out[2]);
-            if amsgrad {
-                store_group::<S>(vmax_addr, i, &out[3]);
-            }
-        };
+        // Consecutive threads take consecutive groups (coalesced); `stride` apart per thread. A
+        // loop with a run-time count, so that a long chunk is not unrolled into spills.
+        let stride = BLOCK_THREADS as u64 * GROUP;
+        let mut i = start + thread_idx() as u64 * GROUP;
         // All-16-bit parts: software-pipelined, the next group's loads in flight while this one
         // is computed (a group's arithmetic outlasts a warp's share of the memory latency; the
         // raw group is 16 registers). With f32 parts a prefetched group is twice that and spills
         // at 3 blocks per SM, measured slower: one group at a time.
-        let prefetch = P::SIZE == 2 && G::SIZE == 2 && S::SIZE == 2;
-        let mut next = if prefetch && full(0) { Some(load(at(0))) } else { None };
-        for u in 0..GROUPS {
-            let this = if prefetch {
-                let this = next.take();
-                if u + 1 < GROUPS && full(u + 1) {
-                    next = Some(load(at(u + 1)));
-                }
-                this
-            } else if full(u) {
-                Some(load(at(u)))
-            } else {
-                None
-            };
-            match this {
-                Some(raw) => update(at(u), &raw),
-                None => {
-                    // The tensor's last, partial group (or nothing past the tensor's end).
-                    for j in at(u)..end {
-                        // SAFETY: j < d.len; element j belongs to this thread alone.
-                        unsafe { element_f32::<P, G, S>(d, j, s) };
+        // SAFETY: (every load and update) the group at i is full (`i + GROUP <= end`), inside
+        // every part, whose bases are 16-byte aligned, and starts at a multiple of GROUP; it
+        // belongs to this thread alone.
+        unsafe {
+            if P::SIZE == 2 && G::SIZE == 2 && S::SIZE == 2 && PIPELINE_16BIT && !AMSGRAD {
+                if i + GROUP <= end {
+                    let mut this = load_parts::<P, G, S, AMSGRAD>(d, i);
+                    while i + stride + GROUP <= end {
+                        let next = load_parts::<P, G, S, AMSGRAD>(d, i + stride);
+                        update_parts::<P, G, S, AMSGRAD>(d, i, s, &this);
+                        this = next;
+                        i += stride;
                     }
+                    update_parts::<P, G, S, AMSGRAD>(d, i, s, &this);
+                    i += stride;
+                }
+            } else {
+                while i + GROUP <= end {
+                    update_parts::<P, G, S, AMSGRAD>(d, i, s, &load_parts::<P, G, S, AMSGRAD>(d, i));
+                    i += stride;
                 }
             }
         }
+        // The tensor's last, partial group, if this thread holds it.
+        if i < end {
+            for j in i..end {
+                // SAFETY: j < d.len; element j belongs to this thread alone.
+                unsafe { element_f32::<P, G, S>(d, j, s) };
+            }
+        }
     } else {
-        let first = start + thread_idx() as u64;
-        let mut k = 0;
-        while k < PER_THREAD {
+        // Rounds of UNROLL elements per thread, a run-time count (see the aligned path).
+        let mut first = start + thread_idx() as u64;
+        while first < end {
             let mut vals = [(0.0f32, 0.0f32, 0.0f32, 0.0f32, 0.0f32); UNROLL];
             for (u, v) in vals.iter_mut().enumerate() {
-                let i = first + (k + u as u64) * BLOCK_THREADS as u64;
+                let i = first + u as u64 * BLOCK_THREADS as u64;
                 if i < end {
                     // SAFETY: i < d.len (the caller's contract covers every part up to d.len).
                     *v = unsafe { load_f32::<P, G, S>(d, i, amsgrad) };
                 }
             }
             for (u, &(p, g, m, v, vm)) in vals.iter().enumerate() {
-                let i = first + (k + u as u64) * BLOCK_THREADS as u64;
+                let i = first + u as u64 * BLOCK_THREADS as u64;
                 if i < end {
                     let r = update_f32(s, p, g, m, v, vm);
                     // SAFETY: as the loads; element i belongs to this thread alone.
                     unsafe { store_f32::<P, S>(d, i, amsgrad, &r) };
                 }
             }
-            k += UNROLL as u64;
+            first += (UNROLL * BLOCK_THREADS as usize) as u64;
         }
     }
 }
@@ -296,36 +308,35 @@ unsafe fn element_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, i:
 #[inline(always)]
 unsafe fn chunk_f64(d: &AdamTensorDesc, chunk: u64, s: &StepScalars<f64>) {
     let amsgrad = s.mode & step_mode::AMSGRAD != 0;
-    let first = chunk * ADAM_CHUNK_ELEMS + thread_idx() as u64;
-    let mut k = 0;
-    while k < PER_THREAD {
-        let i = first + k * BLOCK_THREADS as u64;
-        if i < d.len {
-            // SAFETY: i < d.len; element i belongs to this thread alone.
-            unsafe {
-                let g = F64::widen(load::<F64>(d.grad, i));
-                let vm = if amsgrad {
-                    F64::widen(load::<F64>(d.max_exp_avg_sq, i))
-                } else {
-                    0.0
-                };
-                let r = update_f64(
-                    s,
-                    F64::widen(load::<F64>(d.param, i)),
-                    g,
-                    F64::widen(load::<F64>(d.exp_avg, i)),
-                    F64::widen(load::<F64>(d.exp_avg_sq, i)),
-                    vm,
-                );
-                store::<F64>(d.param, i, F64::from_f64(r.param));
-                store::<F64>(d.exp_avg, i, F64::from_f64(r.exp_avg));
-                store::<F64>(d.exp_avg_sq, i, F64::from_f64(r.exp_avg_sq));
-                if amsgrad {
-                    store::<F64>(d.max_exp_avg_sq, i, F64::from_f64(r.max_exp_avg_sq));
-                }
+    let start = chunk * ADAM_CHUNK_ELEMS;
+    let end = d.len.min(start + ADAM_CHUNK_ELEMS);
+    // A run-time count (see chunk_f32's aligned path).
+    let mut i = start + thread_idx() as u64;
+    while i < end {
+        // SAFETY: i < d.len; element i belongs to this thread alone.
+        unsafe {
+            let g = F64::widen(load::<F64>(d.grad, i));
+            let vm = if amsgrad {
+                F64::widen(load::<F64>(d.max_exp_avg_sq, i))
+            } else {
+                0.0
+            };
+            let r = update_f64(
+                s,
+                F64::widen(load::<F64>(d.param, i)),
+                g,
+                F64::widen(load::<F64>(d.exp_avg, i)),
+                F64::widen(load::<F64>(d.exp_avg_sq, i)),
+                vm,
+            );
+            store::<F64>(d.param, i, F64::from_f64(r.param));
+            store::<F64>(d.exp_avg, i, F64::from_f64(r.exp_avg));
+            store::<F64>(d.exp_avg_sq, i, F64::from_f64(r.exp_avg_sq));
+            if amsgrad {
+                store::<F64>(d.max_exp_avg_sq, i, F64::from_f64(r.max_exp_avg_sq));
             }
         }
-        k += 1;
+        i += BLOCK_THREADS as u64;
     }
 }
 

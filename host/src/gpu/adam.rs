@@ -413,14 +413,14 @@ mod tests {
         }
     }
 
-    /// Tasks enumerate each parameter's 4,096-element chunks in order; the table carries every
-    /// part's address and the three dtypes packed as the kernel unpacks them.
+    /// Tasks enumerate each parameter's `ADAM_CHUNK_ELEMS`-element chunks in order; the table
+    /// carries every part's address and the three dtypes packed as the kernel unpacks them.
     #[test]
     fn plan_tasks_and_descriptors() {
         let list = [
-            parts(0, 10_000, DType::Bf16, DType::F32, true),
+            parts(0, 2 * ADAM_CHUNK_ELEMS + 1808, DType::Bf16, DType::F32, true),
             parts(1, 0, DType::F32, DType::F32, false),
-            parts(2, 4096, DType::F64, DType::F64, false),
+            parts(2, ADAM_CHUNK_ELEMS, DType::F64, DType::F64, false),
         ];
         let (descs, tasks) = plan(&list).unwrap();
         assert_eq!(
@@ -435,7 +435,7 @@ mod tests {
             (descs[0].max_exp_avg_sq, descs[1].max_exp_avg_sq),
             (list[0].max_exp_avg_sq.unwrap().addr, 0)
         );
-        assert_eq!((descs[2].grad, descs[2].len), (list[2].grad.addr, 4096));
+        assert_eq!((descs[2].grad, descs[2].len), (list[2].grad.addr, ADAM_CHUNK_ELEMS));
     }
 
     #[test]
