@@ -142,11 +142,24 @@ pub mod adam_flags {
     pub const SKIP_NONFINITE: u32 = 8;
 }
 
-/// Elements of one block task of the Adam kernel: each of its threads updates 64, strided by
-/// the block size so that every load and store of a warp is coalesced. Long enough that a
-/// block's fixed costs (reading its task, the step's scalars, the finishing ticket) are small
-/// beside its traffic.
-pub const ADAM_CHUNK_ELEMS: u64 = BLOCK_THREADS as u64 * 64;
+/// Elements of one block task of the Adam kernel for a parameter of `param_bytes` bytes per
+/// element: each thread updates [`ADAM_PER_THREAD_16BIT`] of a 16-bit parameter, else
+/// [`ADAM_PER_THREAD_WIDE`], strided by the block size so that every load and store of a warp is
+/// coalesced. Long enough that a block's fixed costs (its task, the step's scalars, the finishing
+/// ticket) are small beside its traffic; measured on the H200 (benches/NOTES.md).
+pub const fn adam_chunk_elems(param_bytes: u64) -> u64 {
+    BLOCK_THREADS as u64
+        * if param_bytes <= 2 {
+            ADAM_PER_THREAD_16BIT
+        } else {
+            ADAM_PER_THREAD_WIDE
+        }
+}
+
+/// Elements per thread of a 16-bit parameter's Adam task.
+pub const ADAM_PER_THREAD_16BIT: u64 = 64;
+/// Elements per thread of an f32 or f64 parameter's Adam task.
+pub const ADAM_PER_THREAD_WIDE: u64 = 16;
 
 /// One parameter as the Adam kernel sees it: the addresses of its parts (states and gradient in
 /// the parameter's dtype or f32; one dtype for the states).
@@ -206,7 +219,7 @@ const _: () = {
     assert!(core::mem::size_of::<AdamParams>() == 48);
     assert!(core::mem::size_of::<AdamTensorDesc>() == 56);
     assert!(core::mem::size_of::<AdamCount>() == 16);
-    assert!(ADAM_CHUNK_ELEMS <= u32::MAX as u64);
+    assert!(adam_chunk_elems(2) <= u32::MAX as u64 && adam_chunk_elems(8) <= u32::MAX as u64);
     assert!(core::mem::size_of::<TensorDesc>() == 40);
     assert!(core::mem::size_of::<ChunkTask>() == 8);
     assert!(core::mem::size_of::<Partial>() == 32);

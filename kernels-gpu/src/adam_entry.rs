@@ -1,12 +1,12 @@
 //! The Adam / AdamW kernel (`gradclip_adam`): one block per [`ChunkTask`] of
-//! [`ADAM_CHUNK_ELEMS`] elements of one parameter, each element updated by
+//! [`adam_chunk_elems`] elements of one parameter, each element updated by
 //! [`crate::adam`]'s arithmetic (the CPU backend's), with the gradient multiplied by the clip
 //! coefficient that the norm kernel left in device memory as it is read. The block that
 //! finishes last advances the step count, so the count lives on the device (capturable).
 
 use core::arch::asm;
 
-use crate::abi::{ADAM_CHUNK_ELEMS, AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, NormOutput, adam_flags, dtype_code};
+use crate::abi::{AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, NormOutput, adam_chunk_elems, adam_flags, dtype_code};
 use crate::adam::{StepScalars, Updated, step_mode, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
 use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, st_v4, sync_threads, thread_idx};
 use crate::dtype::{Bf16, Element, F16, F32, F64};
@@ -140,13 +140,25 @@ unsafe fn load_parts<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d:
 /// # Safety
 /// As [`load_parts`], the group written by no other thread.
 #[inline(always)]
-unsafe fn update_parts<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: &AdamTensorDesc, i: u64, s: &StepScalars<f32>, [p, g, m, v, vm]: &[Raw; 5]) {
+unsafe fn update_parts<P: Element, G: Element, S: Element, const AMSGRAD: bool>(
+    d: &AdamTensorDesc,
+    i: u64,
+    s: &StepScalars<f32>,
+    [p, g, m, v, vm]: &[Raw; 5],
+) {
     let mut out = [[0.0f32; GROUP as usize]; 4];
     // k indexes five inputs and four outputs at once.
     #[allow(clippy::needless_range_loop)]
     for k in 0..GROUP as usize {
         let vmk = if AMSGRAD { widen_at::<S>(vm, k) } else { 0.0 };
-        let r = update_f32(s, widen_at::<P>(p, k), widen_at::<G>(g, k), widen_at::<S>(m, k), widen_at::<S>(v, k), vmk);
+        let r = update_f32(
+            s,
+            widen_at::<P>(p, k),
+            widen_at::<G>(g, k),
+            widen_at::<S>(m, k),
+            widen_at::<S>(v, k),
+            vmk,
+        );
         (out[0][k], out[1][k], out[2][k], out[3][k]) = (r.param, r.exp_avg, r.exp_avg_sq, r.max_exp_avg_sq);
     }
     // SAFETY: the contract.
@@ -182,12 +194,8 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const AMSGRAD: bool>(d: 
         ..*s
     };
     let vmax_addr = if amsgrad { d.max_exp_avg_sq } else { 0 };
-    let start = chunk * ADAM_CHUNK_ELEMS;
-    let end = if d.len < start + ADAM_CHUNK_ELEMS {
-        d.len
-    } else {
-        start + ADAM_CHUNK_ELEMS
-    };
+    let start = chunk * adam_chunk_elems(P::SIZE);
+    let end = d.len.min(start + adam_chunk_elems(P::SIZE));
     if (d.param | d.grad | d.exp_avg | d.exp_avg_sq | vmax_addr) & 15 == 0 {
         // Consecutive threads take consecutive groups (coalesced); `stride` apart per thread. A
         // loop with a run-time count, so that a long chunk is not unrolled into spills.
@@ -308,8 +316,8 @@ unsafe fn element_f32<P: Element, G: Element, S: Element>(d: &AdamTensorDesc, i:
 #[inline(always)]
 unsafe fn chunk_f64(d: &AdamTensorDesc, chunk: u64, s: &StepScalars<f64>) {
     let amsgrad = s.mode & step_mode::AMSGRAD != 0;
-    let start = chunk * ADAM_CHUNK_ELEMS;
-    let end = d.len.min(start + ADAM_CHUNK_ELEMS);
+    let start = chunk * adam_chunk_elems(8);
+    let end = d.len.min(start + adam_chunk_elems(8));
     // A run-time count (see chunk_f32's aligned path).
     let mut i = start + thread_idx() as u64;
     while i < end {

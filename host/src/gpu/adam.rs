@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
-use gradclip_kernels::abi::{ADAM_CHUNK_ELEMS, AdamCount, AdamParams, AdamTensorDesc, ChunkTask, adam_flags, flags};
+use gradclip_kernels::abi::{AdamCount, AdamParams, AdamTensorDesc, ChunkTask, adam_chunk_elems, adam_flags, flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::capture::{self, Capture};
@@ -85,7 +85,7 @@ fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
     let mut descs = Vec::with_capacity(parts.len());
     let mut tasks = Vec::new();
     for (i, p) in parts.iter().enumerate() {
-        let n = p.param.len.div_ceil(ADAM_CHUNK_ELEMS);
+        let n = p.param.len.div_ceil(adam_chunk_elems(p.param.dtype.size()));
         if tasks.len() as u64 + n > MAX_TASKS {
             return Err(Error::TooManyTasks {
                 tasks: tasks.len() as u64 + n,
@@ -413,20 +413,25 @@ mod tests {
         }
     }
 
-    /// Tasks enumerate each parameter's `ADAM_CHUNK_ELEMS`-element chunks in order; the table
-    /// carries every part's address and the three dtypes packed as the kernel unpacks them.
+    /// Tasks enumerate each parameter's chunks (their length set by the parameter's dtype) in
+    /// order; the table carries every part's address and the three dtypes packed as the kernel
+    /// unpacks them.
     #[test]
     fn plan_tasks_and_descriptors() {
+        let (narrow, wide) = (adam_chunk_elems(2), adam_chunk_elems(8));
         let list = [
-            parts(0, 2 * ADAM_CHUNK_ELEMS + 1808, DType::Bf16, DType::F32, true),
+            parts(0, 2 * narrow + 1808, DType::Bf16, DType::F32, true),
             parts(1, 0, DType::F32, DType::F32, false),
-            parts(2, ADAM_CHUNK_ELEMS, DType::F64, DType::F64, false),
+            parts(2, wide, DType::F64, DType::F64, false),
+            parts(3, narrow, DType::F32, DType::F32, false),
         ];
         let (descs, tasks) = plan(&list).unwrap();
-        assert_eq!(
-            tasks.iter().map(|t| (t.tensor, t.chunk)).collect::<Vec<_>>(),
-            [(0, 0), (0, 1), (0, 2), (2, 0)]
-        );
+        let f32_chunks = narrow.div_ceil(adam_chunk_elems(4)) as u32;
+        let want: Vec<(u32, u32)> = [(0, 0), (0, 1), (0, 2), (2, 0)]
+            .into_iter()
+            .chain((0..f32_chunks).map(|c| (3, c)))
+            .collect();
+        assert_eq!(tasks.iter().map(|t| (t.tensor, t.chunk)).collect::<Vec<_>>(), want);
         assert_eq!(
             descs[0].dtypes,
             DType::Bf16.code() | DType::Bf16.code() << 4 | DType::F32.code() << 8
@@ -435,7 +440,7 @@ mod tests {
             (descs[0].max_exp_avg_sq, descs[1].max_exp_avg_sq),
             (list[0].max_exp_avg_sq.unwrap().addr, 0)
         );
-        assert_eq!((descs[2].grad, descs[2].len), (list[2].grad.addr, ADAM_CHUNK_ELEMS));
+        assert_eq!((descs[2].grad, descs[2].len), (list[2].grad.addr, wide));
     }
 
     #[test]
