@@ -87,6 +87,8 @@ optim)
     tail -14 "$OUT/optim-compare.txt"
     python3 python/examples/train_gpt.py --device cuda --optimizer gradclip > "$OUT/train-gpt-optim.txt" 2>&1
     tail -2 "$OUT/train-gpt-optim.txt"
+    python3 python/examples/train_gpt.py --device cuda --optimizer gradclip --update gradclip > "$OUT/train-gpt-optim-gradclip-update.txt" 2>&1
+    tail -2 "$OUT/train-gpt-optim-gradclip-update.txt"
     ;;
 variants)
     # One variant at a time: its wheel in its own site folder; the correctness runs on the last GPU
