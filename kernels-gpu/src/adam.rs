@@ -87,6 +87,29 @@ pub fn mode_of(h: &AdamParams) -> u32 {
     m
 }
 
+/// The factor a step multiplies every gradient by: the clip coefficient of the unscaled
+/// gradients' norm (`norm / loss_scale`, torch's `min(1, max_norm / (norm + 1e-6))`; 1 without a
+/// clip) divided by the loss scale the gradients carry (GradScaler's; 1 without one). With a loss
+/// scale of 1 it is the clip coefficient, bit for bit. `clip`: the gradients' norm as computed
+/// (of the scaled gradients) and the clip limit. Both backends take it from here.
+///
+/// ```
+/// use gradclip_kernels::adam::gradient_factor;
+/// assert_eq!(gradient_factor(None, 1.0), 1.0);
+/// assert_eq!(gradient_factor(None, 1024.0), 1.0 / 1024.0);
+/// // A norm of 8 (scaled by 4: 2 unscaled) clipped to 1.
+/// let f = gradient_factor(Some((8.0, 1.0)), 4.0);
+/// assert!((f - 0.5 / 4.0).abs() < 1e-9);
+/// ```
+#[inline(always)]
+pub fn gradient_factor(clip: Option<(f64, f64)>, loss_scale: f64) -> f64 {
+    let coef = match clip {
+        Some((norm, max_norm)) => crate::accum::clip_coefficient(norm / loss_scale, max_norm),
+        None => 1.0,
+    };
+    coef / loss_scale
+}
+
 /// `base^n` for a whole number `n >= 0` (torch's step counts are whole numbers stored in f32),
 /// by squaring: a few units in the last place, the same on both backends.
 #[inline(always)]

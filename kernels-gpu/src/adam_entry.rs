@@ -7,7 +7,7 @@
 use core::arch::asm;
 
 use crate::abi::{AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, NormOutput, adam_chunk_elems, adam_flags, dtype_code};
-use crate::adam::{StepScalars, Updated, step_mode, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
+use crate::adam::{StepScalars, Updated, gradient_factor, step_mode, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
 use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_stream_v4, st_stream_v4, sync_threads, thread_idx};
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 
@@ -374,15 +374,21 @@ unsafe fn chunk_any_f32<const AMSGRAD: bool>(d: &AdamTensorDesc, chunk: u64, s: 
 }
 
 /// Adam / AdamW step: blocks of `BLOCK_THREADS`, one per task (one block when there is none).
-/// `norm`: the norm kernel's output for the gradients (its coefficient multiplies each gradient;
-/// with [`adam_flags::SKIP_NONFINITE`] a non-finite norm leaves everything untouched), or null
-/// (no clip). The last block to finish adds one to `count.steps` (or `count.skipped`).
+/// `norm`: the norm kernel's output for the gradients, or null (no clip): each gradient is
+/// multiplied by [`gradient_factor`] of its norm and `max_norm` (the clip coefficient, divided by
+/// the loss scale when there is one), and with [`adam_flags::SKIP_NONFINITE`] a non-finite norm
+/// leaves everything untouched. Inputs in device memory, each optional (null: none), read when
+/// the step runs, so a captured step takes each replay's values: `lr_in` (one f64, used instead
+/// of `lr`), `loss_scale` (one f32: the scale the gradients carry, GradScaler's) and `found_inf`
+/// (one f32: nonzero skips the step, GradScaler's overflow flag). The last block to finish adds
+/// one to `count.steps` (or `count.skipped`).
 ///
 /// # Safety
 /// Launched by the gradclip host with a grid of one block per task of a plan built from
 /// `tensors` (every part live device memory of its length and dtype, the written parts pairwise
-/// disjoint and disjoint from the gradients), `counter` zero, `count` and `norm` (if not null)
-/// device memory written before the launch on its stream.
+/// disjoint and disjoint from the gradients), `counter` zero, `count`, `norm`, `lr_in`,
+/// `loss_scale` and `found_inf` (those not null) device memory written before the launch on its
+/// stream.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_adam(
     tensors: *const AdamTensorDesc,
@@ -397,7 +403,20 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
     weight_decay: f64,
     flags: u32,
     num_tasks: u64,
+    max_norm: f64,
+    lr_in: *const f64,
+    loss_scale: *const f32,
+    found_inf: *const f32,
 ) {
+    // SAFETY: each input not null was written before the launch on this stream (contract).
+    let (lr, scale, found, out) = unsafe {
+        (
+            if lr_in.is_null() { lr } else { lr_in.read() },
+            if loss_scale.is_null() { 1.0 } else { loss_scale.read() as f64 },
+            !found_inf.is_null() && found_inf.read() != 0.0,
+            if norm.is_null() { None } else { Some(norm.read()) },
+        )
+    };
     let h = AdamParams {
         lr,
         beta1,
@@ -407,14 +426,10 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
         flags,
         reserved: 0,
     };
-    let (coef, nonfinite) = if norm.is_null() {
-        (1.0, false)
-    } else {
-        // SAFETY: written before the launch on this stream (contract); null means no clip.
-        let o = unsafe { norm.read() };
-        (o.coef, o.nonfinite != 0)
-    };
-    let skip = nonfinite && flags & adam_flags::SKIP_NONFINITE != 0;
+    let coef = gradient_factor(out.map(|o| (o.norm, max_norm)), scale);
+    let nonfinite = out.is_some_and(|o| o.nonfinite != 0);
+    let overflow = found;
+    let skip = overflow || (nonfinite && flags & adam_flags::SKIP_NONFINITE != 0);
     // SAFETY: only the last block writes it, after every block has read it (tickets below).
     let steps = unsafe { (*count).steps };
     if !skip && num_tasks > 0 {

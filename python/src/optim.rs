@@ -4,7 +4,8 @@
 
 use gradclip::NormType;
 use gradclip::cpu::Cpu;
-use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount};
+use gradclip::gpu::DeviceStepInputs;
+use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, gradient_factor};
 use gradclip::tensor_list::TensorList;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -37,13 +38,16 @@ struct Group {
     parts: Vec<Parts>,
     cfg: AdamConfig,
     count: u64,
+    /// The address of a float64 learning rate on the tensors' device (a tensor `lr`), or 0:
+    /// `cfg.lr`.
+    lr_in: u64,
 }
 
 /// Reads one group: `(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or None, (lr,
-/// beta1, beta2, eps, weight_decay), (amsgrad, maximize, decoupled_weight_decay), count)`.
+/// beta1, beta2, eps, weight_decay), (amsgrad, maximize, decoupled_weight_decay), count, lr_in)`.
 fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Group> {
     #[allow(clippy::type_complexity)]
-    let (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, hyper, options, count): (
+    let (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, hyper, options, count, lr_in): (
         Bound<'_, PyList>,
         Bound<'_, PyList>,
         Bound<'_, PyList>,
@@ -52,7 +56,11 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> 
         (f64, f64, f64, f64, f64),
         (bool, bool, bool),
         u64,
+        u64,
     ) = g.extract()?;
+    if !lr_in.is_multiple_of(8) {
+        return Err(PyValueError::new_err("a tensor learning rate must be passed as a float64 tensor"));
+    }
     let p = read(pl, "params", &params, place)?;
     let gr = read(pl, "grads", &grads, place)?;
     let m = read(pl, "exp_avgs", &exp_avgs, place)?;
@@ -89,7 +97,7 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> 
         maximize: options.1,
         decoupled_weight_decay: options.2,
     };
-    Ok(Group { parts, cfg, count })
+    Ok(Group { parts, cfg, count, lr_in })
 }
 
 /// One Adam / AdamW step over parameter groups (see [`read_group`] for a group; `count` is the
@@ -97,11 +105,15 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> 
 /// CPU with the CPU backend. `clip` = (max_norm, p, nonfinite) or None: the norm over every
 /// group's gradients (on CUDA to the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the
 /// global norm in the float64 at `norm_in` (sharded parameters: combined across ranks), then
-/// each group's update reads its coefficient. Returns the norm on the CPU (None on CUDA: it stays on the device). Raises
+/// each group's update reads its coefficient. `loss_scale` and `found_inf`: addresses of one
+/// float32 each on the tensors' device, or 0 (GradScaler's scale, which the gradients carry and
+/// every update divides out, the clip limiting the unscaled norm; its overflow flag, which skips
+/// the step). Returns the norm on the CPU (None on CUDA: it stays on the device). Raises
 /// ValueError, before anything is written, for tensors the engine does not take (the caller then
 /// uses torch's step).
 #[pyfunction]
-#[pyo3(signature = (planner, stream, groups, clip, norm_out, norm_in=0))]
+#[pyo3(signature = (planner, stream, groups, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
+#[allow(clippy::too_many_arguments)]
 pub fn adam_step(
     py: Python<'_>,
     planner: &Bound<'_, Planner>,
@@ -110,6 +122,8 @@ pub fn adam_step(
     clip: Option<(f64, f64, String)>,
     norm_out: u64,
     norm_in: u64,
+    loss_scale: u64,
+    found_inf: u64,
 ) -> PyResult<Option<f64>> {
     let pl = planner.get();
     let mut place = None;
@@ -142,6 +156,9 @@ pub fn adam_step(
     if norm_in != 0 && !norm_in.is_multiple_of(8) {
         return Err(PyValueError::new_err("the global norm must be a float64 tensor"));
     }
+    if !loss_scale.is_multiple_of(4) || !found_inf.is_multiple_of(4) {
+        return Err(PyValueError::new_err("the loss scale and found_inf must be float32 tensors"));
+    }
     let grads: Vec<_> = groups.iter().flat_map(|g| g.parts.iter().map(|p| p.grad)).collect();
     let grads = TensorList::new(&grads).map_err(to_py)?;
     match place {
@@ -154,19 +171,20 @@ pub fn adam_step(
                     // each `count` and `norm_out` are the caller's device tensors of the stated
                     // sizes.
                     unsafe {
-                        let clipped = match &clip {
-                            None => None,
-                            Some(c) => {
-                                if norm_in == 0 {
-                                    e.clip_norm_raw(&grads, c, norm_out)?;
-                                } else {
-                                    e.clip_from_norm_raw(norm_in, c, norm_out)?;
-                                }
-                                Some((norm_out, c.nonfinite == NonFinite::Skip))
+                        if let Some(c) = &clip {
+                            if norm_in == 0 {
+                                e.clip_norm_raw(&grads, c, norm_out)?;
+                            } else {
+                                e.clip_from_norm_raw(norm_in, c, norm_out)?;
                             }
-                        };
+                        }
                         for g in &groups {
-                            e.adam_update_raw(&g.parts, &g.cfg, g.count, clipped)?;
+                            let inputs = DeviceStepInputs {
+                                lr: g.lr_in,
+                                loss_scale,
+                                found_inf,
+                            };
+                            e.adam_update_raw(&g.parts, &g.cfg, g.count, clip.as_ref().map(|c| (norm_out, c)), &inputs)?;
                         }
                         Ok(None)
                     }
@@ -177,22 +195,39 @@ pub fn adam_step(
             .detach(|| {
                 let cpu = Cpu::new();
                 // SAFETY: the tensors are live host memory the caller holds for the call; each
-                // `count` is the address of the caller's two int64 (checked aligned above).
+                // `count` is the address of the caller's two int64, each input (not 0) of its
+                // dtype (checked aligned above).
                 unsafe {
                     let r = match &clip {
                         None => None,
                         Some(c) if norm_in == 0 => Some(cpu.clip_norm_raw(&grads, c)?),
                         Some(c) => Some(cpu.clip_from_norm((norm_in as *const f64).read(), c)?),
                     };
-                    for g in &groups {
+                    let scale = if loss_scale == 0 { 1.0 } else { (loss_scale as *const f32).read() as f64 };
+                    let overflow = found_inf != 0 && (found_inf as *const f32).read() != 0.0;
+                    // The GPU kernel's factor and verdict (gradclip_kernels::adam), on the host.
+                    let factor = gradient_factor(clip.as_ref().zip(r.as_ref()).and_then(|(c, r)| Some((r.norm?, c.max_norm))), scale);
+                    // Every group's learning rate (a tensor's read here) checked before any update.
+                    let cfgs: Vec<AdamConfig> = groups
+                        .iter()
+                        .map(|g| AdamConfig {
+                            lr: if g.lr_in == 0 { g.cfg.lr } else { (g.lr_in as *const f64).read() },
+                            ..g.cfg
+                        })
+                        .collect();
+                    for c in &cfgs {
+                        c.params()?;
+                    }
+                    for (g, cfg) in groups.iter().zip(cfgs) {
                         let words = g.count as *mut u64;
                         let mut count = StepCount {
                             steps: words.read(),
                             skipped: words.add(1).read(),
                         };
                         match &r {
+                            _ if overflow => count.skipped += 1,
                             Some(r) if r.skipped => count.skipped += 1,
-                            _ => cpu.adam_update_raw(&g.parts, &g.cfg, &mut count, r.as_ref().map_or(1.0, |r| r.coef))?,
+                            _ => cpu.adam_update_raw(&g.parts, &cfg, &mut count, factor)?,
                         }
                         words.write(count.steps);
                         words.add(1).write(count.skipped);

@@ -279,12 +279,14 @@ def test_nonfinite_norm_error_raises_before_writing_and_propagate_is_torchs(devi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("unscale_first", [False, True])
-def test_grad_scaler_protocol(device, unscale_first):
+@pytest.mark.parametrize("update", ["torch", "gradclip"])
+def test_grad_scaler_protocol(device, unscale_first, update):
     """With GradScaler: the norm of the unscaled gradients is clipped, the loss scale and the
-    clip coefficient combine into one grad_scale, an overflowing step is skipped (the scaler's
-    found_inf; its norm is not finite, so skipped_steps counts it too)."""
+    clip coefficient combine into one factor (torch's kernel: one grad_scale; gradclip's: the
+    scale read on the device and divided out as each gradient is read), an overflowing step is
+    skipped (the scaler's found_inf; its norm is not finite, so skipped_steps counts it too)."""
     ours_m, ref_m = model(device, torch.float32), model(device, torch.float32)
-    ours = AdamW(ours_m.parameters(), lr=1e-2, max_grad_norm=0.5)
+    ours = AdamW(ours_m.parameters(), lr=1e-2, max_grad_norm=0.5, update=update)
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
     scalers = [torch.amp.GradScaler(device, init_scale=1024.0) for _ in range(2)]
     for step in range(4):
@@ -297,7 +299,12 @@ def test_grad_scaler_protocol(device, unscale_first):
                 want = gt.get_total_norm([p.grad for p in m.parameters()]) / s.get_scale()
                 if unscale_first:
                     s.unscale_(o)
+                grads = [p.grad.clone() for p in m.parameters()]
                 s.step(o)
+                if update == "gradclip":
+                    # gradclip's kernel took the step: it reads the gradients, never writes them
+                    # (torch's fused kernel writes the unscaled ones back).
+                    assert all(torch.equal(g, p.grad) for g, p in zip(grads, m.parameters()))
             else:
                 s.unscale_(o)
                 torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
@@ -364,6 +371,29 @@ def test_gradclip_update(device, dtype, max_grad_norm):
     assert [float(s["step"]) for s in ours.state_dict()["state"].values()] == [want] * len(ours.state)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_grad_norm", [None, 0.3])
+def test_gradclip_update_takes_a_tensor_learning_rate(device, max_grad_norm):
+    """update="gradclip" with a tensor lr (read on the device when the step runs, so an LR
+    schedule that writes it in place reaches every step): the same bits as the same value given
+    as a float, step after step as the tensor changes; torch's step is not called for it."""
+    a_m, b_m = model(device, torch.bfloat16), model(device, torch.bfloat16)
+    lr = torch.tensor(1e-3, device=device)  # float32, as schedulers keep it
+    a = AdamW(a_m.parameters(), lr=lr, max_grad_norm=max_grad_norm, update="gradclip", capturable=device == "cuda")
+    b = AdamW(b_m.parameters(), lr=float(lr), max_grad_norm=max_grad_norm, update="gradclip")
+    a._torch_step = b._torch_step = None  # the fallback would fail: gradclip's kernel runs every step
+    for step in range(3):
+        backward(a_m, step)
+        backward(b_m, step)
+        a.step()
+        b.step()
+        assert same(a_m, b_m), f"step {step}"
+        lr.mul_(0.5)  # in place, as a scheduler with a tensor lr does
+        for g in b.param_groups:
+            g["lr"] = float(lr)
+    assert states_equal(a, b)
+
+
 def test_native_update_reads_groups_and_refuses_bad_input():
     """The native entry reads torch's parameter groups (the tuple layout the optimizer builds)
     and refuses, before anything is written, a bad step count and a malformed group."""
@@ -371,17 +401,26 @@ def test_native_update_reads_groups_and_refuses_bad_input():
     from gradclip.torch import _PLANNER
 
     ps = [torch.zeros(4), torch.zeros(3)]
+    count = torch.zeros(2, dtype=torch.int64)
     group = (ps, [torch.ones(4), torch.ones(3)], [torch.zeros(4), torch.zeros(3)], [torch.zeros(4), torch.zeros(3)], None,
-             (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True), 0)
+             (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True), 0, 0)
     with pytest.raises(ValueError, match="step count"):
         _native.adam_step(_PLANNER, 0, [group], (1.0, 2.0, "skip"), 0)
-    with pytest.raises(ValueError, match="length 8"):
+    with pytest.raises(ValueError, match="length 9"):
         _native.adam_step(_PLANNER, 0, [group[:5]], None, 0)
     bad = (ps, [torch.ones(4)], [torch.zeros(4), torch.zeros(3)], [torch.zeros(4), torch.zeros(3)], None,
-           (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True), torch.zeros(2, dtype=torch.int64).data_ptr())
+           (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True), count.data_ptr(), 0)
     with pytest.raises(ValueError, match="grads has 1 tensors"):
         _native.adam_step(_PLANNER, 0, [bad], None, 0)
+    # A learning rate tensor read from memory is checked before anything is written.
+    negative = torch.tensor(-1.0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="learning rate"):
+        _native.adam_step(_PLANNER, 0, [group[:7] + (count.data_ptr(), negative.data_ptr())], None, 0)
+    misaligned = torch.zeros(3, dtype=torch.float64).data_ptr() + 4
+    with pytest.raises(ValueError, match="float64"):
+        _native.adam_step(_PLANNER, 0, [group[:7] + (count.data_ptr(), misaligned)], None, 0)
     assert all(torch.equal(p, torch.zeros_like(p)) for p in ps)
+    assert count.tolist() == [0, 0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")

@@ -308,3 +308,59 @@ where
     );
     assert_eq!(w, w0);
 }
+
+/// Gradients that carry a power-of-two loss scale step exactly as the unscaled ones: the norm
+/// divided by the scale is the unscaled norm, and the scale folded into the gradient factor
+/// cancels exactly (`adam_step_loss_scaled`, the GPU kernel's factor). An overflow verdict skips
+/// the step; a scale that is not finite and positive is refused; neither writes anything.
+fn loss_scaled_equals_unscaled<P: Num, S: Num>()
+where
+    for<'a> &'a mut [P]: Into<HostGradMut<'a>>,
+    for<'a> &'a [P]: Into<HostGrad<'a>>,
+    for<'a> &'a mut [S]: Into<HostGradMut<'a>>,
+    P: PartialEq + std::fmt::Debug,
+    S: PartialEq + std::fmt::Debug,
+{
+    const SCALE: f64 = 1024.0;
+    for c in gradclip_tests::adam_configs() {
+        for clip in [None, Some(ClipConfig::new(0.05))] {
+            let lens = [1, 7, 70_001, 300];
+            let mut a = slots::<P, S>(5, &lens);
+            let mut b = slots::<P, S>(5, &lens);
+            for t in b.iter_mut() {
+                t.grad = t.grad.iter().map(|&x| P::from(x.get() * SCALE)).collect();
+            }
+            let (mut ca, mut cb) = (StepCount::default(), StepCount::default());
+            for _ in 0..3 {
+                let ra = Cpu::new().adam_step(&mut views(&mut a, c.amsgrad), &c, &mut ca, clip.as_ref()).unwrap();
+                let rb = Cpu::new()
+                    .adam_step_loss_scaled(&mut views(&mut b, c.amsgrad), &c, &mut cb, clip.as_ref(), SCALE, false)
+                    .unwrap();
+                assert_eq!((ra.norm, ra.coef.to_bits(), ca), (rb.norm, rb.coef.to_bits(), cb));
+                for (x, y) in a.iter().zip(&b) {
+                    assert_eq!((&x.param, &x.m, &x.v, &x.vmax), (&y.param, &y.m, &y.v, &y.vmax), "{c:?} clip {clip:?}");
+                }
+            }
+            let before: Vec<(Vec<P>, Vec<S>)> = b.iter().map(|t| (t.param.clone(), t.m.clone())).collect();
+            let r = Cpu::new()
+                .adam_step_loss_scaled(&mut views(&mut b, c.amsgrad), &c, &mut cb, clip.as_ref(), SCALE, true)
+                .unwrap();
+            assert!(r.skipped && cb == StepCount { steps: 3, skipped: 1 });
+            for bad in [0.0, -2.0, f64::NAN, f64::INFINITY] {
+                let e = Cpu::new().adam_step_loss_scaled(&mut views(&mut b, c.amsgrad), &c, &mut cb, clip.as_ref(), bad, false);
+                assert!(matches!(e, Err(Error::InvalidHyperparameter { what: "loss scale", .. })), "{e:?}");
+            }
+            assert_eq!(cb, StepCount { steps: 3, skipped: 1 });
+            assert!(b.iter().zip(&before).all(|(t, (p, m))| t.param == *p && t.m == *m), "a skipped or refused step wrote");
+        }
+    }
+}
+
+#[test]
+fn loss_scaled_step_equals_the_unscaled_step() {
+    loss_scaled_equals_unscaled::<f32, f32>();
+    loss_scaled_equals_unscaled::<bf16, bf16>();
+    loss_scaled_equals_unscaled::<bf16, f32>();
+    loss_scaled_equals_unscaled::<f16, f32>();
+    loss_scaled_equals_unscaled::<f64, f64>();
+}

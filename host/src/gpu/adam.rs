@@ -63,6 +63,45 @@ impl DeviceStepCount {
     }
 }
 
+/// Step inputs that live in device memory of the engine's context, read by the Adam kernel when
+/// the step runs (so a step captured in a CUDA graph takes each replay's values): each an
+/// address, or 0 for none.
+///
+/// ```
+/// use gradclip::gpu::DeviceStepInputs;
+/// let none = DeviceStepInputs::default();
+/// assert_eq!((none.lr, none.loss_scale, none.found_inf), (0, 0, 0));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStepInputs {
+    /// One f64: the learning rate, used instead of [`AdamConfig::lr`] (an LR schedule that
+    /// writes it on the device).
+    pub lr: u64,
+    /// One f32: the loss scale the gradients carry (GradScaler's scale): every gradient is
+    /// divided by it as it is read, and a clip limits the norm of the unscaled gradients
+    /// ([`gradclip_kernels::adam::gradient_factor`]). Must be finite and positive.
+    pub loss_scale: u64,
+    /// One f32: nonzero skips the step (GradScaler's `found_inf`): nothing is written and the
+    /// skipped count advances, whatever the clip's non-finite policy.
+    pub found_inf: u64,
+}
+
+impl DeviceStepInputs {
+    /// [`Error::BadOutputAddress`] for an input that is not 0 and not aligned to its size.
+    fn check(&self) -> Result<()> {
+        for (what, addr, align) in [
+            ("the learning rate input", self.lr, 8),
+            ("the loss scale input", self.loss_scale, 4),
+            ("the found_inf input", self.found_inf, 4),
+        ] {
+            if !addr.is_multiple_of(align) {
+                return Err(Error::BadOutputAddress { what, addr });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The optimizer tables of the lists uploaded last (a few: one per parameter group), in the
 /// engine's own memory: counter word, tensor table, task table.
 #[derive(Debug, Default)]
@@ -111,9 +150,11 @@ fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
 }
 
 /// Every check an update makes before anything is enqueued: the hyperparameters, the step
-/// count's and (with a clip) the norm output's addresses, and the parts ([`check`]).
-fn check_update(parts: &[Parts], cfg: &AdamConfig, count: u64, norm: Option<u64>) -> Result<AdamParams> {
+/// count's, (with a clip) the norm output's and the device inputs' addresses, and the parts
+/// ([`check`]).
+fn check_update(parts: &[Parts], cfg: &AdamConfig, count: u64, norm: Option<u64>, inputs: &DeviceStepInputs) -> Result<AdamParams> {
     let h = cfg.params()?;
+    inputs.check()?;
     for (what, addr) in [("the step count", Some(count)), ("the norm output", norm)] {
         if let Some(addr) = addr.filter(|&a| a == 0 || !a.is_multiple_of(8)) {
             return Err(Error::BadOutputAddress { what, addr });
@@ -178,7 +219,7 @@ impl GpuEngine {
         // SAFETY: every part is a live cudarc allocation of this context (checked above),
         // borrowed by the guards until the launches are enqueued (cudarc orders later uses);
         // `count_addr` and `norm_addr` are the DeviceStepCount's and DeviceNorm's memory.
-        let r = unsafe { self.adam_step_raw(&parts, cfg, count_addr, clip, norm_addr) };
+        let r = unsafe { self.adam_step_raw(&parts, cfg, count_addr, clip, norm_addr, &DeviceStepInputs::default()) };
         drop(addrs);
         drop(guards);
         r
@@ -187,13 +228,17 @@ impl GpuEngine {
     /// [`GpuEngine::adam_step`] over device addresses: [`GpuEngine::clip_norm_raw`] over the
     /// gradients (with a clip), then [`GpuEngine::adam_update_raw`]. `count` is an
     /// [`AdamCount`] (two u64: steps, skipped) and `norm` a 24-byte NormOutput, both in device
-    /// memory of this context (`norm` is used only with a clip and may be 0 without one).
+    /// memory of this context (`norm` is used only with a clip and may be 0 without one; it gets
+    /// the norm of the gradients as they are, scaled when `inputs` has a loss scale).
+    /// `inputs`: a learning rate, loss scale and overflow flag in device memory
+    /// ([`DeviceStepInputs`]); with a loss scale, give the clip [`NonFinite::Skip`] (an overflow
+    /// is then a skipped step, not an error).
     ///
     /// # Safety
     /// Every part is device memory of this context of its length and dtype, the written parts
     /// (parameters, states) used by nothing else until the work this call enqueues has run, and
-    /// `count` and `norm` (when used) valid, 8-byte aligned device memory written before on the
-    /// stream, not freed before that work has run.
+    /// `count`, `norm` (when used) and the inputs valid device memory of their sizes, written
+    /// before on the stream, not freed before that work has run.
     pub unsafe fn adam_step_raw(
         &mut self,
         parts: &[Parts],
@@ -201,20 +246,17 @@ impl GpuEngine {
         count: u64,
         clip: Option<&ClipConfig>,
         norm: u64,
+        inputs: &DeviceStepInputs,
     ) -> Result<()> {
         // Every check of the update before the norm is enqueued: nothing is written on an error.
-        let h = check_update(parts, cfg, count, clip.map(|_| norm))?;
-        let skip = match clip {
-            None => None,
-            Some(c) => {
-                let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
-                // SAFETY: the caller's contract covers the gradients and `norm`.
-                unsafe { self.clip_norm_raw(&grads, c, norm) }?;
-                Some((norm, c.nonfinite == NonFinite::Skip))
-            }
-        };
+        let h = check_update(parts, cfg, count, clip.map(|_| norm), inputs)?;
+        if let Some(c) = clip {
+            let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
+            // SAFETY: the caller's contract covers the gradients and `norm`.
+            unsafe { self.clip_norm_raw(&grads, c, norm) }?;
+        }
         // SAFETY: the caller's contract, checked above; `norm` was written just above.
-        unsafe { self.launch_update(parts, h, count, skip) }
+        unsafe { self.launch_update(parts, h, count, clip.map(|c| (norm, c)), inputs) }
     }
 
     /// The first half of a clipped step over several parameter groups: the norm kernel over
@@ -300,24 +342,40 @@ impl GpuEngine {
     }
 
     /// The update half: the Adam kernel over one parameter group. `clipped`: the NormOutput a
-    /// [`GpuEngine::clip_norm_raw`] wrote (its coefficient multiplies each gradient as it is
-    /// read) and whether a non-finite norm skips the step; None: no clip.
+    /// [`GpuEngine::clip_norm_raw`] wrote and its clip (each gradient is multiplied by the clip
+    /// coefficient as it is read; [`NonFinite::Skip`] skips a step whose norm is not finite);
+    /// None: no clip. `inputs`: as [`GpuEngine::adam_step_raw`].
     ///
     /// # Safety
     /// As [`GpuEngine::adam_step_raw`]; the NormOutput was written before on this stream.
-    pub unsafe fn adam_update_raw(&mut self, parts: &[Parts], cfg: &AdamConfig, count: u64, clipped: Option<(u64, bool)>) -> Result<()> {
-        let h = check_update(parts, cfg, count, clipped.map(|(n, _)| n))?;
+    pub unsafe fn adam_update_raw(
+        &mut self,
+        parts: &[Parts],
+        cfg: &AdamConfig,
+        count: u64,
+        clipped: Option<(u64, &ClipConfig)>,
+        inputs: &DeviceStepInputs,
+    ) -> Result<()> {
+        check_clip(clipped.map(|(_, c)| c))?;
+        let h = check_update(parts, cfg, count, clipped.map(|(n, _)| n), inputs)?;
         // SAFETY: the caller's contract, checked above.
-        unsafe { self.launch_update(parts, h, count, clipped) }
+        unsafe { self.launch_update(parts, h, count, clipped, inputs) }
     }
 
     /// The Adam launch of parts that passed [`check_update`].
     ///
     /// # Safety
     /// As [`GpuEngine::adam_update_raw`], and `parts` passed [`check_update`].
-    unsafe fn launch_update(&mut self, parts: &[Parts], h: AdamParams, count: u64, clipped: Option<(u64, bool)>) -> Result<()> {
-        let norm = clipped.map_or(0, |(n, _)| n);
-        let skip = matches!(clipped, Some((_, true)));
+    unsafe fn launch_update(
+        &mut self,
+        parts: &[Parts],
+        h: AdamParams,
+        count: u64,
+        clipped: Option<(u64, &ClipConfig)>,
+        inputs: &DeviceStepInputs,
+    ) -> Result<()> {
+        let (norm, max_norm) = clipped.map_or((0, 1.0), |(n, c)| (n, c.max_norm));
+        let skip = clipped.is_some_and(|(_, c)| c.nonfinite == NonFinite::Skip);
         let h = AdamParams {
             flags: h.flags | if skip { adam_flags::SKIP_NONFINITE } else { 0 },
             ..h
@@ -326,8 +384,8 @@ impl GpuEngine {
         let stream = self.stream().clone();
         // SAFETY: the tables were planned from `parts` (checked above: lengths, dtypes, valid and
         // disjoint memory) and uploaded on this stream; the caller vouches for the memory of the
-        // parts, of `count` and of the NormOutput.
-        unsafe { launch::adam(&stream, self.kernels(), &tables, num_tasks, count, norm, &h) }
+        // parts, of `count`, of the NormOutput and of the inputs.
+        unsafe { launch::adam(&stream, self.kernels(), &tables, num_tasks, count, norm, &h, max_norm, inputs) }
     }
 
     /// The optimizer tables of `parts` in device memory and their task count: under CUDA-graph

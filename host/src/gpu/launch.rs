@@ -4,6 +4,7 @@
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 use gradclip_kernels::abi::{AdamParams, BLOCK_SMEM_BYTES, BLOCK_THREADS, NormParams, WARP_THREADS};
 
+use super::adam::DeviceStepInputs;
 use super::kernels::{Kernel, KernelSet};
 use crate::error::Result;
 use crate::norm::NormType;
@@ -133,6 +134,8 @@ pub unsafe fn adam(
     count: u64,
     norm: u64,
     h: &AdamParams,
+    max_norm: f64,
+    inputs: &DeviceStepInputs,
 ) -> Result<()> {
     let mut b = stream.launch_builder(ks.get(Kernel::Adam));
     b.arg(&t.tensors).arg(&t.tasks).arg(&t.counter).arg(&count).arg(&norm);
@@ -142,7 +145,11 @@ pub unsafe fn adam(
         .arg(&h.eps)
         .arg(&h.weight_decay)
         .arg(&h.flags)
-        .arg(&num_tasks);
+        .arg(&num_tasks)
+        .arg(&max_norm)
+        .arg(&inputs.lr)
+        .arg(&inputs.loss_scale)
+        .arg(&inputs.found_inf);
     let cfg = LaunchConfig {
         grid_dim: (num_tasks.max(1) as u32, 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),

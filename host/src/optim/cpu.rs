@@ -44,6 +44,81 @@ impl Cpu {
         unsafe { self.adam_step_raw(&parts, cfg, count, clip) }
     }
 
+    /// [`Cpu::adam_step`] for gradients that carry a loss scale (GradScaler's, or any mixed
+    /// precision loss scaling): every gradient is divided by `loss_scale` as it is read, a clip
+    /// limits the norm of the unscaled gradients (the report's norm is theirs), and `found_inf`
+    /// (the scaler's overflow verdict) skips the step whatever the clip's non-finite policy. The
+    /// factor is the GPU kernel's ([`super::gradient_factor`]), so the two backends agree bit for
+    /// bit; with a power-of-two scale the step equals the unscaled step exactly.
+    ///
+    /// ```
+    /// use gradclip::{cpu::{Cpu, HostGrad, HostGradMut}, optim::{AdamConfig, ClipConfig, HostAdamTensor, StepCount}};
+    /// let (mut w, g) = (vec![1.0f32; 4], vec![3.0f32 * 1024.0; 4]);
+    /// let (mut m, mut v) = (vec![0.0f32; 4], vec![0.0f32; 4]);
+    /// let mut t = [HostAdamTensor {
+    ///     param: HostGradMut::from(&mut w[..]),
+    ///     grad: HostGrad::from(&g[..]),
+    ///     exp_avg: HostGradMut::from(&mut m[..]),
+    ///     exp_avg_sq: HostGradMut::from(&mut v[..]),
+    ///     max_exp_avg_sq: None,
+    /// }];
+    /// let mut count = StepCount::default();
+    /// let r = Cpu::new().adam_step_loss_scaled(&mut t, &AdamConfig::adamw(1e-3), &mut count, Some(&ClipConfig::new(1.0)), 1024.0, false)?;
+    /// assert_eq!((r.norm, count.steps), (Some(6.0), 1));
+    /// # Ok::<(), gradclip::Error>(())
+    /// ```
+    pub fn adam_step_loss_scaled(
+        &self,
+        tensors: &mut [HostAdamTensor<'_>],
+        cfg: &AdamConfig,
+        count: &mut StepCount,
+        clip: Option<&ClipConfig>,
+        loss_scale: f64,
+        found_inf: bool,
+    ) -> Result<StepReport> {
+        if !(loss_scale.is_finite() && loss_scale > 0.0) {
+            return Err(Error::InvalidHyperparameter {
+                what: "loss scale",
+                value: loss_scale,
+                valid: "a finite number > 0",
+            });
+        }
+        let parts: Vec<Parts> = tensors.iter().map(HostAdamTensor::parts).collect();
+        let h = cfg.params()?;
+        check(&parts, cfg.amsgrad)?;
+        check_clip(clip)?;
+        let r = match clip {
+            None => None,
+            Some(c) => {
+                let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
+                // SAFETY: the parts are the borrows `tensors` holds for this call.
+                let norm = unsafe { self.total_norm_raw(&grads, c.norm_type, false) }?.norm;
+                let unscaled = norm / loss_scale;
+                if !unscaled.is_finite() && c.nonfinite == NonFinite::Error && !found_inf {
+                    return Err(Error::NonFiniteNorm {
+                        norm: unscaled,
+                        norm_type: c.norm_type.to_string(),
+                    });
+                }
+                Some((norm, unscaled, c))
+            }
+        };
+        let skipped = found_inf || r.is_some_and(|(_, n, c)| !n.is_finite() && c.nonfinite == NonFinite::Skip);
+        let factor = super::gradient_factor(r.map(|(n, _, c)| (n, c.max_norm)), loss_scale);
+        if skipped {
+            count.skipped += 1;
+        } else {
+            // SAFETY: the parts are the borrows `tensors` holds for this call (`&mut` for the
+            // written ones), checked above.
+            unsafe { update_checked(&parts, &h, count, factor) };
+        }
+        Ok(StepReport {
+            norm: r.map(|(_, n, _)| n),
+            coef: r.map_or(1.0, |(_, n, c)| clip_coefficient(n, c.max_norm)),
+            skipped,
+        })
+    }
+
     /// [`Cpu::adam_step`] over host addresses: [`Cpu::clip_norm_raw`] over the gradients (with a
     /// clip), then [`Cpu::adam_update_raw`].
     ///

@@ -24,6 +24,7 @@
 
 pub mod cpu;
 
+pub use gradclip_kernels::adam::gradient_factor;
 use gradclip_kernels::abi::{AdamParams, adam_flags};
 
 use crate::cpu::{HostGrad, HostGradMut};

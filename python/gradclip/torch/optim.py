@@ -115,13 +115,16 @@ class _ClippingStep:
         """The step with gradclip's engine: with a clip, the norm over every group's gradients,
         then one update per group that multiplies each gradient by the coefficient as it reads it
         (no scale pass, no gradient write); on CUDA the norm kernel and one Adam launch per group,
-        on the CPU the CPU backend (the same arithmetic). False, before anything is written, when
-        this step cannot take it (several devices, a tensor learning rate, GradScaler); torch's
-        step then runs. DTensor parameters update their local shards with the global norm of
-        the sharded gradients (one all-reduce per process group), as ``clip_grad_norm_``
-        computes it. Capturable in a CUDA graph after one eager step."""
-        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            return False
+        on the CPU the CPU backend (the same arithmetic). A tensor learning rate and GradScaler's
+        ``grad_scale`` / ``found_inf`` are read on the device when the step runs (the loss scale
+        divided out as each gradient is read, the clip limiting the unscaled norm, an overflow
+        skipping the step). False, before anything is written, when this step cannot take it
+        (several devices, tensors the engine does not take); torch's step then runs. DTensor
+        parameters update their local shards with the global norm of the sharded gradients (one
+        all-reduce per process group), as ``clip_grad_norm_`` computes it. Capturable in a CUDA
+        graph after one eager step."""
+        outer_scale = getattr(self, "grad_scale", None)
+        outer_found = getattr(self, "found_inf", None)
         capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
         plan = []
         for i, group in enumerate(self.param_groups):
@@ -129,8 +132,6 @@ class _ClippingStep:
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
             if not params:
                 continue
-            if isinstance(group["lr"], torch.Tensor):
-                return False
             plan.append((i, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps))
         if not plan:
             return False
@@ -141,8 +142,13 @@ class _ClippingStep:
         if any(t.device.type not in ("cuda", "cpu") for ts in local for t in ts[0]) or len({ts[0][0].device for ts in local}) != 1:
             return False
         device = local[0][0][0].device
+        # Device inputs, read by the kernel when it runs (kept alive here until it is enqueued;
+        # torch's allocator orders any reuse after this stream's work).
+        scale_t = None if outer_scale is None else outer_scale.to(device=device, dtype=torch.float32)
+        found_t = None if outer_found is None else outer_found.to(device=device, dtype=torch.float32)
+        lrs = [g[1]["lr"].to(device=device, dtype=torch.float64) if isinstance(g[1]["lr"], torch.Tensor) else None for g in plan]
         groups = []
-        for (i, group, *_, steps), (params, grads, exp_avgs, exp_avg_sqs, max_sqs) in zip(plan, local):
+        for (i, group, *_, steps), (params, grads, exp_avgs, exp_avg_sqs, max_sqs), lr_t in zip(plan, local, lrs):
             count = self._counts.get(i)
             if count is None and capturing:
                 raise RuntimeError(
@@ -162,25 +168,29 @@ class _ClippingStep:
                     exp_avgs,
                     exp_avg_sqs,
                     max_sqs if group["amsgrad"] else None,
-                    (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])),
+                    (0.0 if lr_t is not None else float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])),
                     (bool(group["amsgrad"]), bool(group["maximize"]), bool(decoupled)),
                     count.data_ptr(),
+                    0 if lr_t is None else lr_t.data_ptr(),
                 )
             )
-        clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, self.nonfinite)
+        # With GradScaler an overflow is expected: it skips the step, never raises.
+        policy = "skip" if self.nonfinite == "error" and (scale_t is not None or found_t is not None) else self.nonfinite
+        clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, policy)
         out = torch.empty(3, dtype=torch.float64, device=device)
         norm_in, dtype = None, None
         if clip is not None and sharded:
             norm_in, dtype = _grads_norm64([p for g in plan for p in g[2]], self.norm_type, self.pipeline_group)
             norm_in = norm_in.to(device=device, dtype=torch.float64).contiguous()
+        inputs = (0 if scale_t is None else scale_t.data_ptr(), 0 if found_t is None else found_t.data_ptr())
         try:
             ptr = 0 if norm_in is None else norm_in.data_ptr()
             if device.type == "cuda":
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 with torch.cuda.device(index):
-                    _native.adam_step(_PLANNER, torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr(), ptr)
+                    _native.adam_step(_PLANNER, torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr(), ptr, *inputs)
             else:
-                norm = _native.adam_step(_PLANNER, 0, groups, clip, 0, ptr)
+                norm = _native.adam_step(_PLANNER, 0, groups, clip, 0, ptr, *inputs)
                 out[0] = math.nan if norm is None else norm
         except ValueError:
             return False  # a tensor the kernel does not take: torch's step
@@ -192,8 +202,12 @@ class _ClippingStep:
                 ) from None
             raise
         # torch's per-parameter step counts advance with the kernel's (not on a skipped step).
-        skip = clip is not None and self.nonfinite == "skip"
-        inc = torch.isfinite(out[0]).to(torch.float32) if skip else None
+        inc = None
+        if clip is not None and policy == "skip":
+            inc = torch.isfinite(out[0]).to(torch.float32)
+        if found_t is not None:
+            ok = (found_t == 0).to(torch.float32)
+            inc = ok if inc is None else inc * ok
         for *_, steps in plan:
             if inc is None:
                 torch._foreach_add_([_local(s) for s in steps], 1.0)
@@ -202,7 +216,8 @@ class _ClippingStep:
                 # one, which reads it on the host (a sync; under capture, an error).
                 torch._foreach_add_([_local(s) for s in steps], inc, alpha=1.0)
         if clip is not None:
-            self.last_grad_norm = out[0].to(dtype or _result_dtype([g for ts in local for g in ts[1]]))
+            norm = out[0] if scale_t is None else out[0] / scale_t.to(torch.float64)
+            self.last_grad_norm = norm.to(dtype or _result_dtype([g for ts in local for g in ts[1]]))
             if self.nonfinite == "skip":
                 self.skipped_steps = self._counts[plan[0][0]][1]
         return True
