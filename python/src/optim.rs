@@ -203,7 +203,11 @@ pub fn adam_step(
                         Some(c) if norm_in == 0 => Some(cpu.clip_norm_raw(&grads, c)?),
                         Some(c) => Some(cpu.clip_from_norm((norm_in as *const f64).read(), c)?),
                     };
-                    let scale = if loss_scale == 0 { 1.0 } else { (loss_scale as *const f32).read() as f64 };
+                    let scale = if loss_scale == 0 {
+                        1.0
+                    } else {
+                        (loss_scale as *const f32).read() as f64
+                    };
                     let overflow = found_inf != 0 && (found_inf as *const f32).read() != 0.0;
                     // The GPU kernel's factor and verdict (gradclip_kernels::adam), on the host.
                     let factor = gradient_factor(clip.as_ref().zip(r.as_ref()).and_then(|(c, r)| Some((r.norm?, c.max_norm))), scale);

@@ -493,6 +493,103 @@ fn adam_step_equals_cpu_bits(gpu: &Gpu) -> TestResult {
     Ok(())
 }
 
+/// A learning rate, loss scale and overflow flag in device memory (`adam_step_with`): the same
+/// bits as the CPU's loss-scaled step with those values on the host, for every config with and
+/// without the clip; the host learning rate is ignored when one is on the device; an overflow
+/// flag skips the step on the device (nothing written, the skip counted).
+fn adam_device_inputs_equal_cpu_bits(gpu: &Gpu) -> TestResult {
+    use gradclip::gpu::{DeviceInputs, DeviceStepCount};
+    use gradclip::optim::{AdamConfig, ClipConfig, HostAdamTensor, StepCount};
+    const SCALE: f32 = 1000.0;
+    let lr = 2e-3f64;
+    let lr_dev = gpu.stream.clone_htod(&[lr]).unwrap();
+    let scale_dev = gpu.stream.clone_htod(&[SCALE]).unwrap();
+    let mut found_dev = gpu.stream.clone_htod(&[0.0f32]).unwrap();
+    for (ci, cfg) in adam_configs().iter().enumerate() {
+        for clip in [None, Some(ClipConfig::new(0.05))] {
+            let mut host = adam_parts(90 + ci as u64);
+            let mut dev: Vec<Vec<DevGrad>> = host.iter().map(|parts| gpu.upload(parts)).collect();
+            for (h, d) in host.iter_mut().zip(&dev) {
+                for (x, y) in h.iter_mut().zip(d) {
+                    *x = x.with_host_phase(y.phase_bytes(&gpu.stream));
+                }
+            }
+            let mut engine = gpu.engine();
+            let mut count = DeviceStepCount::new(&gpu.stream, StepCount::default()).unwrap();
+            let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+            let mut cpu_count = StepCount::default();
+            let host_cfg = AdamConfig { lr, ..*cfg };
+            // The host value the kernel must not use.
+            let dev_cfg = AdamConfig { lr: 0.5, ..*cfg };
+            for step in 1..=4u64 {
+                let overflow = step == 3;
+                gpu.stream
+                    .memcpy_htod(&[if overflow { 1.0f32 } else { 0.0 }], &mut found_dev)
+                    .unwrap();
+                {
+                    let mut views: Vec<HostAdamTensor> = host
+                        .iter_mut()
+                        .map(|[p, g, m, v, vm]| HostAdamTensor {
+                            param: p.host_mut(),
+                            grad: g.host(),
+                            exp_avg: m.host_mut(),
+                            exp_avg_sq: v.host_mut(),
+                            max_exp_avg_sq: cfg.amsgrad.then(|| vm.host_mut()),
+                        })
+                        .collect();
+                    gradclip::cpu::Cpu::new()
+                        .adam_step_loss_scaled(&mut views, &host_cfg, &mut cpu_count, clip.as_ref(), SCALE as f64, overflow)
+                        .unwrap();
+                }
+                {
+                    let mut views = AdamViews::of(&mut dev);
+                    let mut tensors = AdamViews::tensors(&mut views, cfg.amsgrad);
+                    let inputs = DeviceInputs {
+                        lr: Some(&lr_dev),
+                        loss_scale: Some(&scale_dev),
+                        found_inf: Some(&found_dev),
+                    };
+                    engine
+                        .adam_step_with(&mut tensors, &dev_cfg, &mut count, clip.as_ref(), &mut norm, &inputs)
+                        .unwrap();
+                }
+                let c = count.read().unwrap();
+                ensure(c == cpu_count && c.skipped == u64::from(step >= 3), || {
+                    format!("config {ci} step {step}: count {c:?} vs {cpu_count:?}")
+                })?;
+                for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
+                    for (part, (x, y)) in h.iter().zip(d).enumerate() {
+                        ensure(y.download(&gpu.stream).bits() == x.bits(), || {
+                            format!(
+                                "config {ci} clip {} step {step}: tensor {i} part {part} ({:?}) differs from the CPU",
+                                clip.is_some(),
+                                x.dtype()
+                            )
+                        })?;
+                    }
+                }
+            }
+        }
+    }
+    // An input of another length is refused before anything is enqueued.
+    let two = gpu.stream.clone_htod(&[1.0f64, 2.0]).unwrap();
+    let mut host = adam_parts(99);
+    let mut dev: Vec<Vec<DevGrad>> = host.iter_mut().map(|parts| gpu.upload(parts)).collect();
+    let mut count = DeviceStepCount::new(&gpu.stream, StepCount::default()).unwrap();
+    let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+    let mut views = AdamViews::of(&mut dev);
+    let mut tensors = AdamViews::tensors(&mut views, false);
+    let inputs = DeviceInputs {
+        lr: Some(&two),
+        ..DeviceInputs::default()
+    };
+    let e = gpu
+        .engine()
+        .adam_step_with(&mut tensors, &AdamConfig::adamw(1e-3), &mut count, None, &mut norm, &inputs);
+    ensure(matches!(e, Err(gradclip::Error::LengthMismatch { .. })), || format!("{e:?}"))?;
+    ensure(count.read().unwrap() == StepCount::default(), || "a refused step counted".into())
+}
+
 fn error_if_nonfinite(gpu: &Gpu) -> TestResult {
     let grads = vec![
         Grad::from_f64(DType::F32, &vec![3.0; 1000], 0),
@@ -1123,6 +1220,7 @@ fn main() {
         ("overlapping_tensors_rejected", overlap_rejected),
         ("graph_capture_launch_budget_and_replays", graph_capture),
         ("graph_capture_patterns_replay_like_eager", graph_capture_patterns),
+        ("adam_device_inputs_equal_cpu_bits", adam_device_inputs_equal_cpu_bits),
     ];
     // Tests that need two GPUs: reported as ignored on one.
     let two_gpu_tests: Vec<Case> = vec![

@@ -313,13 +313,11 @@ where
 /// divided by the scale is the unscaled norm, and the scale folded into the gradient factor
 /// cancels exactly (`adam_step_loss_scaled`, the GPU kernel's factor). An overflow verdict skips
 /// the step; a scale that is not finite and positive is refused; neither writes anything.
-fn loss_scaled_equals_unscaled<P: Num, S: Num>()
+fn loss_scaled_equals_unscaled<P: Num + PartialEq + std::fmt::Debug, S: Num + PartialEq + std::fmt::Debug>()
 where
     for<'a> &'a mut [P]: Into<HostGradMut<'a>>,
     for<'a> &'a [P]: Into<HostGrad<'a>>,
     for<'a> &'a mut [S]: Into<HostGradMut<'a>>,
-    P: PartialEq + std::fmt::Debug,
-    S: PartialEq + std::fmt::Debug,
 {
     const SCALE: f64 = 1024.0;
     for c in gradclip_tests::adam_configs() {
@@ -332,13 +330,19 @@ where
             }
             let (mut ca, mut cb) = (StepCount::default(), StepCount::default());
             for _ in 0..3 {
-                let ra = Cpu::new().adam_step(&mut views(&mut a, c.amsgrad), &c, &mut ca, clip.as_ref()).unwrap();
+                let ra = Cpu::new()
+                    .adam_step(&mut views(&mut a, c.amsgrad), &c, &mut ca, clip.as_ref())
+                    .unwrap();
                 let rb = Cpu::new()
                     .adam_step_loss_scaled(&mut views(&mut b, c.amsgrad), &c, &mut cb, clip.as_ref(), SCALE, false)
                     .unwrap();
                 assert_eq!((ra.norm, ra.coef.to_bits(), ca), (rb.norm, rb.coef.to_bits(), cb));
                 for (x, y) in a.iter().zip(&b) {
-                    assert_eq!((&x.param, &x.m, &x.v, &x.vmax), (&y.param, &y.m, &y.v, &y.vmax), "{c:?} clip {clip:?}");
+                    assert_eq!(
+                        (&x.param, &x.m, &x.v, &x.vmax),
+                        (&y.param, &y.m, &y.v, &y.vmax),
+                        "{c:?} clip {clip:?}"
+                    );
                 }
             }
             let before: Vec<(Vec<P>, Vec<S>)> = b.iter().map(|t| (t.param.clone(), t.m.clone())).collect();
@@ -351,7 +355,10 @@ where
                 assert!(matches!(e, Err(Error::InvalidHyperparameter { what: "loss scale", .. })), "{e:?}");
             }
             assert_eq!(cb, StepCount { steps: 3, skipped: 1 });
-            assert!(b.iter().zip(&before).all(|(t, (p, m))| t.param == *p && t.m == *m), "a skipped or refused step wrote");
+            assert!(
+                b.iter().zip(&before).all(|(t, (p, m))| t.param == *p && t.m == *m),
+                "a skipped or refused step wrote"
+            );
         }
     }
 }

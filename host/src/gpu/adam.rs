@@ -102,6 +102,18 @@ impl DeviceStepInputs {
     }
 }
 
+/// [`DeviceStepInputs`] as cudarc buffers of the engine's context, for
+/// [`GpuEngine::adam_step_with`]: each one element, or None.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceInputs<'a> {
+    /// The learning rate (used instead of [`AdamConfig::lr`]).
+    pub lr: Option<&'a CudaSlice<f64>>,
+    /// The loss scale the gradients carry (finite, positive).
+    pub loss_scale: Option<&'a CudaSlice<f32>>,
+    /// Nonzero skips the step.
+    pub found_inf: Option<&'a CudaSlice<f32>>,
+}
+
 /// The optimizer tables of the lists uploaded last (a few: one per parameter group), in the
 /// engine's own memory: counter word, tensor table, task table.
 #[derive(Debug, Default)]
@@ -179,6 +191,23 @@ impl GpuEngine {
         clip: Option<&ClipConfig>,
         norm: &mut DeviceNorm,
     ) -> Result<()> {
+        self.adam_step_with(tensors, cfg, count, clip, norm, &DeviceInputs::default())
+    }
+
+    /// [`GpuEngine::adam_step`] with inputs in device memory, read when the step runs (a
+    /// captured step takes each replay's values): a learning rate, the loss scale the gradients
+    /// carry (divided out as each gradient is read; a clip limits the norm of the unscaled
+    /// gradients, while `norm` gets the norm of the gradients as they are) and an overflow flag
+    /// that skips the step. With a loss scale, give the clip [`NonFinite::Skip`].
+    pub fn adam_step_with(
+        &mut self,
+        tensors: &mut [DeviceAdamTensor<'_>],
+        cfg: &AdamConfig,
+        count: &mut DeviceStepCount,
+        clip: Option<&ClipConfig>,
+        norm: &mut DeviceNorm,
+        inputs: &DeviceInputs<'_>,
+    ) -> Result<()> {
         let contexts = tensors.iter().flat_map(|t| {
             [
                 Some(t.param.context()),
@@ -190,7 +219,25 @@ impl GpuEngine {
             .chain([t.max_exp_avg_sq.as_ref().map(|m| m.context())])
             .flatten()
         });
-        self.check_contexts(contexts)?;
+        let input_contexts = [
+            inputs.lr.map(|x| x.context()),
+            inputs.loss_scale.map(|x| x.context()),
+            inputs.found_inf.map(|x| x.context()),
+        ];
+        self.check_contexts(contexts.chain(input_contexts.into_iter().flatten()))?;
+        for (what, len) in [
+            ("the learning rate input", inputs.lr.map(|x| x.len())),
+            ("the loss scale input", inputs.loss_scale.map(|x| x.len())),
+            ("the found_inf input", inputs.found_inf.map(|x| x.len())),
+        ] {
+            if let Some(len) = len.filter(|&n| n != 1) {
+                return Err(Error::LengthMismatch {
+                    what,
+                    expected: 1,
+                    found: len,
+                });
+            }
+        }
         let stream = self.stream().clone();
         let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
         let mut parts = Vec::with_capacity(tensors.len());
@@ -214,12 +261,21 @@ impl GpuEngine {
             });
         }
         let (count_addr, _gc) = count.words.device_ptr_mut(&stream);
+        let (lr, _gl) = inputs.lr.map(|x| x.device_ptr(&stream)).unzip();
+        let (loss_scale, _gs) = inputs.loss_scale.map(|x| x.device_ptr(&stream)).unzip();
+        let (found_inf, _gf) = inputs.found_inf.map(|x| x.device_ptr(&stream)).unzip();
+        let raw_inputs = DeviceStepInputs {
+            lr: lr.unwrap_or(0),
+            loss_scale: loss_scale.unwrap_or(0),
+            found_inf: found_inf.unwrap_or(0),
+        };
         let addrs = norm.addresses(&stream, 0)?;
         let norm_addr = addrs.norm;
         // SAFETY: every part is a live cudarc allocation of this context (checked above),
         // borrowed by the guards until the launches are enqueued (cudarc orders later uses);
-        // `count_addr` and `norm_addr` are the DeviceStepCount's and DeviceNorm's memory.
-        let r = unsafe { self.adam_step_raw(&parts, cfg, count_addr, clip, norm_addr, &DeviceStepInputs::default()) };
+        // `count_addr` and `norm_addr` are the DeviceStepCount's and DeviceNorm's memory, the
+        // inputs buffers of this context (checked above) of one element, borrowed likewise.
+        let r = unsafe { self.adam_step_raw(&parts, cfg, count_addr, clip, norm_addr, &raw_inputs) };
         drop(addrs);
         drop(guards);
         r

@@ -126,6 +126,8 @@ pub struct AdamTables {
 /// pairwise disjoint and disjoint from the gradients, until the launch completes; `t.counter` is
 /// zero; `count` (an [`gradclip_kernels::abi::AdamCount`]) and `norm` (a NormOutput, or 0 for
 /// no clip) are device memory of the context written before on the stream.
+// The kernel's inputs, passed through one by one as its signature lists them.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn adam(
     stream: &CudaStream,
     ks: &KernelSet,

@@ -25,7 +25,7 @@ pub mod tools;
 mod words;
 mod workspace;
 
-pub use adam::{DeviceAdamTensor, DeviceStepCount, DeviceStepInputs};
+pub use adam::{DeviceAdamTensor, DeviceInputs, DeviceStepCount, DeviceStepInputs};
 pub use buffers::{DeviceGrad, DeviceGradMut};
 pub use capture::graph_tables_live;
 pub use comm::{Communicator, Reduce};

@@ -24,8 +24,8 @@
 
 pub mod cpu;
 
-pub use gradclip_kernels::adam::gradient_factor;
 use gradclip_kernels::abi::{AdamParams, adam_flags};
+pub use gradclip_kernels::adam::gradient_factor;
 
 use crate::cpu::{HostGrad, HostGradMut};
 use crate::dtype::DType;
