@@ -6,6 +6,7 @@
 #   benches/device/run.sh sharded two GPUs: the multi-GPU tests, sharded_compare.py on 2 ranks and 1, train_fsdp.py
 #   benches/device/run.sh regress seed-500 only: gradclip-bench, torch_compare.py, host_profile.py
 #   benches/device/run.sh optim   optim_compare.py (clip + AdamW step, bf16 and f32), train_gpt.py with gradclip's AdamW
+#   benches/device/run.sh adam    the Adam tests (Rust, Python on CUDA), the same under memcheck, update="gradclip" timings
 #   benches/device/run.sh variants  each kernel variant of .devbin/variants/ (build-variant.sh) and .devbin's own:
 #                                 the Adam bit test, test_optim.py and optim_compare.py's update="gradclip" rows
 # Any other word does the set-up alone. SHARDED_REPEATS=N runs the two-rank comparison N times (torch's time varies).
@@ -90,6 +91,21 @@ optim)
     python3 python/examples/train_gpt.py --device cuda --optimizer gradclip --update gradclip > "$OUT/train-gpt-optim-gradclip-update.txt" 2>&1
     tail -2 "$OUT/train-gpt-optim-gradclip-update.txt"
     ;;
+adam)
+    # The optimizer's kernel alone: its Rust and Python tests, the same under compute-sanitizer
+    # memcheck (time-limited), and the update="gradclip" timing rows.
+    .devbin/gpu_backend --test-threads 1 adam > "$OUT/rust-adam.log" 2>&1
+    grep "test result" "$OUT/rust-adam.log"
+    python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_optim.py > "$OUT/test-optim.log" 2>&1
+    tail -n 1 "$OUT/test-optim.log"
+    timeout 200 compute-sanitizer --tool memcheck --leak-check no .devbin/gpu_backend --test-threads 1 adam > "$OUT/memcheck-adam-rust.log" 2>&1
+    tail -n 3 "$OUT/memcheck-adam-rust.log"
+    timeout 150 compute-sanitizer --tool memcheck --leak-check no python3 -m pytest -q -p no:cacheprovider --import-mode=importlib \
+        python/tests/test_optim.py -k "cuda and (gradclip or scaler or tensor_learning)" > "$OUT/memcheck-adam-python.log" 2>&1
+    tail -n 3 "$OUT/memcheck-adam-python.log"
+    python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/optim-rows.json" --rows "update=" --commit "$(cat .devbin/commit)" > "$OUT/optim-rows.txt" 2>&1
+    grep "x$" "$OUT/optim-rows.txt"
+    ;;
 variants)
     # One variant at a time: its wheel in its own site folder; the correctness runs on the last GPU
     # while the timings run on the first, when there are two.
@@ -128,5 +144,5 @@ variants)
     done
     (cd "$OUT" && tar czf variants.tgz variants && rm -rf variants)
     ;;
-*) echo "set-up done; modes: tests, bench, graphs, sharded, regress, optim, variants"; exit 2 ;;
+*) echo "set-up done; modes: tests, bench, graphs, sharded, regress, optim, adam, variants"; exit 2 ;;
 esac
