@@ -4,7 +4,6 @@
 
 use gradclip::NormType;
 use gradclip::cpu::Cpu;
-use gradclip::gpu::DeviceStepInputs;
 use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, gradient_factor};
 use gradclip::tensor_list::TensorList;
 use pyo3::exceptions::PyValueError;
@@ -178,13 +177,13 @@ pub fn adam_step(
                                 e.clip_from_norm_raw(norm_in, c, norm_out)?;
                             }
                         }
+                        if loss_scale != 0 {
+                            e.loss_scale_raw(norm_out, clip.as_ref(), loss_scale)?;
+                        }
+                        let factor = (clip.is_some() || loss_scale != 0)
+                            .then(|| (norm_out, clip.as_ref().is_some_and(|c| c.nonfinite == NonFinite::Skip)));
                         for g in &groups {
-                            let inputs = DeviceStepInputs {
-                                lr: g.lr_in,
-                                loss_scale,
-                                found_inf,
-                            };
-                            e.adam_update_raw(&g.parts, &g.cfg, g.count, clip.as_ref().map(|c| (norm_out, c)), &inputs)?;
+                            e.adam_update_raw(&g.parts, &g.cfg, g.count, factor, g.lr_in, found_inf)?;
                         }
                         Ok(None)
                     }

@@ -197,8 +197,9 @@ impl GpuEngine {
     /// [`GpuEngine::adam_step`] with inputs in device memory, read when the step runs (a
     /// captured step takes each replay's values): a learning rate, the loss scale the gradients
     /// carry (divided out as each gradient is read; a clip limits the norm of the unscaled
-    /// gradients, while `norm` gets the norm of the gradients as they are) and an overflow flag
-    /// that skips the step. With a loss scale, give the clip [`NonFinite::Skip`].
+    /// gradients, while `norm` gets the norm of the gradients as they are and, as its
+    /// coefficient, the factor; one more one-thread launch) and an overflow flag that skips the
+    /// step. With a loss scale, give the clip [`NonFinite::Skip`].
     pub fn adam_step_with(
         &mut self,
         tensors: &mut [DeviceAdamTensor<'_>],
@@ -284,8 +285,9 @@ impl GpuEngine {
     /// [`GpuEngine::adam_step`] over device addresses: [`GpuEngine::clip_norm_raw`] over the
     /// gradients (with a clip), then [`GpuEngine::adam_update_raw`]. `count` is an
     /// [`AdamCount`] (two u64: steps, skipped) and `norm` a 24-byte NormOutput, both in device
-    /// memory of this context (`norm` is used only with a clip and may be 0 without one; it gets
-    /// the norm of the gradients as they are, scaled when `inputs` has a loss scale).
+    /// memory of this context (`norm` is used only with a clip or a loss scale and may be 0
+    /// otherwise; it gets the norm of the gradients as they are, scaled when `inputs` has a loss
+    /// scale, and as its coefficient the factor the update multiplied them by).
     /// `inputs`: a learning rate, loss scale and overflow flag in device memory
     /// ([`DeviceStepInputs`]); with a loss scale, give the clip [`NonFinite::Skip`] (an overflow
     /// is then a skipped step, not an error).
@@ -305,14 +307,45 @@ impl GpuEngine {
         inputs: &DeviceStepInputs,
     ) -> Result<()> {
         // Every check of the update before the norm is enqueued: nothing is written on an error.
-        let h = check_update(parts, cfg, count, clip.map(|_| norm), inputs)?;
+        let scaled = inputs.loss_scale != 0;
+        let h = check_update(parts, cfg, count, (clip.is_some() || scaled).then_some(norm), inputs)?;
         if let Some(c) = clip {
             let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
             // SAFETY: the caller's contract covers the gradients and `norm`.
             unsafe { self.clip_norm_raw(&grads, c, norm) }?;
         }
+        if scaled {
+            // SAFETY: the caller's contract covers `norm` and the loss scale; with a clip the
+            // NormOutput was written just above.
+            unsafe { self.loss_scale_raw(norm, clip, inputs.loss_scale) }?;
+        }
+        let factor = (clip.is_some() || scaled).then(|| (norm, clip.is_some_and(|c| c.nonfinite == NonFinite::Skip)));
         // SAFETY: the caller's contract, checked above; `norm` was written just above.
-        unsafe { self.launch_update(parts, h, count, clip.map(|c| (norm, c)), inputs) }
+        unsafe { self.launch_update(parts, h, count, factor, inputs.lr, inputs.found_inf) }
+    }
+
+    /// The stage between the norm and the updates of a step whose gradients carry a loss scale
+    /// (one f32 at `loss_scale`, GradScaler's): the NormOutput at `norm` gets, as its
+    /// coefficient, the factor each update multiplies the gradients by
+    /// ([`gradclip_kernels::adam::gradient_factor`]: with `clip`, the clip coefficient of the
+    /// unscaled norm, divided by the loss scale; without, one over the loss scale). Its norm stays
+    /// that of the gradients as they are (scaled). One one-thread launch, once per step before
+    /// every group's [`GpuEngine::adam_update_raw`].
+    ///
+    /// # Safety
+    /// `norm` is 24 bytes of device memory of this context, 8-byte aligned, written before on the
+    /// stream by [`GpuEngine::clip_norm_raw`] when `clip` is given; `loss_scale` one f32 of it.
+    pub unsafe fn loss_scale_raw(&mut self, norm: u64, clip: Option<&ClipConfig>, loss_scale: u64) -> Result<()> {
+        check_clip(clip)?;
+        for (what, addr, align) in [("the norm output", norm, 8), ("the loss scale input", loss_scale, 4)] {
+            if addr == 0 || !addr.is_multiple_of(align) {
+                return Err(Error::BadOutputAddress { what, addr });
+            }
+        }
+        let stream = self.stream().clone();
+        let max_norm = clip.map_or(1.0, |c| c.max_norm);
+        // SAFETY: the caller's contract.
+        unsafe { launch::adam_loss_scale(&stream, self.kernels(), norm, loss_scale, max_norm, clip.is_some()) }
     }
 
     /// The first half of a clipped step over several parameter groups: the norm kernel over
@@ -397,10 +430,12 @@ impl GpuEngine {
         Ok(())
     }
 
-    /// The update half: the Adam kernel over one parameter group. `clipped`: the NormOutput a
-    /// [`GpuEngine::clip_norm_raw`] wrote and its clip (each gradient is multiplied by the clip
-    /// coefficient as it is read; [`NonFinite::Skip`] skips a step whose norm is not finite);
-    /// None: no clip. `inputs`: as [`GpuEngine::adam_step_raw`].
+    /// The update half: the Adam kernel over one parameter group. `factor`: the NormOutput
+    /// whose coefficient multiplies each gradient as it is read ([`GpuEngine::clip_norm_raw`]'s,
+    /// after [`GpuEngine::loss_scale_raw`] for loss-scaled gradients) and whether a non-finite
+    /// norm skips the step; None: factor 1. `lr` and `found_inf`: a learning rate (f64) and an
+    /// overflow flag (f32, nonzero skips the step) in device memory, or 0
+    /// ([`DeviceStepInputs`]).
     ///
     /// # Safety
     /// As [`GpuEngine::adam_step_raw`]; the NormOutput was written before on this stream.
@@ -409,13 +444,18 @@ impl GpuEngine {
         parts: &[Parts],
         cfg: &AdamConfig,
         count: u64,
-        clipped: Option<(u64, &ClipConfig)>,
-        inputs: &DeviceStepInputs,
+        factor: Option<(u64, bool)>,
+        lr: u64,
+        found_inf: u64,
     ) -> Result<()> {
-        check_clip(clipped.map(|(_, c)| c))?;
-        let h = check_update(parts, cfg, count, clipped.map(|(n, _)| n), inputs)?;
+        let inputs = DeviceStepInputs {
+            lr,
+            loss_scale: 0,
+            found_inf,
+        };
+        let h = check_update(parts, cfg, count, factor.map(|(n, _)| n), &inputs)?;
         // SAFETY: the caller's contract, checked above.
-        unsafe { self.launch_update(parts, h, count, clipped, inputs) }
+        unsafe { self.launch_update(parts, h, count, factor, lr, found_inf) }
     }
 
     /// The Adam launch of parts that passed [`check_update`].
@@ -427,11 +467,12 @@ impl GpuEngine {
         parts: &[Parts],
         h: AdamParams,
         count: u64,
-        clipped: Option<(u64, &ClipConfig)>,
-        inputs: &DeviceStepInputs,
+        factor: Option<(u64, bool)>,
+        lr: u64,
+        found_inf: u64,
     ) -> Result<()> {
-        let (norm, max_norm) = clipped.map_or((0, 1.0), |(n, c)| (n, c.max_norm));
-        let skip = clipped.is_some_and(|(_, c)| c.nonfinite == NonFinite::Skip);
+        let norm = factor.map_or(0, |(n, _)| n);
+        let skip = matches!(factor, Some((_, true)));
         let h = AdamParams {
             flags: h.flags | if skip { adam_flags::SKIP_NONFINITE } else { 0 },
             ..h
@@ -441,7 +482,7 @@ impl GpuEngine {
         // SAFETY: the tables were planned from `parts` (checked above: lengths, dtypes, valid and
         // disjoint memory) and uploaded on this stream; the caller vouches for the memory of the
         // parts, of `count`, of the NormOutput and of the inputs.
-        unsafe { launch::adam(&stream, self.kernels(), &tables, num_tasks, count, norm, &h, max_norm, inputs) }
+        unsafe { launch::adam(&stream, self.kernels(), &tables, num_tasks, count, norm, &h, lr, found_inf) }
     }
 
     /// The optimizer tables of `parts` in device memory and their task count: under CUDA-graph

@@ -4,7 +4,6 @@
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 use gradclip_kernels::abi::{AdamParams, BLOCK_SMEM_BYTES, BLOCK_THREADS, NormParams, WARP_THREADS};
 
-use super::adam::DeviceStepInputs;
 use super::kernels::{Kernel, KernelSet};
 use crate::error::Result;
 use crate::norm::NormType;
@@ -136,8 +135,8 @@ pub unsafe fn adam(
     count: u64,
     norm: u64,
     h: &AdamParams,
-    max_norm: f64,
-    inputs: &DeviceStepInputs,
+    lr_in: u64,
+    found_inf: u64,
 ) -> Result<()> {
     let mut b = stream.launch_builder(ks.get(Kernel::Adam));
     b.arg(&t.tensors).arg(&t.tasks).arg(&t.counter).arg(&count).arg(&norm);
@@ -148,10 +147,8 @@ pub unsafe fn adam(
         .arg(&h.weight_decay)
         .arg(&h.flags)
         .arg(&num_tasks)
-        .arg(&max_norm)
-        .arg(&inputs.lr)
-        .arg(&inputs.loss_scale)
-        .arg(&inputs.found_inf);
+        .arg(&lr_in)
+        .arg(&found_inf);
     let cfg = LaunchConfig {
         grid_dim: (num_tasks.max(1) as u32, 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),
@@ -159,6 +156,21 @@ pub unsafe fn adam(
     };
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
     unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `gradclip_adam_loss_scale`: the NormOutput at `out` gets the factor of a loss-scaled step
+/// (one thread).
+///
+/// # Safety
+/// `loss_scale` is one f32 of device memory of the context written before on the stream, `out`
+/// a NormOutput of it (written before on the stream when `clip`).
+pub unsafe fn adam_loss_scale(stream: &CudaStream, ks: &KernelSet, out: u64, loss_scale: u64, max_norm: f64, clip: bool) -> Result<()> {
+    let clip = u32::from(clip);
+    let mut b = stream.launch_builder(ks.get(Kernel::AdamLossScale));
+    b.arg(&out).arg(&loss_scale).arg(&max_norm).arg(&clip);
+    // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+    unsafe { b.launch(ONE_THREAD) }?;
     Ok(())
 }
 
