@@ -290,8 +290,9 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     torch's fused kernel, the coefficient through its ``grad_scale``) or ``"gradclip"``
     (gradclip's engine: the norm, then the update multiplying each gradient by the coefficient as
     it reads it, with no gradient write-back, so ``.grad`` keeps the unclipped gradients; CUDA
-    kernels, or the CPU backend for CPU parameters; capturable in a CUDA graph after one eager
-    step; steps it does not take, such as DTensor parameters or GradScaler's, run torch's). The
+    kernels, or the CPU backend for CPU parameters; a tensor ``lr`` and GradScaler's loss scale and
+    overflow flag are read on the device as the step runs; capturable in a CUDA graph after one
+    eager step; a step it does not take, such as parameters on several devices, runs torch's). The
     other arguments are torch's.
 
     >>> model = torch.nn.Linear(4, 2)
