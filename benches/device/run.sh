@@ -6,6 +6,7 @@
 #   benches/device/run.sh sharded two GPUs: the multi-GPU tests, sharded_compare.py on 2 ranks and 1, train_fsdp.py
 #   benches/device/run.sh regress seed-500 only: gradclip-bench, torch_compare.py, host_profile.py
 #   benches/device/run.sh optim   optim_compare.py (clip + AdamW step, bf16 and f32), train_gpt.py with gradclip's AdamW
+#   benches/device/run.sh optim-presets  optim_compare.py on the other presets
 #   benches/device/run.sh adam    the Adam tests (Rust, Python on CUDA), the same under memcheck, update="gradclip" timings
 #   benches/device/run.sh variants  each kernel variant of .devbin/variants/ (build-variant.sh) and .devbin's own:
 #                                 the Adam bit test, test_optim.py and optim_compare.py's update="gradclip" rows
@@ -91,6 +92,16 @@ optim)
     python3 python/examples/train_gpt.py --device cuda --optimizer gradclip --update gradclip > "$OUT/train-gpt-optim-gradclip-update.txt" 2>&1
     tail -2 "$OUT/train-gpt-optim-gradclip-update.txt"
     ;;
+optim-presets)
+    # optim_compare.py on every other preset of gradclip-bench (each in its own dtype; a prefix
+    # of at most 10.3 GB of gradients, the whole list when smaller), all rows.
+    for w in llama3-70b-fsdp8:f32 qwen3-30b-a3b-ep8:bf16 lora-70b-r16:f32 gpt2-124m:f32 mixed:bf16 small-1000x1024-f32:f32; do
+        python3 benches/torch/optim_compare.py .devbin/w-all.json "$OUT/optim-${w%%:*}.json" --workload "${w%%:*}" \
+            --dtypes "${w##*:}" --commit "$(cat .devbin/commit)" > "$OUT/optim-${w%%:*}.txt" 2>&1
+        echo "== ${w%%:*} (${w##*:})"; grep "x$" "$OUT/optim-${w%%:*}.txt"
+    done
+    (cd "$OUT" && tar czf optim-presets.tgz optim-*.json optim-*.txt && rm -f optim-*.json optim-*.txt)
+    ;;
 adam)
     # The optimizer's kernel alone: its Rust and Python tests, the same under compute-sanitizer
     # memcheck (time-limited), and the update="gradclip" timing rows.
@@ -144,5 +155,5 @@ variants)
     done
     (cd "$OUT" && tar czf variants.tgz variants && rm -rf variants)
     ;;
-*) echo "set-up done; modes: tests, bench, graphs, sharded, regress, optim, adam, variants"; exit 2 ;;
+*) echo "set-up done; modes: tests, bench, graphs, sharded, regress, optim, optim-presets, adam, variants"; exit 2 ;;
 esac

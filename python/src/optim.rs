@@ -1,6 +1,8 @@
-//! The GPU optimizer step on PyTorch's tensors: lists of parameters, gradients and Adam states
-//! read by the planner's one reader ([`Planner::entry`]), then `GpuEngine::adam_step_raw` on
-//! torch's stream (the norm kernel when clipping, then the Adam kernel).
+//! The optimizer step on PyTorch's tensors: each parameter group's lists of parameters,
+//! gradients and Adam states read by the planner's one reader ([`Planner::entry`]) into an
+//! [`AdamGroup`] (kept by the optimizer while the same tensors come back), then on CUDA the norm
+//! kernel (when clipping) and one Adam launch per group on torch's stream, on the CPU the CPU
+//! backend.
 
 use gradclip::NormType;
 use gradclip::cpu::Cpu;
@@ -32,40 +34,43 @@ fn read(planner: &Planner, what: &str, list: &Bound<'_, PyList>, place: &mut Opt
     Ok(out)
 }
 
-/// One parameter group read from Python: its parts and its settings.
-struct Group {
+/// The tensors of one parameter group as the engine reads them (addresses, lengths, dtypes),
+/// read once by [`adam_group`] and kept by the optimizer while a validator says the same
+/// tensors come back: a repeated step then reads no tensor again.
+#[pyclass(frozen, module = "gradclip._native")]
+pub struct AdamGroup {
     parts: Vec<Parts>,
-    cfg: AdamConfig,
-    count: u64,
-    /// The address of a float64 learning rate on the tensors' device (a tensor `lr`), or 0:
-    /// `cfg.lr`.
-    lr_in: u64,
+    place: Place,
 }
 
-/// Reads one group: `(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or None, (lr,
-/// beta1, beta2, eps, weight_decay), (amsgrad, maximize, decoupled_weight_decay), count, lr_in)`.
-fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Group> {
-    #[allow(clippy::type_complexity)]
-    let (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, hyper, options, count, lr_in): (
-        Bound<'_, PyList>,
-        Bound<'_, PyList>,
-        Bound<'_, PyList>,
-        Bound<'_, PyList>,
-        Option<Bound<'_, PyList>>,
-        (f64, f64, f64, f64, f64),
-        (bool, bool, bool),
-        u64,
-        u64,
-    ) = g.extract()?;
-    if !lr_in.is_multiple_of(8) {
-        return Err(PyValueError::new_err("a tensor learning rate must be passed as a float64 tensor"));
+#[pymethods]
+impl AdamGroup {
+    fn __len__(&self) -> usize {
+        self.parts.len()
     }
-    let p = read(pl, "params", &params, place)?;
-    let gr = read(pl, "grads", &grads, place)?;
-    let m = read(pl, "exp_avgs", &exp_avgs, place)?;
-    let v = read(pl, "exp_avg_sqs", &exp_avg_sqs, place)?;
-    let vm = match &max_exp_avg_sqs {
-        Some(l) => Some(read(pl, "max_exp_avg_sqs", l, place)?),
+}
+
+/// Reads one parameter group's tensors (`max_exp_avg_sqs` with amsgrad only): each must be one
+/// the engine takes, all on one device, every list as long as `params` (ValueError otherwise:
+/// the caller then uses torch's step).
+#[pyfunction]
+#[pyo3(signature = (planner, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None))]
+pub fn adam_group(
+    planner: &Bound<'_, Planner>,
+    params: &Bound<'_, PyList>,
+    grads: &Bound<'_, PyList>,
+    exp_avgs: &Bound<'_, PyList>,
+    exp_avg_sqs: &Bound<'_, PyList>,
+    max_exp_avg_sqs: Option<&Bound<'_, PyList>>,
+) -> PyResult<AdamGroup> {
+    let pl = planner.get();
+    let mut place = None;
+    let p = read(pl, "params", params, &mut place)?;
+    let gr = read(pl, "grads", grads, &mut place)?;
+    let m = read(pl, "exp_avgs", exp_avgs, &mut place)?;
+    let v = read(pl, "exp_avg_sqs", exp_avg_sqs, &mut place)?;
+    let vm = match max_exp_avg_sqs {
+        Some(l) => Some(read(pl, "max_exp_avg_sqs", l, &mut place)?),
         None => None,
     };
     let n = p.len();
@@ -77,6 +82,7 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> 
             return Err(PyValueError::new_err(format!("{what} has {len} tensors, params {n}")));
         }
     }
+    let place = place.ok_or_else(|| PyValueError::new_err("a parameter group without parameters"))?;
     let parts = (0..n)
         .map(|i| Parts {
             param: p[i],
@@ -86,6 +92,31 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> 
             max_exp_avg_sq: vm.as_ref().map(|x| x[i]),
         })
         .collect();
+    Ok(AdamGroup { parts, place })
+}
+
+/// One parameter group of a step: its tensors (an [`AdamGroup`]) and its settings.
+struct Group {
+    parts: Vec<Parts>,
+    cfg: AdamConfig,
+    count: u64,
+    /// The address of a float64 learning rate on the tensors' device (a tensor `lr`), or 0:
+    /// `cfg.lr`.
+    lr_in: u64,
+}
+
+/// Reads one group: `(AdamGroup, (lr, beta1, beta2, eps, weight_decay), (amsgrad, maximize,
+/// decoupled_weight_decay), count, lr_in)`; every group on the place of the first.
+fn read_group(g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Group> {
+    let (tensors, hyper, options, count, lr_in): (Bound<'_, AdamGroup>, (f64, f64, f64, f64, f64), (bool, bool, bool), u64, u64) =
+        g.extract()?;
+    if !lr_in.is_multiple_of(8) {
+        return Err(PyValueError::new_err("a tensor learning rate must be passed as a float64 tensor"));
+    }
+    let t = tensors.get();
+    if *place.get_or_insert(t.place) != t.place {
+        return Err(PyValueError::new_err("the parameter groups are on different devices"));
+    }
     let (lr, beta1, beta2, eps, weight_decay) = hyper;
     let cfg = AdamConfig {
         lr,
@@ -96,7 +127,12 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> 
         maximize: options.1,
         decoupled_weight_decay: options.2,
     };
-    Ok(Group { parts, cfg, count, lr_in })
+    Ok(Group {
+        parts: t.parts.clone(),
+        cfg,
+        count,
+        lr_in,
+    })
 }
 
 /// One Adam / AdamW step over parameter groups (see [`read_group`] for a group; `count` is the
@@ -111,11 +147,10 @@ fn read_group(pl: &Planner, g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> 
 /// ValueError, before anything is written, for tensors the engine does not take (the caller then
 /// uses torch's step).
 #[pyfunction]
-#[pyo3(signature = (planner, stream, groups, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
+#[pyo3(signature = (stream, groups, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
 #[allow(clippy::too_many_arguments)]
 pub fn adam_step(
     py: Python<'_>,
-    planner: &Bound<'_, Planner>,
     stream: usize,
     groups: &Bound<'_, PyList>,
     clip: Option<(f64, f64, String)>,
@@ -124,9 +159,8 @@ pub fn adam_step(
     loss_scale: u64,
     found_inf: u64,
 ) -> PyResult<Option<f64>> {
-    let pl = planner.get();
     let mut place = None;
-    let groups: Vec<Group> = groups.iter().map(|g| read_group(pl, &g, &mut place)).collect::<PyResult<_>>()?;
+    let groups: Vec<Group> = groups.iter().map(|g| read_group(&g, &mut place)).collect::<PyResult<_>>()?;
     let clip = match clip {
         None => None,
         Some((max_norm, p, policy)) => Some(ClipConfig {

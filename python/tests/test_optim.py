@@ -395,32 +395,55 @@ def test_gradclip_update_takes_a_tensor_learning_rate(device, max_grad_norm):
 
 
 def test_native_update_reads_groups_and_refuses_bad_input():
-    """The native entry reads torch's parameter groups (the tuple layout the optimizer builds)
-    and refuses, before anything is written, a bad step count and a malformed group."""
+    """The native entries read torch's parameter groups (a group's tensors once, into an
+    AdamGroup, then the tuple layout the optimizer builds) and refuse, before anything is
+    written, mismatched lists, a bad step count, a malformed group and a bad learning rate."""
     from gradclip import _native
     from gradclip.torch import _PLANNER
 
     ps = [torch.zeros(4), torch.zeros(3)]
+    zeros = lambda: [torch.zeros(4), torch.zeros(3)]  # noqa: E731
     count = torch.zeros(2, dtype=torch.int64)
-    group = (ps, [torch.ones(4), torch.ones(3)], [torch.zeros(4), torch.zeros(3)], [torch.zeros(4), torch.zeros(3)], None,
-             (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True), 0, 0)
-    with pytest.raises(ValueError, match="step count"):
-        _native.adam_step(_PLANNER, 0, [group], (1.0, 2.0, "skip"), 0)
-    with pytest.raises(ValueError, match="length 9"):
-        _native.adam_step(_PLANNER, 0, [group[:5]], None, 0)
-    bad = (ps, [torch.ones(4)], [torch.zeros(4), torch.zeros(3)], [torch.zeros(4), torch.zeros(3)], None,
-           (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True), count.data_ptr(), 0)
     with pytest.raises(ValueError, match="grads has 1 tensors"):
-        _native.adam_step(_PLANNER, 0, [bad], None, 0)
+        _native.adam_group(_PLANNER, ps, [torch.ones(4)], zeros(), zeros())
+    with pytest.raises(ValueError, match="contiguous"):
+        _native.adam_group(_PLANNER, ps, [torch.ones(4), torch.ones(6)[::2]], zeros(), zeros())
+    tensors = _native.adam_group(_PLANNER, ps, [torch.ones(4), torch.ones(3)], zeros(), zeros())
+    assert len(tensors) == 2
+    hyper, options = (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True)
+    with pytest.raises(ValueError, match="step count"):
+        _native.adam_step(0, [(tensors, hyper, options, 0, 0)], (1.0, 2.0, "skip"), 0)
+    with pytest.raises(ValueError, match="length 5"):
+        _native.adam_step(0, [(tensors, hyper)], None, 0)
     # A learning rate tensor read from memory is checked before anything is written.
     negative = torch.tensor(-1.0, dtype=torch.float64)
     with pytest.raises(ValueError, match="learning rate"):
-        _native.adam_step(_PLANNER, 0, [group[:7] + (count.data_ptr(), negative.data_ptr())], None, 0)
+        _native.adam_step(0, [(tensors, hyper, options, count.data_ptr(), negative.data_ptr())], None, 0)
     misaligned = torch.zeros(3, dtype=torch.float64).data_ptr() + 4
     with pytest.raises(ValueError, match="float64"):
-        _native.adam_step(_PLANNER, 0, [group[:7] + (count.data_ptr(), misaligned)], None, 0)
+        _native.adam_step(0, [(tensors, hyper, options, count.data_ptr(), misaligned)], None, 0)
     assert all(torch.equal(p, torch.zeros_like(p)) for p in ps)
     assert count.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradclip_update_rereads_a_group_whose_tensors_changed(device):
+    """update="gradclip" keeps each group's tensors as read while the same tensors come back; a
+    parameter given new storage (``p.data = ...``) is read again: the step writes the new
+    storage, never the old."""
+    m = model(device, torch.float32)
+    opt = AdamW(m.parameters(), lr=1e-2, update="gradclip")
+    opt._torch_step = None  # gradclip's kernel takes every step
+    backward(m, 0)
+    opt.step()
+    p = next(m.parameters())
+    old = p.data
+    p.data = old.clone()
+    before_old, before_new = old.clone(), p.detach().clone()
+    backward(m, 1)
+    opt.step()
+    assert torch.equal(old, before_old), "the step wrote the parameter's old storage"
+    assert not torch.equal(p.detach(), before_new), "the parameter's new storage was not updated"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")

@@ -94,7 +94,8 @@ def _validator_factory():
 # comes back (address, size, dtype, contiguity and device of every tensor: exact); a repeated
 # list is recognized by the validator above when torch provides one.
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # the engine's, in its order
-_PLANNER = _native.Planner(_NATIVE_DTYPES, _validator_factory())
+_MAKE_VALIDATOR = _validator_factory()
+_PLANNER = _native.Planner(_NATIVE_DTYPES, _MAKE_VALIDATOR)
 
 try:  # the raw handle of the current stream and the current device, as torch's generated code reads them
     _raw_stream = torch._C._cuda_getCurrentRawStream

@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import _native
-from . import _PLANNER, _check_max_norm, _check_p, _clip_coef, _grads_norm64, _is_dtensor, _refuse_host_read_under_capture, _result_dtype
+from . import _MAKE_VALIDATOR, _PLANNER, _check_max_norm, _check_p, _clip_coef, _grads_norm64, _is_dtensor, _refuse_host_read_under_capture, _result_dtype
 
 __all__ = ["AdamW", "Adam"]
 
@@ -65,6 +65,9 @@ class _ClippingStep:
         # gradclip's kernel keeps each group's step count on the device (steps, skipped), read
         # from torch's per-parameter "step" when first used and after load_state_dict.
         self._counts: Dict[int, torch.Tensor] = {}
+        # Each group's tensors as the engine read them, with a validator that tells whether the
+        # same tensors came back (then the step reads none again).
+        self._native_groups: Dict[int, tuple] = {}
         self.max_grad_norm = None if max_grad_norm is None else _check_max_norm(max_grad_norm)
         self.norm_type = _check_p(norm_type)
         self.nonfinite = nonfinite
@@ -95,10 +98,12 @@ class _ClippingStep:
                      ("last_grad_norm", None), ("skipped_steps", None)):
             self.__dict__.setdefault(k, v)
         self._counts = {}
+        self._native_groups = {}
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
         self._counts = {}  # the step counts come from the loaded "step" values
+        self._native_groups = {}
 
     #: The torch optimizer class whose fused step this one runs.
     _TORCH: type = torch.optim.Optimizer
@@ -110,6 +115,22 @@ class _ClippingStep:
         if getattr(step, "hooked", False):
             step = step.__wrapped__
         step(self)
+
+    def _native_group(self, i, params, grads, exp_avgs, exp_avg_sqs, max_sqs):
+        """Group ``i``'s tensors as the engine reads them: kept from the last step when a validator
+        (torch's tensor guards and address check, two C++ calls) says the same tensors came back,
+        read again otherwise; None when the engine does not take one of them."""
+        flat = params + grads + exp_avgs + exp_avg_sqs + (max_sqs or [])
+        kept = self._native_groups.get(i)
+        if kept is not None and kept[0] is not None and kept[0](flat):
+            return kept[1]
+        try:
+            tensors = _native.adam_group(_PLANNER, params, grads, exp_avgs, exp_avg_sqs, max_sqs)
+        except ValueError:
+            self._native_groups.pop(i, None)
+            return None
+        self._native_groups[i] = (_MAKE_VALIDATOR(flat) if _MAKE_VALIDATOR is not None else None, tensors)
+        return tensors
 
     def _gradclip_step(self) -> bool:
         """The step with gradclip's engine: with a clip, the norm over every group's gradients,
@@ -137,9 +158,14 @@ class _ClippingStep:
             return False
         # Sharded parameters (DTensor): this rank's shards, clipped by the global norm of all of
         # them (gradclip's sharded norm: one all-reduce per process group).
-        sharded = self.pipeline_group is not None or any(_is_dtensor(p) for g in plan for p in g[2])
-        local = [tuple([_local(t) for t in ts] for ts in g[2:7]) for g in plan]
-        if any(t.device.type not in ("cuda", "cpu") for ts in local for t in ts[0]) or len({ts[0][0].device for ts in local}) != 1:
+        dtensors = any(_is_dtensor(p) for g in plan for p in g[2])
+        sharded = self.pipeline_group is not None or dtensors
+        # Per-tensor Python work only where there are DTensors: with plain tensors the lists go
+        # to the native reader as they are (it checks every tensor's place and refuses a list
+        # spread over devices or on another kind of device: then torch's step runs).
+        local = [tuple([_local(t) for t in ts] for ts in g[2:7]) for g in plan] if dtensors else [tuple(g[2:7]) for g in plan]
+        devices = {ts[0][0].device for ts in local}
+        if len(devices) != 1 or next(iter(devices)).type not in ("cuda", "cpu"):
             return False
         device = local[0][0][0].device
         # Device inputs, read by the kernel when it runs (kept alive here until it is enqueued;
@@ -161,13 +187,12 @@ class _ClippingStep:
                 self._counts[i] = count
             beta1, beta2 = group["betas"]
             decoupled = isinstance(self, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+            tensors = self._native_group(i, params, grads, exp_avgs, exp_avg_sqs, max_sqs if group["amsgrad"] else None)
+            if tensors is None:
+                return False  # a tensor the engine does not take: torch's step
             groups.append(
                 (
-                    params,
-                    grads,
-                    exp_avgs,
-                    exp_avg_sqs,
-                    max_sqs if group["amsgrad"] else None,
+                    tensors,
                     (0.0 if lr_t is not None else float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])),
                     (bool(group["amsgrad"]), bool(group["maximize"]), bool(decoupled)),
                     count.data_ptr(),
@@ -188,9 +213,9 @@ class _ClippingStep:
             if device.type == "cuda":
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 with torch.cuda.device(index):
-                    _native.adam_step(_PLANNER, torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr(), ptr, *inputs)
+                    _native.adam_step(torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr(), ptr, *inputs)
             else:
-                norm = _native.adam_step(_PLANNER, 0, groups, clip, 0, ptr, *inputs)
+                norm = _native.adam_step(0, groups, clip, 0, ptr, *inputs)
                 out[0] = math.nan if norm is None else norm
         except ValueError:
             return False  # a tensor the kernel does not take: torch's step
@@ -209,12 +234,13 @@ class _ClippingStep:
             ok = (found_t == 0).to(torch.float32)
             inc = ok if inc is None else inc * ok
         for *_, steps in plan:
+            steps = [_local(s) for s in steps] if dtensors else steps
             if inc is None:
-                torch._foreach_add_([_local(s) for s in steps], 1.0)
+                torch._foreach_add_(steps, 1.0)
             else:
                 # alpha picks the Tensor overload: without it a 0-dim tensor binds to the Scalar
                 # one, which reads it on the host (a sync; under capture, an error).
-                torch._foreach_add_([_local(s) for s in steps], inc, alpha=1.0)
+                torch._foreach_add_(steps, inc, alpha=1.0)
         if clip is not None:
             norm = out[0] if scale_t is None else out[0] / scale_t.to(torch.float64)
             self.last_grad_norm = norm.to(dtype or _result_dtype([g for ts in local for g in ts[1]]))
