@@ -8,7 +8,7 @@ use core::arch::asm;
 
 use crate::abi::{AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, NormOutput, adam_chunk_elems, adam_flags, dtype_code};
 use crate::adam::{StepScalars, Updated, gradient_factor, step_mode, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
-use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_stream_v4, st_stream_v4, sync_threads, thread_idx};
+use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, st_v4, sync_threads, thread_idx};
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 
 /// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part.
@@ -48,7 +48,7 @@ type Raw = [[u32; 4]; 2];
 unsafe fn load_group<E: Element>(addr: u64, first: u64, nc: bool) -> Raw {
     let base = addr + first * E::SIZE;
     // SAFETY: (both loads) the vector is 16-byte aligned and inside the part (the contract).
-    let ld = |a: u64| unsafe { if nc { ld_nc_v4(a) } else { ld_stream_v4(a) } };
+    let ld = |a: u64| unsafe { if nc { ld_nc_v4(a) } else { ld_v4(a, true) } };
     // Straight-line code: a loop here is kept as a loop over an array in local memory.
     if E::SIZE == 4 {
         [ld(base), ld(base + 16)]
@@ -79,7 +79,7 @@ unsafe fn store_group<E: Element>(addr: u64, first: u64, x: &[f32; GROUP as usiz
             *w = pack_pair::<E>(x[2 * k], x[2 * k + 1]);
         }
         // SAFETY: the vector is 16-byte aligned, inside the part and this thread's alone (the contract).
-        unsafe { st_stream_v4(base, w) };
+        unsafe { st_v4(base, w, true) };
     } else {
         let mut bits = [E::Bits::default(); GROUP as usize];
         for k in 0..GROUP as usize {
@@ -89,8 +89,8 @@ unsafe fn store_group<E: Element>(addr: u64, first: u64, x: &[f32; GROUP as usiz
         // 16-byte aligned, inside the part and this thread's alone (the contract).
         unsafe {
             let w: [[u32; 4]; 2] = core::mem::transmute_copy(&bits);
-            st_stream_v4(base, w[0]);
-            st_stream_v4(base + 16, w[1]);
+            st_v4(base, w[0], true);
+            st_v4(base + 16, w[1], true);
         }
     }
 }

@@ -182,65 +182,47 @@ pub(crate) unsafe fn ld_nc_v4(addr: u64) -> [u32; 4] {
     [a, b, c, d]
 }
 
-/// 16-byte coherent load (the scale pass reads what it then overwrites).
+/// 16-byte coherent load (the scale pass and the Adam kernel read what they then overwrite);
+/// `streaming` marks it `.cs` (evict first: data read once, then overwritten by the same thread;
+/// about 1% faster for the Adam kernel on the H200, benches/NOTES.md).
 ///
 /// # Safety
 /// `addr` must be a 16-byte-aligned global address of 16 readable bytes.
 #[inline(always)]
-pub(crate) unsafe fn ld_v4(addr: u64) -> [u32; 4] {
+pub(crate) unsafe fn ld_v4(addr: u64, streaming: bool) -> [u32; 4] {
     let (a, b, c, d): (u32, u32, u32, u32);
     // SAFETY: `addr` is a 16-byte-aligned global address of 16 readable bytes (this function's contract).
     unsafe {
-        asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
-            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
-            options(readonly, nostack, preserves_flags));
+        if streaming {
+            asm!("ld.global.cs.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+                a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
+                options(readonly, nostack, preserves_flags));
+        } else {
+            asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+                a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
+                options(readonly, nostack, preserves_flags));
+        }
     }
     [a, b, c, d]
 }
 
-/// 16-byte store.
+/// 16-byte store; `streaming` marks it `.cs` (not read again by the launch).
 ///
 /// # Safety
 /// `addr` must be a 16-byte-aligned global address of 16 writable bytes no other thread accesses.
 #[inline(always)]
-pub(crate) unsafe fn st_v4(addr: u64, v: [u32; 4]) {
+pub(crate) unsafe fn st_v4(addr: u64, v: [u32; 4], streaming: bool) {
     // SAFETY: `addr` is a 16-byte-aligned global address of 16 writable bytes (this function's contract).
     unsafe {
-        asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
-            a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3], p = in(reg64) addr,
-            options(nostack, preserves_flags));
-    }
-}
-
-/// [`ld_v4`] marked streaming (`.cs`: evict first), for data that the same thread reads once
-/// and then overwrites (the Adam kernel's parameter and states; about 1% faster on the H200
-/// than the default policy, benches/NOTES.md).
-///
-/// # Safety
-/// As [`ld_v4`].
-#[inline(always)]
-pub(crate) unsafe fn ld_stream_v4(addr: u64) -> [u32; 4] {
-    let (a, b, c, d): (u32, u32, u32, u32);
-    // SAFETY: `addr` is a 16-byte-aligned global address of 16 readable bytes (this function's contract).
-    unsafe {
-        asm!("ld.global.cs.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
-            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) addr,
-            options(readonly, nostack, preserves_flags));
-    }
-    [a, b, c, d]
-}
-
-/// [`st_v4`] marked streaming (`.cs`: not read again by the launch).
-///
-/// # Safety
-/// As [`st_v4`].
-#[inline(always)]
-pub(crate) unsafe fn st_stream_v4(addr: u64, v: [u32; 4]) {
-    // SAFETY: `addr` is a 16-byte-aligned global address of 16 writable bytes (this function's contract).
-    unsafe {
-        asm!("st.global.cs.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
-            a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3], p = in(reg64) addr,
-            options(nostack, preserves_flags));
+        if streaming {
+            asm!("st.global.cs.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+                a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3], p = in(reg64) addr,
+                options(nostack, preserves_flags));
+        } else {
+            asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+                a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3], p = in(reg64) addr,
+                options(nostack, preserves_flags));
+        }
     }
 }
 
@@ -286,7 +268,7 @@ impl<E: Element> Source<E> for DeviceTensorMut<E> {
     #[inline(always)]
     unsafe fn load_vec(&self, g: u64) -> E::Vector {
         // SAFETY: vector g lies inside the tensor's frame, 16-byte aligned (Source::load_vec's contract).
-        let raw = unsafe { ld_v4(self.0.base + g * 16) };
+        let raw = unsafe { ld_v4(self.0.base + g * 16, false) };
         // SAFETY: every Vector type is 16 bytes of plain integers.
         unsafe { core::mem::transmute_copy(&raw) }
     }
@@ -303,7 +285,7 @@ impl<E: Element> SourceMut<E> for DeviceTensorMut<E> {
         // SAFETY: every Vector type is 16 bytes of plain integers.
         let raw: [u32; 4] = unsafe { core::mem::transmute_copy(&v) };
         // SAFETY: vector g lies inside the tensor's frame, 16-byte aligned, and no other tensor overlaps it (SourceMut::store_vec's contract).
-        unsafe { st_v4(self.0.base + g * 16, raw) }
+        unsafe { st_v4(self.0.base + g * 16, raw, false) }
     }
     #[inline(always)]
     unsafe fn store_elem(&self, i: u64, b: E::Bits) {

@@ -108,8 +108,8 @@ struct Group {
 /// Reads one group: `(AdamGroup, (lr, beta1, beta2, eps, weight_decay), (amsgrad, maximize,
 /// decoupled_weight_decay), count, lr_in)`; every group on the place of the first.
 fn read_group(g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Group> {
-    let (tensors, hyper, options, count, lr_in): (Bound<'_, AdamGroup>, (f64, f64, f64, f64, f64), (bool, bool, bool), u64, u64) =
-        g.extract()?;
+    type Hyper = (f64, f64, f64, f64, f64);
+    let (tensors, hyper, options, count, lr_in): (Bound<'_, AdamGroup>, Hyper, (bool, bool, bool), u64, u64) = g.extract()?;
     if !lr_in.is_multiple_of(8) {
         return Err(PyValueError::new_err("a tensor learning rate must be passed as a float64 tensor"));
     }

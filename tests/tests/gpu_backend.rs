@@ -392,12 +392,37 @@ impl<'a> AdamViews<'a> {
     }
 }
 
+/// The CPU backend's views of Adam parts built by [`adam_parts`] (the maximum with amsgrad only).
+fn host_adam_views(host: &mut [[Grad; 5]], amsgrad: bool) -> Vec<gradclip::optim::HostAdamTensor<'_>> {
+    host.iter_mut()
+        .map(|[p, g, m, v, vm]| gradclip::optim::HostAdamTensor {
+            param: p.host_mut(),
+            grad: g.host(),
+            exp_avg: m.host_mut(),
+            exp_avg_sq: v.host_mut(),
+            max_exp_avg_sq: amsgrad.then(|| vm.host_mut()),
+        })
+        .collect()
+}
+
+/// Every part of every device tensor equal to its host copy, bit for bit.
+fn ensure_adam_parts_equal(gpu: &Gpu, host: &[[Grad; 5]], dev: &[Vec<DevGrad>], what: &str) -> TestResult {
+    for (i, (h, d)) in host.iter().zip(dev).enumerate() {
+        for (part, (x, y)) in h.iter().zip(d).enumerate() {
+            ensure(y.download(&gpu.stream).bits() == x.bits(), || {
+                format!("{what}: tensor {i} part {part} ({:?}) differs from the CPU", x.dtype())
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// The GPU's Adam / AdamW step (norm kernel + Adam kernel) equals the CPU backend's bit for bit,
 /// for every dtype combination and option, with and without an active clip, over three steps;
 /// a non-finite norm skips the step on the device.
 fn adam_step_equals_cpu_bits(gpu: &Gpu) -> TestResult {
     use gradclip::gpu::DeviceStepCount;
-    use gradclip::optim::{AdamConfig, ClipConfig, HostAdamTensor, StepCount};
+    use gradclip::optim::{AdamConfig, ClipConfig, StepCount};
     let configs = adam_configs();
     for (ci, cfg) in configs.iter().enumerate() {
         for clip in [None, Some(ClipConfig::new(0.05))] {
@@ -414,21 +439,9 @@ fn adam_step_equals_cpu_bits(gpu: &Gpu) -> TestResult {
             let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
             let mut cpu_count = StepCount::default();
             for step in 1..=3u64 {
-                let rep = {
-                    let mut views: Vec<HostAdamTensor> = host
-                        .iter_mut()
-                        .map(|[p, g, m, v, vm]| HostAdamTensor {
-                            param: p.host_mut(),
-                            grad: g.host(),
-                            exp_avg: m.host_mut(),
-                            exp_avg_sq: v.host_mut(),
-                            max_exp_avg_sq: cfg.amsgrad.then(|| vm.host_mut()),
-                        })
-                        .collect();
-                    gradclip::cpu::Cpu::new()
-                        .adam_step(&mut views, cfg, &mut cpu_count, clip.as_ref())
-                        .unwrap()
-                };
+                let rep = gradclip::cpu::Cpu::new()
+                    .adam_step(&mut host_adam_views(&mut host, cfg.amsgrad), cfg, &mut cpu_count, clip.as_ref())
+                    .unwrap();
                 {
                     let mut views = AdamViews::of(&mut dev);
                     let mut tensors = AdamViews::tensors(&mut views, cfg.amsgrad);
@@ -444,17 +457,7 @@ fn adam_step_equals_cpu_bits(gpu: &Gpu) -> TestResult {
                         format!("config {ci} step {step}: norm/coef {g:?} vs {n} {}", rep.coef)
                     })?;
                 }
-                for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
-                    for (part, (x, y)) in h.iter().zip(d).enumerate() {
-                        ensure(y.download(&gpu.stream).bits() == x.bits(), || {
-                            format!(
-                                "config {ci} clip {} step {step}: tensor {i} part {part} ({:?}) differs from the CPU",
-                                clip.is_some(),
-                                x.dtype()
-                            )
-                        })?;
-                    }
-                }
+                ensure_adam_parts_equal(gpu, &host, &dev, &format!("config {ci} clip {} step {step}", clip.is_some()))?;
             }
         }
     }
@@ -499,7 +502,7 @@ fn adam_step_equals_cpu_bits(gpu: &Gpu) -> TestResult {
 /// flag skips the step on the device (nothing written, the skip counted).
 fn adam_device_inputs_equal_cpu_bits(gpu: &Gpu) -> TestResult {
     use gradclip::gpu::{DeviceInputs, DeviceStepCount};
-    use gradclip::optim::{AdamConfig, ClipConfig, HostAdamTensor, StepCount};
+    use gradclip::optim::{AdamConfig, ClipConfig, StepCount};
     const SCALE: f32 = 1000.0;
     let lr = 2e-3f64;
     let lr_dev = gpu.stream.clone_htod(&[lr]).unwrap();
@@ -526,21 +529,16 @@ fn adam_device_inputs_equal_cpu_bits(gpu: &Gpu) -> TestResult {
                 gpu.stream
                     .memcpy_htod(&[if overflow { 1.0f32 } else { 0.0 }], &mut found_dev)
                     .unwrap();
-                {
-                    let mut views: Vec<HostAdamTensor> = host
-                        .iter_mut()
-                        .map(|[p, g, m, v, vm]| HostAdamTensor {
-                            param: p.host_mut(),
-                            grad: g.host(),
-                            exp_avg: m.host_mut(),
-                            exp_avg_sq: v.host_mut(),
-                            max_exp_avg_sq: cfg.amsgrad.then(|| vm.host_mut()),
-                        })
-                        .collect();
-                    gradclip::cpu::Cpu::new()
-                        .adam_step_loss_scaled(&mut views, &host_cfg, &mut cpu_count, clip.as_ref(), SCALE as f64, overflow)
-                        .unwrap();
-                }
+                gradclip::cpu::Cpu::new()
+                    .adam_step_loss_scaled(
+                        &mut host_adam_views(&mut host, cfg.amsgrad),
+                        &host_cfg,
+                        &mut cpu_count,
+                        clip.as_ref(),
+                        SCALE as f64,
+                        overflow,
+                    )
+                    .unwrap();
                 {
                     let mut views = AdamViews::of(&mut dev);
                     let mut tensors = AdamViews::tensors(&mut views, cfg.amsgrad);
@@ -557,17 +555,7 @@ fn adam_device_inputs_equal_cpu_bits(gpu: &Gpu) -> TestResult {
                 ensure(c == cpu_count && c.skipped == u64::from(step >= 3), || {
                     format!("config {ci} step {step}: count {c:?} vs {cpu_count:?}")
                 })?;
-                for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
-                    for (part, (x, y)) in h.iter().zip(d).enumerate() {
-                        ensure(y.download(&gpu.stream).bits() == x.bits(), || {
-                            format!(
-                                "config {ci} clip {} step {step}: tensor {i} part {part} ({:?}) differs from the CPU",
-                                clip.is_some(),
-                                x.dtype()
-                            )
-                        })?;
-                    }
-                }
+                ensure_adam_parts_equal(gpu, &host, &dev, &format!("config {ci} clip {} step {step}", clip.is_some()))?;
             }
         }
     }

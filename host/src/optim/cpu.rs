@@ -38,10 +38,8 @@ impl Cpu {
         count: &mut StepCount,
         clip: Option<&ClipConfig>,
     ) -> Result<StepReport> {
-        let parts: Vec<Parts> = tensors.iter().map(HostAdamTensor::parts).collect();
-        // SAFETY: the parts are the borrows `tensors` holds for this call (`&mut` for the written
-        // ones, so no written part overlaps another).
-        unsafe { self.adam_step_raw(&parts, cfg, count, clip) }
+        // A loss scale of 1 is no scale: the factor is the clip coefficient, bit for bit.
+        self.adam_step_loss_scaled(tensors, cfg, count, clip, 1.0, false)
     }
 
     /// [`Cpu::adam_step`] for gradients that carry a loss scale (GradScaler's, or any mixed
