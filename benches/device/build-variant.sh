@@ -9,12 +9,7 @@ what=${2:?one line saying what the variant changes}
 cd "$(dirname "$0")/../.."
 out=.devbin/variants/$name
 rm -rf "$out" && mkdir -p "$out"
-test_bin=$(cargo test --release --no-run -p gradclip-tests --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu_backend" and m.get("executable"):
-        print(m["executable"])')
+test_bin=$(bash benches/device/gpu-test-binary.sh)
 cp "$test_bin" "$out/gpu_backend"
 strip "$out/gpu_backend"
 (cd python && "${MATURIN:-maturin}" build --release -q -o "../$out")

@@ -7,12 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.devbin
 rm -rf "$out" && mkdir -p "$out/wheels"
-test_bin=$(cargo test --release --no-run -p gradclip-tests --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu_backend" and m.get("executable"):
-        print(m["executable"])')
+test_bin=$(bash benches/device/gpu-test-binary.sh)
 cargo build --release -q -p gradclip-bench
 cp "$test_bin" "$out/gpu_backend"
 cp target/release/gradclip-bench "$out/"
