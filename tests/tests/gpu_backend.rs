@@ -392,6 +392,19 @@ impl<'a> AdamViews<'a> {
     }
 }
 
+/// [`adam_parts`] uploaded, with the host copies at the device copies' phases (the CPU's lanes
+/// follow addresses too).
+fn adam_parts_on_both(gpu: &Gpu, seed: u64) -> (Vec<[Grad; 5]>, Vec<Vec<DevGrad>>) {
+    let mut host = adam_parts(seed);
+    let dev: Vec<Vec<DevGrad>> = host.iter().map(|parts| gpu.upload(parts)).collect();
+    for (h, d) in host.iter_mut().zip(&dev) {
+        for (x, y) in h.iter_mut().zip(d) {
+            *x = x.with_host_phase(y.phase_bytes(&gpu.stream));
+        }
+    }
+    (host, dev)
+}
+
 /// The CPU backend's views of Adam parts built by [`adam_parts`] (the maximum with amsgrad only).
 fn host_adam_views(host: &mut [[Grad; 5]], amsgrad: bool) -> Vec<gradclip::optim::HostAdamTensor<'_>> {
     host.iter_mut()
@@ -426,14 +439,7 @@ fn adam_step_equals_cpu_bits(gpu: &Gpu) -> TestResult {
     let configs = adam_configs();
     for (ci, cfg) in configs.iter().enumerate() {
         for clip in [None, Some(ClipConfig::new(0.05))] {
-            let mut host = adam_parts(40 + ci as u64);
-            let mut dev: Vec<Vec<DevGrad>> = host.iter().map(|parts| gpu.upload(parts)).collect();
-            // Host copies at the device copies' phases (the CPU's lanes follow addresses too).
-            for (h, d) in host.iter_mut().zip(&dev) {
-                for (x, y) in h.iter_mut().zip(d) {
-                    *x = x.with_host_phase(y.phase_bytes(&gpu.stream));
-                }
-            }
+            let (mut host, mut dev) = adam_parts_on_both(gpu, 40 + ci as u64);
             let mut engine = gpu.engine();
             let mut count = DeviceStepCount::new(&gpu.stream, StepCount::default()).unwrap();
             let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
@@ -510,13 +516,7 @@ fn adam_device_inputs_equal_cpu_bits(gpu: &Gpu) -> TestResult {
     let mut found_dev = gpu.stream.clone_htod(&[0.0f32]).unwrap();
     for (ci, cfg) in adam_configs().iter().enumerate() {
         for clip in [None, Some(ClipConfig::new(0.05))] {
-            let mut host = adam_parts(90 + ci as u64);
-            let mut dev: Vec<Vec<DevGrad>> = host.iter().map(|parts| gpu.upload(parts)).collect();
-            for (h, d) in host.iter_mut().zip(&dev) {
-                for (x, y) in h.iter_mut().zip(d) {
-                    *x = x.with_host_phase(y.phase_bytes(&gpu.stream));
-                }
-            }
+            let (mut host, mut dev) = adam_parts_on_both(gpu, 90 + ci as u64);
             let mut engine = gpu.engine();
             let mut count = DeviceStepCount::new(&gpu.stream, StepCount::default()).unwrap();
             let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
