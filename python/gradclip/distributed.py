@@ -38,6 +38,10 @@ try:
     from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = Replicate = None
+try:  # the spec DTensor's own ops build results from (private; from_local when absent)
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+except ImportError:  # pragma: no cover - other torch versions
+    DTensorSpec = TensorMeta = None
 
 
 def is_dtensor(t: Any) -> bool:
@@ -421,8 +425,29 @@ def returned(layout: Layout, norm64: torch.Tensor, error_if_nonfinite: bool, nor
         mesh = layout.mesh
         if total.device.type != mesh.device_type:
             total = total.to(mesh.device_type)
-        return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return _replicated(total, mesh)
     return total
+
+
+# The specs of replicated 0-dim results, per (mesh, dtype): DTensor.from_local goes through an
+# autograd function and checks costing tens of microseconds per call, more than a short norm's
+# kernel time; a DTensor built on a kept spec (as DTensor's own ops build their results) is the
+# same object type, spec and value.
+_REPLICATED_SPECS: Dict[Tuple[Any, torch.dtype], Any] = {}
+
+
+def _replicated(total: torch.Tensor, mesh) -> "DTensor":
+    """``DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim)`` for a 0-dim ``total``."""
+    if DTensorSpec is None or total.dim() != 0 or total.requires_grad:
+        return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    key = (mesh, total.dtype)
+    spec = _REPLICATED_SPECS.get(key)
+    if spec is None:
+        if len(_REPLICATED_SPECS) > 64:  # meshes come and go in long jobs: keep a few
+            _REPLICATED_SPECS.clear()
+        meta = TensorMeta(total.shape, total.stride(), total.dtype)
+        spec = _REPLICATED_SPECS[key] = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=meta)
+    return DTensor(total, spec, requires_grad=False)
 
 
 def scale(layout: Layout, coef: torch.Tensor) -> None:

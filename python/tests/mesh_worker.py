@@ -68,6 +68,9 @@ def reference(fulls, p):
 def check_norm(got, want, what):
     if isinstance(got, DTensor):
         assert all(pl.is_replicate() for pl in got.placements), (what, got.placements)
+        # Built on a kept spec, the result is what DTensor.from_local would return.
+        ref = DTensor.from_local(got.to_local(), got.device_mesh, list(got.placements), run_check=False)
+        assert got._spec == ref._spec and not got.requires_grad, (what, got._spec, ref._spec)
         got = got.full_tensor()
     got = float(got)
     assert abs(got - want) <= 1e-12 * max(want, 1e-300), f"{what}: norm {got!r} vs f64 reference {want!r}"
