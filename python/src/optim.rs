@@ -6,7 +6,7 @@
 
 use gradclip::NormType;
 use gradclip::cpu::Cpu;
-use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, gradient_factor};
+use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount};
 use gradclip::tensor_list::TensorList;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -211,11 +211,7 @@ pub fn adam_step(
                                 e.clip_from_norm_raw(norm_in, c, norm_out)?;
                             }
                         }
-                        if loss_scale != 0 {
-                            e.loss_scale_raw(norm_out, clip.as_ref(), loss_scale)?;
-                        }
-                        let factor = (clip.is_some() || loss_scale != 0)
-                            .then(|| (norm_out, clip.as_ref().is_some_and(|c| c.nonfinite == NonFinite::Skip)));
+                        let factor = e.update_factor_raw(norm_out, clip.as_ref(), loss_scale)?;
                         for g in &groups {
                             e.adam_update_raw(&g.parts, &g.cfg, g.count, factor, g.lr_in, found_inf)?;
                         }
@@ -231,10 +227,11 @@ pub fn adam_step(
                 // `count` is the address of the caller's two int64, each input (not 0) of its
                 // dtype (checked aligned above).
                 unsafe {
-                    let r = match &clip {
+                    // The gradients' norm as they are (scaled when they carry a loss scale).
+                    let norm = match &clip {
                         None => None,
-                        Some(c) if norm_in == 0 => Some(cpu.clip_norm_raw(&grads, c)?),
-                        Some(c) => Some(cpu.clip_from_norm((norm_in as *const f64).read(), c)?),
+                        Some(c) if norm_in == 0 => Some(cpu.total_norm_raw(&grads, c.norm_type, false)?.norm),
+                        Some(_) => Some((norm_in as *const f64).read()),
                     };
                     let scale = if loss_scale == 0 {
                         1.0
@@ -242,8 +239,8 @@ pub fn adam_step(
                         (loss_scale as *const f32).read() as f64
                     };
                     let overflow = found_inf != 0 && (found_inf as *const f32).read() != 0.0;
-                    // The GPU kernel's factor and verdict (gradclip_kernels::adam), on the host.
-                    let factor = gradient_factor(clip.as_ref().zip(r.as_ref()).and_then(|(c, r)| Some((r.norm?, c.max_norm))), scale);
+                    // The GPU kernel's factor and skip, on the host.
+                    let (verdict, factor) = cpu.step_verdict(norm, clip.as_ref(), scale, overflow)?;
                     // Every group's learning rate (a tensor's read here) checked before any update.
                     let cfgs: Vec<AdamConfig> = groups
                         .iter()
@@ -261,15 +258,15 @@ pub fn adam_step(
                             steps: words.read(),
                             skipped: words.add(1).read(),
                         };
-                        match &r {
-                            _ if overflow => count.skipped += 1,
-                            Some(r) if r.skipped => count.skipped += 1,
-                            _ => cpu.adam_update_raw(&g.parts, &cfg, &mut count, factor)?,
+                        if verdict.skipped {
+                            count.skipped += 1;
+                        } else {
+                            cpu.adam_update_raw(&g.parts, &cfg, &mut count, factor)?;
                         }
                         words.write(count.steps);
                         words.add(1).write(count.skipped);
                     }
-                    Ok(r.and_then(|r| r.norm))
+                    Ok(norm)
                 }
             })
             .map_err(to_py),

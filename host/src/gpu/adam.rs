@@ -307,35 +307,42 @@ impl GpuEngine {
         inputs: &DeviceStepInputs,
     ) -> Result<()> {
         // Every check of the update before the norm is enqueued: nothing is written on an error.
-        let scaled = inputs.loss_scale != 0;
-        let h = check_update(parts, cfg, count, (clip.is_some() || scaled).then_some(norm), inputs)?;
+        let h = check_update(
+            parts,
+            cfg,
+            count,
+            (clip.is_some() || inputs.loss_scale != 0).then_some(norm),
+            inputs,
+        )?;
         if let Some(c) = clip {
             let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
             // SAFETY: the caller's contract covers the gradients and `norm`.
             unsafe { self.clip_norm_raw(&grads, c, norm) }?;
         }
-        if scaled {
-            // SAFETY: the caller's contract covers `norm` and the loss scale; with a clip the
-            // NormOutput was written just above.
-            unsafe { self.loss_scale_raw(norm, clip, inputs.loss_scale) }?;
-        }
-        let factor = (clip.is_some() || scaled).then(|| (norm, clip.is_some_and(|c| c.nonfinite == NonFinite::Skip)));
+        // SAFETY: the caller's contract covers `norm` and the loss scale; with a clip the
+        // NormOutput was written just above.
+        let factor = unsafe { self.update_factor_raw(norm, clip, inputs.loss_scale) }?;
         // SAFETY: the caller's contract, checked above; `norm` was written just above.
         unsafe { self.launch_update(parts, h, count, factor, inputs.lr, inputs.found_inf) }
     }
 
-    /// The stage between the norm and the updates of a step whose gradients carry a loss scale
-    /// (one f32 at `loss_scale`, GradScaler's): the NormOutput at `norm` gets, as its
-    /// coefficient, the factor each update multiplies the gradients by
-    /// ([`gradclip_kernels::adam::gradient_factor`]: with `clip`, the clip coefficient of the
-    /// unscaled norm, divided by the loss scale; without, one over the loss scale). Its norm stays
-    /// that of the gradients as they are (scaled). One one-thread launch, once per step before
-    /// every group's [`GpuEngine::adam_update_raw`].
+    /// The stage between the norm and the updates of a step: the `factor` argument of every
+    /// group's [`GpuEngine::adam_update_raw`] (None without a clip or a loss scale). When the
+    /// gradients carry a loss scale (one f32 at `loss_scale`, GradScaler's; 0: none) one
+    /// one-thread launch gives the NormOutput at `norm`, as its coefficient, the factor each
+    /// update multiplies the gradients by ([`gradclip_kernels::adam::gradient_factor`]: with
+    /// `clip`, the clip coefficient of the unscaled norm, divided by the loss scale; without, one
+    /// over the loss scale); its norm stays that of the gradients as they are (scaled).
     ///
     /// # Safety
-    /// `norm` is 24 bytes of device memory of this context, 8-byte aligned, written before on the
-    /// stream by [`GpuEngine::clip_norm_raw`] when `clip` is given; `loss_scale` one f32 of it.
-    pub unsafe fn loss_scale_raw(&mut self, norm: u64, clip: Option<&ClipConfig>, loss_scale: u64) -> Result<()> {
+    /// `norm` (with a clip or a loss scale) is 24 bytes of device memory of this context, 8-byte
+    /// aligned, written before on the stream by [`GpuEngine::clip_norm_raw`] when `clip` is
+    /// given; `loss_scale` one f32 of it.
+    pub unsafe fn update_factor_raw(&mut self, norm: u64, clip: Option<&ClipConfig>, loss_scale: u64) -> Result<Option<(u64, bool)>> {
+        let skip = clip.is_some_and(|c| c.nonfinite == NonFinite::Skip);
+        if loss_scale == 0 {
+            return Ok(clip.map(|_| (norm, skip)));
+        }
         check_clip(clip)?;
         for (what, addr, align) in [("the norm output", norm, 8), ("the loss scale input", loss_scale, 4)] {
             if addr == 0 || !addr.is_multiple_of(align) {
@@ -345,7 +352,8 @@ impl GpuEngine {
         let stream = self.stream().clone();
         let max_norm = clip.map_or(1.0, |c| c.max_norm);
         // SAFETY: the caller's contract.
-        unsafe { launch::adam_loss_scale(&stream, self.kernels(), norm, loss_scale, max_norm, clip.is_some()) }
+        unsafe { launch::adam_loss_scale(&stream, self.kernels(), norm, loss_scale, max_norm, clip.is_some()) }?;
+        Ok(Some((norm, skip)))
     }
 
     /// The first half of a clipped step over several parameter groups: the norm kernel over
@@ -431,9 +439,8 @@ impl GpuEngine {
     }
 
     /// The update half: the Adam kernel over one parameter group. `factor`: the NormOutput
-    /// whose coefficient multiplies each gradient as it is read ([`GpuEngine::clip_norm_raw`]'s,
-    /// after [`GpuEngine::loss_scale_raw`] for loss-scaled gradients) and whether a non-finite
-    /// norm skips the step; None: factor 1. `lr` and `found_inf`: a learning rate (f64) and an
+    /// whose coefficient multiplies each gradient as it is read and whether a non-finite norm
+    /// skips the step, as [`GpuEngine::update_factor_raw`] gives it; None: factor 1. `lr` and `found_inf`: a learning rate (f64) and an
     /// overflow flag (f32, nonzero skips the step) in device memory, or 0
     /// ([`DeviceStepInputs`]).
     ///

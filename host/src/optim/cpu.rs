@@ -74,51 +74,15 @@ impl Cpu {
         loss_scale: f64,
         found_inf: bool,
     ) -> Result<StepReport> {
-        if !(loss_scale.is_finite() && loss_scale > 0.0) {
-            return Err(Error::InvalidHyperparameter {
-                what: "loss scale",
-                value: loss_scale,
-                valid: "a finite number > 0",
-            });
-        }
         let parts: Vec<Parts> = tensors.iter().map(HostAdamTensor::parts).collect();
-        let h = cfg.params()?;
-        check(&parts, cfg.amsgrad)?;
-        check_clip(clip)?;
-        let r = match clip {
-            None => None,
-            Some(c) => {
-                let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
-                // SAFETY: the parts are the borrows `tensors` holds for this call.
-                let norm = unsafe { self.total_norm_raw(&grads, c.norm_type, false) }?.norm;
-                let unscaled = norm / loss_scale;
-                if !unscaled.is_finite() && c.nonfinite == NonFinite::Error && !found_inf {
-                    return Err(Error::NonFiniteNorm {
-                        norm: unscaled,
-                        norm_type: c.norm_type.to_string(),
-                    });
-                }
-                Some((norm, unscaled, c))
-            }
-        };
-        let skipped = found_inf || r.is_some_and(|(_, n, c)| !n.is_finite() && c.nonfinite == NonFinite::Skip);
-        let factor = super::gradient_factor(r.map(|(n, _, c)| (n, c.max_norm)), loss_scale);
-        if skipped {
-            count.skipped += 1;
-        } else {
-            // SAFETY: the parts are the borrows `tensors` holds for this call (`&mut` for the
-            // written ones), checked above.
-            unsafe { update_checked(&parts, &h, count, factor) };
-        }
-        Ok(StepReport {
-            norm: r.map(|(_, n, _)| n),
-            coef: r.map_or(1.0, |(_, n, c)| clip_coefficient(n, c.max_norm)),
-            skipped,
-        })
+        // SAFETY: the parts are the borrows `tensors` holds for this call (`&mut` for the written
+        // ones, so no written part overlaps another).
+        unsafe { self.adam_step_raw(&parts, cfg, count, clip, loss_scale, found_inf) }
     }
 
-    /// [`Cpu::adam_step`] over host addresses: [`Cpu::clip_norm_raw`] over the gradients (with a
-    /// clip), then [`Cpu::adam_update_raw`].
+    /// [`Cpu::adam_step_loss_scaled`] over host addresses (a loss scale of 1 and no overflow:
+    /// [`Cpu::adam_step`]): the gradients' norm (with a clip), [`Cpu::step_verdict`], then
+    /// [`Cpu::adam_update_raw`] unless the step is skipped.
     ///
     /// # Safety
     /// Every part is live host memory of its length and dtype, the written parts (parameters,
@@ -129,28 +93,64 @@ impl Cpu {
         cfg: &AdamConfig,
         count: &mut StepCount,
         clip: Option<&ClipConfig>,
+        loss_scale: f64,
+        found_inf: bool,
     ) -> Result<StepReport> {
+        check_loss_scale(loss_scale)?;
         let h = cfg.params()?;
         check(parts, cfg.amsgrad)?;
-        let Some(c) = clip else {
-            // SAFETY: the caller's contract, checked above.
-            unsafe { update_checked(parts, &h, count, 1.0) };
-            return Ok(StepReport {
-                norm: None,
-                coef: 1.0,
-                skipped: false,
-            });
+        check_clip(clip)?;
+        let norm = match clip {
+            None => None,
+            Some(c) => {
+                let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
+                // SAFETY: the caller's contract covers the gradients.
+                Some(unsafe { self.total_norm_raw(&grads, c.norm_type, false) }?.norm)
+            }
         };
-        let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
-        // SAFETY: the caller's contract covers the gradients.
-        let r = unsafe { self.clip_norm_raw(&grads, c) }?;
+        let (r, factor) = self.step_verdict(norm, clip, loss_scale, found_inf)?;
         if r.skipped {
             count.skipped += 1;
         } else {
             // SAFETY: the caller's contract, checked above.
-            unsafe { update_checked(parts, &h, count, r.coef) };
+            unsafe { update_checked(parts, &h, count, factor) };
         }
         Ok(r)
+    }
+
+    /// A step's verdict on its gradients' norm as computed (`norm`: of the gradients as they
+    /// are, given with a clip) when they carry `loss_scale` (1: none) and the scaler's
+    /// `found_inf`: the report (the unscaled norm, its clip coefficient, whether the step is
+    /// skipped: by `found_inf`, or by [`NonFinite::Skip`] on a non-finite norm) and the factor
+    /// each gradient is multiplied by ([`super::gradient_factor`], the GPU kernel's). Errors: a
+    /// loss scale that is not finite and positive; [`Error::NonFiniteNorm`] under
+    /// [`NonFinite::Error`] (not when `found_inf` already skips the step).
+    pub fn step_verdict(
+        &self,
+        norm: Option<f64>,
+        clip: Option<&ClipConfig>,
+        loss_scale: f64,
+        found_inf: bool,
+    ) -> Result<(StepReport, f64)> {
+        check_loss_scale(loss_scale)?;
+        check_clip(clip)?;
+        let clipped = clip.zip(norm).map(|(c, norm)| (c, norm, norm / loss_scale));
+        if let Some((c, _, unscaled)) = clipped.filter(|&(c, _, n)| !n.is_finite() && c.nonfinite == NonFinite::Error && !found_inf) {
+            return Err(Error::NonFiniteNorm {
+                norm: unscaled,
+                norm_type: c.norm_type.to_string(),
+            });
+        }
+        let skipped = found_inf || clipped.is_some_and(|(c, _, n)| !n.is_finite() && c.nonfinite == NonFinite::Skip);
+        let report = StepReport {
+            norm: clipped.map(|(_, _, n)| n),
+            coef: clipped.map_or(1.0, |(c, _, n)| clip_coefficient(n, c.max_norm)),
+            skipped,
+        };
+        Ok((
+            report,
+            super::gradient_factor(clipped.map(|(c, norm, _)| (norm, c.max_norm)), loss_scale),
+        ))
     }
 
     /// The first half of a clipped step over several parameter groups: the global norm of
@@ -170,18 +170,7 @@ impl Cpu {
     /// [`Cpu::clip_norm_raw`] for a global norm computed elsewhere (for example combined across
     /// ranks): its clip coefficient and `clip.nonfinite`'s verdict.
     pub fn clip_from_norm(&self, norm: f64, clip: &ClipConfig) -> Result<StepReport> {
-        check_clip(Some(clip))?;
-        if !norm.is_finite() && clip.nonfinite == NonFinite::Error {
-            return Err(Error::NonFiniteNorm {
-                norm,
-                norm_type: clip.norm_type.to_string(),
-            });
-        }
-        Ok(StepReport {
-            norm: Some(norm),
-            coef: clip_coefficient(norm, clip.max_norm),
-            skipped: !norm.is_finite() && clip.nonfinite == NonFinite::Skip,
-        })
+        Ok(self.step_verdict(Some(norm), Some(clip), 1.0, false)?.0)
     }
 
     /// The update half over one parameter group: every gradient multiplied by `coef` as it is
@@ -195,6 +184,19 @@ impl Cpu {
         // SAFETY: the caller's contract, checked above.
         unsafe { update_checked(parts, &h, count, coef) };
         Ok(())
+    }
+}
+
+/// [`Error::InvalidHyperparameter`] for a loss scale that is not finite and positive.
+fn check_loss_scale(loss_scale: f64) -> Result<()> {
+    if loss_scale.is_finite() && loss_scale > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidHyperparameter {
+            what: "loss scale",
+            value: loss_scale,
+            valid: "a finite number > 0",
+        })
     }
 }
 
