@@ -106,7 +106,7 @@ def fsdp(rank, world, p):
         got = gt.clip_grad_norm_(params, MAX_NORM, p)
     check_norm(got, want, f"fsdp p={p}")
     check_calls(c.calls, [mesh.get_group(0).group_name], "fsdp")
-    assert sum(c.calls.values()) == 1
+    assert sum(c.calls.values()) == (1 if world > 1 else 0), dict(c.calls)
     for i, (q, f) in enumerate(zip(params, fulls)):
         check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, [Shard(0)])._local_tensor, f"fsdp tensor {i}")
     check_local(params[-1].grad, bias * coef, "fsdp plain tensor")

@@ -23,6 +23,12 @@ TWO_GPUS = pytest.mark.skipif(
     reason="needs two CUDA GPUs and NCCL",
 )
 
+ONE_GPU = pytest.mark.skipif(
+    not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs a CUDA GPU and NCCL"
+)
+# What a one-rank world can hold (the 2-D meshes need two or four ranks).
+ONE_RANK = ["fsdp", "fsdp_pure", "errors", "torch_parity", "fsdp_optimizer"]
+
 
 def free_port():
     with socket.socket() as s:
@@ -55,6 +61,12 @@ def run_world(tmp_path, world, scenarios, device="cpu"):
 
 
 @GLOO
+def test_world_of_one(tmp_path):
+    # A sharded trainer on one device: DTensors on a one-rank mesh, no collective at all.
+    run_world(tmp_path, 1, ONE_RANK)
+
+
+@GLOO
 def test_world_of_two(tmp_path):
     run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "errors", "torch_parity", "fsdp_optimizer"])
 
@@ -68,3 +80,9 @@ def test_world_of_four(tmp_path):
 def test_two_gpus_over_nccl(tmp_path):
     # The same placements on CUDA, NCCL: the engine reads the local shards, NCCL combines them.
     run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer"], device="cuda")
+
+
+@ONE_GPU
+def test_one_gpu_over_nccl(tmp_path):
+    # A one-rank NCCL world on one GPU: the CUDA engine on DTensor shards, no collective.
+    run_world(tmp_path, 1, ONE_RANK, device="cuda")

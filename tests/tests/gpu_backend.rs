@@ -849,10 +849,46 @@ fn sharded_keys_with_mirrors(gpu: &Gpu) -> TestResult {
 /// One rank's result: its report, its gradients' host twins, its gradients after the clip.
 type RankResult = std::result::Result<(gradclip::NormReport, Vec<Grad>, Vec<Grad>), String>;
 
-fn nccl_sharded_clip(_gpu: &Gpu) -> TestResult {
+fn nccl_sharded_clip_two_gpus(_gpu: &Gpu) -> TestResult {
+    nccl_sharded_clip(2)
+}
+
+/// The same on one GPU: a one-rank communicator (what a single-GPU run of a sharded trainer
+/// makes), and one all-reduce through it on the engine's stream: NCCL found, loaded and called
+/// through cudarc's bindings, whatever the host has.
+fn nccl_one_rank(gpu: &Gpu) -> TestResult {
+    use gradclip::gpu::{Communicator, Nccl, NcclId, Reduce};
+    let comm = Nccl::new(gpu.stream.clone(), 0, 1, NcclId::new().map_err(|e| format!("{e}"))?).map_err(|e| format!("{e}"))?;
+    ensure(comm.size() == 1 && comm.rank() == 0, || "a one-rank communicator".to_string())?;
+    let host = [1.5f64, -0.0, f64::MIN_POSITIVE, 3e300];
+    let mut buf = gpu.stream.clone_htod(&host).map_err(|e| format!("{e}"))?;
+    for op in [Reduce::Sum, Reduce::Max] {
+        comm.all_reduce_f64(&mut buf.as_view_mut(), op, &gpu.stream)
+            .map_err(|e| format!("{e}"))?;
+        let got = gpu.stream.clone_dtoh(&buf).map_err(|e| format!("{e}"))?;
+        ensure(got.iter().zip(&host).all(|(a, b)| same_bits(*a, *b)), || {
+            format!("{op:?} over one rank changed the values: {got:?}")
+        })?;
+    }
+    // A communicator of another stream is refused before anything is enqueued.
+    let other = gpu.stream.fork().map_err(|e| format!("{e}"))?;
+    ensure(comm.all_reduce_f64(&mut buf.as_view_mut(), Reduce::Sum, &other).is_err(), || {
+        "an all-reduce on another stream than the communicator's was accepted".to_string()
+    })?;
+    nccl_sharded_clip(1)
+}
+
+/// `ranks` GPUs (one thread each, one NCCL communicator): each rank holds its shards (on one rank,
+/// all of them) and optionally replicated gradients; the global norm is the CPU's on the unsharded
+/// list within 1e-12, the ranks agree bit for bit, and every rank's clip equals the CPU's.
+fn nccl_sharded_clip(ranks: usize) -> TestResult {
     use gradclip::gpu::{Nccl, NcclId};
     let id = NcclId::new().map_err(|e| format!("{e}"))?;
-    let shards = [random_grads(9100, 30, 150_000), random_grads(9200, 7, 300_000)];
+    let split = [random_grads(9100, 30, 150_000), random_grads(9200, 7, 300_000)];
+    let shards: Vec<Vec<Grad>> = match ranks {
+        1 => vec![split.concat()],
+        _ => split.to_vec(),
+    };
     let replicated_lists = [Vec::new(), random_grads(9300, 5, 50_000)];
     for (p, replicated) in NORM_ORDERS.iter().flat_map(|&p| replicated_lists.iter().map(move |r| (p, r))) {
         let max_norm = 0.5;
@@ -869,7 +905,7 @@ fn nccl_sharded_clip(_gpu: &Gpu) -> TestResult {
                         let mine: Vec<Grad> = grads.iter().chain(replicated).cloned().collect();
                         let mut devs = g.upload(&mine);
                         let twins = g.host_twins(&mine, &devs);
-                        let comm = Nccl::new(g.stream.clone(), rank, 2, id).map_err(|e| format!("rank {rank}: {e}"))?;
+                        let comm = Nccl::new(g.stream.clone(), rank, ranks, id).map_err(|e| format!("rank {rank}: {e}"))?;
                         let mut engine = g.engine();
                         let mut out = gradclip::gpu::DeviceNorm::new(&g.stream, 0).unwrap();
                         {
@@ -903,10 +939,12 @@ fn nccl_sharded_clip(_gpu: &Gpu) -> TestResult {
         let results = results.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
         let all: Vec<Grad> = shards.iter().flatten().chain(replicated).cloned().collect();
         let want = cpu_norm(&all, p, false).norm;
-        let (r0, r1) = (&results[0].0, &results[1].0);
-        ensure(same_bits(r0.norm, r1.norm) && same_bits(r0.coef, r1.coef), || {
-            format!("p={p}: ranks disagree: {r0:?} vs {r1:?}")
-        })?;
+        let r0 = &results[0].0;
+        for (rank, (r, ..)) in results.iter().enumerate().skip(1) {
+            ensure(same_bits(r0.norm, r.norm) && same_bits(r0.coef, r.coef), || {
+                format!("p={p}: ranks 0 and {rank} disagree: {r0:?} vs {r:?}")
+            })?;
+        }
         ensure((r0.norm - want).abs() <= 1e-12 * want, || {
             format!("p={p}: global norm {} vs CPU {want}", r0.norm)
         })?;
@@ -1209,11 +1247,12 @@ fn main() {
         ("graph_capture_launch_budget_and_replays", graph_capture),
         ("graph_capture_patterns_replay_like_eager", graph_capture_patterns),
         ("adam_device_inputs_equal_cpu_bits", adam_device_inputs_equal_cpu_bits),
+        ("nccl_one_rank_all_reduce_and_sharded_clip", nccl_one_rank),
     ];
     // Tests that need two GPUs: reported as ignored on one.
     let two_gpu_tests: Vec<Case> = vec![
         ("second_device_engine_bits_and_context_check", second_device),
-        ("nccl_sharded_clip_two_gpus", nccl_sharded_clip),
+        ("nccl_sharded_clip_two_gpus", nccl_sharded_clip_two_gpus),
     ];
     let gpu = if gradclip::gpu::gpu_available() {
         let ctx = CudaContext::new(0).expect("CUDA context");
@@ -1239,10 +1278,16 @@ fn main() {
             two_gpu_tests.len()
         );
     }
-    let two = two_gpu_tests.into_iter().map(|(name, f)| (name, f, devices >= 2));
+    // Tests that need libnccl: reported as ignored without it (run.sh links torch's).
+    let nccl = gradclip::gpu::nccl_available();
+    if gpu.is_some() && !nccl {
+        eprintln!("no libnccl on the library path: the NCCL tests are reported as ignored (skipped)");
+    }
+    let runnable = |name: &str| !name.starts_with("nccl") || nccl;
+    let two = two_gpu_tests.into_iter().map(|(name, f)| (name, f, devices >= 2 && runnable(name)));
     let trials = tests
         .into_iter()
-        .map(|(name, f)| (name, f, true))
+        .map(|(name, f)| (name, f, runnable(name)))
         .chain(two)
         .map(|(name, f, runnable)| match &gpu {
             Some(g) if runnable => {

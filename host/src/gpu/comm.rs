@@ -58,10 +58,22 @@ fn nccl_error(what: &'static str, e: cudarc::nccl::result::NcclError) -> Error {
     }
 }
 
+/// Whether an NCCL library can be loaded here (what [`Nccl`] and [`NcclId`] need at run time).
+///
+/// ```
+/// if !gradclip::gpu::nccl_available() {
+///     println!("no libnccl: the sharded clip over NCCL is unavailable here");
+/// }
+/// ```
+#[cfg(feature = "nccl")]
+pub fn nccl_available() -> bool {
+    // SAFETY: only tries to open the library; loads nothing else.
+    unsafe { cudarc::nccl::sys::is_culib_present() }
+}
+
 #[cfg(feature = "nccl")]
 fn nccl_present() -> Result<()> {
-    // SAFETY: only tries to open the library; loads nothing else.
-    if unsafe { cudarc::nccl::sys::is_culib_present() } {
+    if nccl_available() {
         Ok(())
     } else {
         Err(Error::Nccl {

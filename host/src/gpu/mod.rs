@@ -30,7 +30,7 @@ pub use buffers::{DeviceGrad, DeviceGradMut};
 pub use capture::graph_tables_live;
 pub use comm::{Communicator, Reduce};
 #[cfg(feature = "nccl")]
-pub use comm::{Nccl, NcclId};
+pub use comm::{Nccl, NcclId, nccl_available};
 pub use device_norm::DeviceNorm;
 pub use engine::{Coefficient, GpuEngine};
 pub use output::{NewNorm, Output, RawOutput};
