@@ -323,8 +323,8 @@ def fsdp_optimizer(rank, world, p):
     # same as its update of the whole (unsharded) tensors in one process, sharded.
     engine, whole = params(), [torch.nn.Parameter(torch.full_like(f, 0.5)) for f in fulls]
     for q, f in zip(whole, fulls):
+        q.data = dev(q.data)  # first: a gradient must be on its parameter's device
         q.grad = dev(f.clone())
-        q.data = dev(q.data)
     grads_before = [q.grad._local_tensor.clone() for q in engine]
     opt = AdamW(engine, lr=0.1, max_grad_norm=MAX_NORM, norm_type=p, update="gradclip")
     with CountingAllReduce() as c:

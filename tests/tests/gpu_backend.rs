@@ -883,7 +883,6 @@ fn nccl_one_rank(gpu: &Gpu) -> TestResult {
 /// list within 1e-12, the ranks agree bit for bit, and every rank's clip equals the CPU's.
 fn nccl_sharded_clip(ranks: usize) -> TestResult {
     use gradclip::gpu::{Nccl, NcclId};
-    let id = NcclId::new().map_err(|e| format!("{e}"))?;
     let split = [random_grads(9100, 30, 150_000), random_grads(9200, 7, 300_000)];
     let shards: Vec<Vec<Grad>> = match ranks {
         1 => vec![split.concat()],
@@ -892,6 +891,8 @@ fn nccl_sharded_clip(ranks: usize) -> TestResult {
     let replicated_lists = [Vec::new(), random_grads(9300, 5, 50_000)];
     for (p, replicated) in NORM_ORDERS.iter().flat_map(|&p| replicated_lists.iter().map(move |r| (p, r))) {
         let max_norm = 0.5;
+        // An id bootstraps one communicator: a new one for each.
+        let id = NcclId::new().map_err(|e| format!("{e}"))?;
         let results: Vec<RankResult> = std::thread::scope(|sc| {
             let handles: Vec<_> = shards
                 .iter()

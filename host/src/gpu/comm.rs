@@ -52,9 +52,25 @@ pub struct NcclId(cudarc::nccl::Id);
 
 #[cfg(feature = "nccl")]
 fn nccl_error(what: &'static str, e: cudarc::nccl::result::NcclError) -> Error {
+    use cudarc::nccl::sys::{self, ncclResult_t};
+    // cudarc's NcclError prints no code: name it, add NCCL's own message and what usually causes it.
+    // SAFETY: the library is loaded (an NCCL call returned this error); NCCL returns a static or
+    // thread-local C string (or null), read before any other NCCL call on this thread.
+    let last = unsafe {
+        let p = sys::ncclGetLastError(std::ptr::null_mut());
+        (!p.is_null()).then(|| std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned())
+    };
+    let hint = match e.0 {
+        ncclResult_t::ncclInvalidUsage => {
+            "; usually an id used for a second communicator (make a new id for each), two ranks on one GPU, or mismatched calls across ranks"
+        }
+        ncclResult_t::ncclSystemError | ncclResult_t::ncclRemoteError => "; a rank or the network between ranks failed",
+        ncclResult_t::ncclUnhandledCudaError => "; a CUDA call inside NCCL failed: check the device and the stream",
+        _ => "",
+    };
     Error::Nccl {
         what,
-        detail: format!("{e:?}"),
+        detail: format!("{:?}{}{hint}", e.0, last.filter(|m| !m.is_empty()).map(|m| format!(" ({m})")).unwrap_or_default()),
     }
 }
 
@@ -116,6 +132,8 @@ impl Nccl {
                 detail: format!("rank {rank} of {world} ranks: ranks are 0..world, world >= 1"),
             });
         }
+        // NCCL joins the device current on this thread: make it the stream's.
+        stream.context().bind_to_thread()?;
         let comm = cudarc::nccl::Comm::from_rank(stream, rank, world, id.0).map_err(|e| nccl_error("creating an NCCL communicator", e))?;
         Ok(Nccl { comm })
     }
