@@ -22,9 +22,7 @@ an empty ``Shards`` for it (or holds the DTensor's empty shard, as DTensor ranks
 
 from __future__ import annotations
 
-import copy
 import math
-import weakref
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -166,14 +164,25 @@ class Layout:
             t = self._indices[(what, device)] = torch.tensor(list(values), device=device)
         return t
 
+    def template(self) -> "Layout":
+        """This sealed layout without its tensors: what ``collect`` keeps for the next call."""
+        out = self._copy()
+        out._locals, out._pieces = None, None
+        return out
+
     def with_gradients(self, grads: Sequence[Any]) -> "Layout":
-        """This layout for a list of the same gradient objects (one per piece, in order): the
-        keys and groups as they were, the local tensors read anew (only the local tensors when
-        the one-key path will take them: ``one_key``)."""
-        out = copy.copy(self)
-        flags = self._flags
-        out._locals = [g._local_tensor if d else g for g, d in zip(grads, flags)]
+        """This layout (a template) for gradients of the same specs and dtypes (one per piece, in
+        order): the keys and groups as they were, the local tensors read anew (only the local
+        tensors when the one-key path will take them: ``one_key``)."""
+        out = self._copy()
+        out._locals = [g._local_tensor if d else g for g, d in zip(grads, self._flags)]
         out._pieces = None
+        return out
+
+    def _copy(self) -> "Layout":
+        # A shallow copy (copy.copy goes through __reduce_ex__: twice the host time).
+        out = object.__new__(Layout)
+        out.__dict__.update(self.__dict__)
         return out
 
     @property
@@ -196,27 +205,30 @@ class Layout:
         self._locals = [pc.local for pc in pcs]
         keys = set(self._keys_of)
         self.one_key = next(iter(keys)) if len(keys) == 1 and None not in keys and not self.partial else None
+        self._dtype = _gt._result_dtype(self._locals) if self._locals else torch.get_default_dtype()
         return self
 
     def local_tensors(self) -> List[torch.Tensor]:
         return self._locals
 
     def result_dtype(self) -> torch.dtype:
-        """The dtype torch returns the norm in (kept: the same gradient objects keep their dtypes)."""
-        if self._dtype is None:
-            ts = [pc.local for pc in self.pieces]
-            self._dtype = _gt._result_dtype(ts) if ts else torch.get_default_dtype()
+        """The dtype torch returns the norm in (the same for gradients of the same specs and dtypes)."""
         return self._dtype
 
 
-# The layout of the last plain list (DTensors and tensors, no Shards): weak references to its
-# gradient objects and the layout. A repeated list (the same DTensor objects, as a training loop
-# that keeps its gradients passes) skips reading every placement and mesh again.
-_LAST: Optional[Tuple[List[Any], Layout]] = None
+# The layout of the last plain list (DTensors and tensors, no Shards), under what decides it:
+# each gradient's DTensorSpec (the very object: FSDP2 gives every step's new gradient its
+# parameter's spec) or, for a plain tensor, its dtype. A training loop's list, whether the same
+# gradient objects or new gradients of the same parameters (``zero_grad(set_to_none=True)``),
+# skips reading every placement and mesh again. The kept layout holds no tensor (specs and
+# dtypes hold no gradient memory): gradients freed between steps are freed.
+_LAST: Optional[Tuple[List[Any], "Layout"]] = None
 
 
-def _no_gradient():
-    return None
+def _marks(gs: Sequence[Any]) -> List[Any]:
+    """What decides a plain list's layout, per gradient (see ``_LAST``)."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return [None if g is None else g.dtype if type(g) in plain or not is_dtensor(g) else g._spec for g in gs]
 
 
 def collect(items: Sequence[Any], grads: bool) -> Layout:
@@ -225,8 +237,9 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
     global _LAST
     if not any(type(item) is Shards for item in items):
         gs = [item.grad for item in items] if grads else list(items)
+        marks = _marks(gs)
         last = _LAST
-        if last is not None and len(last[0]) == len(gs) and all(r() is g for r, g in zip(last[0], gs)):
+        if last is not None and len(last[0]) == len(marks) and all(a is b for a, b in zip(last[0], marks)):
             return last[1].with_gradients([g for g in gs if g is not None])
         layout = Layout()
         for g in gs:
@@ -234,7 +247,7 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
                 layout.add(g, (), True)
         layout.seal()
         if not layout.partial:
-            _LAST = ([weakref.ref(g) if g is not None else _no_gradient for g in gs], layout)
+            _LAST = (marks, layout.template())
         return layout
     layout = Layout()
     for item in items:

@@ -338,7 +338,58 @@ def fsdp_optimizer(rank, world, p):
         assert torch.equal(q.grad._local_tensor, g), "no gradient write-back"
 
 
-SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity, "fsdp_optimizer": fsdp_optimizer}
+def fresh_gradients(rank, world, p):
+    """FSDP2 (``fully_shard``) steps with ``zero_grad(set_to_none=True)``: every step's gradients
+    are new DTensor objects on their parameters' specs. Each step's clip matches the f64
+    reference; after the first step the kept layout serves (no gradient's placements read
+    again); a freed gradient is freed (the kept layout holds no tensor)."""
+    import gc
+    import weakref
+
+    from torch.distributed.fsdp import fully_shard
+
+    from gradclip import distributed
+
+    mesh = init_device_mesh(DEVICE, (world,))
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, world * 4 + 1), torch.nn.Tanh(), torch.nn.Linear(world * 4 + 1, 3))
+    model = model.to(device=DEVICE if DEVICE == "cpu" else torch.device("cuda", torch.cuda.current_device()), dtype=torch.float64)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    reads = []
+    original = distributed.Layout._add_dtensor
+
+    def counted(self, *args):
+        reads.append(1)
+        return original(self, *args)
+
+    distributed.Layout._add_dtensor = counted
+    freed = []  # every step's gradients: none may outlive its zero_grad
+    try:
+        for step in range(3):
+            model.zero_grad(set_to_none=True)
+            x = dev(full_grads(80 + step, [(8, 6)])[0])
+            model(x).square().sum().mul(10.0).backward()
+            fulls = [q.grad.full_tensor().cpu().clone() for q in params]  # (one rank: the shard itself)
+            want, coef = reference(fulls, p)
+            reads.clear()
+            got = gt.clip_grad_norm_(params, MAX_NORM, p)
+            check_norm(got, want, f"fresh_gradients step {step} p={p}")
+            # (torch interns equal specs: the first step may hit the previous call's layout too.)
+            assert step == 0 or not reads, f"step {step}: {len(reads)} placements read again"
+            for q, f in zip(params, fulls):
+                check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, [Shard(0)])._local_tensor, "fresh_gradients")
+                freed += [weakref.ref(q.grad), weakref.ref(q.grad._local_tensor)]
+    finally:
+        distributed.Layout._add_dtensor = original
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is None for r in freed), "a gradient outlived zero_grad(set_to_none=True)"
+
+
+SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity, "fsdp_optimizer": fsdp_optimizer, "fresh_gradients": fresh_gradients}
 
 
 def main():

@@ -27,7 +27,7 @@ ONE_GPU = pytest.mark.skipif(
     not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs a CUDA GPU and NCCL"
 )
 # What a one-rank world can hold (the 2-D meshes need two or four ranks).
-ONE_RANK = ["fsdp", "fsdp_pure", "errors", "torch_parity", "fsdp_optimizer"]
+ONE_RANK = ["fsdp", "fsdp_pure", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients"]
 
 
 def free_port():
@@ -68,18 +68,18 @@ def test_world_of_one(tmp_path):
 
 @GLOO
 def test_world_of_two(tmp_path):
-    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "errors", "torch_parity", "fsdp_optimizer"])
+    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients"])
 
 
 @GLOO
 def test_world_of_four(tmp_path):
-    run_world(tmp_path, 4, ["fsdp", "fsdp_pure", "dp_tp", "hsdp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer"])
+    run_world(tmp_path, 4, ["fsdp", "fsdp_pure", "dp_tp", "hsdp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer", "fresh_gradients"])
 
 
 @TWO_GPUS
 def test_two_gpus_over_nccl(tmp_path):
     # The same placements on CUDA, NCCL: the engine reads the local shards, NCCL combines them.
-    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer"], device="cuda")
+    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer", "fresh_gradients"], device="cuda")
 
 
 @ONE_GPU

@@ -117,9 +117,15 @@ def _as_list(tensors: _TensorOrTensors) -> List[torch.Tensor]:
 def _is_dtensor(t) -> bool:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return False
-    from ..distributed import is_dtensor
+    global _DTENSOR_CHECK
+    if _DTENSOR_CHECK is None:  # imported on first use: plain lists never import torch.distributed's tensor
+        from ..distributed import is_dtensor
 
-    return is_dtensor(t)
+        _DTENSOR_CHECK = is_dtensor
+    return _DTENSOR_CHECK(t)
+
+
+_DTENSOR_CHECK = None
 
 
 def _scan(items: list, grads: bool):
