@@ -68,7 +68,7 @@ sharded)
         grep -v "^W1" "$OUT/sharded-x2$sfx.txt" | grep "_ms\|speedup\|ratio"
     done
     python3 -m torch.distributed.run --nproc-per-node 1 benches/torch/sharded_compare.py "$OUT/sharded-x1.json" > "$OUT/sharded-x1.txt" 2>&1
-    grep -A8 one_rank "$OUT/sharded-x1.txt"
+    grep -A20 one_rank "$OUT/sharded-x1.txt"
     # At most 8 files come back: the sharded records travel as one archive.
     (cd "$OUT" && tar czf sharded.tgz sharded-x* two-gpu-* 2>/dev/null && rm -f sharded-x* two-gpu-*)
     if [ -z "${SKIP_TRAIN:-}" ]; then

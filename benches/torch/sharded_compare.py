@@ -6,6 +6,8 @@ made by one backward pass: DTensors with Shard(0) on a 1-D mesh. Per call, CUDA 
 clip on every rank, median over ``--reps`` (the slowest rank's median is reported):
   torch         torch.nn.utils.clip_grad_norm_(foreach=True) on the DTensor gradients
   gradclip      gradclip.torch.clip_grad_norm_ on the same DTensor gradients
+  fresh         the same with new gradient objects before every call, as FSDP2 makes them each
+                step after zero_grad(set_to_none=True)
   local         gradclip.torch.clip_grad_norm_ on the same local shards as plain tensors (no
                 collective: what one GPU pays for those bytes)
   all-reduce    one all-reduce of a 1-element f64 tensor (what the sharded clip adds)
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import gradclip.torch as gt
 
@@ -114,9 +116,17 @@ def fsdp_rows(args, rank, world):
         torch._foreach_copy_(local, saved)
 
     one = torch.ones(1, dtype=torch.float64, device=DEVICE)
+    def fresh():
+        # What FSDP2 does every step after zero_grad(set_to_none=True): new gradient objects on
+        # the parameters' specs, over (here) the same local tensors.
+        reset()
+        for q in params:
+            q.grad = DTensor(q.grad._local_tensor, q.grad._spec, requires_grad=False)
+
     rows = {
         "torch_ms": timed(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), args.reps, reset),
         "gradclip_ms": timed(lambda: gt.clip_grad_norm_(params, max_norm), args.reps, reset),
+        "gradclip_fresh_gradients_ms": timed(lambda: gt.clip_grad_norm_(params, max_norm), args.reps, fresh),
         "local_single_gpu_ms": timed(lambda: gt.clip_grad_norm_(holders, max_norm), args.reps, reset),
         "allreduce_f64_ms": timed(lambda: dist.all_reduce(one), args.reps),
         "gradclip_norm_only_ms": timed(lambda: gt.get_total_norm(grads), args.reps),
@@ -142,26 +152,64 @@ def fsdp_rows(args, rank, world):
     return rows
 
 
+def paired(fa, fb, reps, reset=None):
+    """``timed`` for two calls at once, interleaved (a, b, a, b, ...) so that clock and thermal
+    drift fall on both alike: their medians (ms) and the host time each call takes to return
+    (us, median: what the GPU waits for before the first launch, after a synchronization)."""
+    for _ in range(2):
+        for fn in (fa, fb):
+            if reset:
+                reset()
+            fn()
+    dev_ms, host_us = ([], []), ([], [])
+    for _ in range(reps):
+        for i, fn in enumerate((fa, fb)):
+            if reset:
+                reset()
+            cuda = DEVICE == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            t = time.perf_counter()
+            fn()
+            host_us[i].append((time.perf_counter() - t) * 1e6)
+            if cuda:
+                b.record()
+                torch.cuda.synchronize()
+            dev_ms[i].append(a.elapsed_time(b) if cuda else host_us[i][-1] / 1e3)
+    return [statistics.median(x) for x in dev_ms], [statistics.median(x) for x in host_us]
+
+
 def one_rank_rows(args):
-    """A 1-rank mesh: DTensor gradients against the same plain tensors (same storage)."""
+    """A 1-rank mesh: DTensor gradients against the same plain tensors (same storage), the
+    clip and the norm each timed interleaved (see ``paired``)."""
     mesh = init_device_mesh(DEVICE, (1,))
     grads = [torch.randn(args.one_rank_elems, device=DEVICE).to(torch.bfloat16) for _ in range(20)]
     plain = [types.SimpleNamespace(grad=g) for g in grads]
     dts = [types.SimpleNamespace(grad=distribute_tensor(g, mesh, [Shard(0)])) for g in grads]
     for h, g in zip(dts, grads):
         h.grad._local_tensor = g  # the very same storage
+    dgrads = [h.grad for h in dts]
     max_norm = 0.5 * float(gt.get_total_norm(grads))
     saved = [g.clone() for g in grads]
 
     def reset():
         torch._foreach_copy_(grads, saved)
 
+    reps = 5 * args.reps
+    (clip_d, clip_p), (clip_dh, clip_ph) = paired(lambda: gt.clip_grad_norm_(dts, max_norm), lambda: gt.clip_grad_norm_(plain, max_norm), reps, reset)
+    (norm_d, norm_p), (norm_dh, norm_ph) = paired(lambda: gt.get_total_norm(dgrads), lambda: gt.get_total_norm(grads), reps)
     return {
-        "one_rank_dtensor_ms": timed(lambda: gt.clip_grad_norm_(dts, max_norm), args.reps, reset),
-        "one_rank_plain_ms": timed(lambda: gt.clip_grad_norm_(plain, max_norm), args.reps, reset),
+        "one_rank_dtensor_ms": clip_d,
+        "one_rank_plain_ms": clip_p,
         "one_rank_torch_dtensor_ms": timed(lambda: torch.nn.utils.clip_grad_norm_(dts, max_norm, foreach=True), args.reps, reset),
-        "one_rank_dtensor_norm_ms": timed(lambda: gt.get_total_norm([h.grad for h in dts]), args.reps),
-        "one_rank_plain_norm_ms": timed(lambda: gt.get_total_norm(grads), args.reps),
+        "one_rank_dtensor_norm_ms": norm_d,
+        "one_rank_plain_norm_ms": norm_p,
+        "one_rank_clip_ratio": clip_d / clip_p,
+        "one_rank_norm_ratio": norm_d / norm_p,
+        "one_rank_host_us": {"dtensor_clip": clip_dh, "plain_clip": clip_ph, "dtensor_norm": norm_dh, "plain_norm": norm_ph},
+        "one_rank_reps": reps,
     }
 
 

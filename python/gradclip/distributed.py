@@ -23,6 +23,7 @@ an empty ``Shards`` for it (or holds the DTensor's empty shard, as DTensor ranks
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -171,10 +172,12 @@ class Layout:
         return out
 
     def with_gradients(self, grads: Sequence[Any]) -> "Layout":
-        """This layout (a template) for gradients of the same specs and dtypes (one per piece, in
-        order): the keys and groups as they were, the local tensors read anew (only the local
-        tensors when the one-key path will take them: ``one_key``)."""
+        """This layout (a template) for gradients of the same specs and dtypes (in order, None
+        where its list had none): the keys and groups as they were, the local tensors read anew
+        (only the local tensors when the one-key path will take them: ``one_key``)."""
         out = self._copy()
+        if len(grads) != len(self._flags):
+            grads = [g for g in grads if g is not None]
         out._locals = [g._local_tensor if d else g for g, d in zip(grads, self._flags)]
         out._pieces = None
         return out
@@ -225,22 +228,26 @@ class Layout:
 _LAST: Optional[Tuple[List[Any], "Layout"]] = None
 
 
-def _marks(gs: Sequence[Any]) -> List[Any]:
-    """What decides a plain list's layout, per gradient (see ``_LAST``)."""
-    plain = (torch.Tensor, torch.nn.Parameter)
-    return [None if g is None else g.dtype if type(g) in plain or not is_dtensor(g) else g._spec for g in gs]
+def _mark(g: Any) -> Any:
+    """What decides a gradient's place in a plain list's layout (see ``_LAST``); AttributeError
+    for a ``Shards`` (which the full path handles)."""
+    return None if g is None else g._spec if is_dtensor(g) else g.dtype
 
 
 def collect(items: Sequence[Any], grads: bool) -> Layout:
     """The layout of ``items``: tensors (``grads`` False) or parameters (``grads`` True: their
     ``.grad``), DTensors among them, and ``Shards`` groups of the same kind."""
     global _LAST
-    if not any(type(item) is Shards for item in items):
+    try:
+        # A Shards among the items has no .grad, nor a dtype: the full path below.
         gs = [item.grad for item in items] if grads else list(items)
-        marks = _marks(gs)
+        marks = [g._spec if type(g) is DTensor else _mark(g) for g in gs]
+    except AttributeError:
+        gs = None
+    if gs is not None:
         last = _LAST
-        if last is not None and len(last[0]) == len(marks) and all(a is b for a, b in zip(last[0], marks)):
-            return last[1].with_gradients([g for g in gs if g is not None])
+        if last is not None and len(last[0]) == len(marks) and all(map(operator.is_, last[0], marks)):
+            return last[1].with_gradients(gs)
         layout = Layout()
         for g in gs:
             if g is not None:
