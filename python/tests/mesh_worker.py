@@ -382,6 +382,14 @@ def fresh_gradients(rank, world, p):
             for q, f in zip(params, fulls):
                 check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, [Shard(0)])._local_tensor, "fresh_gradients")
                 freed += [weakref.ref(q.grad), weakref.ref(q.grad._local_tensor)]
+        # A parameter without a gradient this step (frozen, or unused): not counted, the rest clipped.
+        params[1].grad = None
+        rest = [q for i, q in enumerate(params) if i != 1]
+        fulls = [q.grad.full_tensor().cpu().clone() for q in rest]
+        want, coef = reference(fulls, p)
+        check_norm(gt.clip_grad_norm_(params, MAX_NORM, p), want, f"fresh_gradients, one gradient None, p={p}")
+        for q, f in zip(rest, fulls):
+            check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, [Shard(0)])._local_tensor, "fresh_gradients, one None")
     finally:
         distributed.Layout._add_dtensor = original
     model.zero_grad(set_to_none=True)

@@ -114,18 +114,24 @@ def _as_list(tensors: _TensorOrTensors) -> List[torch.Tensor]:
     return tensors if isinstance(tensors, list) else list(tensors)
 
 
+def _distributed():
+    """``gradclip.distributed``, imported on first use (plain lists never import
+    torch.distributed's tensor) and kept: an import statement per call costs more."""
+    global _DISTRIBUTED
+    if _DISTRIBUTED is None:
+        from .. import distributed
+
+        _DISTRIBUTED = distributed
+    return _DISTRIBUTED
+
+
+_DISTRIBUTED = None
+
+
 def _is_dtensor(t) -> bool:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return False
-    global _DTENSOR_CHECK
-    if _DTENSOR_CHECK is None:  # imported on first use: plain lists never import torch.distributed's tensor
-        from ..distributed import is_dtensor
-
-        _DTENSOR_CHECK = is_dtensor
-    return _DTENSOR_CHECK(t)
-
-
-_DTENSOR_CHECK = None
+    return _distributed().is_dtensor(t)
 
 
 def _scan(items: list, grads: bool):
@@ -346,8 +352,7 @@ def get_total_norm(
     items = _as_list(tensors)
     plan, ts, sharded = _scan(items, False)
     if sharded or pipeline_group is not None:
-        from .. import distributed
-
+        distributed = _distributed()
         norm64, layout = _sharded_norm64(items, False, _check_p(norm_type), pipeline_group)
         return distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
     if len(ts) == 0:
@@ -417,8 +422,7 @@ def clip_grads_with_norm_(
     if _is_dtensor(total_norm):
         total_norm = total_norm.full_tensor()
     if sharded:
-        from .. import distributed
-
+        distributed = _distributed()
         distributed.scale(distributed.collect(items, True), _clip_coef(max_norm, total_norm))
         return
     _check_writable(plan, grads)
@@ -433,8 +437,7 @@ def clip_grads_with_norm_(
 def _sharded_norm64(items: list, grads: bool, p: float, pipeline_group=None):
     """The global p-norm of sharded ``items`` (tensors, or parameters' gradients when ``grads``)
     as a 0-dim f64 tensor, with their layout: the shortest path when it applies."""
-    from .. import distributed
-
+    distributed = _distributed()
     layout = distributed.collect(items, grads)
     norm64 = distributed.norm_one_key(layout, p, pipeline_group)
     if norm64 is None:
@@ -479,8 +482,7 @@ def clip_grad_norm_(
     items = _as_list(parameters)
     plan, grads, sharded = _scan(items, True)
     if sharded or pipeline_group is not None:
-        from .. import distributed
-
+        distributed = _distributed()
         layout = distributed.collect(items, True)
         p = _check_p(norm_type)
         if not error_if_nonfinite:
