@@ -70,7 +70,11 @@ fn nccl_error(what: &'static str, e: cudarc::nccl::result::NcclError) -> Error {
     };
     Error::Nccl {
         what,
-        detail: format!("{:?}{}{hint}", e.0, last.filter(|m| !m.is_empty()).map(|m| format!(" ({m})")).unwrap_or_default()),
+        detail: format!(
+            "{:?}{}{hint}",
+            e.0,
+            last.filter(|m| !m.is_empty()).map(|m| format!(" ({m})")).unwrap_or_default()
+        ),
     }
 }
 
