@@ -10,8 +10,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
-import time
 import types
 
 import torch
@@ -20,19 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import gradclip.torch as gt
-
-
-def per_call_us(fn, calls):
-    ts = []
-    torch.cuda.synchronize()
-    for i in range(calls):
-        if i % 20 == 0:
-            torch.cuda.synchronize()  # no stage waits on a full launch queue
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(ts)
+from host_profile import per_call_us  # (this folder: the script's own, on sys.path)
 
 
 def main():

@@ -43,6 +43,24 @@ import gradclip.torch as gt
 DEVICE = "cuda"
 
 
+def one_call(fn):
+    """One call of ``fn`` from an idle GPU: its time in ms (CUDA events; wall clock with --cpu)
+    and the host time it takes to return in us."""
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+    t = time.perf_counter()
+    fn()
+    host_us = (time.perf_counter() - t) * 1e6
+    if not cuda:
+        return host_us / 1e3, host_us
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b), host_us
+
+
 def timed(fn, reps, reset=None):
     """Median ms per call (CUDA events; wall clock with --cpu), after two warm-up calls; ranks
     start each call together. ``reset`` (untimed) runs before every call: a clip must find the
@@ -57,18 +75,7 @@ def timed(fn, reps, reset=None):
         if reset:
             reset()
         dist.barrier()
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e3)
+        ts.append(one_call(fn)[0])
     m = torch.tensor([statistics.median(ts)], device=DEVICE, dtype=torch.float64)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)  # the slowest rank's median
     return float(m)
@@ -166,18 +173,9 @@ def paired(fa, fb, reps, reset=None):
         for i, fn in enumerate((fa, fb)):
             if reset:
                 reset()
-            cuda = DEVICE == "cuda"
-            if cuda:
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-            t = time.perf_counter()
-            fn()
-            host_us[i].append((time.perf_counter() - t) * 1e6)
-            if cuda:
-                b.record()
-                torch.cuda.synchronize()
-            dev_ms[i].append(a.elapsed_time(b) if cuda else host_us[i][-1] / 1e3)
+            ms, us = one_call(fn)
+            dev_ms[i].append(ms)
+            host_us[i].append(us)
     return [statistics.median(x) for x in dev_ms], [statistics.median(x) for x in host_us]
 
 

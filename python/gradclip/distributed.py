@@ -212,7 +212,6 @@ class Layout:
         keys = set(self._keys_of)
         self.one_key = next(iter(keys)) if len(keys) == 1 and None not in keys and not self.partial else None
         self._dtype = _gt._result_dtype(self._locals) if self._locals else torch.get_default_dtype()
-        self.all_dtensor = all(self._flags)  # (with no None among its gradients: see collect)
         return self
 
     def local_tensors(self) -> List[torch.Tensor]:
@@ -277,7 +276,8 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
         layout.seal()
         if not layout.partial:
             template = layout.template()
-            template.all_dtensor = layout.all_dtensor and None not in marks
+            # Only DTensors (no plain tensor, no None): the next call may take _kept_dtensors.
+            template.all_dtensor = all(template._flags) and None not in marks
             _LAST = (marks, template)
         return layout
     layout = Layout()
