@@ -141,6 +141,18 @@ pub enum Error {
         /// The parameter's dtype.
         param: DType,
     },
+    /// A parameter's own step count is not one f32.
+    #[error(
+        "tensor {index}: its own step count is {len} elements of {dtype}; it must be one f32 (torch's state[\"step\"] of a fused or capturable optimizer, on the parameter's device)"
+    )]
+    OptimizerStep {
+        /// Position in the list.
+        index: usize,
+        /// Elements passed.
+        len: u64,
+        /// The dtype passed.
+        dtype: DType,
+    },
     /// amsgrad is on but a parameter has no running maximum to update.
     #[error("amsgrad is on but tensor {index} has no max_exp_avg_sq: pass one (zeros before the first step)")]
     MissingMaxExpAvgSq {

@@ -182,6 +182,11 @@ pub struct AdamTensorDesc {
     pub dtypes: u32,
     /// Keeps the struct free of padding.
     pub reserved: u32,
+    /// The parameter's own step count, one f32 (torch's `state["step"]`), or 0: the launch's
+    /// [`AdamCount`]. Read as the steps taken before this one; the launch's last block adds one
+    /// when the step is taken. A parameter that skipped steps (its gradient was None) keeps its
+    /// own bias correction, as in torch.
+    pub step: u64,
 }
 
 /// What the Adam kernel keeps on the device between steps: the step count (torch's `step`) and
@@ -217,7 +222,7 @@ pub struct AdamParams {
 
 const _: () = {
     assert!(core::mem::size_of::<AdamParams>() == 48);
-    assert!(core::mem::size_of::<AdamTensorDesc>() == 56);
+    assert!(core::mem::size_of::<AdamTensorDesc>() == 64);
     assert!(core::mem::size_of::<AdamCount>() == 16);
     assert!(adam_chunk_elems(2) <= u32::MAX as u64 && adam_chunk_elems(8) <= u32::MAX as u64);
     assert!(core::mem::size_of::<TensorDesc>() == 40);

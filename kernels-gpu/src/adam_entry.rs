@@ -6,11 +6,13 @@
 
 use core::arch::asm;
 
-use crate::abi::{AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, NormOutput, adam_chunk_elems, adam_flags, dtype_code};
+use crate::abi::{AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, WARP_THREADS, NormOutput, adam_chunk_elems, adam_flags, dtype_code};
 use crate::adam::{StepScalars, Updated, gradient_factor, step_mode, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
-use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, st_v4, sync_threads, thread_idx};
+use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, smem_flag, st_v4, sync_threads, thread_idx};
 use crate::dtype::{Bf16, Element, F16, F32, F64};
 
+/// Warps of a block (the shared-memory layout of [`smem_flag`]).
+const BLOCK_WARPS: u32 = BLOCK_THREADS / WARP_THREADS;
 /// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part.
 const GROUP: u64 = 8;
 /// Whether groups whose parts are all 16-bit are software-pipelined (see `chunk_f32`).
@@ -379,14 +381,18 @@ unsafe fn chunk_any_f32<const AMSGRAD: bool>(d: &AdamTensorDesc, chunk: u64, s: 
 /// loss scale, [`gradclip_adam_loss_scale`] has made the coefficient the whole factor), or null
 /// (factor 1). Inputs in device memory, each optional (null: none), read when the step runs, so
 /// a captured step takes each replay's values: `lr_in` (one f64, used instead of `lr`) and
-/// `found_inf` (one f32: nonzero skips the step, GradScaler's overflow flag). The last block to
-/// finish adds one to `count.steps` (or `count.skipped`).
+/// `found_inf` (one f32: nonzero skips the step, GradScaler's overflow flag). A parameter with
+/// its own step count ([`AdamTensorDesc::step`]) steps from it; the others from `count.steps`.
+/// The last block to finish adds one to `count.steps` (or `count.skipped`) and, when the step is
+/// taken, to every parameter's own count (its threads striding over the `num_tensors` tensors).
 ///
 /// # Safety
 /// Launched by the gradclip host with a grid of one block per task of a plan built from
 /// `tensors` (every part live device memory of its length and dtype, the written parts pairwise
-/// disjoint and disjoint from the gradients), `counter` zero, `count`, `norm`, `lr_in` and
-/// `found_inf` (those not null) device memory written before the launch on its stream.
+/// disjoint and disjoint from the gradients, each own step count one f32 disjoint from them
+/// all), [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared memory, `counter` zero, `count`,
+/// `norm`, `lr_in` and `found_inf` (those not null) device memory written before the launch on
+/// its stream.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_adam(
     tensors: *const AdamTensorDesc,
@@ -403,6 +409,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
     num_tasks: u64,
     lr_in: *const f64,
     found_inf: *const f32,
+    num_tensors: u64,
 ) {
     // SAFETY: each input not null was written before the launch on this stream (contract).
     let (lr, overflow, out) = unsafe {
@@ -429,11 +436,12 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
     // SAFETY: only the last block writes it, after every block has read it (tickets below).
     let steps = unsafe { (*count).steps };
     if !skip && num_tasks > 0 {
-        let step = (steps + 1) as f64;
-        // SAFETY: one block per task; the task names a tensor of the table and one of its chunks.
+        // SAFETY: one block per task; the task names a tensor of the table and one of its chunks;
+        // an own step count is one f32 that only the last block writes, after every block's ticket.
         unsafe {
             let task = tasks.add(block_idx() as usize).read();
             let d = tensors.add(task.tensor as usize).read();
+            let step = 1.0 + if d.step == 0 { steps as f64 } else { (d.step as *const f32).read() as f64 };
             let chunk = task.chunk as u64;
             let (p, g, st) = (d.dtypes & 0xF, (d.dtypes >> 4) & 0xF, (d.dtypes >> 8) & 0xF);
             let s32 = step_scalars_f32(&h, step).clipped_by(coef);
@@ -446,10 +454,11 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
             }
         }
     }
-    // Every thread of the block has read `count` and finished its elements before thread 0
-    // takes the block's ticket.
+    // Every thread of the block has read `count` and its tensor's step, and finished its
+    // elements, before thread 0 takes the block's ticket.
     // SAFETY: every thread of the block reaches this barrier.
     unsafe { sync_threads() };
+    let flag = smem_flag::<BLOCK_WARPS>();
     if thread_idx() == 0 {
         let last = if num_tasks == 0 {
             true
@@ -458,6 +467,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
             // SAFETY: the engine's counter, zero between launches.
             unsafe { atomic_add_u32(counter, 1) as u64 + 1 == num_tasks }
         };
+        // SAFETY: the launch gives BLOCK_SMEM_BYTES of dynamic shared memory (contract).
+        unsafe { flag.write_volatile(last as u32) };
         if last {
             // SAFETY: every other block has taken its ticket, so has read `count`; the counter is
             // reset for the next launch, which the stream orders after this one.
@@ -472,6 +483,25 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
                 }
             }
         }
+    }
+    // SAFETY: every thread of the block reaches this barrier.
+    unsafe { sync_threads() };
+    // SAFETY: written by thread 0 before the barrier just above, which orders it for every thread.
+    if skip || unsafe { flag.read_volatile() } == 0 {
+        return;
+    }
+    fence_gpu();
+    let mut i = thread_idx() as u64;
+    while i < num_tensors {
+        // SAFETY: the table holds `num_tensors` descriptors; every block has read its tensor's
+        // step before its ticket, and this block holds the last one; each count is one f32.
+        unsafe {
+            let at = (*tensors.add(i as usize)).step as *mut f32;
+            if !at.is_null() {
+                at.write(at.read() + 1.0);
+            }
+        }
+        i += BLOCK_THREADS as u64;
     }
 }
 

@@ -4,6 +4,7 @@
 //! called directly by users. Work runs without the GIL.
 
 mod cpu;
+mod guards;
 mod cuda;
 mod optim;
 mod scan;
@@ -43,7 +44,7 @@ fn check_max_norm(max_norm: f64) -> PyResult<()> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scan::Planner>()?;
     m.add_class::<scan::Plan>()?;
-    m.add_class::<optim::AdamGroup>()?;
+    m.add_class::<optim::StepLayout>()?;
     m.add_function(wrap_pyfunction!(cpu::cpu_total_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu::cpu_clip_grad_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu::cpu_scale, m)?)?;
@@ -52,8 +53,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_scale, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;
-    m.add_function(wrap_pyfunction!(optim::adam_step, m)?)?;
-    m.add_function(wrap_pyfunction!(optim::adam_group, m)?)?;
+    m.add_function(wrap_pyfunction!(optim::optim_step, m)?)?;
+    m.add_function(wrap_pyfunction!(optim::step_layout, m)?)?;
+    m.add("STEP_DONE", optim::STEP_DONE)?;
+    m.add("STEP_RELAYOUT", optim::STEP_RELAYOUT)?;
+    m.add("STEP_TORCH", optim::STEP_TORCH)?;
     m.add_function(wrap_pyfunction!(check_max_norm, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,236 +1,465 @@
-//! The optimizer step on PyTorch's tensors: each parameter group's lists of parameters,
-//! gradients and Adam states read by the planner's one reader ([`Planner::entry`]) into an
-//! [`AdamGroup`] (kept by the optimizer while the same tensors come back), then on CUDA the norm
-//! kernel (when clipping) and one Adam launch per group on torch's stream, on the CPU the CPU
-//! backend.
+//! The optimizer step on PyTorch's parameter groups, in one crossing per step. A [`StepLayout`]
+//! keeps what depends only on the parameters and their states (read and checked once: places,
+//! addresses, dtypes, lengths); each step then reads every parameter's `.grad` here (None
+//! gradients skipped: those parameters are left as torch's step leaves them, their own step
+//! counts included), recognizes the gradients with torch's guards (two C++ calls) or, when they
+//! are new tensors of the same shapes (`zero_grad(set_to_none=True)`), reads only their
+//! addresses, and runs the norm (with a clip) and one update per group: on CUDA the norm kernel
+//! and one Adam launch per group on torch's stream, on the CPU the CPU backend. The checks of a
+//! step's tensors (lengths, dtypes, no written part sharing a byte with another) run when its
+//! gradients' addresses change, once ([`StepList`]).
+
+use std::sync::{Mutex, TryLockError};
 
 use gradclip::NormType;
 use gradclip::cpu::Cpu;
-use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount};
-use gradclip::tensor_list::TensorList;
+use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, StepList};
+use gradclip::plan::RawTensor;
 use pyo3::exceptions::PyValueError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyDict, PyList};
 
 use crate::cuda::with_engine;
+use crate::guards::{ListGuard, data_ptrs};
 use crate::scan::{Place, Planner};
 use crate::to_py;
 
-/// Reads one list of tensors: each must be one the engine takes, all where the first one read
-/// (by any list) is.
-fn read(planner: &Planner, what: &str, list: &Bound<'_, PyList>, place: &mut Option<Place>) -> PyResult<Vec<gradclip::plan::RawTensor>> {
-    let mut out = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
-        let e = planner
-            .entry(&t)?
-            .ok_or_else(|| PyValueError::new_err(format!("{what}[{i}] is not a contiguous bf16/f16/f32/f64 tensor")))?;
-        if *place.get_or_insert(e.place) != e.place {
-            return Err(PyValueError::new_err(format!(
-                "{what}[{i}] is on another device than the first tensor"
-            )));
-        }
-        out.push(e.tensor);
-    }
-    Ok(out)
+/// [`optim_step`]'s verdicts: the step ran; the layout no longer fits (make a new one and call
+/// again); the engine does not take this step (run torch's).
+pub const STEP_DONE: u8 = 0;
+pub const STEP_RELAYOUT: u8 = 1;
+pub const STEP_TORCH: u8 = 2;
+
+/// The state keys a parameter's update reads, in the order of [`State::objs`].
+const KEYS: [&str; 4] = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"];
+
+/// One parameter's optimizer state as read: torch's state dict of the parameter and its tensors
+/// (to know them again by identity), and their addresses.
+struct State {
+    dict: Py<PyAny>,
+    objs: Vec<Option<Py<PyAny>>>,
+    parts: Parts,
 }
 
-/// The tensors of one parameter group as the engine reads them (addresses, lengths, dtypes),
-/// read once by [`adam_group`] and kept by the optimizer while a validator says the same
-/// tensors come back: a repeated step then reads no tensor again.
-#[pyclass(frozen, module = "gradclip._native")]
-pub struct AdamGroup {
-    parts: Vec<Parts>,
-    place: Place,
-}
-
-#[pymethods]
-impl AdamGroup {
-    fn __len__(&self) -> usize {
-        self.parts.len()
-    }
-}
-
-/// Reads one parameter group's tensors (`max_exp_avg_sqs` with amsgrad only): each must be one
-/// the engine takes, all on one device, every list as long as `params` (ValueError otherwise:
-/// the caller then uses torch's step).
-#[pyfunction]
-#[pyo3(signature = (planner, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None))]
-pub fn adam_group(
-    planner: &Bound<'_, Planner>,
-    params: &Bound<'_, PyList>,
-    grads: &Bound<'_, PyList>,
-    exp_avgs: &Bound<'_, PyList>,
-    exp_avg_sqs: &Bound<'_, PyList>,
-    max_exp_avg_sqs: Option<&Bound<'_, PyList>>,
-) -> PyResult<AdamGroup> {
-    let pl = planner.get();
-    let mut place = None;
-    let p = read(pl, "params", params, &mut place)?;
-    let gr = read(pl, "grads", grads, &mut place)?;
-    let m = read(pl, "exp_avgs", exp_avgs, &mut place)?;
-    let v = read(pl, "exp_avg_sqs", exp_avg_sqs, &mut place)?;
-    let vm = match max_exp_avg_sqs {
-        Some(l) => Some(read(pl, "max_exp_avg_sqs", l, &mut place)?),
-        None => None,
-    };
-    let n = p.len();
-    for (what, len) in [("grads", gr.len()), ("exp_avgs", m.len()), ("exp_avg_sqs", v.len())]
-        .into_iter()
-        .chain(vm.as_ref().map(|x| ("max_exp_avg_sqs", x.len())))
-    {
-        if len != n {
-            return Err(PyValueError::new_err(format!("{what} has {len} tensors, params {n}")));
-        }
-    }
-    let place = place.ok_or_else(|| PyValueError::new_err("a parameter group without parameters"))?;
-    let parts = (0..n)
-        .map(|i| Parts {
-            param: p[i],
-            grad: gr[i],
-            exp_avg: m[i],
-            exp_avg_sq: v[i],
-            max_exp_avg_sq: vm.as_ref().map(|x| x[i]),
-        })
-        .collect();
-    Ok(AdamGroup { parts, place })
-}
-
-/// One parameter group of a step: its tensors (an [`AdamGroup`]) and its settings.
+/// One parameter group as read.
 struct Group {
-    parts: Vec<Parts>,
+    params: Vec<Py<PyAny>>,
+    /// None: the parameter has no state yet (it never had a gradient).
+    states: Vec<Option<State>>,
+    amsgrad: bool,
+}
+
+/// The gradients of the last step, and the checked list they made.
+struct Grads {
+    /// Which parameters (every group's, in order) had a gradient.
+    mask: Vec<bool>,
+    objs: Vec<Py<PyAny>>,
+    tensors: Vec<RawTensor>,
+    guard: Option<ListGuard>,
+    list: StepList,
+}
+
+struct Kept {
+    place: Place,
+    groups: Vec<Group>,
+    /// Every parameter and state tensor, and their guard (layout and addresses).
+    tensors: Py<PyList>,
+    guard: ListGuard,
+    grads: Option<Grads>,
+}
+
+/// What an optimizer's parameter groups look like to the engine, kept between steps (see the
+/// module's documentation). Holds the parameters and states it read (the optimizer holds them
+/// anyway), never a gradient.
+#[pyclass(frozen, module = "gradclip._native")]
+pub struct StepLayout {
+    planner: Py<Planner>,
+    state: Py<PyDict>,
+    kept: Mutex<Kept>,
+}
+
+/// Reads one tensor that must be the engine's and on `place`.
+fn read_at(planner: &Planner, t: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Option<RawTensor>> {
+    Ok(match planner.entry(t)? {
+        Some(e) if *place.get_or_insert(e.place) == e.place => Some(e.tensor),
+        _ => None,
+    })
+}
+
+/// The layout of an optimizer's parameter groups (`groups`: `(params, amsgrad)` per group;
+/// `state`: the optimizer's state dict, torch's `Optimizer.state`); None when the engine does
+/// not take them (a tensor it does not read, a step count that is not one float32 on the
+/// parameter's device, several devices, no guards in this torch): torch's step runs.
+#[pyfunction]
+pub fn step_layout(planner: &Bound<'_, Planner>, state: &Bound<'_, PyDict>, groups: &Bound<'_, PyList>) -> PyResult<Option<StepLayout>> {
+    let py = state.py();
+    let pl = planner.get();
+    let Some(fns) = pl.guard_fns() else {
+        return Ok(None);
+    };
+    let mut place = None;
+    let (mut kept_groups, all) = (Vec::new(), PyList::empty(py));
+    for g in groups.iter() {
+        let (params, amsgrad): (Bound<'_, PyList>, bool) = g.extract()?;
+        let mut group = Group {
+            params: Vec::with_capacity(params.len()),
+            states: Vec::with_capacity(params.len()),
+            amsgrad,
+        };
+        for p in params.iter() {
+            let Some(param) = read_at(pl, &p, &mut place)? else {
+                return Ok(None);
+            };
+            all.append(&p)?;
+            let st = match state.get_item(&p)? {
+                Some(d) if d.cast::<PyDict>().is_ok_and(|d| d.contains(KEYS[0]).unwrap_or(false)) => d,
+                _ => {
+                    group.params.push(p.unbind());
+                    group.states.push(None);
+                    continue;
+                }
+            };
+            let d = st.cast::<PyDict>()?;
+            let mut objs = Vec::with_capacity(KEYS.len());
+            let mut raw = Vec::with_capacity(KEYS.len());
+            for (k, key) in KEYS.iter().enumerate() {
+                let want = k != 2 || amsgrad;
+                match d.get_item(key)?.filter(|_| want) {
+                    Some(t) => {
+                        let Some(r) = read_at(pl, &t, &mut place)? else {
+                            return Ok(None);
+                        };
+                        all.append(&t)?;
+                        objs.push(Some(t.unbind()));
+                        raw.push(Some(r));
+                    }
+                    None if want => return Ok(None),
+                    None => {
+                        objs.push(None);
+                        raw.push(None);
+                    }
+                }
+            }
+            let step = raw[3].filter(|s| s.len == 1 && s.dtype == gradclip::DType::F32);
+            let (Some(exp_avg), Some(exp_avg_sq), Some(step)) = (raw[0], raw[1], step) else {
+                return Ok(None);
+            };
+            group.params.push(p.unbind());
+            group.states.push(Some(State {
+                dict: st.unbind(),
+                objs,
+                parts: Parts {
+                    param,
+                    grad: param, // each step's own
+                    exp_avg,
+                    exp_avg_sq,
+                    max_exp_avg_sq: raw[2],
+                    step: Some(step),
+                },
+            }));
+        }
+        kept_groups.push(group);
+    }
+    let Some(place) = place else {
+        return Ok(None);
+    };
+    let ptrs = data_ptrs(&all)?;
+    let Some(guard) = fns.guard(&all, &ptrs) else {
+        return Ok(None);
+    };
+    Ok(Some(StepLayout {
+        planner: planner.clone().unbind(),
+        state: state.clone().unbind(),
+        kept: Mutex::new(Kept {
+            place,
+            groups: kept_groups,
+            tensors: all.unbind(),
+            guard,
+            grads: None,
+        }),
+    }))
+}
+
+/// Why a step cannot use the kept layout or the engine.
+enum Miss {
+    Relayout,
+    Torch,
+}
+
+impl Kept {
+    /// The checked list of this step's tensors: the kept one when the same gradients came back,
+    /// the kept layout with new gradient addresses when new gradients of the same shapes did, a
+    /// full read of the gradients otherwise.
+    fn step_list(&mut self, py: Python<'_>, planner: &Planner, state: &Bound<'_, PyDict>, groups: &Bound<'_, PyList>) -> PyResult<Result<StepList, Miss>> {
+        if groups.len() != self.groups.len() {
+            return Ok(Err(Miss::Relayout));
+        }
+        let (mut mask, present) = (Vec::new(), PyList::empty(py));
+        for (g, kept) in groups.iter().zip(&self.groups) {
+            let params = g.get_item(intern!(py, "params"))?;
+            let params = params.cast::<PyList>()?;
+            if params.len() != kept.params.len() {
+                return Ok(Err(Miss::Relayout));
+            }
+            for (p, (kp, st)) in params.iter().zip(kept.params.iter().zip(&kept.states)) {
+                if !p.is(kp) {
+                    return Ok(Err(Miss::Relayout));
+                }
+                // The state as read: the same dict and tensors (load_state_dict, or an assignment
+                // into the state, makes new ones).
+                match (st, state.get_item(&p)?) {
+                    (Some(st), Some(d)) if d.is(&st.dict) => {
+                        let d = d.cast::<PyDict>()?;
+                        for (key, obj) in KEYS.iter().zip(&st.objs) {
+                            if let Some(obj) = obj
+                                && !d.get_item(key)?.is_some_and(|t| t.is(obj))
+                            {
+                                return Ok(Err(Miss::Relayout));
+                            }
+                        }
+                    }
+                    (None, None) => {}
+                    (None, Some(d)) if !d.cast::<PyDict>().is_ok_and(|d| d.contains(KEYS[0]).unwrap_or(false)) => {}
+                    _ => return Ok(Err(Miss::Relayout)),
+                }
+                let grad = p.getattr(intern!(py, "grad"))?;
+                if grad.is_none() {
+                    mask.push(false);
+                    continue;
+                }
+                if st.is_none() {
+                    return Ok(Err(Miss::Relayout)); // a first gradient: torch makes its state
+                }
+                mask.push(true);
+                present.append(grad)?;
+            }
+        }
+        let kept_tensors = self.tensors.bind(py);
+        if !(self.guard.same_layout(kept_tensors) && self.guard.same_addresses(kept_tensors)) {
+            return Ok(Err(Miss::Relayout));
+        }
+        if let Some(k) = &mut self.grads
+            && k.mask == mask
+            && let Some(guard) = &mut k.guard
+            && guard.same_layout(&present)
+        {
+            let same = present.iter().zip(&k.objs).all(|(a, b)| a.is(b));
+            if same && guard.same_addresses(&present) {
+                return Ok(Ok(k.list.clone()));
+            }
+            let ptrs = data_ptrs(&present)?;
+            let tensors: Vec<RawTensor> = k.tensors.iter().zip(&ptrs).map(|(t, &addr)| RawTensor { addr, ..*t }).collect();
+            return Ok(match Self::list_of(&self.groups, &mask, &tensors) {
+                Some(list) => {
+                    guard.moved_to(py, &ptrs)?;
+                    k.objs = present.iter().map(|t| t.unbind()).collect();
+                    k.tensors = tensors;
+                    k.list = list.clone();
+                    Ok(list)
+                }
+                None => {
+                    self.grads = None;
+                    Err(Miss::Torch)
+                }
+            });
+        }
+        let mut place = Some(self.place);
+        let mut tensors = Vec::with_capacity(present.len());
+        for g in present.iter() {
+            match read_at(planner, &g, &mut place)? {
+                Some(t) => tensors.push(t),
+                None => {
+                    self.grads = None;
+                    return Ok(Err(Miss::Torch));
+                }
+            }
+        }
+        let Some(list) = Self::list_of(&self.groups, &mask, &tensors) else {
+            self.grads = None;
+            return Ok(Err(Miss::Torch));
+        };
+        let guard = planner.guard_fns().and_then(|f| f.guard(&present, &tensors.iter().map(|t| t.addr).collect::<Vec<_>>()));
+        self.grads = Some(Grads {
+            mask,
+            objs: present.iter().map(|t| t.unbind()).collect(),
+            tensors,
+            guard,
+            list: list.clone(),
+        });
+        Ok(Ok(list))
+    }
+
+    /// The step list of the parameters in `mask` with these gradients; None when it fails its
+    /// checks (a gradient that shares memory with a parameter or state, say): torch's step.
+    fn list_of(groups: &[Group], mask: &[bool], grads: &[RawTensor]) -> Option<StepList> {
+        let (mut at, mut next) = (0, grads.iter());
+        let groups: Vec<(Vec<Parts>, bool)> = groups
+            .iter()
+            .map(|g| {
+                let parts = g
+                    .states
+                    .iter()
+                    .filter_map(|st| {
+                        let has = mask[at];
+                        at += 1;
+                        has.then(|| st.as_ref().map(|st| Parts {
+                            grad: *next.next().expect("one gradient per set mask bit"),
+                            ..st.parts
+                        }))
+                        .flatten()
+                    })
+                    .collect();
+                (parts, g.amsgrad)
+            })
+            .collect();
+        StepList::new(&groups).ok()
+    }
+}
+
+/// One group's settings for a step.
+struct Hyper {
     cfg: AdamConfig,
+    /// The address of the group's two int64 (steps, skipped) on the tensors' device.
     count: u64,
-    /// The address of a float64 learning rate on the tensors' device (a tensor `lr`), or 0:
-    /// `cfg.lr`.
+    /// The address of a float64 learning rate on the tensors' device (a tensor `lr`), or 0.
     lr_in: u64,
 }
 
-/// Reads one group: `(AdamGroup, (lr, beta1, beta2, eps, weight_decay), (amsgrad, maximize,
-/// decoupled_weight_decay), count, lr_in)`; every group on the place of the first.
-fn read_group(g: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Group> {
-    type Hyper = (f64, f64, f64, f64, f64);
-    let (tensors, hyper, options, count, lr_in): (Bound<'_, AdamGroup>, Hyper, (bool, bool, bool), u64, u64) = g.extract()?;
+/// `(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, count,
+/// lr_in)`.
+fn read_hyper(h: &Bound<'_, PyAny>) -> PyResult<Hyper> {
+    type Tuple = (f64, f64, f64, f64, f64, bool, bool, bool, u64, u64);
+    let (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, count, lr_in): Tuple = h.extract()?;
+    if count == 0 || !count.is_multiple_of(8) {
+        return Err(PyValueError::new_err("the step count must be an int64 tensor of two elements"));
+    }
     if !lr_in.is_multiple_of(8) {
         return Err(PyValueError::new_err("a tensor learning rate must be passed as a float64 tensor"));
     }
-    let t = tensors.get();
-    if *place.get_or_insert(t.place) != t.place {
-        return Err(PyValueError::new_err("the parameter groups are on different devices"));
-    }
-    let (lr, beta1, beta2, eps, weight_decay) = hyper;
     let cfg = AdamConfig {
         lr,
         betas: (beta1, beta2),
         eps,
         weight_decay,
-        amsgrad: options.0,
-        maximize: options.1,
-        decoupled_weight_decay: options.2,
+        amsgrad,
+        maximize,
+        decoupled_weight_decay: decoupled,
     };
-    Ok(Group {
-        parts: t.parts.clone(),
-        cfg,
-        count,
-        lr_in,
-    })
+    cfg.params().map_err(to_py)?;
+    Ok(Hyper { cfg, count, lr_in })
 }
 
-/// One Adam / AdamW step over parameter groups (see [`read_group`] for a group; `count` is the
-/// address of two int64, steps and skipped, on the tensors' device), on CUDA on `stream`, on the
-/// CPU with the CPU backend. `clip` = (max_norm, p, nonfinite) or None: the norm over every
-/// group's gradients (on CUDA to the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the
-/// global norm in the float64 at `norm_in` (sharded parameters: combined across ranks), then
-/// each group's update reads its coefficient. `loss_scale` and `found_inf`: addresses of one
-/// float32 each on the tensors' device, or 0 (GradScaler's scale, which the gradients carry and
-/// every update divides out, the clip limiting the unscaled norm; its overflow flag, which skips
-/// the step). Returns the norm on the CPU (None on CUDA: it stays on the device). Raises
-/// ValueError, before anything is written, for tensors the engine does not take (the caller then
-/// uses torch's step).
+/// The clip of a step: `(max_norm, p, nonfinite)`.
+fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>> {
+    let Some((max_norm, p, policy)) = clip else {
+        return Ok(None);
+    };
+    let nonfinite = match policy.as_str() {
+        "skip" => NonFinite::Skip,
+        "error" => NonFinite::Error,
+        "propagate" => NonFinite::Propagate,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "nonfinite must be skip, error or propagate; got {other:?}"
+            )));
+        }
+    };
+    gradclip::validate_max_norm(max_norm).map_err(to_py)?;
+    Ok(Some(ClipConfig {
+        max_norm,
+        norm_type: NormType::from_p(p).map_err(to_py)?,
+        nonfinite,
+    }))
+}
+
+/// One Adam / AdamW step over an optimizer's parameter groups (`groups`: its `param_groups`,
+/// read as the layout was made; `hypers`: one [`read_hyper`] tuple per group), on CUDA on
+/// `stream`, on the CPU with the CPU backend. `clip` = (max_norm, p, nonfinite) or None: the norm
+/// over every gradient (on CUDA to the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the
+/// global norm in the float64 at `norm_in` (sharded parameters: combined across ranks), then each
+/// group's update reads its coefficient. `loss_scale` and `found_inf`: addresses of one float32
+/// each on the tensors' device, or 0 (GradScaler's scale, divided out as every gradient is read,
+/// the clip limiting the unscaled norm; its overflow flag, which skips the step). Returns the
+/// verdict ([`STEP_DONE`], [`STEP_RELAYOUT`], [`STEP_TORCH`]: nothing written for the last two)
+/// and, on the CPU, the norm (None on CUDA: it stays on the device).
 #[pyfunction]
-#[pyo3(signature = (stream, groups, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
+#[pyo3(signature = (layout, groups, hypers, stream, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
 #[allow(clippy::too_many_arguments)]
-pub fn adam_step(
+pub fn optim_step(
     py: Python<'_>,
-    stream: usize,
+    layout: &Bound<'_, StepLayout>,
     groups: &Bound<'_, PyList>,
+    hypers: &Bound<'_, PyList>,
+    stream: usize,
     clip: Option<(f64, f64, String)>,
     norm_out: u64,
     norm_in: u64,
     loss_scale: u64,
     found_inf: u64,
-) -> PyResult<Option<f64>> {
-    let mut place = None;
-    let groups: Vec<Group> = groups.iter().map(|g| read_group(&g, &mut place)).collect::<PyResult<_>>()?;
-    let clip = match clip {
-        None => None,
-        Some((max_norm, p, policy)) => Some(ClipConfig {
-            max_norm,
-            norm_type: NormType::from_p(p).map_err(to_py)?,
-            nonfinite: match policy.as_str() {
-                "skip" => NonFinite::Skip,
-                "error" => NonFinite::Error,
-                "propagate" => NonFinite::Propagate,
-                other => {
-                    return Err(PyValueError::new_err(format!(
-                        "nonfinite must be skip, error or propagate; got {other:?}"
-                    )));
-                }
-            },
-        }),
-    };
-    // Every group is checked before anything is enqueued or written.
-    for g in &groups {
-        g.cfg.params().map_err(to_py)?;
-        gradclip::optim::check(&g.parts, g.cfg.amsgrad).map_err(to_py)?;
-        if g.count == 0 || !g.count.is_multiple_of(8) {
-            return Err(PyValueError::new_err("the step count must be an int64 tensor of two elements"));
-        }
-    }
+) -> PyResult<(u8, Option<f64>)> {
+    let l = layout.get();
+    let hypers: Vec<Hyper> = hypers.iter().map(|h| read_hyper(&h)).collect::<PyResult<_>>()?;
+    let clip = clip_config(clip)?;
     if norm_in != 0 && !norm_in.is_multiple_of(8) {
         return Err(PyValueError::new_err("the global norm must be a float64 tensor"));
     }
     if !loss_scale.is_multiple_of(4) || !found_inf.is_multiple_of(4) {
         return Err(PyValueError::new_err("the loss scale and found_inf must be float32 tensors"));
     }
-    let grads: Vec<_> = groups.iter().flat_map(|g| g.parts.iter().map(|p| p.grad)).collect();
-    let grads = TensorList::new(&grads).map_err(to_py)?;
+    let mut kept = match l.kept.try_lock() {
+        Ok(k) => k,
+        Err(TryLockError::Poisoned(p)) => p.into_inner(),
+        // Another thread is stepping this optimizer: torch's step, rather than wait holding the GIL.
+        Err(TryLockError::WouldBlock) => return Ok((STEP_TORCH, None)),
+    };
+    let list = match kept.step_list(py, l.planner.get(), l.state.bind(py), groups)? {
+        Ok(list) => list,
+        Err(Miss::Relayout) => return Ok((STEP_RELAYOUT, None)),
+        Err(Miss::Torch) => return Ok((STEP_TORCH, None)),
+    };
+    if hypers.len() != list.groups() || hypers.iter().enumerate().any(|(i, h)| h.cfg.amsgrad != list.group(i).1) {
+        return Ok((STEP_RELAYOUT, None));
+    }
+    let place = kept.place;
+    drop(kept);
     match place {
-        Some(Place::Cuda(d)) => {
+        Place::Cuda(d) => {
             let device = usize::try_from(d).map_err(|_| PyValueError::new_err("a negative CUDA device"))?;
             py.detach(|| {
                 with_engine(device, stream, None, |e| {
-                    // SAFETY: the tensors are live CUDA memory of `device` that the caller holds
-                    // (torch's caching allocator orders their reuse after this stream's work);
-                    // each `count` and `norm_out` are the caller's device tensors of the stated
-                    // sizes.
+                    // SAFETY: the tensors are live CUDA memory of `device` that the optimizer
+                    // holds (torch's caching allocator orders their reuse after this stream's
+                    // work), checked by the step list; each count and `norm_out` are the caller's
+                    // device tensors of the stated sizes.
                     unsafe {
                         if let Some(c) = &clip {
                             if norm_in == 0 {
-                                e.clip_norm_raw(&grads, c, norm_out)?;
+                                e.clip_norm_raw(list.grads(), c, norm_out)?;
                             } else {
                                 e.clip_from_norm_raw(norm_in, c, norm_out)?;
                             }
                         }
                         let factor = e.update_factor_raw(norm_out, clip.as_ref(), loss_scale)?;
-                        for g in &groups {
-                            e.adam_update_raw(&g.parts, &g.cfg, g.count, factor, g.lr_in, found_inf)?;
+                        for (i, h) in hypers.iter().enumerate() {
+                            e.adam_update_list_raw(&list, i, &h.cfg, h.count, factor, h.lr_in, found_inf)?;
                         }
-                        Ok(None)
+                        Ok((STEP_DONE, None))
                     }
                 })
             })
         }
-        _ => py
+        Place::Cpu => py
             .detach(|| {
                 let cpu = Cpu::new();
-                // SAFETY: the tensors are live host memory the caller holds for the call; each
-                // `count` is the address of the caller's two int64, each input (not 0) of its
-                // dtype (checked aligned above).
+                // SAFETY: the tensors are live host memory the optimizer holds for the call,
+                // checked by the step list; each count is the address of the caller's two int64,
+                // each input (not 0) of its dtype (checked aligned above).
                 unsafe {
                     // The gradients' norm as they are (scaled when they carry a loss scale).
                     let norm = match &clip {
                         None => None,
-                        Some(c) if norm_in == 0 => Some(cpu.total_norm_raw(&grads, c.norm_type, false)?.norm),
+                        Some(c) if norm_in == 0 => Some(cpu.total_norm_raw(list.grads(), c.norm_type, false)?.norm),
                         Some(_) => Some((norm_in as *const f64).read()),
                     };
                     let scale = if loss_scale == 0 {
@@ -242,18 +471,18 @@ pub fn adam_step(
                     // The GPU kernel's factor and skip, on the host.
                     let (verdict, factor) = cpu.step_verdict(norm, clip.as_ref(), scale, overflow)?;
                     // Every group's learning rate (a tensor's read here) checked before any update.
-                    let cfgs: Vec<AdamConfig> = groups
+                    let cfgs: Vec<AdamConfig> = hypers
                         .iter()
-                        .map(|g| AdamConfig {
-                            lr: if g.lr_in == 0 { g.cfg.lr } else { (g.lr_in as *const f64).read() },
-                            ..g.cfg
+                        .map(|h| AdamConfig {
+                            lr: if h.lr_in == 0 { h.cfg.lr } else { (h.lr_in as *const f64).read() },
+                            ..h.cfg
                         })
                         .collect();
                     for c in &cfgs {
                         c.params()?;
                     }
-                    for (g, cfg) in groups.iter().zip(cfgs) {
-                        let words = g.count as *mut u64;
+                    for (i, (h, cfg)) in hypers.iter().zip(cfgs).enumerate() {
+                        let words = h.count as *mut u64;
                         let mut count = StepCount {
                             steps: words.read(),
                             skipped: words.add(1).read(),
@@ -261,12 +490,12 @@ pub fn adam_step(
                         if verdict.skipped {
                             count.skipped += 1;
                         } else {
-                            cpu.adam_update_raw(&g.parts, &cfg, &mut count, factor)?;
+                            cpu.adam_update_list_raw(&list, i, &cfg, &mut count, factor)?;
                         }
                         words.write(count.steps);
                         words.add(1).write(count.skipped);
                     }
-                    Ok(norm)
+                    Ok((STEP_DONE, norm))
                 }
             })
             .map_err(to_py),

@@ -5,9 +5,9 @@
 //! address, element count, dtype, contiguity and device. That list is the plan's key; when it
 //! equals the last one, the last [`Plan`] (and the device tables it uploaded) is reused. The
 //! read costs about what the same reads cost from Python (each is a call into torch), so a
-//! repeated list is first offered to a validator the caller supplies (`gradclip.torch` builds
-//! it from torch's own guards: two C++ calls for the whole list, about a third of the read);
-//! only when it says no does the full read decide.
+//! repeated list is first offered to torch's own guards ([`crate::guards`]: two C++ calls for
+//! the whole list); a list that kept its layout at new addresses (new tensors of the same
+//! shapes) is read by address only; only a list whose layout changed is read in full.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
@@ -21,6 +21,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
+use crate::guards::{GuardFns, ListGuard, data_ptrs};
 use crate::to_py;
 
 /// The engine's dtypes in the order of the dtype objects given to [`Planner::new`].
@@ -163,9 +164,8 @@ impl Plan {
 #[pyclass(frozen, module = "gradclip._native")]
 pub struct Planner {
     dtypes: [Py<PyAny>; 4],
-    /// Makes, for a newly planned list, a callable that says in one call whether a list is
-    /// still exactly that one (see `gradclip.torch`); None: every call reads every tensor.
-    make_validator: Option<Py<PyAny>>,
+    /// torch's guard functions (see `gradclip.torch`); None: every call reads every tensor.
+    guard_fns: Option<GuardFns>,
     /// The kept plan. Only ever try-locked: a thread that finds it taken (another Python thread
     /// inside `scan`, which calls Python code) plans its list without it, so no thread waits
     /// for it while holding the GIL.
@@ -178,8 +178,8 @@ struct Cache {
     key: Vec<Entry>,
     scratch: Vec<Entry>,
     last: Option<Py<Plan>>,
-    /// The validator of the last plan's list, when the factory made one.
-    validator: Option<Py<PyAny>>,
+    /// The guard of the last plan's list, when torch's guards could be made for it.
+    guard: Option<ListGuard>,
 }
 
 impl Planner {
@@ -278,11 +278,15 @@ impl Planner {
         }
     }
 
-    /// The validator of a newly planned list, when the factory can make one (its errors mean
-    /// no validator: the full read stays exact).
-    fn validator_for(&self, tensors: &Bound<'_, PyList>) -> Option<Py<PyAny>> {
-        let make = self.make_validator.as_ref()?.bind(tensors.py());
-        make.call1((tensors,)).ok().filter(|v| !v.is_none()).map(|v| v.unbind())
+    /// The guard of a newly planned list, when torch's guards can be made for it.
+    pub(crate) fn guard_for(&self, tensors: &Bound<'_, PyList>, entries: &[Entry]) -> Option<ListGuard> {
+        let ptrs: Vec<u64> = entries.iter().map(|e| e.tensor.addr).collect();
+        self.guard_fns.as_ref()?.guard(tensors, &ptrs)
+    }
+
+    /// torch's guard functions, when the planner has them.
+    pub(crate) fn guard_fns(&self) -> Option<&GuardFns> {
+        self.guard_fns.as_ref()
     }
 }
 
@@ -305,19 +309,18 @@ fn promote(a: usize, b: usize) -> usize {
 #[pymethods]
 impl Planner {
     /// `dtypes`: torch's bfloat16, float16, float32 and float64 objects, in that order.
-    /// `make_validator(tensors)`: optional; returns a callable `valid(tensors) -> bool` that is
-    /// true only when `tensors` has the same length and every tensor the same address, sizes,
-    /// strides, dtype and device as at planning (or None when it cannot make one).
+    /// `guards`: optional `(TensorGuards, _tensors_data_ptrs_at_indices_equal)`, torch's, as
+    /// checked by `gradclip.torch` (None: every call reads every tensor).
     #[new]
-    #[pyo3(signature = (dtypes, make_validator=None))]
-    fn new(dtypes: &Bound<'_, PyTuple>, make_validator: Option<Py<PyAny>>) -> PyResult<Self> {
+    #[pyo3(signature = (dtypes, guards=None))]
+    fn new(dtypes: &Bound<'_, PyTuple>, guards: Option<(Py<PyAny>, Py<PyAny>)>) -> PyResult<Self> {
         let d: Vec<Py<PyAny>> = dtypes.iter().map(|d| d.unbind()).collect();
         let dtypes: [Py<PyAny>; 4] = d
             .try_into()
             .map_err(|_| PyValueError::new_err("Planner takes the dtypes (bfloat16, float16, float32, float64)"))?;
         Ok(Planner {
             dtypes,
-            make_validator,
+            guard_fns: guards.map(|(g, p)| GuardFns::new(g, p)),
             cache: Mutex::new(Cache::default()),
         })
     }
@@ -346,23 +349,41 @@ impl Planner {
             return Ok((self.plan_of(&tensors)?, tensors));
         };
         let cache = &mut *cache;
-        if let (Some(valid), Some(last)) = (&cache.validator, &cache.last) {
-            // One call checks the whole list; on any doubt (false, or an error such as a
+        let mut entries = std::mem::take(&mut cache.scratch);
+        let mut fast = None;
+        if let (Some(guard), Some(last)) = (&mut cache.guard, &cache.last) {
+            // Two C++ calls check the whole list; on any doubt (false, or an error such as a
             // non-tensor in the list) the full read below decides and reports.
-            if valid.bind(py).call1((&tensors,)).and_then(|r| r.is_truthy()).unwrap_or(false) {
-                return Ok((Some(last.clone_ref(py)), tensors));
+            if guard.same_layout(&tensors) {
+                if guard.same_addresses(&tensors) {
+                    cache.scratch = entries;
+                    return Ok((Some(last.clone_ref(py)), tensors));
+                }
+                // The same layout at new addresses: only the addresses are read.
+                if let Ok(ptrs) = data_ptrs(&tensors) {
+                    entries.clear();
+                    entries.extend(cache.key.iter().zip(&ptrs).map(|(e, &addr)| Entry {
+                        tensor: RawTensor { addr, ..e.tensor },
+                        ..*e
+                    }));
+                    guard.moved_to(py, &ptrs)?;
+                    fast = Some(true);
+                }
             }
         }
-        let mut entries = std::mem::take(&mut cache.scratch);
-        let fast = self.read_all(&tensors, &mut entries)?;
+        let moved = fast.is_some();
+        let fast = match fast {
+            Some(f) => f,
+            None => self.read_all(&tensors, &mut entries)?,
+        };
         let plan = match fast {
             false => None,
             true if entries.is_empty() => None,
             true if entries == cache.key && cache.last.is_some() => {
-                // Same storage, but the validator (if any) said no: something it also checks
+                // Same storage, but the guard (if any) said no: something it also checks
                 // changed (requires_grad, say). Make it anew for this list.
-                if cache.validator.is_some() {
-                    cache.validator = self.validator_for(&tensors);
+                if cache.guard.is_some() {
+                    cache.guard = self.guard_for(&tensors, &entries);
                 }
                 cache.last.as_ref().map(|p| p.clone_ref(py))
             }
@@ -370,7 +391,11 @@ impl Planner {
                 let plan = self.plan_of_entries(py, &entries)?;
                 cache.last = plan.as_ref().map(|p| p.clone_ref(py));
                 std::mem::swap(&mut cache.key, &mut entries);
-                cache.validator = if plan.is_some() { self.validator_for(&tensors) } else { None };
+                if plan.is_none() {
+                    cache.guard = None;
+                } else if !moved {
+                    cache.guard = self.guard_for(&tensors, &cache.key);
+                }
                 plan
             }
         };
@@ -413,9 +438,9 @@ impl Planner {
         Ok(())
     }
 
-    /// True when repeated lists are checked by a validator rather than read tensor by tensor.
+    /// True when repeated lists are checked by torch's guards rather than read tensor by tensor.
     #[getter]
     fn validates(&self) -> bool {
-        self.make_validator.is_some()
+        self.guard_fns.is_some()
     }
 }

@@ -60,6 +60,16 @@ impl DevGrad {
             DevGrad::F64(d, s) => Box::new(d.slice_mut(*s..)),
         }
     }
+    /// The tensor by device address (from element `start`).
+    fn raw(&self, stream: &CudaStream) -> gradclip::plan::RawTensor {
+        use gradclip::plan::RawTensor;
+        match self {
+            DevGrad::Bf16(d, s) => RawTensor::of::<bf16>(d.device_ptr(stream).0 + 2 * *s as u64, d.len() - s),
+            DevGrad::F16(d, s) => RawTensor::of::<f16>(d.device_ptr(stream).0 + 2 * *s as u64, d.len() - s),
+            DevGrad::F32(d, s) => RawTensor::of::<f32>(d.device_ptr(stream).0 + 4 * *s as u64, d.len() - s),
+            DevGrad::F64(d, s) => RawTensor::of::<f64>(d.device_ptr(stream).0 + 8 * *s as u64, d.len() - s),
+        }
+    }
     /// Byte offset of element 0 from the previous 16-byte boundary, in device memory.
     fn phase_bytes(&self, stream: &CudaStream) -> u64 {
         let (base, size, s) = match self {
@@ -1229,6 +1239,70 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
     })
 }
 
+/// Per-parameter step counts (torch's `state["step"]`, f32, which differ once some parameters
+/// had no gradient at some steps): the GPU's step equals the CPU's bit for bit, each parameter
+/// stepping from its own count, and both advance every own count by one per taken step.
+fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
+    use gradclip::optim::{AdamConfig, ClipConfig, Parts, StepCount};
+    use gradclip::plan::RawTensor;
+    let cfg = AdamConfig::adamw(1e-2);
+    let clip = ClipConfig::new(0.05);
+    let (mut host, dev) = adam_parts_on_both(gpu, 123);
+    let mut host_steps: Vec<f32> = (0..host.len()).map(|i| (i * 3 % 7) as f32).collect();
+    let dev_steps = gpu.stream.clone_htod(&host_steps).unwrap();
+    let dev_count = gpu.stream.clone_htod(&[5u64, 0]).unwrap();
+    let dev_norm = gpu.stream.alloc_zeros::<f64>(3).unwrap();
+    let mut count = StepCount { steps: 5, skipped: 0 };
+    let mut engine = gpu.engine();
+    for step in 1..=2 {
+        let host_parts: Vec<Parts> = host
+            .iter_mut()
+            .zip(host_steps.iter_mut())
+            .map(|([p, g, m, v, _], c)| Parts {
+                param: p.host_mut().raw(),
+                grad: g.host().raw(),
+                exp_avg: m.host_mut().raw(),
+                exp_avg_sq: v.host_mut().raw(),
+                max_exp_avg_sq: None,
+                step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+            })
+            .collect();
+        let steps_at = dev_steps.device_ptr(&gpu.stream).0;
+        let dev_parts: Vec<Parts> = dev
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Parts {
+                param: d[0].raw(&gpu.stream),
+                grad: d[1].raw(&gpu.stream),
+                exp_avg: d[2].raw(&gpu.stream),
+                exp_avg_sq: d[3].raw(&gpu.stream),
+                max_exp_avg_sq: None,
+                step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
+            })
+            .collect();
+        // SAFETY: the host parts are the live vectors above, used by nothing else during the call;
+        // the device parts, counts and output live device memory of the stream's context.
+        unsafe {
+            Cpu::new().adam_step_raw(&host_parts, &cfg, &mut count, Some(&clip), 1.0, false).unwrap();
+            engine
+                .adam_step_raw(
+                    &dev_parts,
+                    &cfg,
+                    dev_count.device_ptr(&gpu.stream).0,
+                    Some(&clip),
+                    dev_norm.device_ptr(&gpu.stream).0,
+                    &gradclip::gpu::DeviceStepInputs::default(),
+                )
+                .unwrap();
+        }
+        ensure_adam_parts_equal(gpu, &host, &dev, &format!("own step counts, step {step}"))?;
+        let got = gpu.stream.clone_dtoh(&dev_steps).unwrap();
+        ensure(got == host_steps, || format!("step {step}: own counts {got:?} vs the CPU's {host_steps:?}"))?;
+        ensure(host_steps[1] == (3 + step) as f32, || format!("step {step}: {host_steps:?} not advanced"))?;
+    }
+    Ok(())
+}
+
 fn main() {
     let args = Arguments::from_args();
     type Case = (&'static str, fn(&Gpu) -> TestResult);
@@ -1248,6 +1322,7 @@ fn main() {
         ("graph_capture_launch_budget_and_replays", graph_capture),
         ("graph_capture_patterns_replay_like_eager", graph_capture_patterns),
         ("adam_device_inputs_equal_cpu_bits", adam_device_inputs_equal_cpu_bits),
+        ("adam_own_step_counts_equal_cpu_bits", adam_own_step_counts_equal_cpu_bits),
         ("nccl_one_rank_all_reduce_and_sharded_clip", nccl_one_rank),
     ];
     // Tests that need two GPUs: reported as ignored on one.

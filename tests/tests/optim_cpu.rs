@@ -371,3 +371,67 @@ fn loss_scaled_step_equals_the_unscaled_step() {
     loss_scaled_equals_unscaled::<f16, f32>();
     loss_scaled_equals_unscaled::<f64, f64>();
 }
+
+/// The raw parts of a slot's f32 tensors, with an own step count when `step` is given.
+fn raw_parts(s: &mut Slot<f32, f32>, step: Option<&mut f32>) -> gradclip::optim::Parts {
+    use gradclip::plan::RawTensor;
+    let n = s.param.len();
+    gradclip::optim::Parts {
+        param: RawTensor::of::<f32>(s.param.as_mut_ptr() as u64, n),
+        grad: RawTensor::of::<f32>(s.grad.as_mut_ptr() as u64, n),
+        exp_avg: RawTensor::of::<f32>(s.m.as_mut_ptr() as u64, n),
+        exp_avg_sq: RawTensor::of::<f32>(s.v.as_mut_ptr() as u64, n),
+        max_exp_avg_sq: None,
+        step: step.map(|c| RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+    }
+}
+
+/// A parameter with its own step count (torch's per-parameter `step`, which falls behind for a
+/// parameter whose gradient was None at some steps) steps exactly as it would alone with a group
+/// count at that value, whatever the group's count; a taken step advances every own count by
+/// one, a skipped step none.
+#[test]
+fn own_step_counts_keep_each_parameters_bias_correction() {
+    let cfg = AdamConfig::adamw(1e-2);
+    let cpu = Cpu::new();
+    let clip = ClipConfig::new(1e9);
+    let (mut together, mut alone) = (slots::<f32, f32>(7, &[1000, 300]), slots::<f32, f32>(7, &[1000, 300]));
+    let (mut own_a, mut own_b) = (4.0f32, 1.0f32);
+    let parts = [raw_parts(&mut together[0], Some(&mut own_a)), raw_parts(&mut together[1], Some(&mut own_b))];
+    let mut count = StepCount { steps: 9, skipped: 0 };
+    // SAFETY: the slots and counts are live and used by nothing else during the calls.
+    unsafe { cpu.adam_step_raw(&parts, &cfg, &mut count, Some(&clip), 1.0, false) }.unwrap();
+    assert_eq!((own_a, own_b, count.steps), (5.0, 2.0, 10));
+    for (i, start) in [(0usize, 4u64), (1, 1)] {
+        let p = [raw_parts(&mut alone[i], None)];
+        let mut c = StepCount { steps: start, skipped: 0 };
+        // SAFETY: as above.
+        unsafe { cpu.adam_update_raw(&p, &cfg, &mut c, 1.0) }.unwrap();
+        let bits = |s: &Slot<f32, f32>| [&s.param, &s.m, &s.v].map(|x| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(bits(&together[i]), bits(&alone[i]), "parameter {i}");
+    }
+    // A skipped step (the scaler's overflow) leaves the own counts as they were.
+    let parts = [raw_parts(&mut together[0], Some(&mut own_a)), raw_parts(&mut together[1], Some(&mut own_b))];
+    // SAFETY: as above.
+    let r = unsafe { cpu.adam_step_raw(&parts, &cfg, &mut count, Some(&clip), 1.0, true) }.unwrap();
+    assert!(r.skipped);
+    assert_eq!((own_a, own_b, count.skipped), (5.0, 2.0, 1));
+}
+
+/// An own step count that is not one f32, and a state of the wrong dtype, are refused naming
+/// the part that is wrong (an f64 exp_avg on an f32 parameter was reported as an exp_avg_sq
+/// problem).
+#[test]
+fn wrong_parts_are_named() {
+    let mut s = slots::<f32, f32>(3, &[16]);
+    let mut steps = [0.0f32; 2];
+    let mut p = raw_parts(&mut s[0], None);
+    p.step = Some(gradclip::plan::RawTensor::of::<f32>(steps.as_mut_ptr() as u64, 2));
+    let e = gradclip::optim::check(&[p], false).unwrap_err();
+    assert!(matches!(e, Error::OptimizerStep { index: 0, len: 2, .. }), "{e}");
+    let mut wide = vec![0.0f64; 16];
+    let mut p = raw_parts(&mut s[0], None);
+    p.exp_avg = gradclip::plan::RawTensor::of::<f64>(wide.as_mut_ptr() as u64, 16);
+    let e = gradclip::optim::check(&[p], false).unwrap_err();
+    assert!(matches!(e, Error::OptimizerDtype { index: 0, role: "exp_avg", .. }), "{e}");
+}

@@ -47,14 +47,14 @@ pub struct HostGrad<'a> {
 
 impl HostGrad<'_> {
     /// The tensor by address (valid while the borrow lasts).
-    pub(crate) fn raw(&self) -> RawTensor {
+    pub fn raw(&self) -> RawTensor {
         self.raw
     }
 }
 
 impl HostGradMut<'_> {
     /// The tensor by address (valid and exclusive while the borrow lasts).
-    pub(crate) fn raw(&self) -> RawTensor {
+    pub fn raw(&self) -> RawTensor {
         self.raw
     }
 }

@@ -19,7 +19,7 @@ use super::engine::GpuEngine;
 use super::launch::{self, AdamTables};
 use super::words::{as_words, from_words};
 use crate::error::{Error, Result};
-use crate::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, check, check_clip};
+use crate::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, StepList, check_clip};
 use crate::plan::MAX_TASKS;
 use crate::tensor_list::TensorList;
 
@@ -123,6 +123,8 @@ pub(crate) struct AdamUpload {
 
 #[derive(Debug)]
 struct Uploaded {
+    /// The [`StepList`] and group these tables were uploaded for.
+    key: (u64, usize),
     parts: Vec<Parts>,
     buf: CudaSlice<u64>,
     num_tasks: u64,
@@ -156,15 +158,16 @@ fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
             len: p.param.len,
             dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | p.exp_avg.dtype.code() << 8,
             reserved: 0,
+            step: p.step.map_or(0, |s| s.addr),
         });
     }
     Ok((descs, tasks))
 }
 
-/// Every check an update makes before anything is enqueued: the hyperparameters, the step
-/// count's, (with a clip) the norm output's and the device inputs' addresses, and the parts
-/// ([`check`]).
-fn check_update(parts: &[Parts], cfg: &AdamConfig, count: u64, norm: Option<u64>, inputs: &DeviceStepInputs) -> Result<AdamParams> {
+/// The checks of an update's inputs other than its tensors (those are a [`StepList`]'s): the
+/// hyperparameters, the step count's, (with a clip) the norm output's and the device inputs'
+/// addresses.
+fn check_inputs(cfg: &AdamConfig, count: u64, norm: Option<u64>, inputs: &DeviceStepInputs) -> Result<AdamParams> {
     let h = cfg.params()?;
     inputs.check()?;
     for (what, addr) in [("the step count", Some(count)), ("the norm output", norm)] {
@@ -172,7 +175,6 @@ fn check_update(parts: &[Parts], cfg: &AdamConfig, count: u64, norm: Option<u64>
             return Err(Error::BadOutputAddress { what, addr });
         }
     }
-    check(parts, cfg.amsgrad)?;
     Ok(h)
 }
 
@@ -259,6 +261,7 @@ impl GpuEngine {
                 exp_avg,
                 exp_avg_sq,
                 max_exp_avg_sq,
+                step: None,
             });
         }
         let (count_addr, _gc) = count.words.device_ptr_mut(&stream);
@@ -307,23 +310,17 @@ impl GpuEngine {
         inputs: &DeviceStepInputs,
     ) -> Result<()> {
         // Every check of the update before the norm is enqueued: nothing is written on an error.
-        let h = check_update(
-            parts,
-            cfg,
-            count,
-            (clip.is_some() || inputs.loss_scale != 0).then_some(norm),
-            inputs,
-        )?;
+        let list = StepList::new(&[(parts.to_vec(), cfg.amsgrad)])?;
+        let h = check_inputs(cfg, count, (clip.is_some() || inputs.loss_scale != 0).then_some(norm), inputs)?;
         if let Some(c) = clip {
-            let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
             // SAFETY: the caller's contract covers the gradients and `norm`.
-            unsafe { self.clip_norm_raw(&grads, c, norm) }?;
+            unsafe { self.clip_norm_raw(list.grads(), c, norm) }?;
         }
         // SAFETY: the caller's contract covers `norm` and the loss scale; with a clip the
         // NormOutput was written just above.
         let factor = unsafe { self.update_factor_raw(norm, clip, inputs.loss_scale) }?;
         // SAFETY: the caller's contract, checked above; `norm` was written just above.
-        unsafe { self.launch_update(parts, h, count, factor, inputs.lr, inputs.found_inf) }
+        unsafe { self.launch_update(&list, 0, h, count, factor, inputs.lr, inputs.found_inf) }
     }
 
     /// The stage between the norm and the updates of a step: the `factor` argument of every
@@ -455,23 +452,54 @@ impl GpuEngine {
         lr: u64,
         found_inf: u64,
     ) -> Result<()> {
+        let list = StepList::new(&[(parts.to_vec(), cfg.amsgrad)])?;
+        // SAFETY: the caller's contract.
+        unsafe { self.adam_update_list_raw(&list, 0, cfg, count, factor, lr, found_inf) }
+    }
+
+    /// [`GpuEngine::adam_update_raw`] over group `group` of a [`StepList`], checked when it was
+    /// made: no per-step check of its tensors, and its tables uploaded once while the same list
+    /// comes back. `cfg.amsgrad` must be the group's.
+    ///
+    /// # Safety
+    /// As [`GpuEngine::adam_update_raw`], for the list's tensors.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn adam_update_list_raw(
+        &mut self,
+        list: &StepList,
+        group: usize,
+        cfg: &AdamConfig,
+        count: u64,
+        factor: Option<(u64, bool)>,
+        lr: u64,
+        found_inf: u64,
+    ) -> Result<()> {
+        if group >= list.groups() || list.group(group).1 != cfg.amsgrad {
+            return Err(Error::InvalidHyperparameter {
+                what: "group (amsgrad differs from the step list's, or no such group)",
+                value: group as f64,
+                valid: "a group of the list, with the amsgrad it was made with",
+            });
+        }
         let inputs = DeviceStepInputs {
             lr,
             loss_scale: 0,
             found_inf,
         };
-        let h = check_update(parts, cfg, count, factor.map(|(n, _)| n), &inputs)?;
-        // SAFETY: the caller's contract, checked above.
-        unsafe { self.launch_update(parts, h, count, factor, lr, found_inf) }
+        let h = check_inputs(cfg, count, factor.map(|(n, _)| n), &inputs)?;
+        // SAFETY: the caller's contract; the list was checked when made.
+        unsafe { self.launch_update(list, group, h, count, factor, lr, found_inf) }
     }
 
-    /// The Adam launch of parts that passed [`check_update`].
+    /// The Adam launch of group `group` of a checked list.
     ///
     /// # Safety
-    /// As [`GpuEngine::adam_update_raw`], and `parts` passed [`check_update`].
+    /// As [`GpuEngine::adam_update_raw`].
+    #[allow(clippy::too_many_arguments)]
     unsafe fn launch_update(
         &mut self,
-        parts: &[Parts],
+        list: &StepList,
+        group: usize,
         h: AdamParams,
         count: u64,
         factor: Option<(u64, bool)>,
@@ -484,19 +512,23 @@ impl GpuEngine {
             flags: h.flags | if skip { adam_flags::SKIP_NONFINITE } else { 0 },
             ..h
         };
-        let (tables, num_tasks) = self.upload_adam(parts)?;
+        let (tables, num_tasks) = self.upload_adam(list, group)?;
+        let parts = list.group(group).0;
         let stream = self.stream().clone();
         // SAFETY: the tables were planned from `parts` (checked above: lengths, dtypes, valid and
         // disjoint memory) and uploaded on this stream; the caller vouches for the memory of the
         // parts, of `count`, of the NormOutput and of the inputs.
-        unsafe { launch::adam(&stream, self.kernels(), &tables, num_tasks, count, norm, &h, lr, found_inf) }
+        unsafe { launch::adam(&stream, self.kernels(), &tables, num_tasks, parts.len() as u64, count, norm, &h, lr, found_inf) }
     }
 
-    /// The optimizer tables of `parts` in device memory and their task count: under CUDA-graph
-    /// capture, fresh ones that the graph owns (as the norm's, [`capture`]); otherwise uploaded
-    /// unless one of the lists kept is the same parts.
-    fn upload_adam(&mut self, parts: &[Parts]) -> Result<(AdamTables, u64)> {
+    /// The optimizer tables of group `group` of `list` in device memory and their task count:
+    /// under CUDA-graph capture, fresh ones that the graph owns (as the norm's, [`capture`]);
+    /// otherwise uploaded unless one of the lists kept is this list's group or the same parts. A
+    /// new upload reuses the least recently used buffer when it is large enough (the copy is
+    /// ordered after the launches that read it on this stream).
+    fn upload_adam(&mut self, list: &StepList, group: usize) -> Result<(AdamTables, u64)> {
         let stream = self.stream().clone();
+        let parts = list.group(group).0;
         match capture::status(&stream)? {
             Capture::Active(graph) => {
                 let (descs, tasks) = plan(parts)?;
@@ -512,16 +544,28 @@ impl GpuEngine {
             }
             Capture::None => capture::free_released(&stream),
         }
+        let key = (list.id(), group);
         let lists = &mut self.adam.lists;
-        match lists.iter().position(|u| u.parts == parts) {
+        match lists.iter().position(|u| u.key == key || u.parts == parts) {
             Some(i) => {
-                let u = lists.remove(i);
+                let mut u = lists.remove(i);
+                u.key = key;
                 lists.insert(0, u);
             }
             None => {
                 let (descs, tasks) = plan(parts)?;
                 let (dw, tw) = (as_words(&descs), as_words(&tasks));
-                let mut buf = stream.alloc_zeros::<u64>(1 + dw.len() + tw.len())?;
+                let words = 1 + dw.len() + tw.len();
+                // The oldest buffer, when full and large enough; its counter word is zero (every
+                // launch leaves it so), and the copies below never touch it.
+                let reuse = (lists.len() >= KEPT_LISTS).then(|| lists.pop()).flatten().filter(|u| u.buf.len() >= words);
+                let mut buf = match reuse {
+                    Some(u) => u.buf,
+                    None => {
+                        lists.truncate(KEPT_LISTS - 1);
+                        stream.alloc_zeros::<u64>(words)?
+                    }
+                };
                 let mut at = 1;
                 for words in [dw, tw] {
                     if !words.is_empty() {
@@ -529,10 +573,10 @@ impl GpuEngine {
                     }
                     at += words.len();
                 }
-                lists.truncate(KEPT_LISTS - 1);
                 lists.insert(
                     0,
                     Uploaded {
+                        key,
                         parts: parts.to_vec(),
                         buf,
                         num_tasks: tasks.len() as u64,
@@ -572,6 +616,7 @@ mod tests {
             exp_avg: raw(at(2), len, s),
             exp_avg_sq: raw(at(3), len, s),
             max_exp_avg_sq: amsgrad.then(|| raw(at(4), len, s)),
+            step: None,
         }
     }
 
@@ -608,6 +653,7 @@ mod tests {
     #[test]
     fn overlapping_parts_are_refused() {
         let mut p = parts(0, 100, DType::F32, DType::F32, false);
+        use crate::optim::check;
         assert!(check(&[p], false).is_ok());
         p.exp_avg.addr = p.param.addr + 8;
         assert!(matches!(check(&[p], false), Err(Error::Overlap { .. })));

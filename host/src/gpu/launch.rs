@@ -120,7 +120,7 @@ pub struct AdamTables {
 /// Launches the Adam kernel: one block per task (one block when `num_tasks == 0`).
 ///
 /// # Safety
-/// `t` holds a plan of `num_tasks` tasks uploaded on `stream` (or ordered before it) whose parts
+/// `t` holds a plan of `num_tasks` tasks over `num_tensors` parameters uploaded on `stream` (or ordered before it) whose parts
 /// are live device memory of the stream's context of their lengths and dtypes, the written parts
 /// pairwise disjoint and disjoint from the gradients, until the launch completes; `t.counter` is
 /// zero; `count` (an [`gradclip_kernels::abi::AdamCount`]) and `norm` (a NormOutput, or 0 for
@@ -132,6 +132,7 @@ pub unsafe fn adam(
     ks: &KernelSet,
     t: &AdamTables,
     num_tasks: u64,
+    num_tensors: u64,
     count: u64,
     norm: u64,
     h: &AdamParams,
@@ -148,11 +149,13 @@ pub unsafe fn adam(
         .arg(&h.flags)
         .arg(&num_tasks)
         .arg(&lr_in)
-        .arg(&found_inf);
+        .arg(&found_inf)
+        .arg(&num_tensors);
     let cfg = LaunchConfig {
         grid_dim: (num_tasks.max(1) as u32, 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        // The last block's flag (its threads then advance the parameters' own step counts).
+        shared_mem_bytes: BLOCK_SMEM_BYTES,
     };
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
     unsafe { b.launch(cfg) }?;

@@ -7,7 +7,7 @@ use gradclip_kernels::adam::{StepScalars, step_scalars_f32, step_scalars_f64, up
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use rayon::prelude::*;
 
-use super::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, Parts, StepCount, StepReport, check, check_clip};
+use super::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, Parts, StepCount, StepList, StepReport, check_clip};
 use crate::cpu::Cpu;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -23,6 +23,8 @@ struct Piece {
     parts: Parts,
     start: u64,
     end: u64,
+    /// The step number this update takes (its parameter's count + 1).
+    step: f64,
 }
 
 impl Cpu {
@@ -98,15 +100,12 @@ impl Cpu {
     ) -> Result<StepReport> {
         check_loss_scale(loss_scale)?;
         let h = cfg.params()?;
-        check(parts, cfg.amsgrad)?;
+        let list = StepList::new(&[(parts.to_vec(), cfg.amsgrad)])?;
         check_clip(clip)?;
         let norm = match clip {
             None => None,
-            Some(c) => {
-                let grads = TensorList::new(&parts.iter().map(|p| p.grad).collect::<Vec<_>>())?;
-                // SAFETY: the caller's contract covers the gradients.
-                Some(unsafe { self.total_norm_raw(&grads, c.norm_type, false) }?.norm)
-            }
+            // SAFETY: the caller's contract covers the gradients.
+            Some(c) => Some(unsafe { self.total_norm_raw(list.grads(), c.norm_type, false) }?.norm),
         };
         let (r, factor) = self.step_verdict(norm, clip, loss_scale, found_inf)?;
         if r.skipped {
@@ -179,10 +178,27 @@ impl Cpu {
     /// # Safety
     /// As [`Cpu::adam_step_raw`].
     pub unsafe fn adam_update_raw(&self, parts: &[Parts], cfg: &AdamConfig, count: &mut StepCount, coef: f64) -> Result<()> {
+        let list = StepList::new(&[(parts.to_vec(), cfg.amsgrad)])?;
+        // SAFETY: the caller's contract.
+        unsafe { self.adam_update_list_raw(&list, 0, cfg, count, coef) }
+    }
+
+    /// [`Cpu::adam_update_raw`] over group `group` of a [`StepList`], checked when it was made
+    /// (no per-step check of its tensors). `cfg.amsgrad` must be the group's.
+    ///
+    /// # Safety
+    /// As [`Cpu::adam_step_raw`], for the list's tensors.
+    pub unsafe fn adam_update_list_raw(&self, list: &StepList, group: usize, cfg: &AdamConfig, count: &mut StepCount, coef: f64) -> Result<()> {
         let h = cfg.params()?;
-        check(parts, cfg.amsgrad)?;
-        // SAFETY: the caller's contract, checked above.
-        unsafe { update_checked(parts, &h, count, coef) };
+        if group >= list.groups() || list.group(group).1 != cfg.amsgrad {
+            return Err(Error::InvalidHyperparameter {
+                what: "group (amsgrad differs from the step list's, or no such group)",
+                value: group as f64,
+                valid: "a group of the list, with the amsgrad it was made with",
+            });
+        }
+        // SAFETY: the caller's contract; the list was checked when made.
+        unsafe { update_checked(list.group(group).0, &h, count, coef) };
         Ok(())
     }
 }
@@ -201,32 +217,42 @@ fn check_loss_scale(loss_scale: f64) -> Result<()> {
 }
 
 /// The update of parts that passed [`check`]: every gradient multiplied by `coef` as it is read,
-/// `count.steps` advanced.
+/// `count.steps` advanced, and each parameter's own step count (when it has one) stepped from and
+/// advanced, as the GPU kernel does.
 ///
 /// # Safety
 /// As [`Cpu::adam_step_raw`], and `parts` passed [`check`].
 unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount, coef: f64) {
-    let step = count.steps + 1;
-    let (s32, s64) = (
-        step_scalars_f32(h, step as f64).clipped_by(coef),
-        step_scalars_f64(h, step as f64).clipped_by(coef),
-    );
+    // SAFETY: an own step count is one f32 of live host memory (checked; the caller's contract).
+    let step_of = |p: &Parts| 1.0 + p.step.map_or(count.steps as f64, |s| unsafe { (s.addr as *const f32).read() } as f64);
     let pieces: Vec<Piece> = parts
         .iter()
         .flat_map(|&parts| {
             let len = parts.param.len;
+            let step = step_of(&parts);
             (0..len.div_ceil(PIECE)).map(move |i| Piece {
                 parts,
                 start: i * PIECE,
                 end: ((i + 1) * PIECE).min(len),
+                step,
             })
         })
         .collect();
     // SAFETY: check() matched every part's length and dtype to its parameter's and found no
     // written part overlapping any other part; the pieces of one tensor are disjoint element
     // ranges; the memory is the caller's (contract).
-    pieces.par_iter().for_each(|p| unsafe { update_piece(p, &s32, &s64) });
-    count.steps = step;
+    pieces.par_iter().for_each(|p| unsafe {
+        let (s32, s64) = (
+            step_scalars_f32(h, p.step).clipped_by(coef),
+            step_scalars_f64(h, p.step).clipped_by(coef),
+        );
+        update_piece(p, &s32, &s64)
+    });
+    count.steps += 1;
+    for s in parts.iter().filter_map(|p| p.step) {
+        // SAFETY: as above; the pieces that read it have finished (par_iter returned).
+        unsafe { *(s.addr as *mut f32) += 1.0 };
+    }
 }
 
 /// Dispatches a piece to the update of its dtypes.

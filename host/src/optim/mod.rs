@@ -23,6 +23,9 @@
 //! ```
 
 pub mod cpu;
+mod step_list;
+
+pub use step_list::StepList;
 
 use gradclip_kernels::abi::{AdamParams, adam_flags};
 pub use gradclip_kernels::adam::gradient_factor;
@@ -189,6 +192,10 @@ pub struct Parts {
     pub exp_avg_sq: RawTensor,
     /// The running maximum of the second moment (amsgrad; written).
     pub max_exp_avg_sq: Option<RawTensor>,
+    /// The parameter's own step count, one f32 (torch's `state["step"]`; written): the update
+    /// steps from it and a taken step adds one to it, so a parameter that had no gradient at
+    /// some steps keeps its own bias correction, as in torch. None: the group's [`StepCount`].
+    pub step: Option<RawTensor>,
 }
 
 impl HostAdamTensor<'_> {
@@ -199,13 +206,16 @@ impl HostAdamTensor<'_> {
             exp_avg: self.exp_avg.raw(),
             exp_avg_sq: self.exp_avg_sq.raw(),
             max_exp_avg_sq: self.max_exp_avg_sq.as_ref().map(|m| m.raw()),
+            step: None,
         }
     }
 }
 
-/// Fails with the first tensor whose parts do not go together (lengths, dtypes, amsgrad's state).
-pub(crate) fn check_parts(tensors: impl Iterator<Item = Parts>, amsgrad: bool) -> Result<()> {
-    for (index, t) in tensors.enumerate() {
+/// Fails with the first tensor whose parts do not go together (lengths, dtypes, amsgrad's
+/// state, the own step count's shape): each part against its parameter first, so the error names
+/// the part that is wrong, then the states against each other.
+pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, bool)>) -> Result<()> {
+    for (index, (t, amsgrad)) in tensors.enumerate() {
         let p = t.param;
         let mut parts = vec![("grad", t.grad), ("exp_avg", t.exp_avg), ("exp_avg_sq", t.exp_avg_sq)];
         match (t.max_exp_avg_sq, amsgrad) {
@@ -213,22 +223,7 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = Parts>, amsgrad: bool) -
             (None, true) => return Err(Error::MissingMaxExpAvgSq { index }),
             (_, false) => {}
         }
-        // One dtype for the states (the update reads them as one type).
-        for (role, r) in parts.iter().skip(2) {
-            if r.dtype != t.exp_avg.dtype {
-                return Err(Error::OptimizerDtype {
-                    index,
-                    role: if *role == "exp_avg_sq" {
-                        "exp_avg_sq (not exp_avg's dtype)"
-                    } else {
-                        "max_exp_avg_sq (not exp_avg's dtype)"
-                    },
-                    found: r.dtype,
-                    param: p.dtype,
-                });
-            }
-        }
-        for (role, r) in parts {
+        for &(role, r) in &parts {
             if r.len != p.len {
                 return Err(Error::OptimizerLength {
                     index,
@@ -247,6 +242,28 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = Parts>, amsgrad: bool) -
                 });
             }
         }
+        // One dtype for the states (the update reads them as one type).
+        for &(role, r) in parts.iter().skip(2) {
+            if r.dtype != t.exp_avg.dtype {
+                return Err(Error::OptimizerDtype {
+                    index,
+                    role: if role == "exp_avg_sq" {
+                        "exp_avg_sq (not exp_avg's dtype)"
+                    } else {
+                        "max_exp_avg_sq (not exp_avg's dtype)"
+                    },
+                    found: r.dtype,
+                    param: p.dtype,
+                });
+            }
+        }
+        if let Some(s) = t.step.filter(|s| s.len != 1 || s.dtype != DType::F32) {
+            return Err(Error::OptimizerStep {
+                index,
+                len: s.len,
+                dtype: s.dtype,
+            });
+        }
     }
     Ok(())
 }
@@ -256,13 +273,7 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = Parts>, amsgrad: bool) -
 /// (parameter, states) share a byte with any part of any parameter: every check an update
 /// makes before it writes anything, for callers that update several groups in a row.
 pub fn check(parts: &[Parts], amsgrad: bool) -> Result<()> {
-    check_parts(parts.iter().copied(), amsgrad)?;
-    let all: Vec<RawTensor> = parts
-        .iter()
-        .flat_map(|p| [Some(p.param), Some(p.grad), Some(p.exp_avg), Some(p.exp_avg_sq), p.max_exp_avg_sq])
-        .flatten()
-        .collect();
-    crate::tensor_list::TensorList::new(&all)?.check_writable()
+    StepList::new(&[(parts.to_vec(), amsgrad)]).map(|_| ())
 }
 
 /// Checks a clip's settings before anything is read.

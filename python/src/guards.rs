@@ -1,0 +1,91 @@
+//! Knowing in one or two C++ calls that a list of tensors is still the one read: torch's own
+//! tensor guards (sizes, strides, dtype, device, dispatch keys, requires_grad: what torch.compile
+//! checks before it reuses a graph) and its data-pointer check (what CUDA-graph trees check),
+//! held apart, so that a list whose tensors keep their shapes but were allocated anew (new
+//! gradient tensors every step after `zero_grad(set_to_none=True)`) is read again by address
+//! only. Reading a tensor's attributes one call at a time costs several times as much.
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+/// torch's two functions, checked by `gradclip.torch` at import (it hands them over only when
+/// they behave as relied on): `TensorGuards` and `_tensors_data_ptrs_at_indices_equal`.
+pub(crate) struct GuardFns {
+    guards: Py<PyAny>,
+    ptrs_equal: Py<PyAny>,
+}
+
+impl GuardFns {
+    pub(crate) fn new(guards: Py<PyAny>, ptrs_equal: Py<PyAny>) -> Self {
+        GuardFns { guards, ptrs_equal }
+    }
+
+    /// The guard of `list` as it is now, with `ptrs` its tensors' addresses; None when torch's
+    /// guards cannot be made for it (a tensor subclass, say): callers then read every tensor.
+    pub(crate) fn guard(&self, list: &Bound<'_, PyList>, ptrs: &[u64]) -> Option<ListGuard> {
+        let py = list.py();
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(intern!(py, "dynamic_dims_sizes"), py.None()).ok()?;
+        kwargs.set_item(intern!(py, "dynamic_dims_strides"), py.None()).ok()?;
+        let args = PyTuple::new(py, list.iter()).ok()?;
+        let guards = self.guards.bind(py).call(args, Some(&kwargs)).ok()?;
+        Some(ListGuard {
+            guards: guards.unbind(),
+            ptrs_equal: self.ptrs_equal.clone_ref(py),
+            ptrs: PyList::new(py, ptrs).ok()?.unbind(),
+            idx: PyList::new(py, 0..ptrs.len()).ok()?.unbind(),
+            len: ptrs.len(),
+        })
+    }
+}
+
+/// What one list looked like when read (no reference to its tensors).
+pub(crate) struct ListGuard {
+    guards: Py<PyAny>,
+    ptrs_equal: Py<PyAny>,
+    ptrs: Py<PyList>,
+    idx: Py<PyList>,
+    len: usize,
+}
+
+impl ListGuard {
+    /// Same length, and every tensor with the sizes, strides, dtype, device, dispatch keys and
+    /// requires_grad it had (any error counts as no).
+    pub(crate) fn same_layout(&self, list: &Bound<'_, PyList>) -> bool {
+        let py = list.py();
+        if list.len() != self.len {
+            return false;
+        }
+        let Ok(args) = PyTuple::new(py, list.iter()) else {
+            return false;
+        };
+        self.guards
+            .bind(py)
+            .call_method1(intern!(py, "check"), args)
+            .and_then(|r| r.is_truthy())
+            .unwrap_or(false)
+    }
+
+    /// Every tensor at the address it had (the list passed [`ListGuard::same_layout`]).
+    pub(crate) fn same_addresses(&self, list: &Bound<'_, PyList>) -> bool {
+        let py = list.py();
+        self.ptrs_equal
+            .bind(py)
+            .call1((list, self.ptrs.bind(py), self.idx.bind(py)))
+            .and_then(|r| r.is_truthy())
+            .unwrap_or(false)
+    }
+
+    /// The same guard for the same layout at new addresses.
+    pub(crate) fn moved_to(&mut self, py: Python<'_>, ptrs: &[u64]) -> PyResult<()> {
+        self.ptrs = PyList::new(py, ptrs)?.unbind();
+        Ok(())
+    }
+}
+
+/// The address of every tensor of `list` (one call each): for a list that kept its layout.
+pub(crate) fn data_ptrs(list: &Bound<'_, PyList>) -> PyResult<Vec<u64>> {
+    let py = list.py();
+    list.iter().map(|t| t.call_method0(intern!(py, "data_ptr"))?.extract()).collect()
+}
