@@ -6,7 +6,9 @@
 
 use core::arch::asm;
 
-use crate::abi::{AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, WARP_THREADS, NormOutput, adam_chunk_elems, adam_flags, dtype_code};
+use crate::abi::{
+    AdamCount, AdamParams, AdamTensorDesc, BLOCK_THREADS, ChunkTask, NormOutput, WARP_THREADS, adam_chunk_elems, adam_flags, dtype_code,
+};
 use crate::adam::{StepScalars, Updated, gradient_factor, step_mode, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
 use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, smem_flag, st_v4, sync_threads, thread_idx};
 use crate::dtype::{Bf16, Element, F16, F32, F64};
@@ -441,7 +443,12 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
         unsafe {
             let task = tasks.add(block_idx() as usize).read();
             let d = tensors.add(task.tensor as usize).read();
-            let step = 1.0 + if d.step == 0 { steps as f64 } else { (d.step as *const f32).read() as f64 };
+            let step = 1.0
+                + if d.step == 0 {
+                    steps as f64
+                } else {
+                    (d.step as *const f32).read() as f64
+                };
             let chunk = task.chunk as u64;
             let (p, g, st) = (d.dtypes & 0xF, (d.dtypes >> 4) & 0xF, (d.dtypes >> 8) & 0xF);
             let s32 = step_scalars_f32(&h, step).clipped_by(coef);

@@ -4,8 +4,8 @@
 //! called directly by users. Work runs without the GIL.
 
 mod cpu;
-mod guards;
 mod cuda;
+mod guards;
 mod optim;
 mod scan;
 

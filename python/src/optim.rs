@@ -76,7 +76,18 @@ struct Kept {
 pub struct StepLayout {
     planner: Py<Planner>,
     state: Py<PyDict>,
+    /// The tensors are DTensors: the engine reads their local shards (`_local_tensor`).
+    local: bool,
     kept: Mutex<Kept>,
+}
+
+/// `t`, or its local shard when the layout's tensors are DTensors.
+fn shard<'py>(t: &Bound<'py, PyAny>, local: bool) -> PyResult<Bound<'py, PyAny>> {
+    if local {
+        t.getattr(intern!(t.py(), "_local_tensor"))
+    } else {
+        Ok(t.clone())
+    }
 }
 
 /// Reads one tensor that must be the engine's and on `place`.
@@ -88,11 +99,17 @@ fn read_at(planner: &Planner, t: &Bound<'_, PyAny>, place: &mut Option<Place>) -
 }
 
 /// The layout of an optimizer's parameter groups (`groups`: `(params, amsgrad)` per group;
-/// `state`: the optimizer's state dict, torch's `Optimizer.state`); None when the engine does
-/// not take them (a tensor it does not read, a step count that is not one float32 on the
-/// parameter's device, several devices, no guards in this torch): torch's step runs.
+/// `state`: the optimizer's state dict, torch's `Optimizer.state`; `local`: the parameters are
+/// DTensors, whose local shards the engine updates); None when the engine does not take them (a
+/// tensor it does not read, a step count that is not one float32 on the parameter's device,
+/// several devices, no guards in this torch): torch's step runs.
 #[pyfunction]
-pub fn step_layout(planner: &Bound<'_, Planner>, state: &Bound<'_, PyDict>, groups: &Bound<'_, PyList>) -> PyResult<Option<StepLayout>> {
+pub fn step_layout(
+    planner: &Bound<'_, Planner>,
+    state: &Bound<'_, PyDict>,
+    groups: &Bound<'_, PyList>,
+    local: bool,
+) -> PyResult<Option<StepLayout>> {
     let py = state.py();
     let pl = planner.get();
     let Some(fns) = pl.guard_fns() else {
@@ -108,10 +125,11 @@ pub fn step_layout(planner: &Bound<'_, Planner>, state: &Bound<'_, PyDict>, grou
             amsgrad,
         };
         for p in params.iter() {
-            let Some(param) = read_at(pl, &p, &mut place)? else {
+            let lp = shard(&p, local)?;
+            let Some(param) = read_at(pl, &lp, &mut place)? else {
                 return Ok(None);
             };
-            all.append(&p)?;
+            all.append(&lp)?;
             let st = match state.get_item(&p)? {
                 Some(d) if d.cast::<PyDict>().is_ok_and(|d| d.contains(KEYS[0]).unwrap_or(false)) => d,
                 _ => {
@@ -127,10 +145,12 @@ pub fn step_layout(planner: &Bound<'_, Planner>, state: &Bound<'_, PyDict>, grou
                 let want = k != 2 || amsgrad;
                 match d.get_item(key)?.filter(|_| want) {
                     Some(t) => {
-                        let Some(r) = read_at(pl, &t, &mut place)? else {
+                        // A fused optimizer's step count is a plain tensor even for DTensors.
+                        let lt = if k == 3 { t.clone() } else { shard(&t, local)? };
+                        let Some(r) = read_at(pl, &lt, &mut place)? else {
                             return Ok(None);
                         };
-                        all.append(&t)?;
+                        all.append(&lt)?;
                         objs.push(Some(t.unbind()));
                         raw.push(Some(r));
                     }
@@ -171,6 +191,7 @@ pub fn step_layout(planner: &Bound<'_, Planner>, state: &Bound<'_, PyDict>, grou
     Ok(Some(StepLayout {
         planner: planner.clone().unbind(),
         state: state.clone().unbind(),
+        local,
         kept: Mutex::new(Kept {
             place,
             groups: kept_groups,
@@ -191,7 +212,14 @@ impl Kept {
     /// The checked list of this step's tensors: the kept one when the same gradients came back,
     /// the kept layout with new gradient addresses when new gradients of the same shapes did, a
     /// full read of the gradients otherwise.
-    fn step_list(&mut self, py: Python<'_>, planner: &Planner, state: &Bound<'_, PyDict>, groups: &Bound<'_, PyList>) -> PyResult<Result<StepList, Miss>> {
+    fn step_list(
+        &mut self,
+        py: Python<'_>,
+        planner: &Planner,
+        state: &Bound<'_, PyDict>,
+        groups: &Bound<'_, PyList>,
+        local: bool,
+    ) -> PyResult<Result<StepList, Miss>> {
         if groups.len() != self.groups.len() {
             return Ok(Err(Miss::Relayout));
         }
@@ -232,7 +260,7 @@ impl Kept {
                     return Ok(Err(Miss::Relayout)); // a first gradient: torch makes its state
                 }
                 mask.push(true);
-                present.append(grad)?;
+                present.append(shard(&grad, local)?)?;
             }
         }
         let kept_tensors = self.tensors.bind(py);
@@ -267,9 +295,11 @@ impl Kept {
         let mut place = Some(self.place);
         let mut tensors = Vec::with_capacity(present.len());
         for g in present.iter() {
-            match read_at(planner, &g, &mut place)? {
-                Some(t) => tensors.push(t),
-                None => {
+            // A gradient the engine does not read (sparse, strided, another device: torch's own
+            // reads may raise for it) is torch's step's, which reports it in torch's words.
+            match read_at(planner, &g, &mut place) {
+                Ok(Some(t)) => tensors.push(t),
+                _ => {
                     self.grads = None;
                     return Ok(Err(Miss::Torch));
                 }
@@ -279,7 +309,9 @@ impl Kept {
             self.grads = None;
             return Ok(Err(Miss::Torch));
         };
-        let guard = planner.guard_fns().and_then(|f| f.guard(&present, &tensors.iter().map(|t| t.addr).collect::<Vec<_>>()));
+        let guard = planner
+            .guard_fns()
+            .and_then(|f| f.guard(&present, &tensors.iter().map(|t| t.addr).collect::<Vec<_>>()));
         self.grads = Some(Grads {
             mask,
             objs: present.iter().map(|t| t.unbind()).collect(),
@@ -303,10 +335,12 @@ impl Kept {
                     .filter_map(|st| {
                         let has = mask[at];
                         at += 1;
-                        has.then(|| st.as_ref().map(|st| Parts {
-                            grad: *next.next().expect("one gradient per set mask bit"),
-                            ..st.parts
-                        }))
+                        has.then(|| {
+                            st.as_ref().map(|st| Parts {
+                                grad: *next.next().expect("one gradient per set mask bit"),
+                                ..st.parts
+                            })
+                        })
                         .flatten()
                     })
                     .collect();
@@ -380,7 +414,9 @@ fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>>
 /// global norm in the float64 at `norm_in` (sharded parameters: combined across ranks), then each
 /// group's update reads its coefficient. `loss_scale` and `found_inf`: addresses of one float32
 /// each on the tensors' device, or 0 (GradScaler's scale, divided out as every gradient is read,
-/// the clip limiting the unscaled norm; its overflow flag, which skips the step). Returns the
+/// the clip limiting the unscaled norm; its overflow flag, which skips the step). On the CPU,
+/// `norm_out` (when not 0) gets the norm as one float64 too, also when a non-finite norm is
+/// refused (`nonfinite="error"`). Returns the
 /// verdict ([`STEP_DONE`], [`STEP_RELAYOUT`], [`STEP_TORCH`]: nothing written for the last two)
 /// and, on the CPU, the norm (None on CUDA: it stays on the device).
 #[pyfunction]
@@ -401,8 +437,8 @@ pub fn optim_step(
     let l = layout.get();
     let hypers: Vec<Hyper> = hypers.iter().map(|h| read_hyper(&h)).collect::<PyResult<_>>()?;
     let clip = clip_config(clip)?;
-    if norm_in != 0 && !norm_in.is_multiple_of(8) {
-        return Err(PyValueError::new_err("the global norm must be a float64 tensor"));
+    if !norm_out.is_multiple_of(8) || (norm_in != 0 && !norm_in.is_multiple_of(8)) {
+        return Err(PyValueError::new_err("the global norm and the norm output must be float64 tensors"));
     }
     if !loss_scale.is_multiple_of(4) || !found_inf.is_multiple_of(4) {
         return Err(PyValueError::new_err("the loss scale and found_inf must be float32 tensors"));
@@ -413,7 +449,7 @@ pub fn optim_step(
         // Another thread is stepping this optimizer: torch's step, rather than wait holding the GIL.
         Err(TryLockError::WouldBlock) => return Ok((STEP_TORCH, None)),
     };
-    let list = match kept.step_list(py, l.planner.get(), l.state.bind(py), groups)? {
+    let list = match kept.step_list(py, l.planner.get(), l.state.bind(py), groups, l.local)? {
         Ok(list) => list,
         Err(Miss::Relayout) => return Ok((STEP_RELAYOUT, None)),
         Err(Miss::Torch) => return Ok((STEP_TORCH, None)),
@@ -462,6 +498,9 @@ pub fn optim_step(
                         Some(c) if norm_in == 0 => Some(cpu.total_norm_raw(list.grads(), c.norm_type, false)?.norm),
                         Some(_) => Some((norm_in as *const f64).read()),
                     };
+                    if let (Some(n), true) = (norm, norm_out != 0) {
+                        (norm_out as *mut f64).write(n); // before the verdict, which may refuse it
+                    }
                     let scale = if loss_scale == 0 {
                         1.0
                     } else {

@@ -394,36 +394,45 @@ def test_gradclip_update_takes_a_tensor_learning_rate(device, max_grad_norm):
     assert states_equal(a, b)
 
 
-def test_native_update_reads_groups_and_refuses_bad_input():
-    """The native entries read torch's parameter groups (a group's tensors once, into an
-    AdamGroup, then the tuple layout the optimizer builds) and refuse, before anything is
-    written, mismatched lists, a bad step count, a malformed group and a bad learning rate."""
+def test_native_step_reads_groups_and_refuses_bad_input():
+    """The native step reads torch's parameter groups and states once into a layout (None for
+    tensors the engine does not take), asks for a new layout when a parameter gets its first
+    gradient, and refuses, before anything is written, a bad step count, a malformed group's
+    settings and a bad learning rate tensor."""
     from gradclip import _native
     from gradclip.torch import _PLANNER
 
-    ps = [torch.zeros(4), torch.zeros(3)]
-    zeros = lambda: [torch.zeros(4), torch.zeros(3)]  # noqa: E731
+    ps = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.AdamW(ps, fused=True)
+    ps[0].grad = torch.ones(4)
+    opt._init_group(opt.param_groups[0], [], [], [], [], [], [])
+    strided = [torch.nn.Parameter(torch.zeros(8)[::2])]
+    assert _native.step_layout(_PLANNER, {}, [(strided, False)], False) is None
+    layout = _native.step_layout(_PLANNER, opt.state, [(ps, False)], False)
+    assert layout is not None
     count = torch.zeros(2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="grads has 1 tensors"):
-        _native.adam_group(_PLANNER, ps, [torch.ones(4)], zeros(), zeros())
-    with pytest.raises(ValueError, match="contiguous"):
-        _native.adam_group(_PLANNER, ps, [torch.ones(4), torch.ones(6)[::2]], zeros(), zeros())
-    tensors = _native.adam_group(_PLANNER, ps, [torch.ones(4), torch.ones(3)], zeros(), zeros())
-    assert len(tensors) == 2
-    hyper, options = (1e-3, 0.9, 0.999, 1e-8, 0.01), (False, False, True)
+    hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01, False, False, True)
+    groups = opt.param_groups
+    # ps[1] has no state yet: its first gradient asks for a new layout (torch makes the state).
+    ps[1].grad = torch.ones(3)
+    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0) == (_native.STEP_RELAYOUT, None)
+    ps[1].grad = None
     with pytest.raises(ValueError, match="step count"):
-        _native.adam_step(0, [(tensors, hyper, options, 0, 0)], (1.0, 2.0, "skip"), 0)
-    with pytest.raises(ValueError, match="length 5"):
-        _native.adam_step(0, [(tensors, hyper)], None, 0)
+        _native.optim_step(layout, groups, [hyper + (0, 0)], 0, (1.0, 2.0, "skip"), 0)
+    with pytest.raises(ValueError, match="length 10"):
+        _native.optim_step(layout, groups, [hyper], 0, None, 0)
     # A learning rate tensor read from memory is checked before anything is written.
     negative = torch.tensor(-1.0, dtype=torch.float64)
     with pytest.raises(ValueError, match="learning rate"):
-        _native.adam_step(0, [(tensors, hyper, options, count.data_ptr(), negative.data_ptr())], None, 0)
+        _native.optim_step(layout, groups, [hyper + (count.data_ptr(), negative.data_ptr())], 0, None, 0)
     misaligned = torch.zeros(3, dtype=torch.float64).data_ptr() + 4
     with pytest.raises(ValueError, match="float64"):
-        _native.adam_step(0, [(tensors, hyper, options, count.data_ptr(), misaligned)], None, 0)
+        _native.optim_step(layout, groups, [hyper + (count.data_ptr(), misaligned)], 0, None, 0)
     assert all(torch.equal(p, torch.zeros_like(p)) for p in ps)
     assert count.tolist() == [0, 0]
+    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0) == (_native.STEP_DONE, None)
+    assert not torch.equal(ps[0], torch.zeros(4)) and torch.equal(ps[1], torch.zeros(3))
+    assert float(opt.state[ps[0]]["step"]) == 1.0 and ps[1] not in opt.state
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -487,3 +496,132 @@ def test_clipped_step_does_not_synchronize_on_cuda(update):
         o.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def moe_model(device, dtype, experts=6, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(experts)]).to(device=device, dtype=dtype)
+
+
+def moe_backward(m, step, fresh=True):
+    """A step of a mixture of experts: a few experts get no tokens (their gradient stays None,
+    as after zero_grad(set_to_none=True)), differently each step."""
+    g = torch.Generator().manual_seed(100 + step)
+    p = next(m.parameters())
+    if fresh:
+        m.zero_grad(set_to_none=True)
+    x = torch.randn(4, 8, generator=g).to(device=p.device, dtype=p.dtype)
+    used = [i for i in range(len(m)) if (i + step) % 3 != 0]
+    sum(m[i](x).float().square().sum() for i in used).backward()
+    return used
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+def test_gradclip_update_with_none_gradients_keeps_each_parameters_step(device, max_grad_norm):
+    """Experts without tokens (grad None, a different set each step): update="gradclip" leaves
+    them untouched and, like torch, steps every parameter from its own step count (its bias
+    correction), which the kernel advances only for parameters with a gradient. Against torch's
+    fused AdamW with the same clip (gradclip's clip_grad_norm_ first), over six steps."""
+    ours_m, ref_m = moe_model(device, torch.float32), moe_model(device, torch.float32)
+    ours = AdamW(ours_m.parameters(), lr=1e-2, max_grad_norm=max_grad_norm, update="gradclip")
+    ours._torch_step = None  # gradclip's kernel takes every step
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
+    for step in range(6):
+        moe_backward(ours_m, step)
+        moe_backward(ref_m, step)
+        if max_grad_norm is not None:
+            gt.clip_grad_norm_(ref_m.parameters(), max_grad_norm)
+        before = [p.detach().clone() for p in ours_m.parameters()]
+        ours.step()
+        ref.step()
+        for a, b, old in zip(ours_m.parameters(), ref_m.parameters(), before):
+            if a.grad is None:
+                assert torch.equal(a, old), f"step {step}: a parameter without a gradient was written"
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        ours_steps = {k: float(v["step"]) for k, v in ours.state_dict()["state"].items()}
+        ref_steps = {k: float(v["step"]) for k, v in ref.state_dict()["state"].items()}
+        assert ours_steps == ref_steps, f"step {step}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradclip_update_with_new_gradient_tensors_each_step(device):
+    """New gradient tensors every step (zero_grad(set_to_none=True)), at new addresses or the
+    old ones: the step reads each step's gradients, the same result as with one set of gradient
+    tensors written in place."""
+    a_m, b_m = model(device, torch.float32), model(device, torch.float32)
+    a = AdamW(a_m.parameters(), lr=1e-2, max_grad_norm=0.3, update="gradclip")
+    b = AdamW(b_m.parameters(), lr=1e-2, max_grad_norm=0.3, update="gradclip")
+    a._torch_step = b._torch_step = None
+    keep = []
+    for step in range(5):
+        backward(a_m, step)  # set_to_none: new gradients
+        keep.append([p.grad for p in a_m.parameters()])  # keeps them alive: new addresses next step
+        b_m.zero_grad(set_to_none=False)
+        x = torch.Generator().manual_seed(step)
+        inp = torch.randn(16, 24, generator=x).to(device)
+        b_m(inp).float().square().sum().backward()  # accumulates into the same tensors
+        a.step()
+        b.step()
+        assert same(a_m, b_m), f"step {step}"
+        assert torch.equal(a.last_grad_norm, b.last_grad_norm)
+
+
+@pytest.mark.parametrize("update", ["torch", "gradclip"])
+def test_state_dict_of_a_default_torch_adamw_loads(update):
+    """A state dict of torch.optim.AdamW with its defaults (not fused: its steps on the CPU and
+    fused=None in its groups) loads, and the next steps clip and update as from a fused one."""
+    m, ref_m = model("cpu", torch.float32), model("cpu", torch.float32)
+    plain = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    backward(m, 0)
+    plain.step()
+    ref_m.load_state_dict(m.state_dict())
+    ours = AdamW(m.parameters(), lr=1e-2, max_grad_norm=0.3, update=update)
+    ours.load_state_dict(copy.deepcopy(plain.state_dict()))
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
+    ref.load_state_dict(copy.deepcopy(plain.state_dict()))
+    for step in range(1, 3):
+        backward(m, step)
+        backward(ref_m, step)
+        gt.clip_grad_norm_(ref_m.parameters(), 0.3)
+        ours.step()
+        ref.step()
+        for a, b in zip(m.parameters(), ref_m.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(g["fused"] for g in ours.param_groups)
+    assert [float(s["step"]) for s in ours.state_dict()["state"].values()] == [3.0] * len(ours.state)
+
+
+@pytest.mark.parametrize("update", ["torch", "gradclip"])
+def test_sparse_gradient_gets_torchs_message(update):
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = AdamW(emb.parameters(), lr=1e-2, max_grad_norm=1.0, update=update)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="Adam does not support sparse gradients"):
+        opt.step()
+
+
+@pytest.mark.parametrize("update", ["torch", "gradclip"])
+def test_skipped_steps_and_last_grad_norm_are_the_same_on_both_updates(update):
+    """skipped_steps is an int64 count on both updates; last_grad_norm is this step's: 0 when no
+    parameter has a gradient, the non-finite norm when nonfinite="error" raises."""
+    m = model("cpu", torch.float32)
+    opt = AdamW(m.parameters(), lr=1e-2, max_grad_norm=1.0, update=update)
+    backward(m, 0)
+    poison_one_grad(m)
+    opt.step()
+    assert opt.skipped_steps.dtype == torch.int64 and int(opt.skipped_steps) == 1
+    backward(m, 1)
+    opt.step()
+    assert float(opt.last_grad_norm) > 0
+    m.zero_grad(set_to_none=True)
+    opt.step()
+    assert float(opt.last_grad_norm) == 0.0
+    err = AdamW(m.parameters(), lr=1e-2, max_grad_norm=1.0, update=update, nonfinite="error")
+    backward(m, 2)
+    err.step()
+    backward(m, 3)
+    poison_one_grad(m)
+    with pytest.raises(RuntimeError, match="nothing was written"):
+        err.step()
+    assert not math.isfinite(float(err.last_grad_norm))

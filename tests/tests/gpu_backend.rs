@@ -1283,7 +1283,9 @@ fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
         // SAFETY: the host parts are the live vectors above, used by nothing else during the call;
         // the device parts, counts and output live device memory of the stream's context.
         unsafe {
-            Cpu::new().adam_step_raw(&host_parts, &cfg, &mut count, Some(&clip), 1.0, false).unwrap();
+            Cpu::new()
+                .adam_step_raw(&host_parts, &cfg, &mut count, Some(&clip), 1.0, false)
+                .unwrap();
             engine
                 .adam_step_raw(
                     &dev_parts,
@@ -1297,8 +1299,12 @@ fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
         }
         ensure_adam_parts_equal(gpu, &host, &dev, &format!("own step counts, step {step}"))?;
         let got = gpu.stream.clone_dtoh(&dev_steps).unwrap();
-        ensure(got == host_steps, || format!("step {step}: own counts {got:?} vs the CPU's {host_steps:?}"))?;
-        ensure(host_steps[1] == (3 + step) as f32, || format!("step {step}: {host_steps:?} not advanced"))?;
+        ensure(got == host_steps, || {
+            format!("step {step}: own counts {got:?} vs the CPU's {host_steps:?}")
+        })?;
+        ensure(host_steps[1] == (3 + step) as f32, || {
+            format!("step {step}: {host_steps:?} not advanced")
+        })?;
     }
     Ok(())
 }

@@ -397,7 +397,10 @@ fn own_step_counts_keep_each_parameters_bias_correction() {
     let clip = ClipConfig::new(1e9);
     let (mut together, mut alone) = (slots::<f32, f32>(7, &[1000, 300]), slots::<f32, f32>(7, &[1000, 300]));
     let (mut own_a, mut own_b) = (4.0f32, 1.0f32);
-    let parts = [raw_parts(&mut together[0], Some(&mut own_a)), raw_parts(&mut together[1], Some(&mut own_b))];
+    let parts = [
+        raw_parts(&mut together[0], Some(&mut own_a)),
+        raw_parts(&mut together[1], Some(&mut own_b)),
+    ];
     let mut count = StepCount { steps: 9, skipped: 0 };
     // SAFETY: the slots and counts are live and used by nothing else during the calls.
     unsafe { cpu.adam_step_raw(&parts, &cfg, &mut count, Some(&clip), 1.0, false) }.unwrap();
@@ -411,7 +414,10 @@ fn own_step_counts_keep_each_parameters_bias_correction() {
         assert_eq!(bits(&together[i]), bits(&alone[i]), "parameter {i}");
     }
     // A skipped step (the scaler's overflow) leaves the own counts as they were.
-    let parts = [raw_parts(&mut together[0], Some(&mut own_a)), raw_parts(&mut together[1], Some(&mut own_b))];
+    let parts = [
+        raw_parts(&mut together[0], Some(&mut own_a)),
+        raw_parts(&mut together[1], Some(&mut own_b)),
+    ];
     // SAFETY: as above.
     let r = unsafe { cpu.adam_step_raw(&parts, &cfg, &mut count, Some(&clip), 1.0, true) }.unwrap();
     assert!(r.skipped);
@@ -433,5 +439,15 @@ fn wrong_parts_are_named() {
     let mut p = raw_parts(&mut s[0], None);
     p.exp_avg = gradclip::plan::RawTensor::of::<f64>(wide.as_mut_ptr() as u64, 16);
     let e = gradclip::optim::check(&[p], false).unwrap_err();
-    assert!(matches!(e, Error::OptimizerDtype { index: 0, role: "exp_avg", .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::OptimizerDtype {
+                index: 0,
+                role: "exp_avg",
+                ..
+            }
+        ),
+        "{e}"
+    );
 }

@@ -518,7 +518,20 @@ impl GpuEngine {
         // SAFETY: the tables were planned from `parts` (checked above: lengths, dtypes, valid and
         // disjoint memory) and uploaded on this stream; the caller vouches for the memory of the
         // parts, of `count`, of the NormOutput and of the inputs.
-        unsafe { launch::adam(&stream, self.kernels(), &tables, num_tasks, parts.len() as u64, count, norm, &h, lr, found_inf) }
+        unsafe {
+            launch::adam(
+                &stream,
+                self.kernels(),
+                &tables,
+                num_tasks,
+                parts.len() as u64,
+                count,
+                norm,
+                &h,
+                lr,
+                found_inf,
+            )
+        }
     }
 
     /// The optimizer tables of group `group` of `list` in device memory and their task count:
@@ -558,7 +571,10 @@ impl GpuEngine {
                 let words = 1 + dw.len() + tw.len();
                 // The oldest buffer, when full and large enough; its counter word is zero (every
                 // launch leaves it so), and the copies below never touch it.
-                let reuse = (lists.len() >= KEPT_LISTS).then(|| lists.pop()).flatten().filter(|u| u.buf.len() >= words);
+                let reuse = (lists.len() >= KEPT_LISTS)
+                    .then(|| lists.pop())
+                    .flatten()
+                    .filter(|u| u.buf.len() >= words);
                 let mut buf = match reuse {
                     Some(u) => u.buf,
                     None => {

@@ -188,7 +188,14 @@ impl Cpu {
     ///
     /// # Safety
     /// As [`Cpu::adam_step_raw`], for the list's tensors.
-    pub unsafe fn adam_update_list_raw(&self, list: &StepList, group: usize, cfg: &AdamConfig, count: &mut StepCount, coef: f64) -> Result<()> {
+    pub unsafe fn adam_update_list_raw(
+        &self,
+        list: &StepList,
+        group: usize,
+        cfg: &AdamConfig,
+        count: &mut StepCount,
+        coef: f64,
+    ) -> Result<()> {
         let h = cfg.params()?;
         if group >= list.groups() || list.group(group).1 != cfg.amsgrad {
             return Err(Error::InvalidHyperparameter {
@@ -224,7 +231,11 @@ fn check_loss_scale(loss_scale: f64) -> Result<()> {
 /// As [`Cpu::adam_step_raw`], and `parts` passed [`check`].
 unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount, coef: f64) {
     // SAFETY: an own step count is one f32 of live host memory (checked; the caller's contract).
-    let step_of = |p: &Parts| 1.0 + p.step.map_or(count.steps as f64, |s| unsafe { (s.addr as *const f32).read() } as f64);
+    let step_of = |p: &Parts| {
+        1.0 + p
+            .step
+            .map_or(count.steps as f64, |s| unsafe { (s.addr as *const f32).read() } as f64)
+    };
     let pieces: Vec<Piece> = parts
         .iter()
         .flat_map(|&parts| {

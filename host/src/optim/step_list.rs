@@ -49,7 +49,16 @@ impl StepList {
         let all: Vec<RawTensor> = groups
             .iter()
             .flat_map(|(parts, _)| parts.iter())
-            .flat_map(|p| [Some(p.param), Some(p.grad), Some(p.exp_avg), Some(p.exp_avg_sq), p.max_exp_avg_sq, p.step])
+            .flat_map(|p| {
+                [
+                    Some(p.param),
+                    Some(p.grad),
+                    Some(p.exp_avg),
+                    Some(p.exp_avg_sq),
+                    p.max_exp_avg_sq,
+                    p.step,
+                ]
+            })
             .flatten()
             .collect();
         TensorList::new(&all)?.check_writable()?;

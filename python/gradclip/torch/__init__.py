@@ -65,10 +65,11 @@ def _make_validator(tensors: List[torch.Tensor]):
     return valid
 
 
-def _validator_factory():
-    """``_make_validator`` when the guard functions exist and behave as relied on (checked once,
-    here, on host tensors: an unchanged list passes; resize_, t_, ``.data =`` with a dtype view
-    or a new tensor, and a shorter list fail); None otherwise: every call then reads every tensor."""
+def _guard_functions():
+    """torch's ``(TensorGuards, _tensors_data_ptrs_at_indices_equal)`` for the native planner,
+    when they exist and behave as relied on (checked once, here, on host tensors through
+    ``_make_validator``: an unchanged list passes; resize_, t_, ``.data =`` with a dtype view or
+    a new tensor, and a shorter list fail); None otherwise: every call then reads every tensor."""
 
     def fresh():
         a, b = torch.zeros(4, 4), torch.zeros(8)
@@ -85,17 +86,16 @@ def _validator_factory():
             edit(a, b)
             if valid([a, b]):
                 return None
-        return _make_validator
+        return _TensorGuards, _ptrs_equal
     except Exception:
         return None
 
 
 # Reads tensor lists in native code and keeps the plan of the last list while the same storage
 # comes back (address, size, dtype, contiguity and device of every tensor: exact); a repeated
-# list is recognized by the validator above when torch provides one.
+# list is recognized by torch's guards, a list of new tensors of the same layout by its addresses.
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # the engine's, in its order
-_MAKE_VALIDATOR = _validator_factory()
-_PLANNER = _native.Planner(_NATIVE_DTYPES, _MAKE_VALIDATOR)
+_PLANNER = _native.Planner(_NATIVE_DTYPES, _guard_functions())
 
 try:  # the raw handle of the current stream and the current device, as torch's generated code reads them
     _raw_stream = torch._C._cuda_getCurrentRawStream

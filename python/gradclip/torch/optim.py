@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import _native
-from . import _MAKE_VALIDATOR, _PLANNER, _check_max_norm, _check_p, _clip_coef, _grads_norm64, _is_dtensor, _refuse_host_read_under_capture, _result_dtype
+from . import _PLANNER, _check_max_norm, _current_device, _raw_stream, _check_p, _clip_coef, _grads_norm64, _is_dtensor, _refuse_host_read_under_capture, _result_dtype
 
 __all__ = ["AdamW", "Adam"]
 
@@ -42,9 +42,27 @@ NONFINITE_POLICIES = ("skip", "error", "propagate")
 UPDATES = ("torch", "gradclip")
 
 
+def _refuse_sparse(params) -> None:
+    """torch's error for a sparse gradient (Adam's and AdamW's), before gradclip reads any
+    gradient (its norm would otherwise fail deep in torch's dispatcher)."""
+    if any(p.grad.is_sparse for p in params):
+        raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a plain tensor as it is)."""
     return t._local_tensor if _is_dtensor(t) else t
+
+
+class _Layout:
+    """The engine's reading of an optimizer's parameter groups (native), and what the Python half
+    of a step needs of it: the tensors' device, the dtype torch returns their norm in, and whether
+    the norm is global over process groups (DTensor parameters, a pipeline group)."""
+
+    __slots__ = ("native", "device", "result_dtype", "sharded")
+
+    def __init__(self, native, device, result_dtype, sharded):
+        self.native, self.device, self.result_dtype, self.sharded = native, device, result_dtype, sharded
 
 
 class _ClippingStep:
@@ -62,12 +80,12 @@ class _ClippingStep:
         if update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}; got {update!r}")
         self.update = update
-        # gradclip's kernel keeps each group's step count on the device (steps, skipped), read
-        # from torch's per-parameter "step" when first used and after load_state_dict.
+        # gradclip's kernel counts each group's skipped steps on the device (two int64: steps,
+        # skipped); every parameter steps from its own torch "step", which the kernel advances.
         self._counts: Dict[int, torch.Tensor] = {}
-        # Each group's tensors as the engine read them, with a validator that tells whether the
-        # same tensors came back (then the step reads none again).
-        self._native_groups: Dict[int, tuple] = {}
+        # The engine's reading of the parameter groups (_Layout), kept while the same parameters
+        # and states come back; None before the first step and after load_state_dict.
+        self._layout = None
         self.max_grad_norm = None if max_grad_norm is None else _check_max_norm(max_grad_norm)
         self.norm_type = _check_p(norm_type)
         self.nonfinite = nonfinite
@@ -98,15 +116,29 @@ class _ClippingStep:
                      ("last_grad_norm", None), ("skipped_steps", None)):
             self.__dict__.setdefault(k, v)
         self._counts = {}
-        self._native_groups = {}
+        self._layout = None
 
     def load_state_dict(self, state_dict) -> None:
+        """torch's ``load_state_dict``, from this optimizer's state dict or torch's (fused or not):
+        the groups keep running the fused kernel (a state dict of a default ``torch.optim.AdamW``
+        says ``fused=None``, which would send the step to torch's for-loop path, where the clip's
+        ``grad_scale`` is refused), and each ``step`` is moved where a fused step keeps it (a
+        float32 on the parameter's device)."""
         super().load_state_dict(state_dict)
-        self._counts = {}  # the step counts come from the loaded "step" values
-        self._native_groups = {}
+        for group in self.param_groups:
+            group.update(fused=True, foreach=None, differentiable=False)
+            for p in group["params"]:
+                st = self.state.get(p)
+                step = None if st is None else st.get("step")
+                if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
+                    st["step"] = step.to(device=p.device, dtype=torch.float32)
+        self._counts = {}
+        self._layout = None
 
     #: The torch optimizer class whose fused step this one runs.
     _TORCH: type = torch.optim.Optimizer
+    #: Weight decay decoupled from the gradient (AdamW) unless the group says otherwise.
+    _DECOUPLED = False
 
     def _torch_step(self) -> None:
         """torch's fused step without its optimizer hooks: torch wraps each optimizer class's
@@ -116,27 +148,35 @@ class _ClippingStep:
             step = step.__wrapped__
         step(self)
 
-    def _native_group(self, i, params, grads, exp_avgs, exp_avg_sqs, max_sqs):
-        """Group ``i``'s tensors as the engine reads them: kept from the last step when a validator
-        (torch's tensor guards and address check, two C++ calls) says the same tensors came back,
-        read again otherwise; None when the engine does not take one of them."""
-        flat = params + grads + exp_avgs + exp_avg_sqs + (max_sqs or [])
-        kept = self._native_groups.get(i)
-        if kept is not None and kept[0] is not None and kept[0](flat):
-            return kept[1]
-        try:
-            tensors = _native.adam_group(_PLANNER, params, grads, exp_avgs, exp_avg_sqs, max_sqs)
-        except ValueError:
-            self._native_groups.pop(i, None)
+    def _make_layout(self):
+        """The engine's reading of the parameter groups and their states (native, kept between
+        steps while the same parameters and state tensors come back). torch's own ``_init_group``
+        runs first: it makes the states of parameters that have their first gradient, and raises
+        torch's errors (a sparse gradient, say). None when the engine does not take these
+        tensors (torch's step then runs)."""
+        dtensors = False
+        for group in self.param_groups:
+            params = []
+            self._init_group(group, params, [], [], [], [], [])
+            dtensors = dtensors or any(_is_dtensor(p) for p in params)
+        groups = [(g["params"], bool(g["amsgrad"])) for g in self.param_groups]
+        native = _native.step_layout(_PLANNER, self.state, groups, dtensors)
+        if native is None:
             return None
-        self._native_groups[i] = (_MAKE_VALIDATOR(flat) if _MAKE_VALIDATOR is not None else None, tensors)
-        return tensors
+        params = [p for g in self.param_groups for p in g["params"]]
+        local = [_local(p) for p in params]
+        sharded = dtensors or self.pipeline_group is not None
+        return _Layout(native, local[0].device, _result_dtype(local), sharded)
 
     def _gradclip_step(self) -> bool:
         """The step with gradclip's engine: with a clip, the norm over every group's gradients,
         then one update per group that multiplies each gradient by the coefficient as it reads it
         (no scale pass, no gradient write); on CUDA the norm kernel and one Adam launch per group,
-        on the CPU the CPU backend (the same arithmetic). A tensor learning rate and GradScaler's
+        on the CPU the CPU backend (the same arithmetic). The gradients are read in native code
+        in one call per step, whether they are the tensors of the last step or new ones
+        (``zero_grad(set_to_none=True)``); a parameter whose gradient is None is left as torch
+        leaves it, its own step count included (each parameter steps from its own
+        ``state["step"]``, which the kernel advances). A tensor learning rate and GradScaler's
         ``grad_scale`` / ``found_inf`` are read on the device when the step runs (the loss scale
         divided out as each gradient is read, the clip limiting the unscaled norm, an overflow
         skipping the step). False, before anything is written, when this step cannot take it
@@ -147,105 +187,87 @@ class _ClippingStep:
         outer_scale = getattr(self, "grad_scale", None)
         outer_found = getattr(self, "found_inf", None)
         capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-        plan = []
-        for i, group in enumerate(self.param_groups):
-            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
-            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
-            if not params:
-                continue
-            plan.append((i, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps))
-        if not plan:
-            return False
-        # Sharded parameters (DTensor): this rank's shards, clipped by the global norm of all of
-        # them (gradclip's sharded norm: one all-reduce per process group).
-        dtensors = any(_is_dtensor(p) for g in plan for p in g[2])
-        sharded = self.pipeline_group is not None or dtensors
-        # Per-tensor Python work only where there are DTensors: with plain tensors the lists go
-        # to the native reader as they are (it checks every tensor's place and refuses a list
-        # spread over devices or on another kind of device: then torch's step runs).
-        local = [tuple([_local(t) for t in ts] for ts in g[2:7]) for g in plan] if dtensors else [tuple(g[2:7]) for g in plan]
-        devices = {ts[0][0].device for ts in local}
-        if len(devices) != 1 or next(iter(devices)).type not in ("cuda", "cpu"):
-            return False
-        device = local[0][0][0].device
+        layout = self._layout
+        if layout is None:
+            if capturing:
+                raise RuntimeError(
+                    "gradclip's optimizer step reads its parameters once before its first step: take one step "
+                    "eagerly before capturing step() in a CUDA graph"
+                )
+            layout = self._layout = self._make_layout()
+            if layout is None:
+                return False
+        device = layout.device
         # Device inputs, read by the kernel when it runs (kept alive here until it is enqueued;
         # torch's allocator orders any reuse after this stream's work).
         scale_t = None if outer_scale is None else outer_scale.to(device=device, dtype=torch.float32)
         found_t = None if outer_found is None else outer_found.to(device=device, dtype=torch.float32)
-        lrs = [g[1]["lr"].to(device=device, dtype=torch.float64) if isinstance(g[1]["lr"], torch.Tensor) else None for g in plan]
-        groups = []
-        for (i, group, *_, steps), (params, grads, exp_avgs, exp_avg_sqs, max_sqs), lr_t in zip(plan, local, lrs):
+        hypers, keep = [], []
+        for i, group in enumerate(self.param_groups):
             count = self._counts.get(i)
-            if count is None and capturing:
-                raise RuntimeError(
-                    "gradclip's optimizer step reads its step counts once before its first step: take one step "
-                    "eagerly before capturing step() in a CUDA graph"
-                )
             if count is None:
-                # One host read per group, at the first step and after load_state_dict.
-                count = torch.tensor([int(steps[0]), 0], dtype=torch.int64, device=device)
-                self._counts[i] = count
+                count = self._counts[i] = torch.zeros(2, dtype=torch.int64, device=device)
+            lr = group["lr"]
+            lr_t = lr.to(device=device, dtype=torch.float64) if isinstance(lr, torch.Tensor) else None
+            keep.append(lr_t)
             beta1, beta2 = group["betas"]
-            decoupled = isinstance(self, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-            tensors = self._native_group(i, params, grads, exp_avgs, exp_avg_sqs, max_sqs if group["amsgrad"] else None)
-            if tensors is None:
-                return False  # a tensor the engine does not take: torch's step
-            groups.append(
-                (
-                    tensors,
-                    (0.0 if lr_t is not None else float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])),
-                    (bool(group["amsgrad"]), bool(group["maximize"]), bool(decoupled)),
-                    count.data_ptr(),
-                    0 if lr_t is None else lr_t.data_ptr(),
-                )
-            )
+            decoupled = self._DECOUPLED or group.get("decoupled_weight_decay", False)
+            hypers.append((
+                0.0 if lr_t is not None else float(lr), float(beta1), float(beta2), float(group["eps"]),
+                float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]), bool(decoupled),
+                count.data_ptr(), 0 if lr_t is None else lr_t.data_ptr(),
+            ))
         # With GradScaler an overflow is expected: it skips the step, never raises.
         policy = "skip" if self.nonfinite == "error" and (scale_t is not None or found_t is not None) else self.nonfinite
         clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, policy)
         out = torch.empty(3, dtype=torch.float64, device=device)
-        norm_in, dtype = None, None
-        if clip is not None and sharded:
-            norm_in, dtype = _grads_norm64([p for g in plan for p in g[2]], self.norm_type, self.pipeline_group)
+        norm_in, dtype = None, layout.result_dtype
+        if clip is not None and layout.sharded:
+            found = _grads_norm64([p for g in self.param_groups for p in g["params"]], self.norm_type, self.pipeline_group)
+            if found is None:
+                return self._no_gradients()
+            norm_in, dtype = found
             norm_in = norm_in.to(device=device, dtype=torch.float64).contiguous()
         inputs = (0 if scale_t is None else scale_t.data_ptr(), 0 if found_t is None else found_t.data_ptr())
-        try:
-            ptr = 0 if norm_in is None else norm_in.data_ptr()
-            if device.type == "cuda":
-                index = device.index if device.index is not None else torch.cuda.current_device()
-                with torch.cuda.device(index):
-                    _native.adam_step(torch.cuda.current_stream(index).cuda_stream, groups, clip, out.data_ptr(), ptr, *inputs)
-            else:
-                norm = _native.adam_step(0, groups, clip, 0, ptr, *inputs)
-                out[0] = math.nan if norm is None else norm
-        except ValueError:
-            return False  # a tensor the kernel does not take: torch's step
-        except RuntimeError as e:
-            if self.nonfinite == "error" and "non-finite" in str(e):
-                raise RuntimeError(
-                    f"the gradients' norm of order {self.norm_type} is not finite: the step was not taken and nothing "
-                    "was written (nonfinite='error')"
-                ) from None
-            raise
-        # torch's per-parameter step counts advance with the kernel's (not on a skipped step).
-        inc = None
-        if clip is not None and policy == "skip":
-            inc = torch.isfinite(out[0]).to(torch.float32)
-        if found_t is not None:
-            ok = (found_t == 0).to(torch.float32)
-            inc = ok if inc is None else inc * ok
-        for *_, steps in plan:
-            steps = [_local(s) for s in steps] if dtensors else steps
-            if inc is None:
-                torch._foreach_add_(steps, 1.0)
-            else:
-                # alpha picks the Tensor overload: without it a 0-dim tensor binds to the Scalar
-                # one, which reads it on the host (a sync; under capture, an error).
-                torch._foreach_add_(steps, inc, alpha=1.0)
+        ptr = 0 if norm_in is None else norm_in.data_ptr()
+        stream = _raw_stream(device.index) if device.type == "cuda" else 0
+        for _ in range(2):
+            try:
+                if device.type == "cuda" and device.index != _current_device():
+                    with torch.cuda.device(device.index):
+                        verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, stream, clip, out.data_ptr(), ptr, *inputs)
+                else:
+                    verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, stream, clip, out.data_ptr(), ptr, *inputs)
+            except RuntimeError as e:
+                if self.nonfinite == "error" and "non-finite" in str(e):
+                    self.last_grad_norm = out[0].to(dtype)
+                    raise RuntimeError(
+                        f"the gradients' norm of order {self.norm_type} is not finite: the step was not taken and nothing "
+                        "was written (nonfinite='error')"
+                    ) from None
+                raise
+            if verdict == _native.STEP_DONE:
+                break
+            if verdict == _native.STEP_TORCH:
+                return False
+            # The parameters, their states or their first gradients changed: read them again.
+            layout = self._layout = self._make_layout()
+            if layout is None:
+                return False
+        else:
+            return False
         if clip is not None:
             norm = out[0] if scale_t is None else out[0] / scale_t.to(torch.float64)
-            self.last_grad_norm = norm.to(dtype or _result_dtype([g for ts in local for g in ts[1]]))
+            self.last_grad_norm = norm.to(dtype)
             if self.nonfinite == "skip":
-                self.skipped_steps = self._counts[plan[0][0]][1]
+                self.skipped_steps = self._counts[0][1]
+        return True
+
+    def _no_gradients(self) -> bool:
+        """A step in which no parameter has a gradient: nothing to update (as torch's step), and
+        the norm of no gradients is 0 (as ``clip_grad_norm_`` returns it)."""
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = torch.zeros(())
         return True
 
     @torch.no_grad()
@@ -262,8 +284,10 @@ class _ClippingStep:
             self._torch_step()
             return loss
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        _refuse_sparse(params)
         found = _grads_norm64(params, self.norm_type, self.pipeline_group) if params else None
         if found is None:
+            self.last_grad_norm = torch.zeros(())  # the norm of no gradients, as clip_grad_norm_ gives it
             self._torch_step()
             return loss
         norm64, dtype = found
@@ -288,8 +312,8 @@ class _ClippingStep:
             bad = (~torch.isfinite(norm64)).to(torch.float32)
             skip = bad if outer_found is None else torch.maximum(outer_found.to(bad.device, torch.float32), bad)
             if self.skipped_steps is None:
-                self.skipped_steps = torch.zeros((), dtype=torch.float32, device=bad.device)
-            self.skipped_steps.add_(bad)
+                self.skipped_steps = torch.zeros((), dtype=torch.int64, device=bad.device)
+            self.skipped_steps.add_(bad.to(torch.int64))
         had = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
         self.grad_scale = scale.to(torch.float32)
         self.found_inf = skip
@@ -330,6 +354,7 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     """
 
     _TORCH = torch.optim.AdamW
+    _DECOUPLED = True
 
     def __init__(
         self,
