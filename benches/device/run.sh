@@ -89,8 +89,8 @@ optim)
     tail -14 "$OUT/optim-compare.txt"
     python3 python/examples/train_gpt.py --device cuda --optimizer gradclip > "$OUT/train-gpt-optim.txt" 2>&1
     tail -2 "$OUT/train-gpt-optim.txt"
-    python3 python/examples/train_gpt.py --device cuda --optimizer gradclip --update gradclip > "$OUT/train-gpt-optim-gradclip-update.txt" 2>&1
-    tail -2 "$OUT/train-gpt-optim-gradclip-update.txt"
+    python3 python/examples/train_gpt.py --device cuda --optimizer gradclip --update torch > "$OUT/train-gpt-optim-torch-update.txt" 2>&1
+    tail -2 "$OUT/train-gpt-optim-torch-update.txt"
     ;;
 optim-presets)
     # optim_compare.py on every other preset of gradclip-bench (each in its own dtype; a prefix

@@ -131,8 +131,8 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
         if key not in made:
             made[key] = {
                 "torch": lambda: torch.optim.AdamW(params, lr=1e-6, fused=True),
-                "plain": lambda: optim.AdamW(params, lr=1e-6),
-                "clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm),
+                "plain": lambda: optim.AdamW(params, lr=1e-6, update="torch"),
+                "clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="torch"),
                 "kernel_plain": lambda: optim.AdamW(params, lr=1e-6, update="gradclip"),
                 "kernel_clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="gradclip"),
             }[key]()

@@ -102,8 +102,8 @@ def main():
     ap.add_argument(
         "--update",
         choices=["torch", "gradclip"],
-        default="torch",
-        help="with --optimizer gradclip: the update kernel (torch's fused kernel, or gradclip's engine)",
+        default="gradclip",
+        help="with --optimizer gradclip: the update kernel (gradclip's engine, the default, or torch's fused kernel)",
     )
     args = ap.parse_args()
     if args.steps < MIN_STEPS:

@@ -31,14 +31,11 @@ pub const STEP_DONE: u8 = 0;
 pub const STEP_RELAYOUT: u8 = 1;
 pub const STEP_TORCH: u8 = 2;
 
-/// The state keys a parameter's update reads, in the order of [`State::objs`].
+/// The state keys a parameter's update reads.
 const KEYS: [&str; 4] = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"];
 
-/// One parameter's optimizer state as read: torch's state dict of the parameter and its tensors
-/// (to know them again by identity), and their addresses.
+/// One parameter's optimizer state as read: its tensors' addresses.
 struct State {
-    dict: Py<PyAny>,
-    objs: Vec<Option<Py<PyAny>>>,
     parts: Parts,
 }
 
@@ -63,6 +60,10 @@ struct Grads {
 struct Kept {
     place: Place,
     groups: Vec<Group>,
+    /// The optimizer's state dict as read, in its order: each parameter, its state dict and that
+    /// dict's values. Compared by identity every step, walking the dicts (no hashing: torch's
+    /// `Tensor.__hash__` is Python code), so a state replaced, added or removed is seen.
+    states: Vec<(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)>,
     /// Every parameter and state tensor, and their guard (layout and addresses).
     tensors: Py<PyList>,
     guard: ListGuard,
@@ -139,7 +140,6 @@ pub fn step_layout(
                 }
             };
             let d = st.cast::<PyDict>()?;
-            let mut objs = Vec::with_capacity(KEYS.len());
             let mut raw = Vec::with_capacity(KEYS.len());
             for (k, key) in KEYS.iter().enumerate() {
                 let want = k != 2 || amsgrad;
@@ -151,14 +151,10 @@ pub fn step_layout(
                             return Ok(None);
                         };
                         all.append(&lt)?;
-                        objs.push(Some(t.unbind()));
                         raw.push(Some(r));
                     }
                     None if want => return Ok(None),
-                    None => {
-                        objs.push(None);
-                        raw.push(None);
-                    }
+                    None => raw.push(None),
                 }
             }
             let step = raw[3].filter(|s| s.len == 1 && s.dtype == gradclip::DType::F32);
@@ -167,8 +163,6 @@ pub fn step_layout(
             };
             group.params.push(p.unbind());
             group.states.push(Some(State {
-                dict: st.unbind(),
-                objs,
                 parts: Parts {
                     param,
                     grad: param, // each step's own
@@ -188,6 +182,7 @@ pub fn step_layout(
     let Some(guard) = fns.guard(&all, &ptrs) else {
         return Ok(None);
     };
+    let states = read_states(state)?;
     Ok(Some(StepLayout {
         planner: planner.clone().unbind(),
         state: state.clone().unbind(),
@@ -195,11 +190,37 @@ pub fn step_layout(
         kept: Mutex::new(Kept {
             place,
             groups: kept_groups,
+            states,
             tensors: all.unbind(),
             guard,
             grads: None,
         }),
     }))
+}
+
+/// Every entry of the optimizer's state dict: (parameter, its state dict, that dict's values).
+fn read_states(state: &Bound<'_, PyDict>) -> PyResult<Vec<(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)>> {
+    state
+        .iter()
+        .map(|(k, d)| {
+            let values = match d.cast::<PyDict>() {
+                Ok(d) => d.values().iter().map(|v| v.unbind()).collect(),
+                Err(_) => Vec::new(),
+            };
+            Ok((k.unbind(), d.unbind(), values))
+        })
+        .collect()
+}
+
+/// True when the state dict holds exactly the entries read (same objects, same order).
+fn same_states(state: &Bound<'_, PyDict>, kept: &[(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)]) -> bool {
+    state.len() == kept.len()
+        && state.iter().zip(kept).all(|((k, d), (kk, kd, kv))| {
+            k.is(kk)
+                && d.is(kd)
+                && d.cast::<PyDict>()
+                    .is_ok_and(|d| d.len() == kv.len() && d.values().iter().zip(kv).all(|(v, kv)| v.is(kv)))
+        })
 }
 
 /// Why a step cannot use the kept layout or the engine.
@@ -220,7 +241,9 @@ impl Kept {
         groups: &Bound<'_, PyList>,
         local: bool,
     ) -> PyResult<Result<StepList, Miss>> {
-        if groups.len() != self.groups.len() {
+        // The state as read: the same dicts and tensors (load_state_dict, an assignment into the
+        // state, or a first state made elsewhere, makes new ones).
+        if groups.len() != self.groups.len() || !same_states(state, &self.states) {
             return Ok(Err(Miss::Relayout));
         }
         let (mut mask, present) = (Vec::new(), PyList::empty(py));
@@ -233,23 +256,6 @@ impl Kept {
             for (p, (kp, st)) in params.iter().zip(kept.params.iter().zip(&kept.states)) {
                 if !p.is(kp) {
                     return Ok(Err(Miss::Relayout));
-                }
-                // The state as read: the same dict and tensors (load_state_dict, or an assignment
-                // into the state, makes new ones).
-                match (st, state.get_item(&p)?) {
-                    (Some(st), Some(d)) if d.is(&st.dict) => {
-                        let d = d.cast::<PyDict>()?;
-                        for (key, obj) in KEYS.iter().zip(&st.objs) {
-                            if let Some(obj) = obj
-                                && !d.get_item(key)?.is_some_and(|t| t.is(obj))
-                            {
-                                return Ok(Err(Miss::Relayout));
-                            }
-                        }
-                    }
-                    (None, None) => {}
-                    (None, Some(d)) if !d.cast::<PyDict>().is_ok_and(|d| d.contains(KEYS[0]).unwrap_or(false)) => {}
-                    _ => return Ok(Err(Miss::Relayout)),
                 }
                 let grad = p.getattr(intern!(py, "grad"))?;
                 if grad.is_none() {

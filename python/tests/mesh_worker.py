@@ -305,7 +305,7 @@ def fsdp_optimizer(rank, world, p):
         return ps
 
     ours, ref = params(), params()
-    opt = AdamW(ours, lr=0.1, max_grad_norm=MAX_NORM, norm_type=p)
+    opt = AdamW(ours, lr=0.1, max_grad_norm=MAX_NORM, norm_type=p, update="torch")
     with CountingAllReduce() as c:
         opt.step()
     assert sum(c.calls.values()) == (1 if world > 1 else 0), dict(c.calls)

@@ -55,8 +55,9 @@ OPTIONS = [
 @pytest.mark.parametrize("opts", OPTIONS)
 @pytest.mark.parametrize("max_grad_norm", [None, 1e9])
 def test_without_active_clipping_equals_torch_fused_bit_for_bit(device, dtype, opts, max_grad_norm):
+    """update="torch" is torch's fused kernel: without an active clip, its bits."""
     ours_m, ref_m = model(device, dtype), model(device, dtype)
-    ours = AdamW(ours_m.parameters(), lr=1e-2, max_grad_norm=max_grad_norm, **opts)
+    ours = AdamW(ours_m.parameters(), lr=1e-2, max_grad_norm=max_grad_norm, update="torch", **opts)
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True, **opts)
     for step in range(4):
         backward(ours_m, step)
@@ -86,7 +87,7 @@ def scaled_reference(ref, ref_m, max_norm):
 def test_clipping_is_torch_fused_step_with_the_coefficient_as_grad_scale(device, dtype, cls):
     torch_cls = torch.optim.AdamW if cls is AdamW else torch.optim.Adam
     ours_m, ref_m = model(device, dtype), model(device, dtype)
-    ours = cls(ours_m.parameters(), lr=1e-2, weight_decay=0.05, max_grad_norm=0.5)
+    ours = cls(ours_m.parameters(), lr=1e-2, weight_decay=0.05, max_grad_norm=0.5, update="torch")
     ref = torch_cls(ref_m.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
     for step in range(4):
         backward(ours_m, step)
@@ -130,7 +131,7 @@ def test_global_norm_over_param_groups_and_schedulers(device):
         ps = list(m.parameters())
         return [{"params": ps[:2], "lr": 1e-2}, {"params": ps[2:], "lr": 3e-3, "weight_decay": 0.0}]
 
-    ours = AdamW(groups(ours_m), max_grad_norm=0.2)
+    ours = AdamW(groups(ours_m), max_grad_norm=0.2, update="torch")
     ref = torch.optim.AdamW(groups(ref_m), fused=True)
     sched = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ours, ref)]
     for step in range(5):
@@ -147,7 +148,7 @@ def test_global_norm_over_param_groups_and_schedulers(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_state_dict_moves_between_torch_and_gradclip(device):
     a_m, b_m, c_m = (model(device, torch.float32) for _ in range(3))
-    a = AdamW(a_m.parameters(), lr=1e-2, amsgrad=True)
+    a = AdamW(a_m.parameters(), lr=1e-2, amsgrad=True, update="torch")
     c = torch.optim.AdamW(c_m.parameters(), lr=1e-2, amsgrad=True, fused=True)
     for step in range(3):
         backward(a_m, step)
@@ -159,7 +160,7 @@ def test_state_dict_moves_between_torch_and_gradclip(device):
     to_torch = torch.optim.AdamW(b_m.parameters(), lr=0.5, fused=True)
     to_torch.load_state_dict(copy.deepcopy(a.state_dict()))  # load_state_dict keeps the tensors it is given
     back_m = model(device, torch.float32)
-    back = AdamW(back_m.parameters(), lr=0.5)
+    back = AdamW(back_m.parameters(), lr=0.5, update="torch")
     back_m.load_state_dict(c_m.state_dict())
     back.load_state_dict(copy.deepcopy(c.state_dict()))
     assert a.state_dict()["param_groups"] == c.state_dict()["param_groups"]
@@ -329,7 +330,7 @@ def test_gradclip_update(device, dtype, max_grad_norm):
     the norm gradclip's, a non-finite norm skipped, and the state dict still torch's."""
     ours_m, ref_m = model(device, dtype), model(device, dtype)
     ours = AdamW(ours_m.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm, update="gradclip")
-    ref = AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm)
+    ref = AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm, update="torch")
     for step in range(4):
         backward(ours_m, step)
         backward(ref_m, step)
@@ -358,7 +359,7 @@ def test_gradclip_update(device, dtype, max_grad_norm):
     backward(ours_m, 10)
     torch_opt.step()
     ref_m.load_state_dict(ours_m.state_dict())
-    ref = AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm)
+    ref = AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.05, max_grad_norm=max_grad_norm, update="torch")
     ref.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     ours.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     backward(ours_m, 11)

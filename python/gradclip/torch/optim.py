@@ -69,7 +69,7 @@ class _ClippingStep:
     """The clip half of the step, shared by ``AdamW`` and ``Adam`` (mixed in before the torch
     class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``)."""
 
-    def _init_clip(self, max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update="torch"):
+    def _init_clip(self, max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update="gradclip"):
         if fused is False or foreach or differentiable:
             raise ValueError(
                 "gradclip's optimizers run torch's fused kernel (fused=True): foreach=True, fused=False and "
@@ -112,7 +112,7 @@ class _ClippingStep:
         clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update") if k in state}
         super().__setstate__(state)
         self.__dict__.update(clip)
-        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "torch"), ("pipeline_group", None),
+        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("pipeline_group", None),
                      ("last_grad_norm", None), ("skipped_steps", None)):
             self.__dict__.setdefault(k, v)
         self._counts = {}
@@ -194,6 +194,9 @@ class _ClippingStep:
                     "gradclip's optimizer step reads its parameters once before its first step: take one step "
                     "eagerly before capturing step() in a CUDA graph"
                 )
+            if self.max_grad_norm is not None and self.nonfinite == "error" and outer_scale is None and outer_found is None:
+                # Making the layout makes the states: refuse a non-finite first step before it.
+                self._refuse_nonfinite_first()
             layout = self._layout = self._make_layout()
             if layout is None:
                 return False
@@ -262,6 +265,18 @@ class _ClippingStep:
             if self.nonfinite == "skip":
                 self.skipped_steps = self._counts[0][1]
         return True
+
+    def _refuse_nonfinite_first(self) -> None:
+        """nonfinite="error" before the first step makes any state: the norm read on the host,
+        and the step refused, with nothing written, when it is NaN or infinite."""
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        found = _grads_norm64(params, self.norm_type, self.pipeline_group) if params else None
+        if found is not None and not bool(torch.isfinite(found[0])):
+            self.last_grad_norm = found[0].to(found[1])
+            raise RuntimeError(
+                f"the gradients' norm of order {self.norm_type} is {float(found[0])}: the step was not taken and "
+                "nothing was written (nonfinite='error')"
+            )
 
     def _no_gradients(self) -> bool:
         """A step in which no parameter has a gradient: nothing to update (as torch's step), and
@@ -374,7 +389,7 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
         norm_type=2.0,
         nonfinite="skip",
         pipeline_group=None,
-        update="torch",
+        update="gradclip",
     ):
         self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update)
         super().__init__(
@@ -416,7 +431,7 @@ class Adam(_ClippingStep, torch.optim.Adam):
         norm_type=2.0,
         nonfinite="skip",
         pipeline_group=None,
-        update="torch",
+        update="gradclip",
     ):
         self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update)
         super().__init__(

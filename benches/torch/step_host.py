@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Host time of the clip and of the optimizer step on lists of many tensors, as a training loop
+hands them over: the same gradient tensors every step, or new ones every step
+(``zero_grad(set_to_none=True)``, torch's default: new tensors, at new addresses here since the
+old ones are kept alive), with and without ~10% of the expert gradients None (experts that got
+no tokens).
+
+Lists:
+  moe     555 bf16 parameters in the shapes of an 8-layer mixture of experts (32 experts of two
+          256 x 1024 matrices, attention 4 x 1024 x 1024, a router, a norm per layer; an
+          embedding, a final norm and a head)
+  clip    1,000 f32 gradients of 1,024 elements (the clip alone)
+
+Rows per case: host time of one call (time.perf_counter around the call, the GPU drained
+before it, median over --calls calls) and its GPU time (CUDA events around the call, median).
+Optimizers: torch's fused AdamW alone, torch's clip_grad_norm_ + fused AdamW,
+gradclip.torch.optim.AdamW(max_grad_norm=1.0) with update="gradclip" and update="torch".
+
+  python3 benches/torch/step_host.py out.json [--calls 50] [--commit C]
+  python3 benches/torch/step_host.py out.json --cpu     # smoke test on the CPU (host times only)
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import gradclip.torch as gt
+from gradclip.torch import optim
+
+
+def moe_shapes():
+    d, e, h = 1024, 32, 256
+    shapes = [(32000, d)]
+    for _ in range(8):
+        shapes += [(d, d)] * 4 + [(e, d), (d,)]
+        shapes += [(h, d), (d, h)] * e
+    return shapes + [(d,), (32000, d)]
+
+
+def one_call(fn, setup, calls, cuda):
+    """(host us, GPU us) of fn(): medians over `calls` calls, `setup()` before each, untimed."""
+    host, dev = [], []
+    for _ in range(calls):
+        setup()
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e6)
+        if cuda:
+            b.record()
+            b.synchronize()
+            dev.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(host), (statistics.median(dev) if dev else None)
+
+
+class Grads:
+    """Gradients for a list of parameters: the same tensors every step, or new ones (copies of a
+    pool, the old ones kept alive so the new ones land at new addresses), some None."""
+
+    def __init__(self, params, none_frac, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.params = params
+        self.pool = [torch.randn(p.shape, generator=g).to(p.device, p.dtype) * 1e-3 for p in params]
+        self.none_frac = none_frac
+        self.rng = torch.Generator().manual_seed(seed + 1)
+        self.alive = []
+        for p, x in zip(params, self.pool):
+            p.grad = x.clone()
+
+    def fresh(self):
+        self.alive = [p.grad for p in self.params]  # keep last step's: new addresses
+        drop = torch.rand(len(self.params), generator=self.rng) < self.none_frac
+        for i, (p, x) in enumerate(zip(self.params, self.pool)):
+            # Only experts (2-D of 256 rows or columns) get no tokens.
+            p.grad = None if bool(drop[i]) and 256 in p.shape else x.clone()
+
+    def same(self):
+        pass
+
+
+def optimizers(params):
+    return {
+        "torch_fused_noclip": (torch.optim.AdamW(params, lr=1e-4, fused=True), None),
+        "torch_clip_fused": (torch.optim.AdamW(params, lr=1e-4, fused=True), 1.0),
+        "gradclip_update_gradclip": (optim.AdamW(params, lr=1e-4, max_grad_norm=1.0, update="gradclip"), None),
+        "gradclip_update_torch": (optim.AdamW(params, lr=1e-4, max_grad_norm=1.0, update="torch"), None),
+    }
+
+
+def moe_rows(device, calls):
+    cuda = device == "cuda"
+    rows = []
+    params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02) for s in moe_shapes()]
+    for case, none_frac, fresh in [("same", 0.0, False), ("fresh", 0.0, True), ("fresh_some_none", 0.1, True)]:
+        grads = Grads(params, none_frac)
+        for name, (opt, torch_clip) in optimizers(params).items():
+            def step(opt=opt, torch_clip=torch_clip):
+                if torch_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, torch_clip, foreach=True)
+                opt.step()
+
+            grads.fresh() if fresh else None
+            step()  # first step: states made, layouts read
+            host, dev = one_call(step, grads.fresh if fresh else grads.same, calls, cuda)
+            row = dict(list="moe-555-bf16", case=case, optimizer=name, host_us=host, gpu_us=dev,
+                       host_us_per_param=host / len(params))
+            rows.append(row)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            del opt
+        for p in params:
+            p.grad = None
+    return rows
+
+
+def clip_rows(device, calls):
+    cuda = device == "cuda"
+    rows = []
+    params = [torch.nn.Parameter(torch.randn(1024, device=device)) for _ in range(1000)]
+    for case, fresh in [("same", False), ("fresh", True)]:
+        grads = Grads(params, 0.0)
+        for name, fn in [("gradclip", lambda: gt.clip_grad_norm_(params, 1.0)),
+                         ("torch_foreach", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))]:
+            fn()
+            host, dev = one_call(fn, grads.fresh if fresh else grads.same, calls, cuda)
+            row = dict(list="clip-1000x1024-f32", case=case, optimizer=name, host_us=host, gpu_us=dev)
+            rows.append(row)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    device = "cpu" if args.cpu else "cuda"
+    rows = clip_rows(device, args.calls) + moe_rows(device, args.calls)
+    record = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": args.commit,
+        "command": "python3 benches/torch/step_host.py " + " ".join(__import__("sys").argv[1:]),
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

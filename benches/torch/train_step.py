@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""A decoder trained for real on one GPU, step by step as users run it (bf16 parameters,
+``zero_grad()`` with torch's default set_to_none=True, so new gradient tensors every step), with
+each clip + optimizer:
+
+  torch_fused_noclip        torch.optim.AdamW(fused=True), no clipping
+  torch_clip_fused          torch.nn.utils.clip_grad_norm_(foreach=True) + AdamW(fused=True)
+  gradclip_default          gradclip.torch.optim.AdamW(max_grad_norm=1.0) with its default update
+  gradclip_update_gradclip  ... update="gradclip" (gradclip's kernels, the clip inside the update)
+  gradclip_update_torch     ... update="torch" (torch's fused kernel, the coefficient as grad_scale)
+
+Models:
+  dense   a 0.95 B decoder (16 layers, d=2048, 16 heads, SwiGLU 5632; 115 gradient tensors),
+          batch 8 x 1024
+  moe     8 layers, d=1024, 32 experts per layer (top-2, SwiGLU 512) with a per-expert loop whose
+          routing reads the token counts on the host (as common implementations do); experts
+          that get no tokens leave their gradient None (811 gradient tensors; a random tenth of the experts closed each step), batch 8 x 256
+
+Per step: CUDA events around the whole step and around clip + optimizer, and the host time of
+clip + optimizer (time.perf_counter, from the first clip call to the return of step(), no
+synchronization inside): medians over --steps steps after --warmup. Every optimizer trains the
+same model from the same seed on the same batches; the loss after the last step is reported.
+
+  python3 benches/torch/train_step.py out.json [--models dense,moe] [--steps 20] [--commit C]
+  python3 benches/torch/train_step.py out.json --cpu --tiny    # smoke test on the CPU
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gradclip.torch import optim
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.out = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(torch.nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, hidden, bias=False)
+        self.up = torch.nn.Linear(d, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Experts(torch.nn.Module):
+    """Top-k routing with a per-expert loop: each expert runs on the tokens routed to it, found
+    with a host read of the routing (as common MoE implementations do); an expert with no tokens
+    does not run, so its gradient stays None for the step. A random tenth of the experts are
+    closed each step (their logits -inf): a freshly initialized router spreads a batch over every
+    expert, while trained ones leave some without tokens; this gives the None gradients at the
+    rate the issue names, a different set every step."""
+
+    def __init__(self, d, hidden, experts, top_k):
+        super().__init__()
+        self.router = torch.nn.Linear(d, experts, bias=False)
+        self.experts = torch.nn.ModuleList([SwiGLU(d, hidden) for _ in range(experts)])
+        self.top_k = top_k
+        self.closing = torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.router(x).float()
+        closed = torch.rand(len(self.experts), generator=self.closing) < 0.1
+        logits = logits.masked_fill(closed.to(logits.device), -math.inf)
+        weights, chosen = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()  # the host read
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None].to(x.dtype))
+        return out.view(shape)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, heads, mlp):
+        super().__init__()
+        self.n1, self.n2 = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+        self.attn, self.mlp = Attention(d, heads), mlp
+
+    def forward(self, x):
+        x = x + self.attn(self.n1(x))
+        return x + self.mlp(self.n2(x))
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self, vocab, d, layers, heads, mlp):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([Block(d, heads, mlp()) for _ in range(layers)])
+        self.norm = torch.nn.RMSNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+MODELS = {
+    # name: (vocab, d, layers, heads, mlp factory, batch, seq)
+    "dense": lambda tiny: (
+        (512, 64, 2, 4, lambda: SwiGLU(64, 176), 2, 32) if tiny else (32000, 2048, 16, 16, lambda: SwiGLU(2048, 5632), 8, 1024)
+    ),
+    "moe": lambda tiny: (
+        (512, 64, 2, 4, lambda: Experts(64, 32, 8, 2), 2, 16) if tiny else (32000, 1024, 8, 16, lambda: Experts(1024, 512, 32, 2), 8, 256)
+    ),
+}
+
+
+def make_optimizer(name, params):
+    if name == "torch_fused_noclip":
+        return torch.optim.AdamW(params, lr=1e-4, fused=True), None
+    if name == "torch_clip_fused":
+        return torch.optim.AdamW(params, lr=1e-4, fused=True), 1.0
+    if name == "gradclip_default":
+        return optim.AdamW(params, lr=1e-4, max_grad_norm=1.0), None
+    return optim.AdamW(params, lr=1e-4, max_grad_norm=1.0, update=name.removeprefix("gradclip_update_")), None
+
+
+OPTIMIZERS = ["torch_fused_noclip", "torch_clip_fused", "gradclip_default", "gradclip_update_gradclip", "gradclip_update_torch"]
+
+
+def run(model_name, opt_name, args, device):
+    vocab, d, layers, heads, mlp, batch, seq = MODELS[model_name](args.tiny)
+    torch.manual_seed(0)
+    model = Decoder(vocab, d, layers, heads, mlp).to(device=device, dtype=torch.bfloat16)
+    params = list(model.parameters())
+    opt, torch_clip = make_optimizer(opt_name, params)
+    data = torch.Generator().manual_seed(1)
+    cuda = device == "cuda"
+    steps, clip_ms, host_us, grads_seen, loss = [], [], [], [], None
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=data).to(device)
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        if cuda:
+            ev[1].record()
+        t = time.perf_counter()
+        if torch_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, torch_clip, foreach=True)
+        opt.step()
+        host = (time.perf_counter() - t) * 1e6
+        grads_seen.append(sum(p.grad is not None for p in params))
+        opt.zero_grad()  # set_to_none=True, torch's default
+        if cuda:
+            ev[2].record()
+            ev[2].synchronize()
+        if step >= args.warmup:
+            host_us.append(host)
+            if cuda:
+                steps.append(ev[0].elapsed_time(ev[2]))
+                clip_ms.append(ev[1].elapsed_time(ev[2]))
+    row = dict(
+        model=model_name,
+        optimizer=opt_name,
+        parameters=sum(p.numel() for p in params),
+        tensors=len(params),
+        grads_min=min(grads_seen),
+        grads_max=max(grads_seen),
+        step_ms=statistics.median(steps) if steps else None,
+        clip_opt_ms=statistics.median(clip_ms) if clip_ms else None,
+        clip_opt_host_us=statistics.median(host_us),
+        final_loss=float(loss.detach()),
+    )
+    del model, opt, params
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="small models (smoke test)")
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    device = "cpu" if args.cpu else "cuda"
+    rows = []
+    for m in args.models.split(","):
+        for o in args.optimizers.split(","):
+            row = run(m, o, args, device)
+            rows.append(row)
+            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            if not math.isfinite(row["final_loss"]):
+                sys.exit(f"{m} / {o}: the loss is not finite")
+    record = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": args.commit,
+        "command": "python3 benches/torch/train_step.py " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
