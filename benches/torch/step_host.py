@@ -109,6 +109,10 @@ def moe_rows(device, calls):
             host, dev = one_call(step, grads.fresh if fresh else grads.same, calls, cuda)
             row = dict(list="moe-555-bf16", case=case, optimizer=name, host_us=host, gpu_us=dev,
                        host_us_per_param=host / len(params))
+            layout = getattr(opt, "_layout", None)
+            if layout is not None:
+                # The native step's stages, last step (see gradclip._native.StepLayout.last_step_ns).
+                row.update({f"native_{k}_us": v / 1e3 for k, v in layout.native.last_step_ns})
             rows.append(row)
             print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
             del opt
@@ -124,6 +128,7 @@ def clip_rows(device, calls):
     for case, fresh in [("same", False), ("fresh", True)]:
         grads = Grads(params, 0.0)
         for name, fn in [("gradclip", lambda: gt.clip_grad_norm_(params, 1.0)),
+                         ("gradclip_scan_only", lambda: gt._PLANNER.scan(params, True)),
                          ("torch_foreach", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))]:
             fn()
             host, dev = one_call(fn, grads.fresh if fresh else grads.same, calls, cuda)

@@ -67,6 +67,18 @@ impl ListGuard {
             .unwrap_or(false)
     }
 
+    /// [`ListGuard::same_layout`] for a guard of one tensor, on that tensor (no list made).
+    pub(crate) fn same_layout_one(&self, t: &Bound<'_, PyAny>) -> bool {
+        let py = t.py();
+        self.len == 1
+            && self
+                .guards
+                .bind(py)
+                .call_method1(intern!(py, "check"), (t,))
+                .and_then(|r| r.is_truthy())
+                .unwrap_or(false)
+    }
+
     /// Every tensor at the address it had (the list passed [`ListGuard::same_layout`]).
     pub(crate) fn same_addresses(&self, list: &Bound<'_, PyList>) -> bool {
         let py = list.py();

@@ -10,6 +10,7 @@
 //! gradients' addresses change, once ([`StepList`]).
 
 use std::sync::{Mutex, TryLockError};
+use std::time::Instant;
 
 use gradclip::NormType;
 use gradclip::cpu::Cpu;
@@ -64,10 +65,20 @@ struct Kept {
     /// dict's values. Compared by identity every step, walking the dicts (no hashing: torch's
     /// `Tensor.__hash__` is Python code), so a state replaced, added or removed is seen.
     states: Vec<(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)>,
-    /// Every parameter and state tensor, and their guard (layout and addresses).
+    /// Every parameter, state tensor and step count: their addresses are checked every step.
     tensors: Py<PyList>,
-    guard: ListGuard,
+    addresses: ListGuard,
+    /// The parameters: their layout (sizes, strides, dtype, device) is checked every step. The
+    /// states are the optimizer's: they are known by identity ([`Kept::states`]) and address.
+    params: Py<PyList>,
+    layout: ListGuard,
     grads: Option<Grads>,
+    /// Per parameter (every group's, in order): the guard of the last gradient read for it, and
+    /// that gradient's length and dtype. A step whose set of None gradients changed reads each
+    /// gradient's address only, when its guard says the layout is the one read.
+    slots: Vec<Option<(ListGuard, RawTensor)>>,
+    /// Nanoseconds of the stages of the last step (see `StepLayout::last_step_ns`).
+    timings: [u64; 4],
 }
 
 /// What an optimizer's parameter groups look like to the engine, kept between steps (see the
@@ -88,6 +99,19 @@ fn shard<'py>(t: &Bound<'py, PyAny>, local: bool) -> PyResult<Bound<'py, PyAny>>
         t.getattr(intern!(t.py(), "_local_tensor"))
     } else {
         Ok(t.clone())
+    }
+}
+
+#[pymethods]
+impl StepLayout {
+    /// Nanoseconds of the stages of the last step that reached them: `read` (the state dict
+    /// walked by identity, every parameter's `.grad` read), `params` (the parameters' layout and
+    /// every kept tensor's address checked), `grads` (this step's gradients checked, the step list
+    /// made when they changed), `engine` (the norm and updates enqueued, or run on the CPU).
+    #[getter]
+    fn last_step_ns(&self) -> Vec<(&'static str, u64)> {
+        let t = self.kept.lock().map(|k| k.timings).unwrap_or([0; 4]);
+        ["read", "params", "grads", "engine"].into_iter().zip(t).collect()
     }
 }
 
@@ -117,7 +141,7 @@ pub fn step_layout(
         return Ok(None);
     };
     let mut place = None;
-    let (mut kept_groups, all) = (Vec::new(), PyList::empty(py));
+    let (mut kept_groups, all, all_params) = (Vec::new(), PyList::empty(py), PyList::empty(py));
     for g in groups.iter() {
         let (params, amsgrad): (Bound<'_, PyList>, bool) = g.extract()?;
         let mut group = Group {
@@ -131,6 +155,7 @@ pub fn step_layout(
                 return Ok(None);
             };
             all.append(&lp)?;
+            all_params.append(&lp)?;
             let st = match state.get_item(&p)? {
                 Some(d) if d.cast::<PyDict>().is_ok_and(|d| d.contains(KEYS[0]).unwrap_or(false)) => d,
                 _ => {
@@ -178,11 +203,11 @@ pub fn step_layout(
     let Some(place) = place else {
         return Ok(None);
     };
-    let ptrs = data_ptrs(&all)?;
-    let Some(guard) = fns.guard(&all, &ptrs) else {
+    let (Some(addresses), Some(layout)) = (fns.guard(&all, &data_ptrs(&all)?), fns.guard(&all_params, &data_ptrs(&all_params)?)) else {
         return Ok(None);
     };
     let states = read_states(state)?;
+    let slots = (0..all_params.len()).map(|_| None).collect();
     Ok(Some(StepLayout {
         planner: planner.clone().unbind(),
         state: state.clone().unbind(),
@@ -192,8 +217,12 @@ pub fn step_layout(
             groups: kept_groups,
             states,
             tensors: all.unbind(),
-            guard,
+            addresses,
+            params: all_params.unbind(),
+            layout,
             grads: None,
+            slots,
+            timings: [0; 4],
         }),
     }))
 }
@@ -219,7 +248,7 @@ fn same_states(state: &Bound<'_, PyDict>, kept: &[(Py<PyAny>, Py<PyAny>, Vec<Py<
             k.is(kk)
                 && d.is(kd)
                 && d.cast::<PyDict>()
-                    .is_ok_and(|d| d.len() == kv.len() && d.values().iter().zip(kv).all(|(v, kv)| v.is(kv)))
+                    .is_ok_and(|d| d.len() == kv.len() && d.iter().zip(kv).all(|((_, v), kv)| v.is(kv)))
         })
 }
 
@@ -243,6 +272,7 @@ impl Kept {
     ) -> PyResult<Result<StepList, Miss>> {
         // The state as read: the same dicts and tensors (load_state_dict, an assignment into the
         // state, or a first state made elsewhere, makes new ones).
+        let t0 = Instant::now();
         if groups.len() != self.groups.len() || !same_states(state, &self.states) {
             return Ok(Err(Miss::Relayout));
         }
@@ -269,20 +299,37 @@ impl Kept {
                 present.append(shard(&grad, local)?)?;
             }
         }
-        let kept_tensors = self.tensors.bind(py);
-        if !(self.guard.same_layout(kept_tensors) && self.guard.same_addresses(kept_tensors)) {
+        let t1 = Instant::now();
+        self.timings[0] = (t1 - t0).as_nanos() as u64;
+        if !(self.layout.same_layout(self.params.bind(py)) && self.addresses.same_addresses(self.tensors.bind(py))) {
             return Ok(Err(Miss::Relayout));
         }
+        let t2 = Instant::now();
+        self.timings[1] = (t2 - t1).as_nanos() as u64;
+        let r = self.grads_list(py, planner, mask, &present);
+        self.timings[2] = t2.elapsed().as_nanos() as u64;
+        r
+    }
+
+    /// The step list for this step's gradients (`present`, the parameters in `mask`): see
+    /// [`Kept::step_list`].
+    fn grads_list(
+        &mut self,
+        py: Python<'_>,
+        planner: &Planner,
+        mask: Vec<bool>,
+        present: &Bound<'_, PyList>,
+    ) -> PyResult<Result<StepList, Miss>> {
         if let Some(k) = &mut self.grads
             && k.mask == mask
             && let Some(guard) = &mut k.guard
-            && guard.same_layout(&present)
+            && guard.same_layout(present)
         {
             let same = present.iter().zip(&k.objs).all(|(a, b)| a.is(b));
-            if same && guard.same_addresses(&present) {
+            if same && guard.same_addresses(present) {
                 return Ok(Ok(k.list.clone()));
             }
-            let ptrs = data_ptrs(&present)?;
+            let ptrs = data_ptrs(present)?;
             let tensors: Vec<RawTensor> = k.tensors.iter().zip(&ptrs).map(|(t, &addr)| RawTensor { addr, ..*t }).collect();
             return Ok(match Self::list_of(&self.groups, &mask, &tensors) {
                 Some(list) => {
@@ -298,13 +345,27 @@ impl Kept {
                 }
             });
         }
+        // Gradient by gradient: by address where the slot's guard knows its layout, a full read
+        // otherwise (the first gradient of a parameter, a changed layout).
         let mut place = Some(self.place);
         let mut tensors = Vec::with_capacity(present.len());
-        for g in present.iter() {
+        let slots = mask.iter().enumerate().filter(|(_, m)| **m).map(|(i, _)| i);
+        for (g, slot) in present.iter().zip(slots) {
+            if let Some((guard, t)) = &self.slots[slot]
+                && guard.same_layout_one(&g)
+            {
+                let addr: u64 = g.call_method0(intern!(py, "data_ptr"))?.extract()?;
+                tensors.push(RawTensor { addr, ..*t });
+                continue;
+            }
             // A gradient the engine does not read (sparse, strided, another device: torch's own
             // reads may raise for it) is torch's step's, which reports it in torch's words.
             match read_at(planner, &g, &mut place) {
-                Ok(Some(t)) => tensors.push(t),
+                Ok(Some(t)) => {
+                    let one = PyList::new(py, [&g])?;
+                    self.slots[slot] = planner.guard_fns().and_then(|f| f.guard(&one, &[t.addr])).map(|guard| (guard, t));
+                    tensors.push(t);
+                }
                 _ => {
                     self.grads = None;
                     return Ok(Err(Miss::Torch));
@@ -315,9 +376,16 @@ impl Kept {
             self.grads = None;
             return Ok(Err(Miss::Torch));
         };
-        let guard = planner
-            .guard_fns()
-            .and_then(|f| f.guard(&present, &tensors.iter().map(|t| t.addr).collect::<Vec<_>>()));
+        // The whole list's guard (two calls next step) only once the set of gradients repeats:
+        // with a set that changes every step it would be made for nothing.
+        let repeated = self.grads.as_ref().is_some_and(|k| k.mask == mask);
+        let guard = if repeated {
+            planner
+                .guard_fns()
+                .and_then(|f| f.guard(present, &tensors.iter().map(|t| t.addr).collect::<Vec<_>>()))
+        } else {
+            None
+        };
         self.grads = Some(Grads {
             mask,
             objs: present.iter().map(|t| t.unbind()).collect(),
@@ -464,7 +532,26 @@ pub fn optim_step(
         return Ok((STEP_RELAYOUT, None));
     }
     let place = kept.place;
-    drop(kept);
+    let started = Instant::now();
+    let r = run_step(py, place, &list, &hypers, stream, clip, norm_out, norm_in, loss_scale, found_inf);
+    kept.timings[3] = started.elapsed().as_nanos() as u64;
+    r
+}
+
+/// The norm (with a clip) and every group's update of a checked step list.
+#[allow(clippy::too_many_arguments)]
+fn run_step(
+    py: Python<'_>,
+    place: Place,
+    list: &StepList,
+    hypers: &[Hyper],
+    stream: usize,
+    clip: Option<ClipConfig>,
+    norm_out: u64,
+    norm_in: u64,
+    loss_scale: u64,
+    found_inf: u64,
+) -> PyResult<(u8, Option<f64>)> {
     match place {
         Place::Cuda(d) => {
             let device = usize::try_from(d).map_err(|_| PyValueError::new_err("a negative CUDA device"))?;
@@ -484,7 +571,7 @@ pub fn optim_step(
                         }
                         let factor = e.update_factor_raw(norm_out, clip.as_ref(), loss_scale)?;
                         for (i, h) in hypers.iter().enumerate() {
-                            e.adam_update_list_raw(&list, i, &h.cfg, h.count, factor, h.lr_in, found_inf)?;
+                            e.adam_update_list_raw(list, i, &h.cfg, h.count, factor, h.lr_in, found_inf)?;
                         }
                         Ok((STEP_DONE, None))
                     }
@@ -535,7 +622,7 @@ pub fn optim_step(
                         if verdict.skipped {
                             count.skipped += 1;
                         } else {
-                            cpu.adam_update_list_raw(&list, i, &cfg, &mut count, factor)?;
+                            cpu.adam_update_list_raw(list, i, &cfg, &mut count, factor)?;
                         }
                         words.write(count.steps);
                         words.add(1).write(count.skipped);

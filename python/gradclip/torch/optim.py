@@ -186,10 +186,9 @@ class _ClippingStep:
         graph after one eager step."""
         outer_scale = getattr(self, "grad_scale", None)
         outer_found = getattr(self, "found_inf", None)
-        capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
         layout = self._layout
         if layout is None:
-            if capturing:
+            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "gradclip's optimizer step reads its parameters once before its first step: take one step "
                     "eagerly before capturing step() in a CUDA graph"
@@ -210,6 +209,8 @@ class _ClippingStep:
             count = self._counts.get(i)
             if count is None:
                 count = self._counts[i] = torch.zeros(2, dtype=torch.int64, device=device)
+                if i == 0:
+                    self._skipped = count[1]
             lr = group["lr"]
             lr_t = lr.to(device=device, dtype=torch.float64) if isinstance(lr, torch.Tensor) else None
             keep.append(lr_t)
@@ -263,7 +264,7 @@ class _ClippingStep:
             norm = out[0] if scale_t is None else out[0] / scale_t.to(torch.float64)
             self.last_grad_norm = norm.to(dtype)
             if self.nonfinite == "skip":
-                self.skipped_steps = self._counts[0][1]
+                self.skipped_steps = self._skipped
         return True
 
     def _refuse_nonfinite_first(self) -> None:
