@@ -58,6 +58,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_DONE", optim::STEP_DONE)?;
     m.add("STEP_RELAYOUT", optim::STEP_RELAYOUT)?;
     m.add("STEP_TORCH", optim::STEP_TORCH)?;
+    m.add("STEP_NEW_STATES", optim::STEP_NEW_STATES)?;
     m.add_function(wrap_pyfunction!(check_max_norm, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -9,6 +9,7 @@
 //! step's tensors (lengths, dtypes, no written part sharing a byte with another) run when its
 //! gradients' addresses change, once ([`StepList`]).
 
+use std::collections::HashMap;
 use std::sync::{Mutex, TryLockError};
 use std::time::Instant;
 
@@ -31,6 +32,9 @@ use crate::to_py;
 pub const STEP_DONE: u8 = 0;
 pub const STEP_RELAYOUT: u8 = 1;
 pub const STEP_TORCH: u8 = 2;
+/// Some parameters have their first gradient: make their states (torch's `_init_group` over
+/// them) and call again; the payload lists them.
+pub const STEP_NEW_STATES: u8 = 3;
 
 /// The state keys a parameter's update reads.
 const KEYS: [&str; 4] = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"];
@@ -65,14 +69,20 @@ struct Kept {
     /// dict's values. Compared by identity every step, walking the dicts (no hashing: torch's
     /// `Tensor.__hash__` is Python code), so a state replaced, added or removed is seen.
     states: Vec<(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)>,
-    /// Every parameter, state tensor and step count: their addresses are checked every step.
-    tensors: Py<PyList>,
-    addresses: ListGuard,
-    /// The parameters: their layout (sizes, strides, dtype, device) is checked every step. The
-    /// states are the optimizer's: they are known by identity ([`Kept::states`]) and address.
+    /// The storage of every state tensor and step count, held: the states are the optimizer's,
+    /// known every step by identity ([`Kept::states`]); holding their storages keeps the memory
+    /// the kernels write alive even if a state's storage were swapped in place (`.data =`,
+    /// `set_`), which the identity walk does not see (the update would then go to the old
+    /// storage until the next layout).
+    _storages: Vec<Py<PyAny>>,
+    /// The parameters: their layout (sizes, strides, dtype, device) and addresses are checked
+    /// every step (`p.data = ...` gives a parameter new storage).
     params: Py<PyList>,
     layout: ListGuard,
     grads: Option<Grads>,
+    /// Each parameter's (group, position), by the address of its Python object (the layout holds
+    /// the objects, so the addresses stay theirs).
+    slot_of: HashMap<usize, (usize, usize)>,
     /// Per parameter (every group's, in order): the guard of the last gradient read for it, and
     /// that gradient's length and dtype. A step whose set of None gradients changed reads each
     /// gradient's address only, when its guard says the layout is the one read.
@@ -106,7 +116,7 @@ fn shard<'py>(t: &Bound<'py, PyAny>, local: bool) -> PyResult<Bound<'py, PyAny>>
 impl StepLayout {
     /// Nanoseconds of the stages of the last step that reached them: `read` (the state dict
     /// walked by identity, every parameter's `.grad` read), `params` (the parameters' layout and
-    /// every kept tensor's address checked), `grads` (this step's gradients checked, the step list
+    /// addresses checked), `grads` (this step's gradients checked, the step list
     /// made when they changed), `engine` (the norm and updates enqueued, or run on the CPU).
     #[getter]
     fn last_step_ns(&self) -> Vec<(&'static str, u64)> {
@@ -141,7 +151,7 @@ pub fn step_layout(
         return Ok(None);
     };
     let mut place = None;
-    let (mut kept_groups, all, all_params) = (Vec::new(), PyList::empty(py), PyList::empty(py));
+    let (mut kept_groups, mut storages, all_params) = (Vec::new(), Vec::new(), PyList::empty(py));
     for g in groups.iter() {
         let (params, amsgrad): (Bound<'_, PyList>, bool) = g.extract()?;
         let mut group = Group {
@@ -154,7 +164,6 @@ pub fn step_layout(
             let Some(param) = read_at(pl, &lp, &mut place)? else {
                 return Ok(None);
             };
-            all.append(&lp)?;
             all_params.append(&lp)?;
             let st = match state.get_item(&p)? {
                 Some(d) if d.cast::<PyDict>().is_ok_and(|d| d.contains(KEYS[0]).unwrap_or(false)) => d,
@@ -164,50 +173,27 @@ pub fn step_layout(
                     continue;
                 }
             };
-            let d = st.cast::<PyDict>()?;
-            let mut raw = Vec::with_capacity(KEYS.len());
-            for (k, key) in KEYS.iter().enumerate() {
-                let want = k != 2 || amsgrad;
-                match d.get_item(key)?.filter(|_| want) {
-                    Some(t) => {
-                        // A fused optimizer's step count is a plain tensor even for DTensors.
-                        let lt = if k == 3 { t.clone() } else { shard(&t, local)? };
-                        let Some(r) = read_at(pl, &lt, &mut place)? else {
-                            return Ok(None);
-                        };
-                        all.append(&lt)?;
-                        raw.push(Some(r));
-                    }
-                    None if want => return Ok(None),
-                    None => raw.push(None),
-                }
-            }
-            let step = raw[3].filter(|s| s.len == 1 && s.dtype == gradclip::DType::F32);
-            let (Some(exp_avg), Some(exp_avg_sq), Some(step)) = (raw[0], raw[1], step) else {
+            let Some(st) = read_state(pl, st.cast::<PyDict>()?, param, amsgrad, local, &mut place, &mut storages)? else {
                 return Ok(None);
             };
             group.params.push(p.unbind());
-            group.states.push(Some(State {
-                parts: Parts {
-                    param,
-                    grad: param, // each step's own
-                    exp_avg,
-                    exp_avg_sq,
-                    max_exp_avg_sq: raw[2],
-                    step: Some(step),
-                },
-            }));
+            group.states.push(Some(st));
         }
         kept_groups.push(group);
     }
     let Some(place) = place else {
         return Ok(None);
     };
-    let (Some(addresses), Some(layout)) = (fns.guard(&all, &data_ptrs(&all)?), fns.guard(&all_params, &data_ptrs(&all_params)?)) else {
+    let Some(layout) = fns.guard(&all_params, &data_ptrs(&all_params)?) else {
         return Ok(None);
     };
     let states = read_states(state)?;
     let slots = (0..all_params.len()).map(|_| None).collect();
+    let slot_of = kept_groups
+        .iter()
+        .enumerate()
+        .flat_map(|(g, group)| group.params.iter().enumerate().map(move |(i, p)| (p.as_ptr() as usize, (g, i))))
+        .collect();
     Ok(Some(StepLayout {
         planner: planner.clone().unbind(),
         state: state.clone().unbind(),
@@ -216,11 +202,11 @@ pub fn step_layout(
             place,
             groups: kept_groups,
             states,
-            tensors: all.unbind(),
-            addresses,
+            _storages: storages,
             params: all_params.unbind(),
             layout,
             grads: None,
+            slot_of,
             slots,
             timings: [0; 4],
         }),
@@ -252,13 +238,111 @@ fn same_states(state: &Bound<'_, PyDict>, kept: &[(Py<PyAny>, Py<PyAny>, Vec<Py<
         })
 }
 
+/// True when the state dict starts with exactly the entries read (same objects, same order).
+fn same_states_prefix(state: &Bound<'_, PyDict>, kept: &[(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)]) -> bool {
+    state.iter().zip(kept).all(|((k, d), (kk, kd, kv))| {
+        k.is(kk)
+            && d.is(kd)
+            && d.cast::<PyDict>()
+                .is_ok_and(|d| d.len() == kv.len() && d.iter().zip(kv).all(|((_, v), kv)| v.is(kv)))
+    })
+}
+
+/// One parameter's state as the update reads it (its dict `d`, from torch's `_init_group`); None
+/// when the engine does not take it (a tensor it does not read, a step count that is not one
+/// float32 where the parameter is). Each tensor's storage is pushed to `storages`.
+fn read_state(
+    planner: &Planner,
+    d: &Bound<'_, PyDict>,
+    param: RawTensor,
+    amsgrad: bool,
+    local: bool,
+    place: &mut Option<Place>,
+    storages: &mut Vec<Py<PyAny>>,
+) -> PyResult<Option<State>> {
+    let py = d.py();
+    let mut raw = Vec::with_capacity(KEYS.len());
+    for (k, key) in KEYS.iter().enumerate() {
+        let want = k != 2 || amsgrad;
+        match d.get_item(key)?.filter(|_| want) {
+            Some(t) => {
+                // A fused optimizer's step count is a plain tensor even for DTensors.
+                let lt = if k == 3 { t.clone() } else { shard(&t, local)? };
+                let Some(r) = read_at(planner, &lt, place)? else {
+                    return Ok(None);
+                };
+                storages.push(lt.call_method0(intern!(py, "untyped_storage"))?.unbind());
+                raw.push(Some(r));
+            }
+            None if want => return Ok(None),
+            None => raw.push(None),
+        }
+    }
+    let step = raw[3].filter(|s| s.len == 1 && s.dtype == gradclip::DType::F32);
+    let (Some(exp_avg), Some(exp_avg_sq), Some(step)) = (raw[0], raw[1], step) else {
+        return Ok(None);
+    };
+    Ok(Some(State {
+        parts: Parts {
+            param,
+            grad: param, // each step's own
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq: raw[2],
+            step: Some(step),
+        },
+    }))
+}
+
 /// Why a step cannot use the kept layout or the engine.
 enum Miss {
     Relayout,
     Torch,
+    /// These parameters have their first gradient: torch's `_init_group` makes their states,
+    /// which the next call reads into the layout (the rest of it kept).
+    NewStates(Vec<Py<PyAny>>),
 }
 
 impl Kept {
+    /// Reads the states torch made since the layout was read (parameters that had their first
+    /// gradient): true when the state dict is the kept one plus new entries for parameters of
+    /// the layout that had none, now read into it; false otherwise (a new layout is read).
+    fn extend_states(&mut self, planner: &Planner, state: &Bound<'_, PyDict>, local: bool) -> PyResult<bool> {
+        let n = self.states.len();
+        if state.len() <= n || !same_states_prefix(state, &self.states) {
+            return Ok(false);
+        }
+        let mut place = Some(self.place);
+        let (mut added, mut storages) = (Vec::new(), Vec::new());
+        for (k, d) in state.iter().skip(n) {
+            let Some(&(g, i)) = self.slot_of.get(&(k.as_ptr() as usize)) else {
+                return Ok(false);
+            };
+            let group = &self.groups[g];
+            if group.states[i].is_some() {
+                return Ok(false);
+            }
+            let Ok(dict) = d.cast::<PyDict>() else {
+                return Ok(false);
+            };
+            let param = shard(k.as_any(), local)?;
+            let Some(param) = read_at(planner, &param, &mut place)? else {
+                return Ok(false);
+            };
+            match read_state(planner, dict, param, group.amsgrad, local, &mut place, &mut storages)? {
+                Some(st) => added.push((g, i, st)),
+                None => return Ok(false),
+            }
+        }
+        for (g, i, st) in added {
+            self.groups[g].states[i] = Some(st);
+        }
+        self._storages.extend(storages);
+        self.states = read_states(state)?;
+        self.grads = None; // the next step list has the new parameters
+        Ok(true)
+    }
+
     /// The checked list of this step's tensors: the kept one when the same gradients came back,
     /// the kept layout with new gradient addresses when new gradients of the same shapes did, a
     /// full read of the gradients otherwise.
@@ -273,10 +357,13 @@ impl Kept {
         // The state as read: the same dicts and tensors (load_state_dict, an assignment into the
         // state, or a first state made elsewhere, makes new ones).
         let t0 = Instant::now();
-        if groups.len() != self.groups.len() || !same_states(state, &self.states) {
+        if groups.len() != self.groups.len() {
             return Ok(Err(Miss::Relayout));
         }
-        let (mut mask, present) = (Vec::new(), PyList::empty(py));
+        if !same_states(state, &self.states) && !self.extend_states(planner, state, local)? {
+            return Ok(Err(Miss::Relayout));
+        }
+        let (mut mask, present, mut first) = (Vec::new(), PyList::empty(py), Vec::new());
         for (g, kept) in groups.iter().zip(&self.groups) {
             let params = g.get_item(intern!(py, "params"))?;
             let params = params.cast::<PyList>()?;
@@ -293,15 +380,20 @@ impl Kept {
                     continue;
                 }
                 if st.is_none() {
-                    return Ok(Err(Miss::Relayout)); // a first gradient: torch makes its state
+                    first.push(p.clone().unbind()); // a first gradient: torch makes its state
+                    continue;
                 }
                 mask.push(true);
                 present.append(shard(&grad, local)?)?;
             }
         }
+        if !first.is_empty() {
+            return Ok(Err(Miss::NewStates(first)));
+        }
         let t1 = Instant::now();
         self.timings[0] = (t1 - t0).as_nanos() as u64;
-        if !(self.layout.same_layout(self.params.bind(py)) && self.addresses.same_addresses(self.tensors.bind(py))) {
+        let params = self.params.bind(py);
+        if !(self.layout.same_layout(params) && self.layout.same_addresses(params)) {
             return Ok(Err(Miss::Relayout));
         }
         let t2 = Instant::now();
@@ -491,8 +583,9 @@ fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>>
 /// the clip limiting the unscaled norm; its overflow flag, which skips the step). On the CPU,
 /// `norm_out` (when not 0) gets the norm as one float64 too, also when a non-finite norm is
 /// refused (`nonfinite="error"`). Returns the
-/// verdict ([`STEP_DONE`], [`STEP_RELAYOUT`], [`STEP_TORCH`]: nothing written for the last two)
-/// and, on the CPU, the norm (None on CUDA: it stays on the device).
+/// verdict ([`STEP_DONE`], [`STEP_RELAYOUT`], [`STEP_TORCH`], [`STEP_NEW_STATES`]: nothing
+/// written for the last three) and a payload: on the CPU the norm (None on CUDA: it stays on
+/// the device); with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
 #[pyo3(signature = (layout, groups, hypers, stream, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
 #[allow(clippy::too_many_arguments)]
@@ -507,7 +600,7 @@ pub fn optim_step(
     norm_in: u64,
     loss_scale: u64,
     found_inf: u64,
-) -> PyResult<(u8, Option<f64>)> {
+) -> PyResult<(u8, Option<Py<PyAny>>)> {
     let l = layout.get();
     let hypers: Vec<Hyper> = hypers.iter().map(|h| read_hyper(&h)).collect::<PyResult<_>>()?;
     let clip = clip_config(clip)?;
@@ -527,6 +620,7 @@ pub fn optim_step(
         Ok(list) => list,
         Err(Miss::Relayout) => return Ok((STEP_RELAYOUT, None)),
         Err(Miss::Torch) => return Ok((STEP_TORCH, None)),
+        Err(Miss::NewStates(params)) => return Ok((STEP_NEW_STATES, Some(PyList::new(py, params)?.into_any().unbind()))),
     };
     if hypers.len() != list.groups() || hypers.iter().enumerate().any(|(i, h)| h.cfg.amsgrad != list.group(i).1) {
         return Ok((STEP_RELAYOUT, None));
@@ -535,7 +629,8 @@ pub fn optim_step(
     let started = Instant::now();
     let r = run_step(py, place, &list, &hypers, stream, clip, norm_out, norm_in, loss_scale, found_inf);
     kept.timings[3] = started.elapsed().as_nanos() as u64;
-    r
+    let (verdict, norm) = r?;
+    Ok((verdict, norm.map(|n| pyo3::types::PyFloat::new(py, n).into_any().unbind())))
 }
 
 /// The norm (with a clip) and every group's update of a checked step list.

@@ -414,9 +414,10 @@ def test_native_step_reads_groups_and_refuses_bad_input():
     count = torch.zeros(2, dtype=torch.int64)
     hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01, False, False, True)
     groups = opt.param_groups
-    # ps[1] has no state yet: its first gradient asks for a new layout (torch makes the state).
+    # ps[1] has no state yet: its first gradient is reported (torch makes the state), nothing written.
     ps[1].grad = torch.ones(3)
-    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0) == (_native.STEP_RELAYOUT, None)
+    verdict, first = _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0)
+    assert verdict == _native.STEP_NEW_STATES and len(first) == 1 and first[0] is ps[1]
     ps[1].grad = None
     with pytest.raises(ValueError, match="step count"):
         _native.optim_step(layout, groups, [hyper + (0, 0)], 0, (1.0, 2.0, "skip"), 0)
@@ -434,6 +435,15 @@ def test_native_step_reads_groups_and_refuses_bad_input():
     assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0) == (_native.STEP_DONE, None)
     assert not torch.equal(ps[0], torch.zeros(4)) and torch.equal(ps[1], torch.zeros(3))
     assert float(opt.state[ps[0]]["step"]) == 1.0 and ps[1] not in opt.state
+    # Its state made by torch, the kept layout takes it in (the rest kept) and steps both.
+    ps[1].grad = torch.ones(3)
+    opt._init_group({**opt.param_groups[0], "params": [ps[1]]}, [], [], [], [], [], [])
+    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0) == (_native.STEP_DONE, None)
+    assert [float(opt.state[p]["step"]) for p in ps] == [2.0, 1.0]
+    assert not torch.equal(ps[1], torch.zeros(3))
+    # A state replaced by assignment is seen: a new layout is asked for.
+    opt.state[ps[0]]["exp_avg"] = torch.zeros(4)
+    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0) == (_native.STEP_RELAYOUT, None)
 
 
 @pytest.mark.parametrize("device", DEVICES)

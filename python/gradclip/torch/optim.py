@@ -235,7 +235,7 @@ class _ClippingStep:
         inputs = (0 if scale_t is None else scale_t.data_ptr(), 0 if found_t is None else found_t.data_ptr())
         ptr = 0 if norm_in is None else norm_in.data_ptr()
         stream = _raw_stream(device.index) if device.type == "cuda" else 0
-        for _ in range(2):
+        for _ in range(4):
             try:
                 if device.type == "cuda" and device.index != _current_device():
                     with torch.cuda.device(device.index):
@@ -254,7 +254,12 @@ class _ClippingStep:
                 break
             if verdict == _native.STEP_TORCH:
                 return False
-            # The parameters, their states or their first gradients changed: read them again.
+            if verdict == _native.STEP_NEW_STATES:
+                # Parameters with their first gradient: torch makes their states (and checks
+                # them), the next call reads just those into the layout.
+                self._init_states(norm)
+                continue
+            # The parameters or their states changed: read them again.
             layout = self._layout = self._make_layout()
             if layout is None:
                 return False
@@ -266,6 +271,15 @@ class _ClippingStep:
             if self.nonfinite == "skip":
                 self.skipped_steps = self._skipped
         return True
+
+    def _init_states(self, params) -> None:
+        """torch's ``_init_group`` over ``params`` only (parameters with their first gradient):
+        their states, made and checked as torch's fused step makes them."""
+        need = {id(p) for p in params}
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if id(p) in need]
+            if ps:
+                self._init_group({**group, "params": ps}, [], [], [], [], [], [])
 
     def _refuse_nonfinite_first(self) -> None:
         """nonfinite="error" before the first step makes any state: the norm read on the host,
