@@ -68,7 +68,7 @@ struct Kept {
     /// The optimizer's state dict as read, in its order: each parameter, its state dict and that
     /// dict's values. Compared by identity every step, walking the dicts (no hashing: torch's
     /// `Tensor.__hash__` is Python code), so a state replaced, added or removed is seen.
-    states: Vec<(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)>,
+    states: Vec<StateEntry>,
     /// The storage of every state tensor and step count, held: the states are the optimizer's,
     /// known every step by identity ([`Kept::states`]); holding their storages keeps the memory
     /// the kernels write alive even if a state's storage were swapped in place (`.data =`,
@@ -213,8 +213,16 @@ pub fn step_layout(
     }))
 }
 
-/// Every entry of the optimizer's state dict: (parameter, its state dict, that dict's values).
-fn read_states(state: &Bound<'_, PyDict>) -> PyResult<Vec<(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)>> {
+/// One entry of the optimizer's state dict as read: the parameter, its state dict and that
+/// dict's values.
+struct StateEntry {
+    key: Py<PyAny>,
+    dict: Py<PyAny>,
+    values: Vec<Py<PyAny>>,
+}
+
+/// Every entry of the optimizer's state dict.
+fn read_states(state: &Bound<'_, PyDict>) -> PyResult<Vec<StateEntry>> {
     state
         .iter()
         .map(|(k, d)| {
@@ -222,29 +230,27 @@ fn read_states(state: &Bound<'_, PyDict>) -> PyResult<Vec<(Py<PyAny>, Py<PyAny>,
                 Ok(d) => d.values().iter().map(|v| v.unbind()).collect(),
                 Err(_) => Vec::new(),
             };
-            Ok((k.unbind(), d.unbind(), values))
+            Ok(StateEntry {
+                key: k.unbind(),
+                dict: d.unbind(),
+                values,
+            })
         })
         .collect()
 }
 
 /// True when the state dict holds exactly the entries read (same objects, same order).
-fn same_states(state: &Bound<'_, PyDict>, kept: &[(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)]) -> bool {
-    state.len() == kept.len()
-        && state.iter().zip(kept).all(|((k, d), (kk, kd, kv))| {
-            k.is(kk)
-                && d.is(kd)
-                && d.cast::<PyDict>()
-                    .is_ok_and(|d| d.len() == kv.len() && d.iter().zip(kv).all(|((_, v), kv)| v.is(kv)))
-        })
+fn same_states(state: &Bound<'_, PyDict>, kept: &[StateEntry]) -> bool {
+    state.len() == kept.len() && same_states_prefix(state, kept)
 }
 
 /// True when the state dict starts with exactly the entries read (same objects, same order).
-fn same_states_prefix(state: &Bound<'_, PyDict>, kept: &[(Py<PyAny>, Py<PyAny>, Vec<Py<PyAny>>)]) -> bool {
-    state.iter().zip(kept).all(|((k, d), (kk, kd, kv))| {
-        k.is(kk)
-            && d.is(kd)
+fn same_states_prefix(state: &Bound<'_, PyDict>, kept: &[StateEntry]) -> bool {
+    state.iter().zip(kept).all(|((k, d), e)| {
+        k.is(&e.key)
+            && d.is(&e.dict)
             && d.cast::<PyDict>()
-                .is_ok_and(|d| d.len() == kv.len() && d.iter().zip(kv).all(|((_, v), kv)| v.is(kv)))
+                .is_ok_and(|d| d.len() == e.values.len() && d.iter().zip(&e.values).all(|((_, v), kv)| v.is(kv)))
     })
 }
 

@@ -223,12 +223,12 @@ fn check_loss_scale(loss_scale: f64) -> Result<()> {
     }
 }
 
-/// The update of parts that passed [`check`]: every gradient multiplied by `coef` as it is read,
+/// The update of parts that passed [`super::check`]: every gradient multiplied by `coef` as it is read,
 /// `count.steps` advanced, and each parameter's own step count (when it has one) stepped from and
 /// advanced, as the GPU kernel does.
 ///
 /// # Safety
-/// As [`Cpu::adam_step_raw`], and `parts` passed [`check`].
+/// As [`Cpu::adam_step_raw`], and `parts` passed [`super::check`].
 unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount, coef: f64) {
     // SAFETY: an own step count is one f32 of live host memory (checked; the caller's contract).
     let step_of = |p: &Parts| {
