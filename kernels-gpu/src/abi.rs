@@ -159,7 +159,7 @@ pub const fn adam_chunk_elems(param_bytes: u64) -> u64 {
 /// Elements per thread of a 16-bit parameter's Adam task.
 pub const ADAM_PER_THREAD_16BIT: u64 = 64;
 /// Elements per thread of an f32 or f64 parameter's Adam task.
-pub const ADAM_PER_THREAD_WIDE: u64 = 16;
+pub const ADAM_PER_THREAD_WIDE: u64 = 32;
 
 /// One parameter as the Adam kernel sees it: the addresses of its parts (states and gradient in
 /// the parameter's dtype or f32; one dtype for the states).

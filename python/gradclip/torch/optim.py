@@ -1,25 +1,26 @@
-"""Optimizers that clip as part of their step: ``AdamW`` and ``Adam``, ``torch.optim``'s own fused
-optimizers plus ``max_grad_norm``.
+"""Optimizers that clip as part of their step: ``AdamW`` and ``Adam``, ``torch.optim``'s
+optimizers plus ``max_grad_norm``, on one of two updates.
 
-A clip is a norm (one read of the gradients) and a scale (a read and a write). Here the norm is
-gradclip's (one launch on CUDA, f64, no host synchronization, global over DTensor and ``Shards``
-gradients) and the scale rides on the optimizer: the clip coefficient reaches torch's fused Adam
-kernel through the ``grad_scale`` input that ``GradScaler`` uses, and a non-finite norm through
-its ``found_inf`` input, so the step skips on the device, with no host synchronization (checked
-on CUDA by ``test_clipped_step_does_not_synchronize_on_cuda`` under torch's sync debug mode; it
-passes on the H200).
+``update="gradclip"`` (the default): gradclip's engine. The gradients' global norm (one launch on
+CUDA, f64, no host synchronization, global over DTensor and ``Shards`` gradients), then one update
+kernel per parameter group that multiplies each gradient by the clip coefficient as it reads it:
+no scale pass and no gradient write, so ``.grad`` keeps the unclipped gradients. torch's update
+formulas in f32 (f64 for f64 parameters) with the step's constants rounded once: close to torch's
+step, not its bits. A step is read in native code in one call (every parameter's ``.grad``, new
+tensors or the same); a parameter whose gradient is None is left as torch leaves it, each
+parameter stepping from its own ``state["step"]``.
 
-Everything else is ``torch.optim.AdamW(fused=True)`` / ``Adam(fused=True)`` unchanged: the
-constructor's arguments, param groups, LR schedulers, ``zero_grad``, ``state_dict`` (the same
-keys: a state dict moves between this optimizer and torch's in both directions), GradScaler.
+``update="torch"``: torch's fused kernel, the clip coefficient reaching it through the
+``grad_scale`` input that ``GradScaler`` uses and a non-finite norm through its ``found_inf``, so
+the step skips on the device. The kernel divides each gradient by ``grad_scale = 1 /
+coefficient`` (rounded to f32) and steps with that value, where ``clip_grad_norm_`` would multiply
+and round the gradient to its storage dtype first; with a coefficient of 1 the step is torch's
+fused step bit for bit. As with torch's ``grad_scale``, the kernel writes the scaled gradient back.
 
-What differs from ``clip_grad_norm_`` followed by ``step()``, exactly: the kernel divides each
-gradient by ``grad_scale = 1 / coefficient`` (rounded to f32) in its f32 math (f64 for f64
-parameters) and steps with that value, where the clip would multiply by the coefficient and round
-the gradient to its storage dtype before the step reads it. When the coefficient is 1 the
-division is exact and the step equals torch's fused step bit for bit. As with torch's
-``grad_scale``, the kernel writes the scaled gradient back, so after ``step()`` the ``.grad``
-tensors hold the clipped gradients, as after a clip.
+Both: no host synchronization (``test_clipped_step_does_not_synchronize_on_cuda``, under torch's
+sync debug mode, passes on the H200), and everything else torch's: the constructor's arguments,
+param groups, LR schedulers, ``zero_grad``, ``state_dict`` (the same keys: a state dict moves
+between this optimizer and torch's, fused or not, in both directions), GradScaler.
 """
 
 from __future__ import annotations
@@ -366,14 +367,14 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     left as they were, decided on the device, and ``skipped_steps`` counts it), ``"error"``
     (reads the norm on the host and raises before anything is written), or ``"propagate"``
     (torch's behavior: the non-finite coefficient reaches the parameters). ``pipeline_group``:
-    a process group over which stages' norms are combined. ``update``: ``"torch"`` (default:
-    torch's fused kernel, the coefficient through its ``grad_scale``) or ``"gradclip"``
-    (gradclip's engine: the norm, then the update multiplying each gradient by the coefficient as
+    a process group over which stages' norms are combined. ``update``: ``"gradclip"`` (default:
+    gradclip's engine, the norm, then the update multiplying each gradient by the coefficient as
     it reads it, with no gradient write-back, so ``.grad`` keeps the unclipped gradients; CUDA
     kernels, or the CPU backend for CPU parameters; a tensor ``lr`` and GradScaler's loss scale and
     overflow flag are read on the device as the step runs; capturable in a CUDA graph after one
-    eager step; a step it does not take, such as parameters on several devices, runs torch's). The
-    other arguments are torch's.
+    eager step; a step it does not take, such as parameters on several devices, runs torch's) or
+    ``"torch"`` (torch's fused kernel, the coefficient through its ``grad_scale``: torch's bits).
+    The other arguments are torch's.
 
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
