@@ -474,13 +474,7 @@ impl GpuEngine {
         lr: u64,
         found_inf: u64,
     ) -> Result<()> {
-        if group >= list.groups() || list.group(group).1 != cfg.amsgrad {
-            return Err(Error::InvalidHyperparameter {
-                what: "group (amsgrad differs from the step list's, or no such group)",
-                value: group as f64,
-                valid: "a group of the list, with the amsgrad it was made with",
-            });
-        }
+        list.group_for(group, cfg.amsgrad)?;
         let inputs = DeviceStepInputs {
             lr,
             loss_scale: 0,

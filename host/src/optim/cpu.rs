@@ -197,15 +197,9 @@ impl Cpu {
         coef: f64,
     ) -> Result<()> {
         let h = cfg.params()?;
-        if group >= list.groups() || list.group(group).1 != cfg.amsgrad {
-            return Err(Error::InvalidHyperparameter {
-                what: "group (amsgrad differs from the step list's, or no such group)",
-                value: group as f64,
-                valid: "a group of the list, with the amsgrad it was made with",
-            });
-        }
+        let parts = list.group_for(group, cfg.amsgrad)?;
         // SAFETY: the caller's contract; the list was checked when made.
-        unsafe { update_checked(list.group(group).0, &h, count, coef) };
+        unsafe { update_checked(parts, &h, count, coef) };
         Ok(())
     }
 }

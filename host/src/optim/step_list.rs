@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Parts, check_parts};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::plan::RawTensor;
 use crate::tensor_list::TensorList;
 
@@ -21,6 +21,7 @@ use crate::tensor_list::TensorList;
 /// let parts = Parts { param: t(1), grad: t(2), exp_avg: t(3), exp_avg_sq: t(4), max_exp_avg_sq: None, step: None };
 /// let list = StepList::new(&[(vec![parts], false)])?;
 /// assert_eq!((list.groups(), list.grads().len()), (1, 1));
+/// assert!(list.group_for(0, false).is_ok() && list.group_for(0, true).is_err() && list.group_for(1, false).is_err());
 /// let mut aliased = parts;
 /// aliased.grad = parts.param; // a gradient on its own parameter: refused
 /// assert!(StepList::new(&[(vec![aliased], false)]).is_err());
@@ -84,6 +85,20 @@ impl StepList {
     pub fn group(&self, i: usize) -> (&[Parts], bool) {
         let (parts, amsgrad) = &self.0.groups[i];
         (parts, *amsgrad)
+    }
+
+    /// Group `group`'s parts for an update configured with `amsgrad`; an error when there is no
+    /// such group or it was checked with the other amsgrad (its maximum's presence was checked
+    /// for that one).
+    pub fn group_for(&self, group: usize, amsgrad: bool) -> Result<&[Parts]> {
+        match self.0.groups.get(group) {
+            Some((parts, a)) if *a == amsgrad => Ok(parts),
+            _ => Err(Error::InvalidHyperparameter {
+                what: "group (no such group in the step list, or amsgrad differs from the list's)",
+                value: group as f64,
+                valid: "a group of the list, with the amsgrad it was made with",
+            }),
+        }
     }
 
     /// Every group's gradients, in order: the list whose norm a clipped step takes.
