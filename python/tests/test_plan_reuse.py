@@ -177,3 +177,32 @@ def test_the_kept_plan_keeps_no_gradient_alive(device):
     del gs
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_new_tensors_of_the_same_layout_are_read_by_address(device):
+    """New gradient tensors of the same shapes every call (zero_grad(set_to_none=True)), the old
+    ones kept alive so the new ones sit at new addresses: every clip reads and writes the new
+    tensors (the old ones untouched) with the norm of the new values; a list of the same shapes in
+    another dtype is read in full."""
+    ps = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in (64, 3, 1000)]
+    old = []
+    for step in range(4):
+        for p in ps:
+            p.grad = torch.randn(p.shape, device=device) * (step + 1)
+        before = [p.grad.clone() for p in ps]
+        want = float(torch.linalg.vector_norm(torch.cat([g.double() for g in before])))
+        got = float(gt.clip_grad_norm_(ps, 0.5))
+        assert abs(got - want) <= 1e-6 * want, f"step {step}"
+        coef = 0.5 / (want + 1e-6)
+        for p, b in zip(ps, before):
+            torch.testing.assert_close(p.grad, b * coef, rtol=1e-6, atol=0)
+        for o, snap in old:
+            assert torch.equal(o, snap), "a clip wrote last step's gradient"
+        old = [(p.grad, p.grad.clone()) for p in ps]
+    # Another dtype at the same shapes: read in full, the norm still exact.
+    for p in ps:
+        p.grad = None
+    gs = [torch.randn(n, device=device, dtype=torch.float64) for n in (64, 3, 1000)]
+    want = float(torch.linalg.vector_norm(torch.cat(gs)))
+    assert abs(float(gt.get_total_norm(gs)) - want) <= 1e-12 * want
