@@ -25,7 +25,6 @@ between this optimizer and torch's, fused or not, in both directions), GradScale
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional
 
 import torch
