@@ -39,16 +39,12 @@ pub const STEP_NEW_STATES: u8 = 3;
 /// The state keys a parameter's update reads.
 const KEYS: [&str; 4] = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"];
 
-/// One parameter's optimizer state as read: its tensors' addresses.
-struct State {
-    parts: Parts,
-}
-
 /// One parameter group as read.
 struct Group {
     params: Vec<Py<PyAny>>,
-    /// None: the parameter has no state yet (it never had a gradient).
-    states: Vec<Option<State>>,
+    /// Each parameter's parts as its update reads them (the gradient each step's own); None: the
+    /// parameter has no state yet (it never had a gradient).
+    states: Vec<Option<Parts>>,
     amsgrad: bool,
 }
 
@@ -187,7 +183,7 @@ pub fn step_layout(
     let Some(layout) = fns.guard(&all_params, &data_ptrs(&all_params)?) else {
         return Ok(None);
     };
-    let states = read_states(state)?;
+    let states = read_states(state, 0)?;
     let slots = (0..all_params.len()).map(|_| None).collect();
     let slot_of = kept_groups
         .iter()
@@ -221,10 +217,11 @@ struct StateEntry {
     values: Vec<Py<PyAny>>,
 }
 
-/// Every entry of the optimizer's state dict.
-fn read_states(state: &Bound<'_, PyDict>) -> PyResult<Vec<StateEntry>> {
+/// The entries of the optimizer's state dict from the `from`-th on.
+fn read_states(state: &Bound<'_, PyDict>, from: usize) -> PyResult<Vec<StateEntry>> {
     state
         .iter()
+        .skip(from)
         .map(|(k, d)| {
             let values = match d.cast::<PyDict>() {
                 Ok(d) => d.values().iter().map(|v| v.unbind()).collect(),
@@ -265,7 +262,7 @@ fn read_state(
     local: bool,
     place: &mut Option<Place>,
     storages: &mut Vec<Py<PyAny>>,
-) -> PyResult<Option<State>> {
+) -> PyResult<Option<Parts>> {
     let py = d.py();
     let mut raw = Vec::with_capacity(KEYS.len());
     for (k, key) in KEYS.iter().enumerate() {
@@ -288,15 +285,13 @@ fn read_state(
     let (Some(exp_avg), Some(exp_avg_sq), Some(step)) = (raw[0], raw[1], step) else {
         return Ok(None);
     };
-    Ok(Some(State {
-        parts: Parts {
-            param,
-            grad: param, // each step's own
-            exp_avg,
-            exp_avg_sq,
-            max_exp_avg_sq: raw[2],
-            step: Some(step),
-        },
+    Ok(Some(Parts {
+        param,
+        grad: param, // each step's own
+        exp_avg,
+        exp_avg_sq,
+        max_exp_avg_sq: raw[2],
+        step: Some(step),
     }))
 }
 
@@ -344,7 +339,7 @@ impl Kept {
             self.groups[g].states[i] = Some(st);
         }
         self._storages.extend(storages);
-        self.states = read_states(state)?;
+        self.states.extend(read_states(state, n)?);
         self.grads = None; // the next step list has the new parameters
         Ok(true)
     }
@@ -508,9 +503,9 @@ impl Kept {
                         let has = mask[at];
                         at += 1;
                         has.then(|| {
-                            st.as_ref().map(|st| Parts {
+                            st.map(|st| Parts {
                                 grad: *next.next().expect("one gradient per set mask bit"),
-                                ..st.parts
+                                ..st
                             })
                         })
                         .flatten()

@@ -25,6 +25,7 @@ between this optimizer and torch's, fused or not, in both directions), GradScale
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Optional
 
 import torch
@@ -235,12 +236,11 @@ class _ClippingStep:
         inputs = (0 if scale_t is None else scale_t.data_ptr(), 0 if found_t is None else found_t.data_ptr())
         ptr = 0 if norm_in is None else norm_in.data_ptr()
         stream = _raw_stream(device.index) if device.type == "cuda" else 0
+        # The engine binds the tensors' device: torch's current device is made that one first.
+        on_device = device.type == "cuda" and device.index != _current_device()
         for _ in range(4):
             try:
-                if device.type == "cuda" and device.index != _current_device():
-                    with torch.cuda.device(device.index):
-                        verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, stream, clip, out.data_ptr(), ptr, *inputs)
-                else:
+                with torch.cuda.device(device.index) if on_device else contextlib.nullcontext():
                     verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, stream, clip, out.data_ptr(), ptr, *inputs)
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):
