@@ -20,7 +20,8 @@ fused step bit for bit. As with torch's ``grad_scale``, the kernel writes the sc
 Both: no host synchronization (``test_clipped_step_does_not_synchronize_on_cuda``, under torch's
 sync debug mode, passes on the H200), and everything else torch's: the constructor's arguments,
 param groups, LR schedulers, ``zero_grad``, ``state_dict`` (the same keys: a state dict moves
-between this optimizer and torch's, fused or not, in both directions), GradScaler.
+between this optimizer and torch's fused one in both directions, and a non-fused torch
+optimizer's loads), GradScaler.
 """
 
 from __future__ import annotations
