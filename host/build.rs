@@ -96,7 +96,8 @@ fn main() {
 /// ptxas gives a kernel the registers of its most demanding path. Measured on the H200
 /// (benches/NOTES.md): the Adam kernel ran a bf16 step in 26.5 ms at 80 registers (3 blocks of
 /// 256 threads per SM) against 32.1 ms unbounded (94, 2 blocks); 64 (4 blocks, with spills) was
-/// no faster. The limit keeps that occupancy when a change adds registers.
+/// no faster. The limit keeps that occupancy when a change adds registers; SGD's and Lion's
+/// kernels (the same walk, fewer states) take it too.
 /// `GRADCLIP_ADAM_MAXNREG` overrides it for tuning runs (0: no limit).
 fn with_register_limits(mut text: String) -> String {
     println!("cargo:rerun-if-env-changed=GRADCLIP_ADAM_MAXNREG");
@@ -106,7 +107,7 @@ fn with_register_limits(mut text: String) -> String {
             .unwrap_or_else(|_| panic!("GRADCLIP_ADAM_MAXNREG={v}: expected a register count")),
         Err(_) => 80u32,
     };
-    for (kernel, regs) in [("gradclip_adam", adam)] {
+    for (kernel, regs) in [("gradclip_adam", adam), ("gradclip_sgd", adam), ("gradclip_lion", adam)] {
         if regs == 0 {
             continue;
         }

@@ -153,11 +153,28 @@ pub enum Error {
         /// The dtype passed.
         dtype: DType,
     },
-    /// amsgrad is on but a parameter has no running maximum to update.
-    #[error("amsgrad is on but tensor {index} has no max_exp_avg_sq: pass one (zeros before the first step)")]
-    MissingMaxExpAvgSq {
+    /// A parameter lacks a state its optimizer keeps (amsgrad's `max_exp_avg_sq`, SGD's
+    /// `momentum_buffer` with momentum, ...).
+    #[error("tensor {index} has no {state}, which this update keeps: pass one (zeros before the first step)")]
+    MissingState {
         /// Position in the list.
         index: usize,
+        /// The state's name.
+        state: &'static str,
+    },
+    /// A parameter's states are not all of one dtype (the update reads them as one type).
+    #[error("tensor {index}: its {state} is {found} but its {first} is {first_dtype}: store every state of a parameter in one dtype")]
+    StateDtypes {
+        /// Position in the list.
+        index: usize,
+        /// The state whose dtype differs.
+        state: &'static str,
+        /// Its dtype.
+        found: DType,
+        /// The parameter's first state.
+        first: &'static str,
+        /// That state's dtype.
+        first_dtype: DType,
     },
     /// A hyperparameter is outside its valid range (torch's checks).
     #[error("invalid {what}: {value} (valid: {valid})")]

@@ -130,52 +130,71 @@ pub struct NormOutput {
     pub skip_scale: u32,
 }
 
-/// Bits of [`AdamParams::flags`].
-pub mod adam_flags {
-    /// AdamW: weight decay applied to the parameter (decoupled), not added to the gradient.
-    pub const DECOUPLED: u32 = 1;
-    /// Keep the running maximum of the second moment and divide by its root.
-    pub const AMSGRAD: u32 = 2;
+/// Flag bits every optimizer update takes (the bits below 4 are each optimizer's own).
+pub mod update_flags {
     /// Ascend the objective: the gradient's sign is flipped.
     pub const MAXIMIZE: u32 = 4;
     /// Leave everything untouched (and count a skipped step) when the norm is not finite.
     pub const SKIP_NONFINITE: u32 = 8;
 }
 
-/// Elements of one block task of the Adam kernel for a parameter of `param_bytes` bytes per
-/// element: each thread updates [`ADAM_PER_THREAD_16BIT`] of a 16-bit parameter, else
-/// [`ADAM_PER_THREAD_WIDE`], strided by the block size so that every load and store of a warp is
-/// coalesced. Long enough that a block's fixed costs (its task, the step's scalars, the finishing
-/// ticket) are small beside its traffic; measured on the H200 (benches/NOTES.md).
-pub const fn adam_chunk_elems(param_bytes: u64) -> u64 {
+/// Bits of [`AdamParams::flags`].
+pub mod adam_flags {
+    pub use super::update_flags::{MAXIMIZE, SKIP_NONFINITE};
+    /// AdamW: weight decay applied to the parameter (decoupled), not added to the gradient.
+    pub const DECOUPLED: u32 = 1;
+    /// Keep the running maximum of the second moment and divide by its root.
+    pub const AMSGRAD: u32 = 2;
+}
+
+/// Bits of [`SgdParams::flags`].
+pub mod sgd_flags {
+    pub use super::update_flags::{MAXIMIZE, SKIP_NONFINITE};
+    /// Nesterov momentum.
+    pub const NESTEROV: u32 = 1;
+}
+
+/// Bits of [`LionParams::flags`].
+pub mod lion_flags {
+    pub use super::update_flags::{MAXIMIZE, SKIP_NONFINITE};
+}
+
+/// Elements of one block task of an optimizer update for a parameter of `param_bytes` bytes per
+/// element: each thread updates [`UPDATE_PER_THREAD_16BIT`] of a 16-bit parameter, else
+/// [`UPDATE_PER_THREAD_WIDE`], strided by the block size so that every load and store of a warp
+/// is coalesced. Long enough that a block's fixed costs (its task, the step's scalars, the
+/// finishing ticket) are small beside its traffic; measured on the H200 with Adam
+/// (benches/NOTES.md).
+pub const fn update_chunk_elems(param_bytes: u64) -> u64 {
     BLOCK_THREADS as u64
         * if param_bytes <= 2 {
-            ADAM_PER_THREAD_16BIT
+            UPDATE_PER_THREAD_16BIT
         } else {
-            ADAM_PER_THREAD_WIDE
+            UPDATE_PER_THREAD_WIDE
         }
 }
 
-/// Elements per thread of a 16-bit parameter's Adam task.
-pub const ADAM_PER_THREAD_16BIT: u64 = 64;
-/// Elements per thread of an f32 or f64 parameter's Adam task.
-pub const ADAM_PER_THREAD_WIDE: u64 = 32;
+/// Elements per thread of a 16-bit parameter's update task.
+pub const UPDATE_PER_THREAD_16BIT: u64 = 64;
+/// Elements per thread of an f32 or f64 parameter's update task.
+pub const UPDATE_PER_THREAD_WIDE: u64 = 32;
 
-/// One parameter as the Adam kernel sees it: the addresses of its parts (states and gradient in
-/// the parameter's dtype or f32; one dtype for the states).
+/// The most optimizer states one parameter has (Adam's two moments and amsgrad's maximum).
+pub const MAX_STATES: usize = 3;
+
+/// One parameter as an update kernel sees it: the addresses of its parts (states and gradient in
+/// the parameter's dtype or f32; one dtype for the states). Which state is which is the
+/// optimizer's: Adam's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`; SGD's `momentum_buffer`;
+/// Lion's `exp_avg`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct AdamTensorDesc {
+pub struct UpdateTensorDesc {
     /// The parameter.
     pub param: u64,
     /// Its gradient.
     pub grad: u64,
-    /// First moment.
-    pub exp_avg: u64,
-    /// Second moment.
-    pub exp_avg_sq: u64,
-    /// Running maximum of the second moment (0 without amsgrad).
-    pub max_exp_avg_sq: u64,
+    /// The optimizer's states, in its order (0 for a state it does not keep).
+    pub states: [u64; MAX_STATES],
     /// Elements of each part.
     pub len: u64,
     /// [`dtype_code`]s: the parameter's in bits 0-3, the gradient's in 4-7, the states' in 8-11.
@@ -183,17 +202,17 @@ pub struct AdamTensorDesc {
     /// Keeps the struct free of padding.
     pub reserved: u32,
     /// The parameter's own step count, one f32 (torch's `state["step"]`), or 0: the launch's
-    /// [`AdamCount`]. Read as the steps taken before this one; the launch's last block adds one
+    /// [`UpdateCount`]. Read as the steps taken before this one; the launch's last block adds one
     /// when the step is taken. A parameter that skipped steps (its gradient was None) keeps its
-    /// own bias correction, as in torch.
+    /// own count (Adam's bias correction, SGD's first momentum step), as in torch.
     pub step: u64,
 }
 
-/// What the Adam kernel keeps on the device between steps: the step count (torch's `step`) and
+/// What an update kernel keeps on the device between steps: the step count (torch's `step`) and
 /// the steps skipped for a non-finite norm. Written only by the last block of a launch.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct AdamCount {
+pub struct UpdateCount {
     /// Steps taken.
     pub steps: u64,
     /// Steps skipped.
@@ -220,11 +239,42 @@ pub struct AdamParams {
     pub reserved: u32,
 }
 
+/// Hyperparameters of one SGD step (torch's names and meanings).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SgdParams {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0: no momentum buffer).
+    pub momentum: f64,
+    /// Dampening of the momentum.
+    pub dampening: f64,
+    /// L2 weight decay added to the gradient.
+    pub weight_decay: f64,
+    /// Any of [`sgd_flags`].
+    pub flags: u32,
+}
+
+/// Hyperparameters of one Lion step (Chen et al., 2023, "Symbolic Discovery of Optimization
+/// Algorithms").
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LionParams {
+    /// Learning rate.
+    pub lr: f64,
+    /// Interpolation factor of the update's direction.
+    pub beta1: f64,
+    /// Decay of the momentum.
+    pub beta2: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Any of [`lion_flags`].
+    pub flags: u32,
+}
+
 const _: () = {
     assert!(core::mem::size_of::<AdamParams>() == 48);
-    assert!(core::mem::size_of::<AdamTensorDesc>() == 64);
-    assert!(core::mem::size_of::<AdamCount>() == 16);
-    assert!(adam_chunk_elems(2) <= u32::MAX as u64 && adam_chunk_elems(8) <= u32::MAX as u64);
+    assert!(core::mem::size_of::<UpdateTensorDesc>() == 64);
+    assert!(core::mem::size_of::<UpdateCount>() == 16);
+    assert!(update_chunk_elems(2) <= u32::MAX as u64 && update_chunk_elems(8) <= u32::MAX as u64);
     assert!(core::mem::size_of::<TensorDesc>() == 40);
     assert!(core::mem::size_of::<ChunkTask>() == 8);
     assert!(core::mem::size_of::<Partial>() == 32);

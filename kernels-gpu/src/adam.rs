@@ -17,7 +17,8 @@
 //! Written once for both backends: the CPU backend calls it per element, the GPU kernel per
 //! thread, so the two produce identical bits.
 
-use crate::abi::{AdamParams, adam_flags};
+use crate::abi::{AdamParams, MAX_STATES, adam_flags};
+use crate::update::{ElementUpdate, cpp_max};
 
 /// The values one update writes back (in opmath; the caller rounds each to its storage dtype).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -139,12 +140,6 @@ pub fn sqrt32(x: f32) -> f32 {
     }
 }
 
-/// `std::max(a, b)` of C++: `b` when `a < b`, else `a` (so a NaN in `a` stays, one in `b` does not).
-#[inline(always)]
-fn cpp_max<T: PartialOrd>(a: T, b: T) -> T {
-    if a < b { b } else { a }
-}
-
 macro_rules! opmath {
     ($t:ty, $step:ident, $update:ident, $sqrt:expr) => {
         /// The step's constants for step count `step` (the count after this step's increment).
@@ -192,6 +187,30 @@ macro_rules! opmath {
                 exp_avg,
                 exp_avg_sq,
                 max_exp_avg_sq,
+            }
+        }
+
+        /// The walk's view: states `[exp_avg, exp_avg_sq, max_exp_avg_sq]`.
+        impl ElementUpdate<$t> for StepScalars<$t> {
+            #[inline(always)]
+            fn update(&self, param: $t, grad: $t, states: &mut [$t; MAX_STATES]) -> $t {
+                let u = $update(self, param, grad, states[0], states[1], states[2]);
+                *states = [u.exp_avg, u.exp_avg_sq, u.max_exp_avg_sq];
+                u.param
+            }
+
+            /// The amsgrad bit made the walk's compile-time count of states (three: amsgrad), so
+            /// that its per-element test folds away.
+            #[inline(always)]
+            fn for_states(self, states: usize) -> Self {
+                StepScalars {
+                    mode: if states == 3 {
+                        self.mode | step_mode::AMSGRAD
+                    } else {
+                        self.mode & !step_mode::AMSGRAD
+                    },
+                    ..self
+                }
             }
         }
 

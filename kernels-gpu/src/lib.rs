@@ -10,8 +10,9 @@
 //! Layout: [`abi`] holds the `#[repr(C)]` types shared with the host, [`dtype`] the element
 //! encodings, [`math`] the exp2/log2 used by general p-norms, [`accum`] the f64 accumulators of
 //! each norm, [`geometry`] how a tensor is cut into block tasks and lanes, [`lane`] the per-thread
-//! loop, [`model`] the host-side reduction trees, [`scale`] the in-place clip arithmetic and
-//! [`adam`] the Adam / AdamW update of one element.
+//! loop, [`model`] the host-side reduction trees, [`scale`] the in-place clip arithmetic; [`update`] is what an optimizer's per-element
+//! arithmetic looks like to the multi-tensor walk that applies it, [`adam`], [`sgd`] and
+//! [`lion`] are the three optimizers' arithmetic.
 #![no_std]
 // Nightly features on the GPU target only: the host build (the CPU backend) is stable Rust.
 #![cfg_attr(target_arch = "nvptx64", allow(internal_features))]
@@ -44,12 +45,15 @@ pub mod dtype;
 pub mod fill;
 pub mod geometry;
 pub mod lane;
+pub mod lion;
 pub mod math;
 pub mod model;
 pub mod scale;
+pub mod sgd;
+pub mod update;
 
 #[cfg(target_arch = "nvptx64")]
-pub mod adam_entry;
+mod apply;
 #[cfg(all(target_arch = "nvptx64", feature = "bench-kernels"))]
 pub mod bench_entry;
 #[cfg(target_arch = "nvptx64")]
@@ -58,6 +62,8 @@ pub mod combine_entry;
 mod device;
 #[cfg(target_arch = "nvptx64")]
 pub mod entry;
+#[cfg(target_arch = "nvptx64")]
+pub mod update_entry;
 
 #[cfg(target_arch = "nvptx64")]
 #[panic_handler]

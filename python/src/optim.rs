@@ -5,7 +5,7 @@
 //! counts included), recognizes the gradients with torch's guards (two C++ calls) or, when they
 //! are new tensors of the same shapes (`zero_grad(set_to_none=True)`), reads only their
 //! addresses, and runs the norm (with a clip) and one update per group: on CUDA the norm kernel
-//! and one Adam launch per group on torch's stream, on the CPU the CPU backend. The checks of a
+//! and one update launch per group on torch's stream, on the CPU the CPU backend. The checks of a
 //! step's tensors (lengths, dtypes, no written part sharing a byte with another) run when its
 //! gradients' addresses change, once ([`StepList`]).
 
@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use gradclip::NormType;
 use gradclip::cpu::Cpu;
-use gradclip::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, StepList};
+use gradclip::optim::{AdamConfig, ClipConfig, LionConfig, NonFinite, Parts, Rule, SgdConfig, StepCount, StepList};
 use gradclip::plan::RawTensor;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
@@ -36,16 +36,25 @@ pub const STEP_TORCH: u8 = 2;
 /// them) and call again; the payload lists them.
 pub const STEP_NEW_STATES: u8 = 3;
 
-/// The state keys a parameter's update reads.
-const KEYS: [&str; 4] = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"];
-
 /// One parameter group as read.
 struct Group {
     params: Vec<Py<PyAny>>,
     /// Each parameter's parts as its update reads them (the gradient each step's own); None: the
     /// parameter has no state yet (it never had a gradient).
     states: Vec<Option<Parts>>,
-    amsgrad: bool,
+    /// The states its rule keeps ([`Rule::states`]), and whether each parameter's own step count
+    /// (`state["step"]`) is read: Adam's bias correction and SGD's first momentum step need it.
+    names: &'static [&'static str],
+    own_step: bool,
+}
+
+/// Whether a rule's parameters step from their own `state["step"]`.
+fn own_step(rule: &Rule) -> bool {
+    match rule {
+        Rule::Adam(_) => true,
+        Rule::Sgd(_) => !rule.states().is_empty(),
+        Rule::Lion(_) => false,
+    }
 }
 
 /// The gradients of the last step, and the checked list they made.
@@ -129,7 +138,8 @@ fn read_at(planner: &Planner, t: &Bound<'_, PyAny>, place: &mut Option<Place>) -
     })
 }
 
-/// The layout of an optimizer's parameter groups (`groups`: `(params, amsgrad)` per group;
+/// The layout of an optimizer's parameter groups (`groups`: `(params, hyper)` per group, `hyper`
+/// as [`optim_step`] takes it;
 /// `state`: the optimizer's state dict, torch's `Optimizer.state`; `local`: the parameters are
 /// DTensors, whose local shards the engine updates); None when the engine does not take them (a
 /// tensor it does not read, a step count that is not one float32 on the parameter's device,
@@ -149,11 +159,13 @@ pub fn step_layout(
     let mut place = None;
     let (mut kept_groups, mut storages, all_params) = (Vec::new(), Vec::new(), PyList::empty(py));
     for g in groups.iter() {
-        let (params, amsgrad): (Bound<'_, PyList>, bool) = g.extract()?;
+        let (params, hyper): (Bound<'_, PyList>, Bound<'_, PyAny>) = g.extract()?;
+        let rule = read_hyper(&hyper)?.rule;
         let mut group = Group {
             params: Vec::with_capacity(params.len()),
             states: Vec::with_capacity(params.len()),
-            amsgrad,
+            names: rule.states(),
+            own_step: own_step(&rule),
         };
         for p in params.iter() {
             let lp = shard(&p, local)?;
@@ -161,15 +173,27 @@ pub fn step_layout(
                 return Ok(None);
             };
             all_params.append(&lp)?;
+            if group.names.is_empty() && !group.own_step {
+                // Nothing of the state dict is read (SGD without momentum).
+                group.params.push(p.unbind());
+                group.states.push(Some(Parts::new(param, param, &[])));
+                continue;
+            }
+            let first_key = group.names.first().copied().unwrap_or("step");
             let st = match state.get_item(&p)? {
-                Some(d) if d.cast::<PyDict>().is_ok_and(|d| d.contains(KEYS[0]).unwrap_or(false)) => d,
+                Some(d)
+                    if d.cast::<PyDict>()
+                        .is_ok_and(|d| d.get_item(first_key).is_ok_and(|t| t.is_some_and(|t| !t.is_none()))) =>
+                {
+                    d
+                }
                 _ => {
                     group.params.push(p.unbind());
                     group.states.push(None);
                     continue;
                 }
             };
-            let Some(st) = read_state(pl, st.cast::<PyDict>()?, param, amsgrad, local, &mut place, &mut storages)? else {
+            let Some(st) = read_state(pl, st.cast::<PyDict>()?, param, &group, local, &mut place, &mut storages)? else {
                 return Ok(None);
             };
             group.params.push(p.unbind());
@@ -251,48 +275,50 @@ fn same_states_prefix(state: &Bound<'_, PyDict>, kept: &[StateEntry]) -> bool {
     })
 }
 
-/// One parameter's state as the update reads it (its dict `d`, from torch's `_init_group`); None
-/// when the engine does not take it (a tensor it does not read, a step count that is not one
-/// float32 where the parameter is). Each tensor's storage is pushed to `storages`.
+/// One parameter's state as `group`'s update reads it (its dict `d`: the states its rule keeps,
+/// by name, and with an own step count `state["step"]`); None when the engine does not take it (a
+/// state missing or that it does not read, a step count that is not one float32 where the
+/// parameter is). Each tensor's storage is pushed to `storages`.
 fn read_state(
     planner: &Planner,
     d: &Bound<'_, PyDict>,
     param: RawTensor,
-    amsgrad: bool,
+    group: &Group,
     local: bool,
     place: &mut Option<Place>,
     storages: &mut Vec<Py<PyAny>>,
 ) -> PyResult<Option<Parts>> {
     let py = d.py();
-    let mut raw = Vec::with_capacity(KEYS.len());
-    for (k, key) in KEYS.iter().enumerate() {
-        let want = k != 2 || amsgrad;
-        match d.get_item(key)?.filter(|_| want) {
-            Some(t) => {
-                // A fused optimizer's step count is a plain tensor even for DTensors.
-                let lt = if k == 3 { t.clone() } else { shard(&t, local)? };
-                let Some(r) = read_at(planner, &lt, place)? else {
-                    return Ok(None);
-                };
-                storages.push(lt.call_method0(intern!(py, "untyped_storage"))?.unbind());
-                raw.push(Some(r));
-            }
-            None if want => return Ok(None),
-            None => raw.push(None),
-        }
-    }
-    let step = raw[3].filter(|s| s.len == 1 && s.dtype == gradclip::DType::F32);
-    let (Some(exp_avg), Some(exp_avg_sq), Some(step)) = (raw[0], raw[1], step) else {
-        return Ok(None);
+    let mut read = |t: Bound<'_, PyAny>, own: bool| -> PyResult<Option<RawTensor>> {
+        // A fused optimizer's step count is a plain tensor even for DTensors.
+        let lt = if own { t } else { shard(&t, local)? };
+        let Some(r) = read_at(planner, &lt, place)? else {
+            return Ok(None);
+        };
+        storages.push(lt.call_method0(intern!(py, "untyped_storage"))?.unbind());
+        Ok(Some(r))
     };
-    Ok(Some(Parts {
-        param,
-        grad: param, // each step's own
-        exp_avg,
-        exp_avg_sq,
-        max_exp_avg_sq: raw[2],
-        step: Some(step),
-    }))
+    let mut states = Vec::with_capacity(group.names.len());
+    for key in group.names {
+        let Some(t) = d.get_item(key)?.filter(|t| !t.is_none()) else {
+            return Ok(None);
+        };
+        let Some(r) = read(t, false)? else {
+            return Ok(None);
+        };
+        states.push(r);
+    }
+    let mut parts = Parts::new(param, param, &states); // the gradient: each step's own
+    if group.own_step {
+        let Some(t) = d.get_item("step")? else {
+            return Ok(None);
+        };
+        let Some(step) = read(t, true)?.filter(|s| s.len == 1 && s.dtype == gradclip::DType::F32) else {
+            return Ok(None);
+        };
+        parts.step = Some(step);
+    }
+    Ok(Some(parts))
 }
 
 /// Why a step cannot use the kept layout or the engine.
@@ -330,7 +356,7 @@ impl Kept {
             let Some(param) = read_at(planner, &param, &mut place)? else {
                 return Ok(false);
             };
-            match read_state(planner, dict, param, group.amsgrad, local, &mut place, &mut storages)? {
+            match read_state(planner, dict, param, group, local, &mut place, &mut storages)? {
                 Some(st) => added.push((g, i, st)),
                 None => return Ok(false),
             }
@@ -493,7 +519,7 @@ impl Kept {
     /// checks (a gradient that shares memory with a parameter or state, say): torch's step.
     fn list_of(groups: &[Group], mask: &[bool], grads: &[RawTensor]) -> Option<StepList> {
         let (mut at, mut next) = (0, grads.iter());
-        let groups: Vec<(Vec<Parts>, bool)> = groups
+        let groups: Vec<(Vec<Parts>, &'static [&'static str])> = groups
             .iter()
             .map(|g| {
                 let parts = g
@@ -511,7 +537,7 @@ impl Kept {
                         .flatten()
                     })
                     .collect();
-                (parts, g.amsgrad)
+                (parts, g.names)
             })
             .collect();
         StepList::new(&groups).ok()
@@ -520,35 +546,54 @@ impl Kept {
 
 /// One group's settings for a step.
 struct Hyper {
-    cfg: AdamConfig,
+    rule: Rule,
     /// The address of the group's two int64 (steps, skipped) on the tensors' device.
     count: u64,
     /// The address of a float64 learning rate on the tensors' device (a tensor `lr`), or 0.
     lr_in: u64,
 }
 
-/// `(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, count,
-/// lr_in)`.
+/// `(kind, lr, (h0, h1, h2, h3), (b0, b1, b2), count, lr_in)`, by `kind`:
+/// - `"adam"`: h = (beta1, beta2, eps, weight_decay), b = (amsgrad, maximize, decoupled);
+/// - `"sgd"`: h = (momentum, dampening, weight_decay, _), b = (nesterov, maximize, _);
+/// - `"lion"`: h = (beta1, beta2, weight_decay, _), b = (maximize, _, _).
 fn read_hyper(h: &Bound<'_, PyAny>) -> PyResult<Hyper> {
-    type Tuple = (f64, f64, f64, f64, f64, bool, bool, bool, u64, u64);
-    let (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, count, lr_in): Tuple = h.extract()?;
-    if count == 0 || !count.is_multiple_of(8) {
+    type Tuple = (String, f64, (f64, f64, f64, f64), (bool, bool, bool), u64, u64);
+    let (kind, lr, (h0, h1, h2, h3), (b0, b1, b2), count, lr_in): Tuple = h.extract()?;
+    if !count.is_multiple_of(8) {
         return Err(PyValueError::new_err("the step count must be an int64 tensor of two elements"));
     }
     if !lr_in.is_multiple_of(8) {
         return Err(PyValueError::new_err("a tensor learning rate must be passed as a float64 tensor"));
     }
-    let cfg = AdamConfig {
-        lr,
-        betas: (beta1, beta2),
-        eps,
-        weight_decay,
-        amsgrad,
-        maximize,
-        decoupled_weight_decay: decoupled,
+    let rule = match kind.as_str() {
+        "adam" => Rule::Adam(AdamConfig {
+            lr,
+            betas: (h0, h1),
+            eps: h2,
+            weight_decay: h3,
+            amsgrad: b0,
+            maximize: b1,
+            decoupled_weight_decay: b2,
+        }),
+        "sgd" => Rule::Sgd(SgdConfig {
+            lr,
+            momentum: h0,
+            dampening: h1,
+            weight_decay: h2,
+            nesterov: b0,
+            maximize: b1,
+        }),
+        "lion" => Rule::Lion(LionConfig {
+            lr,
+            betas: (h0, h1),
+            weight_decay: h2,
+            maximize: b0,
+        }),
+        other => return Err(PyValueError::new_err(format!("unknown optimizer {other:?}: adam, sgd or lion"))),
     };
-    cfg.params().map_err(to_py)?;
-    Ok(Hyper { cfg, count, lr_in })
+    rule.validate().map_err(to_py)?;
+    Ok(Hyper { rule, count, lr_in })
 }
 
 /// The clip of a step: `(max_norm, p, nonfinite)`.
@@ -574,7 +619,7 @@ fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>>
     }))
 }
 
-/// One Adam / AdamW step over an optimizer's parameter groups (`groups`: its `param_groups`,
+/// One optimizer step (Adam / AdamW, SGD or Lion: each group's hyper says) over an optimizer's parameter groups (`groups`: its `param_groups`,
 /// read as the layout was made; `hypers`: one [`read_hyper`] tuple per group), on CUDA on
 /// `stream`, on the CPU with the CPU backend. `clip` = (max_norm, p, nonfinite) or None: the norm
 /// over every gradient (on CUDA to the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the
@@ -623,7 +668,10 @@ pub fn optim_step(
         Err(Miss::Torch) => return Ok((STEP_TORCH, None)),
         Err(Miss::NewStates(params)) => return Ok((STEP_NEW_STATES, Some(PyList::new(py, params)?.into_any().unbind()))),
     };
-    if hypers.len() != list.groups() || hypers.iter().enumerate().any(|(i, h)| h.cfg.amsgrad != list.group(i).1) {
+    if hypers.iter().any(|h| h.count == 0) {
+        return Err(PyValueError::new_err("the step count must be an int64 tensor of two elements"));
+    }
+    if hypers.len() != list.groups() || hypers.iter().enumerate().any(|(i, h)| h.rule.states() != list.group(i).1) {
         return Ok((STEP_RELAYOUT, None));
     }
     let place = kept.place;
@@ -667,7 +715,7 @@ fn run_step(
                         }
                         let factor = e.update_factor_raw(norm_out, clip.as_ref(), loss_scale)?;
                         for (i, h) in hypers.iter().enumerate() {
-                            e.adam_update_list_raw(list, i, &h.cfg, h.count, factor, h.lr_in, found_inf)?;
+                            e.update_list_raw(list, i, &h.rule, h.count, factor, h.lr_in, found_inf)?;
                         }
                         Ok((STEP_DONE, None))
                     }
@@ -699,17 +747,20 @@ fn run_step(
                     // The GPU kernel's factor and skip, on the host.
                     let (verdict, factor) = cpu.step_verdict(norm, clip.as_ref(), scale, overflow)?;
                     // Every group's learning rate (a tensor's read here) checked before any update.
-                    let cfgs: Vec<AdamConfig> = hypers
+                    let rules: Vec<Rule> = hypers
                         .iter()
-                        .map(|h| AdamConfig {
-                            lr: if h.lr_in == 0 { h.cfg.lr } else { (h.lr_in as *const f64).read() },
-                            ..h.cfg
+                        .map(|h| {
+                            if h.lr_in == 0 {
+                                h.rule
+                            } else {
+                                h.rule.with_lr((h.lr_in as *const f64).read())
+                            }
                         })
                         .collect();
-                    for c in &cfgs {
-                        c.params()?;
+                    for r in &rules {
+                        r.validate()?;
                     }
-                    for (i, (h, cfg)) in hypers.iter().zip(cfgs).enumerate() {
+                    for (i, (h, rule)) in hypers.iter().zip(rules).enumerate() {
                         let words = h.count as *mut u64;
                         let mut count = StepCount {
                             steps: words.read(),
@@ -718,7 +769,7 @@ fn run_step(
                         if verdict.skipped {
                             count.skipped += 1;
                         } else {
-                            cpu.adam_update_list_raw(list, i, &cfg, &mut count, factor)?;
+                            cpu.update_list_raw(list, i, &rule, &mut count, factor)?;
                         }
                         words.write(count.steps);
                         words.add(1).write(count.skipped);

@@ -408,11 +408,11 @@ def test_native_step_reads_groups_and_refuses_bad_input():
     ps[0].grad = torch.ones(4)
     opt._init_group(opt.param_groups[0], [], [], [], [], [], [])
     strided = [torch.nn.Parameter(torch.zeros(8)[::2])]
-    assert _native.step_layout(_PLANNER, {}, [(strided, False)], False) is None
-    layout = _native.step_layout(_PLANNER, opt.state, [(ps, False)], False)
+    hyper = ("adam", 1e-3, (0.9, 0.999, 1e-8, 0.01), (False, False, True))
+    assert _native.step_layout(_PLANNER, {}, [(strided, hyper + (0, 0))], False) is None
+    layout = _native.step_layout(_PLANNER, opt.state, [(ps, hyper + (0, 0))], False)
     assert layout is not None
     count = torch.zeros(2, dtype=torch.int64)
-    hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01, False, False, True)
     groups = opt.param_groups
     # ps[1] has no state yet: its first gradient is reported (torch makes the state), nothing written.
     ps[1].grad = torch.ones(3)
@@ -421,7 +421,7 @@ def test_native_step_reads_groups_and_refuses_bad_input():
     ps[1].grad = None
     with pytest.raises(ValueError, match="step count"):
         _native.optim_step(layout, groups, [hyper + (0, 0)], 0, (1.0, 2.0, "skip"), 0)
-    with pytest.raises(ValueError, match="length 10"):
+    with pytest.raises(ValueError, match="length 6"):
         _native.optim_step(layout, groups, [hyper], 0, None, 0)
     # A learning rate tensor read from memory is checked before anything is written.
     negative = torch.tensor(-1.0, dtype=torch.float64)

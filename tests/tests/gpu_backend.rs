@@ -1245,7 +1245,7 @@ fn graph_capture_patterns(_: &Gpu) -> TestResult {
 fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
     use gradclip::optim::{AdamConfig, ClipConfig, Parts, StepCount};
     use gradclip::plan::RawTensor;
-    let cfg = AdamConfig::adamw(1e-2);
+    let cfg = gradclip::optim::Rule::Adam(AdamConfig::adamw(1e-2));
     let clip = ClipConfig::new(0.05);
     let (mut host, dev) = adam_parts_on_both(gpu, 123);
     let mut host_steps: Vec<f32> = (0..host.len()).map(|i| (i * 3 % 7) as f32).collect();
@@ -1259,12 +1259,8 @@ fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
             .iter_mut()
             .zip(host_steps.iter_mut())
             .map(|([p, g, m, v, _], c)| Parts {
-                param: p.host_mut().raw(),
-                grad: g.host().raw(),
-                exp_avg: m.host_mut().raw(),
-                exp_avg_sq: v.host_mut().raw(),
-                max_exp_avg_sq: None,
                 step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+                ..Parts::adam(p.host_mut().raw(), g.host().raw(), m.host_mut().raw(), v.host_mut().raw(), None)
             })
             .collect();
         let steps_at = dev_steps.device_ptr(&gpu.stream).0;
@@ -1272,22 +1268,22 @@ fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
             .iter()
             .enumerate()
             .map(|(i, d)| Parts {
-                param: d[0].raw(&gpu.stream),
-                grad: d[1].raw(&gpu.stream),
-                exp_avg: d[2].raw(&gpu.stream),
-                exp_avg_sq: d[3].raw(&gpu.stream),
-                max_exp_avg_sq: None,
                 step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
+                ..Parts::adam(
+                    d[0].raw(&gpu.stream),
+                    d[1].raw(&gpu.stream),
+                    d[2].raw(&gpu.stream),
+                    d[3].raw(&gpu.stream),
+                    None,
+                )
             })
             .collect();
         // SAFETY: the host parts are the live vectors above, used by nothing else during the call;
         // the device parts, counts and output live device memory of the stream's context.
         unsafe {
-            Cpu::new()
-                .adam_step_raw(&host_parts, &cfg, &mut count, Some(&clip), 1.0, false)
-                .unwrap();
+            Cpu::new().step_raw(&host_parts, &cfg, &mut count, Some(&clip), 1.0, false).unwrap();
             engine
-                .adam_step_raw(
+                .step_raw(
                     &dev_parts,
                     &cfg,
                     dev_count.device_ptr(&gpu.stream).0,
@@ -1305,6 +1301,102 @@ fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
         ensure(host_steps[1] == (3 + step) as f32, || {
             format!("step {step}: {host_steps:?} not advanced")
         })?;
+    }
+    Ok(())
+}
+
+/// SGD and Lion on the one spine: the GPU's step (norm kernel + the rule's update kernel) equals
+/// the CPU backend's bit for bit over three steps, for every dtype mix and each option, with and
+/// without an active clip; SGD's parameters step from their own counts (the first momentum step
+/// takes the gradient as the buffer), which both backends advance.
+fn sgd_and_lion_equal_cpu_bits(gpu: &Gpu) -> TestResult {
+    use gradclip::optim::{ClipConfig, LionConfig, Parts, Rule, SgdConfig, StepCount};
+    use gradclip::plan::RawTensor;
+    let sgd = SgdConfig::new(0.1);
+    let rules = [
+        Rule::Sgd(sgd),
+        Rule::Sgd(SgdConfig { momentum: 0.9, ..sgd }),
+        Rule::Sgd(SgdConfig {
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 1e-2,
+            ..sgd
+        }),
+        Rule::Sgd(SgdConfig {
+            momentum: 0.5,
+            nesterov: true,
+            weight_decay: 1e-2,
+            maximize: true,
+            ..sgd
+        }),
+        Rule::Lion(LionConfig {
+            weight_decay: 0.1,
+            ..LionConfig::new(1e-3)
+        }),
+        Rule::Lion(LionConfig {
+            maximize: true,
+            ..LionConfig::new(1e-3)
+        }),
+    ];
+    for (ri, rule) in rules.iter().enumerate() {
+        for clip in [None, Some(ClipConfig::new(0.05))] {
+            let (mut host, dev) = adam_parts_on_both(gpu, 300 + ri as u64);
+            let mut host_steps: Vec<f32> = (0..host.len()).map(|i| (i % 2) as f32).collect();
+            let dev_steps = gpu.stream.clone_htod(&host_steps).unwrap();
+            let dev_count = gpu.stream.clone_htod(&[0u64, 0]).unwrap();
+            let dev_norm = gpu.stream.alloc_zeros::<f64>(3).unwrap();
+            let mut count = StepCount::default();
+            let mut engine = gpu.engine();
+            let n_states = rule.states().len();
+            for step in 1..=3 {
+                let host_parts: Vec<Parts> = host
+                    .iter_mut()
+                    .zip(host_steps.iter_mut())
+                    .map(|([p, g, m, _, _], c)| Parts {
+                        step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+                        ..Parts::new(p.host_mut().raw(), g.host().raw(), &[m.host_mut().raw()][..n_states])
+                    })
+                    .collect();
+                let steps_at = dev_steps.device_ptr(&gpu.stream).0;
+                let dev_parts: Vec<Parts> = dev
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| Parts {
+                        step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
+                        ..Parts::new(d[0].raw(&gpu.stream), d[1].raw(&gpu.stream), &[d[2].raw(&gpu.stream)][..n_states])
+                    })
+                    .collect();
+                // SAFETY: the host parts are the live vectors above, used by nothing else during
+                // the call; the device parts, counts and output live device memory of the stream's
+                // context.
+                let rep = unsafe {
+                    let rep = Cpu::new()
+                        .step_raw(&host_parts, rule, &mut count, clip.as_ref(), 1.0, false)
+                        .unwrap();
+                    engine
+                        .step_raw(
+                            &dev_parts,
+                            rule,
+                            dev_count.device_ptr(&gpu.stream).0,
+                            clip.as_ref(),
+                            dev_norm.device_ptr(&gpu.stream).0,
+                            &gradclip::gpu::DeviceStepInputs::default(),
+                        )
+                        .unwrap();
+                    rep
+                };
+                let what = format!("rule {ri} ({rule:?}) clip {} step {step}", clip.is_some());
+                ensure_adam_parts_equal(gpu, &host, &dev, &what)?;
+                let got = gpu.stream.clone_dtoh(&dev_steps).unwrap();
+                ensure(got == host_steps && host_steps[0] == step as f32, || {
+                    format!("{what}: own counts {got:?} vs the CPU's {host_steps:?}")
+                })?;
+                if let Some(n) = rep.norm {
+                    let g = gpu.stream.clone_dtoh(&dev_norm).unwrap();
+                    ensure(same_bits(g[0], n), || format!("{what}: norm {} vs {n}", g[0]))?;
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -1329,6 +1421,7 @@ fn main() {
         ("graph_capture_patterns_replay_like_eager", graph_capture_patterns),
         ("adam_device_inputs_equal_cpu_bits", adam_device_inputs_equal_cpu_bits),
         ("adam_own_step_counts_equal_cpu_bits", adam_own_step_counts_equal_cpu_bits),
+        ("sgd_and_lion_equal_cpu_bits", sgd_and_lion_equal_cpu_bits),
         ("nccl_one_rank_all_reduce_and_sharded_clip", nccl_one_rank),
     ];
     // Tests that need two GPUs: reported as ignored on one.

@@ -248,7 +248,16 @@ fn refused_inputs_write_nothing() {
     let mut t = views(&mut s, false);
     t[0].max_exp_avg_sq = None;
     let e = Cpu::new().adam_step(&mut t, &AdamConfig { amsgrad: true, ..c }, &mut count, None);
-    assert!(matches!(e, Err(Error::MissingMaxExpAvgSq { index: 0 })), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            Err(Error::MissingState {
+                index: 0,
+                state: "max_exp_avg_sq"
+            })
+        ),
+        "{e:?}"
+    );
     drop(t);
     for bad in [
         AdamConfig { lr: -1.0, ..c },
@@ -377,12 +386,14 @@ fn raw_parts(s: &mut Slot<f32, f32>, step: Option<&mut f32>) -> gradclip::optim:
     use gradclip::plan::RawTensor;
     let n = s.param.len();
     gradclip::optim::Parts {
-        param: RawTensor::of::<f32>(s.param.as_mut_ptr() as u64, n),
-        grad: RawTensor::of::<f32>(s.grad.as_mut_ptr() as u64, n),
-        exp_avg: RawTensor::of::<f32>(s.m.as_mut_ptr() as u64, n),
-        exp_avg_sq: RawTensor::of::<f32>(s.v.as_mut_ptr() as u64, n),
-        max_exp_avg_sq: None,
         step: step.map(|c| RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+        ..gradclip::optim::Parts::adam(
+            RawTensor::of::<f32>(s.param.as_mut_ptr() as u64, n),
+            RawTensor::of::<f32>(s.grad.as_mut_ptr() as u64, n),
+            RawTensor::of::<f32>(s.m.as_mut_ptr() as u64, n),
+            RawTensor::of::<f32>(s.v.as_mut_ptr() as u64, n),
+            None,
+        )
     }
 }
 
@@ -392,7 +403,7 @@ fn raw_parts(s: &mut Slot<f32, f32>, step: Option<&mut f32>) -> gradclip::optim:
 /// one, a skipped step none.
 #[test]
 fn own_step_counts_keep_each_parameters_bias_correction() {
-    let cfg = AdamConfig::adamw(1e-2);
+    let cfg = gradclip::optim::Rule::Adam(AdamConfig::adamw(1e-2));
     let cpu = Cpu::new();
     let clip = ClipConfig::new(1e9);
     let (mut together, mut alone) = (slots::<f32, f32>(7, &[1000, 300]), slots::<f32, f32>(7, &[1000, 300]));
@@ -403,13 +414,13 @@ fn own_step_counts_keep_each_parameters_bias_correction() {
     ];
     let mut count = StepCount { steps: 9, skipped: 0 };
     // SAFETY: the slots and counts are live and used by nothing else during the calls.
-    unsafe { cpu.adam_step_raw(&parts, &cfg, &mut count, Some(&clip), 1.0, false) }.unwrap();
+    unsafe { cpu.step_raw(&parts, &cfg, &mut count, Some(&clip), 1.0, false) }.unwrap();
     assert_eq!((own_a, own_b, count.steps), (5.0, 2.0, 10));
     for (i, start) in [(0usize, 4u64), (1, 1)] {
         let p = [raw_parts(&mut alone[i], None)];
         let mut c = StepCount { steps: start, skipped: 0 };
         // SAFETY: as above.
-        unsafe { cpu.adam_update_raw(&p, &cfg, &mut c, 1.0) }.unwrap();
+        unsafe { cpu.update_raw(&p, &cfg, &mut c, 1.0) }.unwrap();
         let bits = |s: &Slot<f32, f32>| [&s.param, &s.m, &s.v].map(|x| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         assert_eq!(bits(&together[i]), bits(&alone[i]), "parameter {i}");
     }
@@ -419,7 +430,7 @@ fn own_step_counts_keep_each_parameters_bias_correction() {
         raw_parts(&mut together[1], Some(&mut own_b)),
     ];
     // SAFETY: as above.
-    let r = unsafe { cpu.adam_step_raw(&parts, &cfg, &mut count, Some(&clip), 1.0, true) }.unwrap();
+    let r = unsafe { cpu.step_raw(&parts, &cfg, &mut count, Some(&clip), 1.0, true) }.unwrap();
     assert!(r.skipped);
     assert_eq!((own_a, own_b, count.skipped), (5.0, 2.0, 1));
 }
@@ -433,12 +444,13 @@ fn wrong_parts_are_named() {
     let mut steps = [0.0f32; 2];
     let mut p = raw_parts(&mut s[0], None);
     p.step = Some(gradclip::plan::RawTensor::of::<f32>(steps.as_mut_ptr() as u64, 2));
-    let e = gradclip::optim::check(&[p], false).unwrap_err();
+    let adamw = gradclip::optim::Rule::Adam(AdamConfig::adamw(1e-3));
+    let e = gradclip::optim::check(&[p], &adamw).unwrap_err();
     assert!(matches!(e, Error::OptimizerStep { index: 0, len: 2, .. }), "{e}");
     let mut wide = vec![0.0f64; 16];
     let mut p = raw_parts(&mut s[0], None);
-    p.exp_avg = gradclip::plan::RawTensor::of::<f64>(wide.as_mut_ptr() as u64, 16);
-    let e = gradclip::optim::check(&[p], false).unwrap_err();
+    p.states[0] = Some(gradclip::plan::RawTensor::of::<f64>(wide.as_mut_ptr() as u64, 16));
+    let e = gradclip::optim::check(&[p], &adamw).unwrap_err();
     assert!(
         matches!(
             e,

@@ -74,8 +74,8 @@ pub struct GpuEngine {
     ws: OwnWorkspace,
     external: Option<ExternalWorkspace>,
     uploaded: Option<Uploaded>,
-    /// The optimizer's tables ([`super::adam`]).
-    pub(super) adam: super::adam::AdamUpload,
+    /// The optimizer's tables ([`super::step`]).
+    pub(super) updates: super::step::UpdateUpload,
     /// One f64 for the sharded clip's cross-rank combine ([`super::sharded`]), allocated with
     /// the engine so that a sharded clip can be captured.
     pub(super) partial: CudaSlice<f64>,
@@ -92,7 +92,7 @@ impl GpuEngine {
             ws: OwnWorkspace::default(),
             external: None,
             uploaded: None,
-            adam: Default::default(),
+            updates: Default::default(),
             partial,
         })
     }

@@ -2,11 +2,12 @@
 //! lists what the caller ([`super::engine`]) must have established.
 
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
-use gradclip_kernels::abi::{AdamParams, BLOCK_SMEM_BYTES, BLOCK_THREADS, NormParams, WARP_THREADS};
+use gradclip_kernels::abi::{BLOCK_SMEM_BYTES, BLOCK_THREADS, NormParams, WARP_THREADS};
 
 use super::kernels::{Kernel, KernelSet};
 use crate::error::Result;
 use crate::norm::NormType;
+use crate::optim::KernelArgs;
 
 /// Device addresses of one plan's tables.
 #[derive(Clone, Copy, Debug)]
@@ -108,8 +109,8 @@ pub unsafe fn scale(stream: &CudaStream, ks: &KernelSet, t: &Tables, num_tasks: 
 
 /// Device addresses of the optimizer's tables.
 #[derive(Clone, Copy, Debug)]
-pub struct AdamTables {
-    /// `num_tensors` [`gradclip_kernels::abi::AdamTensorDesc`]s.
+pub struct UpdateTables {
+    /// `num_tensors` [`gradclip_kernels::abi::UpdateTensorDesc`]s.
     pub tensors: u64,
     /// `num_tasks` [`gradclip_kernels::abi::ChunkTask`]s.
     pub tasks: u64,
@@ -117,35 +118,39 @@ pub struct AdamTables {
     pub counter: u64,
 }
 
-/// Launches the Adam kernel: one block per task (one block when `num_tasks == 0`).
+/// Launches an optimizer kernel (`kernel`: [`Kernel::Adam`], [`Kernel::Sgd`] or
+/// [`Kernel::Lion`], which take the same arguments): one block per task (one block when
+/// `num_tasks == 0`).
 ///
 /// # Safety
-/// `t` holds a plan of `num_tasks` tasks over `num_tensors` parameters uploaded on `stream` (or ordered before it) whose parts
-/// are live device memory of the stream's context of their lengths and dtypes, the written parts
-/// pairwise disjoint and disjoint from the gradients, until the launch completes; `t.counter` is
-/// zero; `count` (an [`gradclip_kernels::abi::AdamCount`]) and `norm` (a NormOutput, or 0 for
-/// no clip) are device memory of the context written before on the stream.
+/// `t` holds a plan of `num_tasks` tasks over `num_tensors` parameters uploaded on `stream` (or
+/// ordered before it) whose parts (the states the kernel's optimizer keeps present) are live
+/// device memory of the stream's context of their lengths and dtypes, the written parts pairwise
+/// disjoint and disjoint from the gradients, until the launch completes; `t.counter` is zero;
+/// `count` (an [`gradclip_kernels::abi::UpdateCount`]) and `norm` (a NormOutput, or 0 for no
+/// clip) are device memory of the context written before on the stream.
 // The kernel's inputs, passed through one by one as its signature lists them.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn adam(
+pub unsafe fn update(
     stream: &CudaStream,
     ks: &KernelSet,
-    t: &AdamTables,
+    kernel: Kernel,
+    t: &UpdateTables,
     num_tasks: u64,
     num_tensors: u64,
     count: u64,
     norm: u64,
-    h: &AdamParams,
+    h: &KernelArgs,
     lr_in: u64,
     found_inf: u64,
 ) -> Result<()> {
-    let mut b = stream.launch_builder(ks.get(Kernel::Adam));
+    let mut b = stream.launch_builder(ks.get(kernel));
     b.arg(&t.tensors).arg(&t.tasks).arg(&t.counter).arg(&count).arg(&norm);
     b.arg(&h.lr)
-        .arg(&h.beta1)
-        .arg(&h.beta2)
-        .arg(&h.eps)
-        .arg(&h.weight_decay)
+        .arg(&h.h[0])
+        .arg(&h.h[1])
+        .arg(&h.h[2])
+        .arg(&h.h[3])
         .arg(&h.flags)
         .arg(&num_tasks)
         .arg(&lr_in)
@@ -162,15 +167,15 @@ pub unsafe fn adam(
     Ok(())
 }
 
-/// `gradclip_adam_loss_scale`: the NormOutput at `out` gets the factor of a loss-scaled step
+/// `gradclip_loss_scale`: the NormOutput at `out` gets the factor of a loss-scaled step
 /// (one thread).
 ///
 /// # Safety
 /// `loss_scale` is one f32 of device memory of the context written before on the stream, `out`
 /// a NormOutput of it (written before on the stream when `clip`).
-pub unsafe fn adam_loss_scale(stream: &CudaStream, ks: &KernelSet, out: u64, loss_scale: u64, max_norm: f64, clip: bool) -> Result<()> {
+pub unsafe fn loss_scale(stream: &CudaStream, ks: &KernelSet, out: u64, loss_scale: u64, max_norm: f64, clip: bool) -> Result<()> {
     let clip = u32::from(clip);
-    let mut b = stream.launch_builder(ks.get(Kernel::AdamLossScale));
+    let mut b = stream.launch_builder(ks.get(Kernel::LossScale));
     b.arg(&out).arg(&loss_scale).arg(&max_norm).arg(&clip);
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
     unsafe { b.launch(ONE_THREAD) }?;

@@ -5,12 +5,12 @@
 //!   calls [`launch`], saying at each call which check covers which precondition.
 //!
 //! The engine's capabilities beyond the norm and clip live in their own modules, as `impl
-//! GpuEngine` blocks: the optimizer step (`adam`: [`DeviceAdamTensor`], [`DeviceStepCount`]) and
+//! GpuEngine` blocks: the optimizer step of every rule (`step`: [`DeviceStepTensor`],
+//! [`DeviceAdamTensor`], [`DeviceStepCount`]) and
 //! the sharded clip (`sharded`, over the [`comm`] communicators). [`buffers`] adapts cudarc's
 //! typed device buffers; `tools` (with the `bench-kernels` feature only) holds the fill,
 //! streaming-read and eager-baseline launches that tests and benchmarks use.
 
-mod adam;
 pub mod buffers;
 mod capture;
 pub mod comm;
@@ -20,12 +20,12 @@ pub mod kernels;
 pub mod launch;
 mod output;
 mod sharded;
+mod step;
 #[cfg(feature = "bench-kernels")]
 pub mod tools;
 mod words;
 mod workspace;
 
-pub use adam::{DeviceAdamTensor, DeviceInputs, DeviceStepCount, DeviceStepInputs};
 pub use buffers::{DeviceGrad, DeviceGradMut};
 pub use capture::graph_tables_live;
 pub use comm::{Communicator, Reduce};
@@ -35,6 +35,7 @@ pub use device_norm::DeviceNorm;
 pub use engine::{Coefficient, GpuEngine};
 pub use output::{NewNorm, Output, RawOutput};
 pub use sharded::ShardGroup;
+pub use step::{DeviceAdamTensor, DeviceInputs, DeviceStepCount, DeviceStepInputs, DeviceStepTensor};
 pub use workspace::{ExternalWorkspace, workspace_bytes};
 
 /// True when the CUDA driver library loads and reports at least one device.

@@ -1,13 +1,16 @@
 //! The CPU step: the global norm with the CPU backend, then every element's update in parallel
-//! (rayon), each with the kernels' per-element arithmetic.
+//! (rayon), each with the kernels' per-element arithmetic of its [`Rule`] (the GPU's bits).
 
-use gradclip_kernels::abi::AdamParams;
+use gradclip_kernels::abi::{AdamParams, LionParams, MAX_STATES, SgdParams};
 use gradclip_kernels::accum::clip_coefficient;
-use gradclip_kernels::adam::{StepScalars, step_scalars_f32, step_scalars_f64, update_f32, update_f64};
+use gradclip_kernels::adam::{step_scalars_f32, step_scalars_f64};
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
+use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
+use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
+use gradclip_kernels::update::ElementUpdate;
 use rayon::prelude::*;
 
-use super::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, Parts, StepCount, StepList, StepReport, check_clip};
+use super::{AdamConfig, ClipConfig, HostAdamTensor, HostStepTensor, NonFinite, Parts, Rule, StepCount, StepList, StepReport, check_clip};
 use crate::cpu::Cpu;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -25,6 +28,24 @@ struct Piece {
     end: u64,
     /// The step number this update takes (its parameter's count + 1).
     step: f64,
+}
+
+/// A rule's checked hyperparameters, as its arithmetic takes them.
+#[derive(Clone, Copy)]
+enum Checked {
+    Adam(AdamParams),
+    Sgd(SgdParams),
+    Lion(LionParams),
+}
+
+impl Checked {
+    fn of(rule: &Rule) -> Result<Self> {
+        Ok(match rule {
+            Rule::Adam(c) => Checked::Adam(c.params()?),
+            Rule::Sgd(c) => Checked::Sgd(c.params()?),
+            Rule::Lion(c) => Checked::Lion(c.params()?),
+        })
+    }
 }
 
 impl Cpu {
@@ -79,28 +100,75 @@ impl Cpu {
         let parts: Vec<Parts> = tensors.iter().map(HostAdamTensor::parts).collect();
         // SAFETY: the parts are the borrows `tensors` holds for this call (`&mut` for the written
         // ones, so no written part overlaps another).
-        unsafe { self.adam_step_raw(&parts, cfg, count, clip, loss_scale, found_inf) }
+        unsafe { self.step_raw(&parts, &Rule::Adam(*cfg), count, clip, loss_scale, found_inf) }
     }
 
-    /// [`Cpu::adam_step_loss_scaled`] over host addresses (a loss scale of 1 and no overflow:
-    /// [`Cpu::adam_step`]): the gradients' norm (with a clip), [`Cpu::step_verdict`], then
-    /// [`Cpu::adam_update_raw`] unless the step is skipped.
+    /// One step of any [`Rule`] (Adam / AdamW, SGD, Lion) over `tensors` (each with the rule's
+    /// states, [`Rule::states`]), clipping as [`Cpu::adam_step`] does; the gradients are not
+    /// written. `count` is advanced (or its `skipped` count). Nothing is written when an error is
+    /// returned.
+    ///
+    /// ```
+    /// use gradclip::{cpu::{Cpu, HostGrad, HostGradMut}, optim::{ClipConfig, HostStepTensor, SgdConfig, StepCount}};
+    /// let (mut w, g, mut buf) = (vec![1.0f32; 4], vec![3.0f32; 4], vec![0.0f32; 4]);
+    /// let mut t = [HostStepTensor {
+    ///     param: HostGradMut::from(&mut w[..]),
+    ///     grad: HostGrad::from(&g[..]),
+    ///     states: vec![HostGradMut::from(&mut buf[..])],
+    /// }];
+    /// let sgd = SgdConfig { momentum: 0.9, ..SgdConfig::new(0.1) };
+    /// let r = Cpu::new().step(&mut t, &sgd.into(), &mut StepCount::default(), Some(&ClipConfig::new(3.0)))?;
+    /// // Norm 6 clipped to 3: every gradient halved (to within the clip's 1e-6), the first
+    /// // momentum step takes it as the buffer.
+    /// assert_eq!(r.norm, Some(6.0));
+    /// assert!((buf[0] - 1.5).abs() < 1e-5 && (w[0] - 0.85).abs() < 1e-6);
+    /// # Ok::<(), gradclip::Error>(())
+    /// ```
+    pub fn step(
+        &self,
+        tensors: &mut [HostStepTensor<'_>],
+        rule: &Rule,
+        count: &mut StepCount,
+        clip: Option<&ClipConfig>,
+    ) -> Result<StepReport> {
+        self.step_loss_scaled(tensors, rule, count, clip, 1.0, false)
+    }
+
+    /// [`Cpu::step`] for gradients that carry a loss scale, as [`Cpu::adam_step_loss_scaled`].
+    pub fn step_loss_scaled(
+        &self,
+        tensors: &mut [HostStepTensor<'_>],
+        rule: &Rule,
+        count: &mut StepCount,
+        clip: Option<&ClipConfig>,
+        loss_scale: f64,
+        found_inf: bool,
+    ) -> Result<StepReport> {
+        let parts: Vec<Parts> = tensors.iter().map(HostStepTensor::parts).collect();
+        // SAFETY: the parts are the borrows `tensors` holds for this call (`&mut` for the written
+        // ones, so no written part overlaps another).
+        unsafe { self.step_raw(&parts, rule, count, clip, loss_scale, found_inf) }
+    }
+
+    /// The step over host addresses (a loss scale of 1 and no overflow: an unscaled step): the
+    /// gradients' norm (with a clip), [`Cpu::step_verdict`], then [`Cpu::update_raw`] unless the
+    /// step is skipped.
     ///
     /// # Safety
     /// Every part is live host memory of its length and dtype, the written parts (parameters,
     /// states) used by nothing else during the call.
-    pub unsafe fn adam_step_raw(
+    pub unsafe fn step_raw(
         &self,
         parts: &[Parts],
-        cfg: &AdamConfig,
+        rule: &Rule,
         count: &mut StepCount,
         clip: Option<&ClipConfig>,
         loss_scale: f64,
         found_inf: bool,
     ) -> Result<StepReport> {
         check_loss_scale(loss_scale)?;
-        let h = cfg.params()?;
-        let list = StepList::new(&[(parts.to_vec(), cfg.amsgrad)])?;
+        let h = Checked::of(rule)?;
+        let list = StepList::new(&[(parts.to_vec(), rule.states())])?;
         check_clip(clip)?;
         let norm = match clip {
             None => None,
@@ -112,7 +180,7 @@ impl Cpu {
             count.skipped += 1;
         } else {
             // SAFETY: the caller's contract, checked above.
-            unsafe { update_checked(parts, &h, count, factor) };
+            unsafe { update_checked(list.group(0).0, h, count, factor) };
         }
         Ok(r)
     }
@@ -176,30 +244,23 @@ impl Cpu {
     /// read (1: no clip), `count.steps` advanced.
     ///
     /// # Safety
-    /// As [`Cpu::adam_step_raw`].
-    pub unsafe fn adam_update_raw(&self, parts: &[Parts], cfg: &AdamConfig, count: &mut StepCount, coef: f64) -> Result<()> {
-        let list = StepList::new(&[(parts.to_vec(), cfg.amsgrad)])?;
+    /// As [`Cpu::step_raw`].
+    pub unsafe fn update_raw(&self, parts: &[Parts], rule: &Rule, count: &mut StepCount, coef: f64) -> Result<()> {
+        let list = StepList::new(&[(parts.to_vec(), rule.states())])?;
         // SAFETY: the caller's contract.
-        unsafe { self.adam_update_list_raw(&list, 0, cfg, count, coef) }
+        unsafe { self.update_list_raw(&list, 0, rule, count, coef) }
     }
 
-    /// [`Cpu::adam_update_raw`] over group `group` of a [`StepList`], checked when it was made
-    /// (no per-step check of its tensors). `cfg.amsgrad` must be the group's.
+    /// [`Cpu::update_raw`] over group `group` of a [`StepList`], checked when it was made (no
+    /// per-step check of its tensors); the list must have been made for the rule's states.
     ///
     /// # Safety
-    /// As [`Cpu::adam_step_raw`], for the list's tensors.
-    pub unsafe fn adam_update_list_raw(
-        &self,
-        list: &StepList,
-        group: usize,
-        cfg: &AdamConfig,
-        count: &mut StepCount,
-        coef: f64,
-    ) -> Result<()> {
-        let h = cfg.params()?;
-        let parts = list.group_for(group, cfg.amsgrad)?;
+    /// As [`Cpu::step_raw`], for the list's tensors.
+    pub unsafe fn update_list_raw(&self, list: &StepList, group: usize, rule: &Rule, count: &mut StepCount, coef: f64) -> Result<()> {
+        let h = Checked::of(rule)?;
+        let parts = list.group_for(group, rule)?;
         // SAFETY: the caller's contract; the list was checked when made.
-        unsafe { update_checked(parts, &h, count, coef) };
+        unsafe { update_checked(parts, h, count, coef) };
         Ok(())
     }
 }
@@ -222,8 +283,8 @@ fn check_loss_scale(loss_scale: f64) -> Result<()> {
 /// advanced, as the GPU kernel does.
 ///
 /// # Safety
-/// As [`Cpu::adam_step_raw`], and `parts` passed [`super::check`].
-unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount, coef: f64) {
+/// As [`Cpu::step_raw`], and `parts` passed [`super::check`] for the rule of `h`.
+unsafe fn update_checked(parts: &[Parts], h: Checked, count: &mut StepCount, coef: f64) {
     // SAFETY: an own step count is one f32 of live host memory (checked; the caller's contract).
     let step_of = |p: &Parts| {
         1.0 + p
@@ -247,11 +308,17 @@ unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount,
     // written part overlapping any other part; the pieces of one tensor are disjoint element
     // ranges; the memory is the caller's (contract).
     pieces.par_iter().for_each(|p| unsafe {
-        let (s32, s64) = (
-            step_scalars_f32(h, p.step).clipped_by(coef),
-            step_scalars_f64(h, p.step).clipped_by(coef),
-        );
-        update_piece(p, &s32, &s64)
+        let states = p.parts.states.iter().take_while(|s| s.is_some()).count();
+        match h {
+            Checked::Adam(h) => update_piece(
+                p,
+                states,
+                step_scalars_f32(&h, p.step).clipped_by(coef),
+                step_scalars_f64(&h, p.step).clipped_by(coef),
+            ),
+            Checked::Sgd(h) => update_piece(p, states, sgd_scalars_f32(&h, p.step, coef), sgd_scalars_f64(&h, p.step, coef)),
+            Checked::Lion(h) => update_piece(p, states, lion_scalars_f32(&h, coef), lion_scalars_f64(&h, coef)),
+        }
     });
     count.steps += 1;
     for s in parts.iter().filter_map(|p| p.step) {
@@ -260,25 +327,45 @@ unsafe fn update_checked(parts: &[Parts], h: &AdamParams, count: &mut StepCount,
     }
 }
 
-/// Dispatches a piece to the update of its dtypes.
+/// Dispatches a piece to the walk of its count of states (the GPU's compile-time count, so the
+/// arithmetic is the kernel's: [`ElementUpdate::for_states`]).
+///
+/// # Safety
+/// As [`update_range_f32`]; the piece's first `states` states are present.
+unsafe fn update_piece<U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy>(p: &Piece, states: usize, u32: U32, u64: U64) {
+    // SAFETY (every arm): the caller's contract.
+    unsafe {
+        match states {
+            0 => update_dtypes::<0, _, _>(p, u32, u64),
+            1 => update_dtypes::<1, _, _>(p, u32, u64),
+            2 => update_dtypes::<2, _, _>(p, u32, u64),
+            _ => update_dtypes::<3, _, _>(p, u32, u64),
+        }
+    }
+}
+
+/// Dispatches a piece to the walk of its dtypes.
 ///
 /// # Safety
 /// As [`update_range_f32`].
-unsafe fn update_piece(p: &Piece, s32: &StepScalars<f32>, s64: &StepScalars<f64>) {
+unsafe fn update_dtypes<const N: usize, U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy>(p: &Piece, u32: U32, u64: U64) {
     use DType::*;
+    let (u32, u64) = (u32.for_states(N), u64.for_states(N));
+    // The states' dtype (the parameter's when it keeps none: any will do).
+    let s = p.parts.states[0].map_or(p.parts.param.dtype, |s| s.dtype);
     // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
     unsafe {
-        match (p.parts.param.dtype, p.parts.grad.dtype, p.parts.exp_avg.dtype) {
-            (F64, _, _) => update_range_f64(p, s64),
-            (Bf16, Bf16, Bf16) => update_range_f32::<self::Bf16, self::Bf16, self::Bf16>(p, s32),
-            (Bf16, Bf16, _) => update_range_f32::<self::Bf16, self::Bf16, self::F32>(p, s32),
-            (Bf16, _, Bf16) => update_range_f32::<self::Bf16, self::F32, self::Bf16>(p, s32),
-            (Bf16, _, _) => update_range_f32::<self::Bf16, self::F32, self::F32>(p, s32),
-            (F16, F16, F16) => update_range_f32::<self::F16, self::F16, self::F16>(p, s32),
-            (F16, F16, _) => update_range_f32::<self::F16, self::F16, self::F32>(p, s32),
-            (F16, _, F16) => update_range_f32::<self::F16, self::F32, self::F16>(p, s32),
-            (F16, _, _) => update_range_f32::<self::F16, self::F32, self::F32>(p, s32),
-            (F32, _, _) => update_range_f32::<self::F32, self::F32, self::F32>(p, s32),
+        match (p.parts.param.dtype, p.parts.grad.dtype, s) {
+            (F64, _, _) => update_range::<N, self::F64, self::F64, self::F64, f64, _>(p, &u64),
+            (Bf16, Bf16, Bf16) => update_range::<N, self::Bf16, self::Bf16, self::Bf16, f32, _>(p, &u32),
+            (Bf16, Bf16, _) => update_range::<N, self::Bf16, self::Bf16, self::F32, f32, _>(p, &u32),
+            (Bf16, _, Bf16) => update_range::<N, self::Bf16, self::F32, self::Bf16, f32, _>(p, &u32),
+            (Bf16, _, _) => update_range::<N, self::Bf16, self::F32, self::F32, f32, _>(p, &u32),
+            (F16, F16, F16) => update_range::<N, self::F16, self::F16, self::F16, f32, _>(p, &u32),
+            (F16, F16, _) => update_range::<N, self::F16, self::F16, self::F32, f32, _>(p, &u32),
+            (F16, _, F16) => update_range::<N, self::F16, self::F32, self::F16, f32, _>(p, &u32),
+            (F16, _, _) => update_range::<N, self::F16, self::F32, self::F32, f32, _>(p, &u32),
+            (F32, _, _) => update_range::<N, self::F32, self::F32, self::F32, f32, _>(p, &u32),
         }
     }
 }
@@ -288,50 +375,67 @@ fn at<E: Element>(t: &RawTensor, i: u64) -> *mut E::Bits {
     (t.addr as *mut E::Bits).wrapping_add(i as usize)
 }
 
-/// The f32-opmath update of elements `start..end` (parameter `P`, gradient `G`, states `S`).
-///
-/// # Safety
-/// Every part of the piece is live host memory of its dtype and the piece's range lies inside it;
-/// the written parts (parameter and states) are used by nothing else during the call.
-unsafe fn update_range_f32<P: Element, G: Element, S: Element>(p: &Piece, s: &StepScalars<f32>) {
-    let (t, vmax) = (&p.parts, p.parts.max_exp_avg_sq);
-    for i in p.start..p.end {
-        // SAFETY: i < len of every part (the caller's contract).
-        unsafe {
-            let g = G::to_f32(*at::<G>(&t.grad, i));
-            let m = S::to_f32(*at::<S>(&t.exp_avg, i));
-            let v = S::to_f32(*at::<S>(&t.exp_avg_sq, i));
-            let vm = vmax.map_or(0.0, |x| S::to_f32(*at::<S>(&x, i)));
-            let u = update_f32(s, P::to_f32(*at::<P>(&t.param, i)), g, m, v, vm);
-            *at::<P>(&t.param, i) = P::from_f32(u.param);
-            *at::<S>(&t.exp_avg, i) = S::from_f32(u.exp_avg);
-            *at::<S>(&t.exp_avg_sq, i) = S::from_f32(u.exp_avg_sq);
-            if let Some(x) = vmax {
-                *at::<S>(&x, i) = S::from_f32(u.max_exp_avg_sq);
+/// An element type in opmath `T` (f32 for the 16- and 32-bit types, f64 for f64).
+trait Opmath<T>: Element {
+    fn widen_to(b: Self::Bits) -> T;
+    fn round_from(x: T) -> Self::Bits;
+}
+
+macro_rules! opmath_f32 {
+    ($($e:ty),*) => {$(
+        impl Opmath<f32> for $e {
+            #[inline(always)]
+            fn widen_to(b: Self::Bits) -> f32 {
+                <$e>::to_f32(b)
+            }
+            #[inline(always)]
+            fn round_from(x: f32) -> Self::Bits {
+                <$e>::from_f32(x)
             }
         }
+    )*};
+}
+opmath_f32!(Bf16, F16, F32);
+
+impl Opmath<f64> for F64 {
+    #[inline(always)]
+    fn widen_to(b: Self::Bits) -> f64 {
+        F64::widen(b)
+    }
+    #[inline(always)]
+    fn round_from(x: f64) -> Self::Bits {
+        F64::from_f64(x)
     }
 }
 
-/// The f64-opmath update (f64 parameters: every part f64).
+/// The update of elements `start..end` in opmath `T` (parameter `P`, gradient `G`, `N` states
+/// `S`), element by element as the kernel's walk: widen, [`ElementUpdate::update`], round.
 ///
 /// # Safety
-/// As [`update_range_f32`].
-unsafe fn update_range_f64(p: &Piece, s: &StepScalars<f64>) {
-    let (t, vmax) = (&p.parts, p.parts.max_exp_avg_sq);
+/// Every part of the piece is live host memory of its dtype and the piece's range lies inside it
+/// (its first `N` states present); the written parts (parameter and states) are used by nothing
+/// else during the call.
+unsafe fn update_range<const N: usize, P: Opmath<T>, G: Opmath<T>, S: Opmath<T>, T: Copy + Default, U: ElementUpdate<T>>(p: &Piece, u: &U) {
+    let t = &p.parts;
+    let mut states = [RawTensor {
+        addr: 0,
+        len: 0,
+        dtype: DType::F32,
+    }; MAX_STATES];
+    for (s, part) in states.iter_mut().zip(t.states).take(N) {
+        *s = part.unwrap_or(*s);
+    }
     for i in p.start..p.end {
-        // SAFETY: i < len of every part (the caller's contract); every part is f64.
+        // SAFETY: i < len of every part (the caller's contract).
         unsafe {
-            let g = F64::widen(*at::<F64>(&t.grad, i));
-            let m = F64::widen(*at::<F64>(&t.exp_avg, i));
-            let v = F64::widen(*at::<F64>(&t.exp_avg_sq, i));
-            let vm = vmax.map_or(0.0, |x| F64::widen(*at::<F64>(&x, i)));
-            let u = update_f64(s, F64::widen(*at::<F64>(&t.param, i)), g, m, v, vm);
-            *at::<F64>(&t.param, i) = F64::from_f64(u.param);
-            *at::<F64>(&t.exp_avg, i) = F64::from_f64(u.exp_avg);
-            *at::<F64>(&t.exp_avg_sq, i) = F64::from_f64(u.exp_avg_sq);
-            if let Some(x) = vmax {
-                *at::<F64>(&x, i) = F64::from_f64(u.max_exp_avg_sq);
+            let mut st = [T::default(); MAX_STATES];
+            for k in 0..N {
+                st[k] = S::widen_to(*at::<S>(&states[k], i));
+            }
+            let param = u.update(P::widen_to(*at::<P>(&t.param, i)), G::widen_to(*at::<G>(&t.grad, i)), &mut st);
+            *at::<P>(&t.param, i) = P::round_from(param);
+            for k in 0..N {
+                *at::<S>(&states[k], i) = S::round_from(st[k]);
             }
         }
     }

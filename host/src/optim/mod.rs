@@ -1,9 +1,12 @@
-//! Adam / AdamW with the clip inside the step: the gradients' global norm, then one update pass
+//! Optimizers with the clip inside the step: the gradients' global norm, then one update pass
 //! that multiplies each gradient by the clip coefficient as it reads it (no scale pass, no
-//! gradient write). The per-element arithmetic ([`gradclip_kernels::adam`]) is torch's formulas
-//! in the parameter's opmath (f32 for bf16/f16/f32, f64 for f64) with the step's constants
-//! rounded once, the same bits on both backends; this module holds the configuration, the checks
-//! and the CPU step ([`cpu`]).
+//! gradient write). One spine for every optimizer: a [`Rule`] (Adam / AdamW, SGD, Lion) names
+//! the per-element arithmetic (`gradclip_kernels::{adam, sgd, lion}`: torch's formulas in the
+//! parameter's opmath, f32 for bf16/f16/f32 and f64 for f64, the step's constants rounded once,
+//! the same bits on both backends) and the states it keeps; [`Parts`] is one parameter's tensors
+//! by address, a [`StepList`] a step's groups checked once; both backends run one step
+//! orchestration over them (the CPU's in [`cpu`], the GPU's in `gpu`). This module holds the
+//! configurations, the checks and the step's reports.
 //!
 //! ```
 //! use gradclip::{cpu::{Cpu, HostGrad, HostGradMut}, optim::{AdamConfig, ClipConfig, HostAdamTensor, StepCount}};
@@ -23,11 +26,13 @@
 //! ```
 
 pub mod cpu;
+mod rule;
 mod step_list;
 
+pub use rule::{KernelArgs, LionConfig, Rule, SgdConfig};
 pub use step_list::StepList;
 
-use gradclip_kernels::abi::{AdamParams, adam_flags};
+use gradclip_kernels::abi::{AdamParams, MAX_STATES, adam_flags};
 pub use gradclip_kernels::adam::gradient_factor;
 
 use crate::cpu::{HostGrad, HostGradMut};
@@ -80,13 +85,7 @@ impl AdamConfig {
 
     /// The kernels' parameters, or the first hyperparameter outside its range.
     pub fn params(&self) -> Result<AdamParams> {
-        let check = |what, value: f64, ok: bool, valid| {
-            if ok {
-                Ok(())
-            } else {
-                Err(Error::InvalidHyperparameter { what, value, valid })
-            }
-        };
+        use rule::check;
         check("learning rate", self.lr, self.lr >= 0.0, "a number >= 0")?;
         check("eps", self.eps, self.eps >= 0.0, "a number >= 0")?;
         check("beta1", self.betas.0, (0.0..1.0).contains(&self.betas.0), "[0, 1)")?;
@@ -162,8 +161,8 @@ pub struct StepReport {
     pub skipped: bool,
 }
 
-/// One parameter and its optimizer state, on the host. States and gradients are in the
-/// parameter's dtype or f32 (torch's mixed precision); an f64 parameter takes f64 throughout.
+/// One parameter and its Adam state, on the host. States and gradients are in the parameter's
+/// dtype or f32 (torch's mixed precision); an f64 parameter takes f64 throughout.
 #[derive(Debug)]
 pub struct HostAdamTensor<'a> {
     /// The parameter, updated in place.
@@ -178,6 +177,18 @@ pub struct HostAdamTensor<'a> {
     pub max_exp_avg_sq: Option<HostGradMut<'a>>,
 }
 
+/// One parameter and the states of any [`Rule`], on the host ([`crate::cpu::Cpu::step`]):
+/// `states` in the rule's order ([`Rule::states`]).
+#[derive(Debug)]
+pub struct HostStepTensor<'a> {
+    /// The parameter, updated in place.
+    pub param: HostGradMut<'a>,
+    /// Its gradient (read; the clip is applied as it is read, not written back).
+    pub grad: HostGrad<'a>,
+    /// Its states, in the rule's order.
+    pub states: Vec<HostGradMut<'a>>,
+}
+
 /// One parameter's parts by address: what the raw entry points take, both backends check and
 /// the GPU plans.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -186,42 +197,85 @@ pub struct Parts {
     pub param: RawTensor,
     /// Its gradient (read).
     pub grad: RawTensor,
-    /// The first moment (written).
-    pub exp_avg: RawTensor,
-    /// The second moment (written).
-    pub exp_avg_sq: RawTensor,
-    /// The running maximum of the second moment (amsgrad; written).
-    pub max_exp_avg_sq: Option<RawTensor>,
+    /// Its optimizer states (written), in the order of [`Rule::states`] (Adam: `exp_avg`,
+    /// `exp_avg_sq`, amsgrad's `max_exp_avg_sq`; SGD: `momentum_buffer`; Lion: `exp_avg`); None
+    /// past them.
+    pub states: [Option<RawTensor>; MAX_STATES],
     /// The parameter's own step count, one f32 (torch's `state["step"]`; written): the update
     /// steps from it and a taken step adds one to it, so a parameter that had no gradient at
-    /// some steps keeps its own bias correction, as in torch. None: the group's [`StepCount`].
+    /// some steps keeps its own count (Adam's bias correction, SGD's first momentum step), as in
+    /// torch. None: the group's [`StepCount`].
     pub step: Option<RawTensor>,
+}
+
+impl Parts {
+    /// Adam's parts (`max_exp_avg_sq` with amsgrad), with no own step count.
+    pub fn adam(param: RawTensor, grad: RawTensor, exp_avg: RawTensor, exp_avg_sq: RawTensor, max_exp_avg_sq: Option<RawTensor>) -> Self {
+        Parts {
+            param,
+            grad,
+            states: [Some(exp_avg), Some(exp_avg_sq), max_exp_avg_sq],
+            step: None,
+        }
+    }
+
+    /// A parameter with `states` (at most [`MAX_STATES`]; those past it are not kept), with no
+    /// own step count.
+    pub fn new(param: RawTensor, grad: RawTensor, states: &[RawTensor]) -> Self {
+        let mut s = [None; MAX_STATES];
+        for (slot, t) in s.iter_mut().zip(states) {
+            *slot = Some(*t);
+        }
+        Parts {
+            param,
+            grad,
+            states: s,
+            step: None,
+        }
+    }
+
+    /// Every part that the step reads or writes.
+    pub(crate) fn all(&self) -> impl Iterator<Item = RawTensor> + '_ {
+        [Some(self.param), Some(self.grad)]
+            .into_iter()
+            .chain(self.states)
+            .chain([self.step])
+            .flatten()
+    }
 }
 
 impl HostAdamTensor<'_> {
     pub(crate) fn parts(&self) -> Parts {
-        Parts {
-            param: self.param.raw(),
-            grad: self.grad.raw(),
-            exp_avg: self.exp_avg.raw(),
-            exp_avg_sq: self.exp_avg_sq.raw(),
-            max_exp_avg_sq: self.max_exp_avg_sq.as_ref().map(|m| m.raw()),
-            step: None,
-        }
+        Parts::adam(
+            self.param.raw(),
+            self.grad.raw(),
+            self.exp_avg.raw(),
+            self.exp_avg_sq.raw(),
+            self.max_exp_avg_sq.as_ref().map(|m| m.raw()),
+        )
     }
 }
 
-/// Fails with the first tensor whose parts do not go together (lengths, dtypes, amsgrad's
-/// state, the own step count's shape): each part against its parameter first, so the error names
-/// the part that is wrong, then the states against each other.
-pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, bool)>) -> Result<()> {
-    for (index, (t, amsgrad)) in tensors.enumerate() {
+impl HostStepTensor<'_> {
+    pub(crate) fn parts(&self) -> Parts {
+        let states: Vec<RawTensor> = self.states.iter().map(|s| s.raw()).collect();
+        Parts::new(self.param.raw(), self.grad.raw(), &states)
+    }
+}
+
+/// Fails with the first tensor whose parts do not go together for its update (`states`: the
+/// rule's state names): lengths, dtypes, every state present, the own step count's shape; each
+/// part against its parameter first, so the error names the part that is wrong, then the states
+/// against each other.
+pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, &'static [&'static str])>) -> Result<()> {
+    for (index, (t, names)) in tensors.enumerate() {
         let p = t.param;
-        let mut parts = vec![("grad", t.grad), ("exp_avg", t.exp_avg), ("exp_avg_sq", t.exp_avg_sq)];
-        match (t.max_exp_avg_sq, amsgrad) {
-            (Some(m), true) => parts.push(("max_exp_avg_sq", m)),
-            (None, true) => return Err(Error::MissingMaxExpAvgSq { index }),
-            (_, false) => {}
+        let mut parts = vec![("grad", t.grad)];
+        for (k, &state) in names.iter().enumerate() {
+            match t.states.get(k).copied().flatten() {
+                Some(r) => parts.push((state, r)),
+                None => return Err(Error::MissingState { index, state }),
+            }
         }
         for &(role, r) in &parts {
             if r.len != p.len {
@@ -243,18 +297,17 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, bool)>) -> Resul
             }
         }
         // One dtype for the states (the update reads them as one type).
-        for &(role, r) in parts.iter().skip(2) {
-            if r.dtype != t.exp_avg.dtype {
-                return Err(Error::OptimizerDtype {
-                    index,
-                    role: if role == "exp_avg_sq" {
-                        "exp_avg_sq (not exp_avg's dtype)"
-                    } else {
-                        "max_exp_avg_sq (not exp_avg's dtype)"
-                    },
-                    found: r.dtype,
-                    param: p.dtype,
-                });
+        if let Some(&(first, f)) = parts.get(1) {
+            for &(state, r) in parts.iter().skip(2) {
+                if r.dtype != f.dtype {
+                    return Err(Error::StateDtypes {
+                        index,
+                        state,
+                        found: r.dtype,
+                        first,
+                        first_dtype: f.dtype,
+                    });
+                }
             }
         }
         if let Some(s) = t.step.filter(|s| s.len != 1 || s.dtype != DType::F32) {
@@ -268,12 +321,12 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, bool)>) -> Resul
     Ok(())
 }
 
-/// Fails with the first parameter whose parts do not go together (lengths, dtypes, amsgrad's
-/// state), or that is not valid memory (null, misaligned, wrapping), or whose written parts
+/// Fails with the first parameter whose parts do not go together for `rule` (lengths, dtypes,
+/// its states), or that is not valid memory (null, misaligned, wrapping), or whose written parts
 /// (parameter, states) share a byte with any part of any parameter: every check an update
 /// makes before it writes anything, for callers that update several groups in a row.
-pub fn check(parts: &[Parts], amsgrad: bool) -> Result<()> {
-    StepList::new(&[(parts.to_vec(), amsgrad)]).map(|_| ())
+pub fn check(parts: &[Parts], rule: &Rule) -> Result<()> {
+    StepList::new(&[(parts.to_vec(), rule.states())]).map(|_| ())
 }
 
 /// Checks a clip's settings before anything is read.

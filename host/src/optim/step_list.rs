@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Parts, check_parts};
+use super::{Parts, Rule, check_parts};
 use crate::error::{Error, Result};
 use crate::plan::RawTensor;
 use crate::tensor_list::TensorList;
@@ -16,15 +16,17 @@ use crate::tensor_list::TensorList;
 /// group are this list's.
 ///
 /// ```
-/// use gradclip::{DType, optim::{Parts, StepList}, plan::RawTensor};
+/// use gradclip::{DType, optim::{AdamConfig, Parts, Rule, StepList}, plan::RawTensor};
 /// let t = |k: u64| RawTensor { addr: k << 20, len: 8, dtype: DType::F32 };
-/// let parts = Parts { param: t(1), grad: t(2), exp_avg: t(3), exp_avg_sq: t(4), max_exp_avg_sq: None, step: None };
-/// let list = StepList::new(&[(vec![parts], false)])?;
+/// let parts = Parts::adam(t(1), t(2), t(3), t(4), None);
+/// let adamw = Rule::from(AdamConfig::adamw(1e-3));
+/// let amsgrad = Rule::from(AdamConfig { amsgrad: true, ..AdamConfig::adamw(1e-3) });
+/// let list = StepList::new(&[(vec![parts], adamw.states())])?;
 /// assert_eq!((list.groups(), list.grads().len()), (1, 1));
-/// assert!(list.group_for(0, false).is_ok() && list.group_for(0, true).is_err() && list.group_for(1, false).is_err());
+/// assert!(list.group_for(0, &adamw).is_ok() && list.group_for(0, &amsgrad).is_err() && list.group_for(1, &adamw).is_err());
 /// let mut aliased = parts;
 /// aliased.grad = parts.param; // a gradient on its own parameter: refused
-/// assert!(StepList::new(&[(vec![aliased], false)]).is_err());
+/// assert!(StepList::new(&[(vec![aliased], adamw.states())]).is_err());
 /// # Ok::<(), gradclip::Error>(())
 /// ```
 #[derive(Clone, Debug)]
@@ -33,7 +35,7 @@ pub struct StepList(Arc<Inner>);
 #[derive(Debug)]
 struct Inner {
     id: u64,
-    groups: Vec<(Vec<Parts>, bool)>,
+    groups: Vec<(Vec<Parts>, &'static [&'static str])>,
     grads: TensorList,
 }
 
@@ -41,32 +43,36 @@ struct Inner {
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl StepList {
-    /// Checks every group (`(parts, amsgrad)`): each parameter's parts go together (lengths,
-    /// dtypes, amsgrad's state, an own step count of one f32), every part is valid memory, and no
-    /// written part (parameter, states, step count) shares a byte with any part of any group.
-    /// Errors name the tensor by its position in the whole list (groups one after another).
-    pub fn new(groups: &[(Vec<Parts>, bool)]) -> Result<Self> {
-        check_parts(groups.iter().flat_map(|(parts, amsgrad)| parts.iter().map(move |p| (*p, *amsgrad))))?;
-        let all: Vec<RawTensor> = groups
+    /// Checks every group (`(parts, states)`, `states` its rule's [`Rule::states`]): each
+    /// parameter's parts go together (lengths, dtypes, every state present, an own step count of
+    /// one f32), every part is valid memory, and no written part (parameter, states, step count)
+    /// shares a byte with any part of any group. Errors name the tensor by its position in the
+    /// whole list (groups one after another).
+    pub fn new(groups: &[(Vec<Parts>, &'static [&'static str])]) -> Result<Self> {
+        check_parts(groups.iter().flat_map(|(parts, names)| parts.iter().map(move |p| (*p, *names))))?;
+        // States past the rule's are not the step's: left out of its checks and tables.
+        let groups: Vec<(Vec<Parts>, &'static [&'static str])> = groups
             .iter()
-            .flat_map(|(parts, _)| parts.iter())
-            .flat_map(|p| {
-                [
-                    Some(p.param),
-                    Some(p.grad),
-                    Some(p.exp_avg),
-                    Some(p.exp_avg_sq),
-                    p.max_exp_avg_sq,
-                    p.step,
-                ]
+            .map(|(parts, names)| {
+                let parts = parts
+                    .iter()
+                    .map(|p| {
+                        let mut p = *p;
+                        for s in p.states.iter_mut().skip(names.len()) {
+                            *s = None;
+                        }
+                        p
+                    })
+                    .collect();
+                (parts, *names)
             })
-            .flatten()
             .collect();
+        let all: Vec<RawTensor> = groups.iter().flat_map(|(parts, _)| parts.iter()).flat_map(Parts::all).collect();
         TensorList::new(&all)?.check_writable()?;
         let grads: Vec<RawTensor> = groups.iter().flat_map(|(parts, _)| parts.iter().map(|p| p.grad)).collect();
         Ok(StepList(Arc::new(Inner {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            groups: groups.to_vec(),
+            groups,
             grads: TensorList::new(&grads)?,
         })))
     }
@@ -81,22 +87,22 @@ impl StepList {
         self.0.groups.len()
     }
 
-    /// Group `i`'s parts and whether it keeps amsgrad's maximum.
-    pub fn group(&self, i: usize) -> (&[Parts], bool) {
-        let (parts, amsgrad) = &self.0.groups[i];
-        (parts, *amsgrad)
+    /// Group `i`'s parts and the states it was checked for.
+    pub fn group(&self, i: usize) -> (&[Parts], &'static [&'static str]) {
+        let (parts, names) = &self.0.groups[i];
+        (parts, names)
     }
 
-    /// Group `group`'s parts for an update configured with `amsgrad`; an error when there is no
-    /// such group or it was checked with the other amsgrad (its maximum's presence was checked
-    /// for that one).
-    pub fn group_for(&self, group: usize, amsgrad: bool) -> Result<&[Parts]> {
+    /// Group `group`'s parts for an update by `rule`; an error when there is no such group or it
+    /// was checked for other states (amsgrad's maximum, a momentum buffer: their presence was
+    /// checked for the rule it was made with).
+    pub fn group_for(&self, group: usize, rule: &Rule) -> Result<&[Parts]> {
         match self.0.groups.get(group) {
-            Some((parts, a)) if *a == amsgrad => Ok(parts),
+            Some((parts, names)) if *names == rule.states() => Ok(parts),
             _ => Err(Error::InvalidHyperparameter {
-                what: "group (no such group in the step list, or amsgrad differs from the list's)",
+                what: "group (no such group in the step list, or its update keeps other states than the list was checked for)",
                 value: group as f64,
-                valid: "a group of the list, with the amsgrad it was made with",
+                valid: "a group of the list, with an update keeping the states it was made with",
             }),
         }
     }

@@ -34,7 +34,7 @@ import torch
 from .. import _native
 from . import _PLANNER, _check_max_norm, _current_device, _raw_stream, _check_p, _clip_coef, _grads_norm64, _is_dtensor, _refuse_host_read_under_capture, _result_dtype
 
-__all__ = ["AdamW", "Adam"]
+__all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
 #: What a step does when the gradients' norm is NaN or infinite.
 NONFINITE_POLICIES = ("skip", "error", "propagate")
@@ -44,11 +44,11 @@ NONFINITE_POLICIES = ("skip", "error", "propagate")
 UPDATES = ("torch", "gradclip")
 
 
-def _refuse_sparse(params) -> None:
-    """torch's error for a sparse gradient (Adam's and AdamW's), before gradclip reads any
-    gradient (its norm would otherwise fail deep in torch's dispatcher)."""
-    if any(p.grad.is_sparse for p in params):
-        raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+def _refuse_sparse(params, message="Adam does not support sparse gradients, please consider SparseAdam instead") -> None:
+    """torch's error for a sparse gradient (Adam's and AdamW's by default), before gradclip reads
+    any gradient (its norm would otherwise fail deep in torch's dispatcher)."""
+    if any(p.grad is not None and p.grad.is_sparse for p in params):
+        raise RuntimeError(message)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -68,8 +68,12 @@ class _Layout:
 
 
 class _ClippingStep:
-    """The clip half of the step, shared by ``AdamW`` and ``Adam`` (mixed in before the torch
-    class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``)."""
+    """The one optimizer spine of ``AdamW``, ``Adam``, ``SGD`` and ``Lion`` (mixed in before the
+    torch class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``): the clip, the
+    engine's step over the parameter groups, torch's step where the engine does not take one.
+    Each optimizer says what is its own: ``_hyper`` (its hyperparameters as the engine takes
+    them), ``_make_states`` (the states of parameters with their first gradient),
+    ``_torch_step`` and ``_after_load``."""
 
     def _init_clip(self, max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update="gradclip"):
         if fused is False or foreach or differentiable:
@@ -127,6 +131,12 @@ class _ClippingStep:
         ``grad_scale`` is refused), and each ``step`` is moved where a fused step keeps it (a
         float32 on the parameter's device)."""
         super().load_state_dict(state_dict)
+        self._after_load()
+        self._counts = {}
+        self._layout = None
+
+    def _after_load(self) -> None:
+        """Adam's: the groups fused, each ``step`` a float32 on its parameter's device."""
         for group in self.param_groups:
             group.update(fused=True, foreach=None, differentiable=False)
             for p in group["params"]:
@@ -134,9 +144,22 @@ class _ClippingStep:
                 step = None if st is None else st.get("step")
                 if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
                     st["step"] = step.to(device=p.device, dtype=torch.float32)
-        self._counts = {}
-        self._layout = None
 
+    def _hyper(self, group):
+        """Adam's hyperparameters as the engine takes them: ``(kind, lr, h, flags)``."""
+        beta1, beta2 = group["betas"]
+        decoupled = self._DECOUPLED or group.get("decoupled_weight_decay", False)
+        h = (float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+        return "adam", h, (bool(group["amsgrad"]), bool(group["maximize"]), bool(decoupled))
+
+    def _make_states(self, group, params) -> None:
+        """The states of ``params`` (parameters with their first gradient, or all of a group
+        before the layout is read), made and checked as torch's fused step makes them (its
+        ``_init_group``, which also raises torch's errors: a sparse gradient, say)."""
+        self._init_group({**group, "params": params}, [], [], [], [], [], [])
+
+    #: torch's words for a sparse gradient.
+    _SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
     #: The torch optimizer class whose fused step this one runs.
     _TORCH: type = torch.optim.Optimizer
     #: Weight decay decoupled from the gradient (AdamW) unless the group says otherwise.
@@ -158,10 +181,11 @@ class _ClippingStep:
         tensors (torch's step then runs)."""
         dtensors = False
         for group in self.param_groups:
-            params = []
-            self._init_group(group, params, [], [], [], [], [])
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._make_states(group, params)
             dtensors = dtensors or any(_is_dtensor(p) for p in params)
-        groups = [(g["params"], bool(g["amsgrad"])) for g in self.param_groups]
+        groups = [(g["params"], (*self._hyper_of(g), 0, 0)) for g in self.param_groups]
         native = _native.step_layout(_PLANNER, self.state, groups, dtensors)
         if native is None:
             return None
@@ -216,13 +240,7 @@ class _ClippingStep:
             lr = group["lr"]
             lr_t = lr.to(device=device, dtype=torch.float64) if isinstance(lr, torch.Tensor) else None
             keep.append(lr_t)
-            beta1, beta2 = group["betas"]
-            decoupled = self._DECOUPLED or group.get("decoupled_weight_decay", False)
-            hypers.append((
-                0.0 if lr_t is not None else float(lr), float(beta1), float(beta2), float(group["eps"]),
-                float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]), bool(decoupled),
-                count.data_ptr(), 0 if lr_t is None else lr_t.data_ptr(),
-            ))
+            hypers.append((*self._hyper_of(group, lr_t is not None), count.data_ptr(), 0 if lr_t is None else lr_t.data_ptr()))
         # With GradScaler an overflow is expected: it skips the step, never raises.
         policy = "skip" if self.nonfinite == "error" and (scale_t is not None or found_t is not None) else self.nonfinite
         clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, policy)
@@ -273,14 +291,19 @@ class _ClippingStep:
                 self.skipped_steps = self._skipped
         return True
 
+    def _hyper_of(self, group, lr_on_device=False):
+        """``(kind, lr, h, flags)`` of ``group`` for the engine (lr 0 when it is on the device)."""
+        kind, h, flags = self._hyper(group)
+        return kind, 0.0 if lr_on_device else float(group["lr"]), h, flags
+
     def _init_states(self, params) -> None:
-        """torch's ``_init_group`` over ``params`` only (parameters with their first gradient):
-        their states, made and checked as torch's fused step makes them."""
+        """The states of ``params`` only (parameters with their first gradient), each group's
+        made as its optimizer makes them (``_make_states``)."""
         need = {id(p) for p in params}
         for group in self.param_groups:
             ps = [p for p in group["params"] if id(p) in need]
             if ps:
-                self._init_group({**group, "params": ps}, [], [], [], [], [], [])
+                self._make_states(group, ps)
 
     def _refuse_nonfinite_first(self) -> None:
         """nonfinite="error" before the first step makes any state: the norm read on the host,
@@ -315,7 +338,7 @@ class _ClippingStep:
             self._torch_step()
             return loss
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        _refuse_sparse(params)
+        _refuse_sparse(params, self._SPARSE)
         found = _grads_norm64(params, self.norm_type, self.pipeline_group) if params else None
         if found is None:
             self.last_grad_norm = torch.zeros(())  # the norm of no gradients, as clip_grad_norm_ gives it
@@ -462,3 +485,178 @@ class Adam(_ClippingStep, torch.optim.Adam):
             fused=True,
             decoupled_weight_decay=decoupled_weight_decay,
         )
+
+
+class SGD(_ClippingStep, torch.optim.SGD):
+    """``torch.optim.SGD(fused=True)`` (momentum, dampening, Nesterov, weight decay, maximize)
+    that clips the gradients' global norm to ``max_grad_norm`` inside its step; the clip
+    arguments as :class:`AdamW`'s. ``update="gradclip"`` (the default): gradclip's engine, torch's
+    formulas in f32 (f64 for f64 parameters). Each parameter's ``state`` holds torch's
+    ``momentum_buffer`` (with momentum) and a float32 ``step`` of its own, from which its first
+    momentum step is known (a parameter whose gradient was None at some steps keeps its own): a
+    state dict moves between this optimizer and ``torch.optim.SGD`` in both directions (torch
+    ignores ``step``; a torch state dict's buffers count as past their first step).
+    ``update="torch"``: torch's fused kernel, the coefficient through its ``grad_scale``.
+
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = SGD(model.parameters(), lr=0.1, momentum=0.9, max_grad_norm=1.0)
+    >>> model(torch.randn(8, 4)).square().sum().backward()
+    >>> opt.step()
+    >>> sorted(opt.state[model.weight])
+    ['momentum_buffer', 'step']
+    """
+
+    _TORCH = torch.optim.SGD
+    _SPARSE = "`fused` does not support sparse grad"
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        *,
+        maximize=False,
+        foreach=None,
+        differentiable=False,
+        fused=None,
+        max_grad_norm=None,
+        norm_type=2.0,
+        nonfinite="skip",
+        pipeline_group=None,
+        update="gradclip",
+    ):
+        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update)
+        super().__init__(
+            params,
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+            maximize=maximize,
+            fused=True,
+        )
+
+    def _hyper(self, group):
+        h = (float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]), 0.0)
+        return "sgd", h, (bool(group["nesterov"]), bool(group["maximize"]), False)
+
+    def _make_states(self, group, params) -> None:
+        """A zero ``momentum_buffer`` (its first step makes it the gradient, as torch's does) and
+        a zero float32 ``step`` per parameter, with momentum; nothing without."""
+        _refuse_sparse(params, self._SPARSE)
+        if group["momentum"] == 0:
+            return
+        for p in params:
+            st = self.state[p]
+            if st.get("momentum_buffer") is None:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+
+    def _after_load(self) -> None:
+        """The groups fused; a loaded buffer without a ``step`` (torch's state dict) is past its
+        first step; a None buffer is dropped (the next step makes it, as torch's first step)."""
+        for group in self.param_groups:
+            group.update(fused=True, foreach=None, differentiable=False)
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st is None:
+                    continue
+                if st.get("momentum_buffer", 0) is None:
+                    st.pop("momentum_buffer")
+                    st.pop("step", None)
+                elif "momentum_buffer" in st and not isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = torch.ones((), dtype=torch.float32, device=_local(p).device)
+
+
+class Lion(_ClippingStep, torch.optim.Optimizer):
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2)
+    that clips the gradients' global norm to ``max_grad_norm`` inside its step: with ``g`` the
+    (clipped) gradient and ``m`` the momentum (``state["exp_avg"]``),
+    ``p = p * (1 - lr * weight_decay) - lr * sign(beta1 * m + (1 - beta1) * g)``, then
+    ``m = beta2 * m + (1 - beta2) * g``. Defaults as the paper's code: ``lr=1e-4``,
+    ``betas=(0.9, 0.99)``, ``weight_decay=0``. The clip arguments as :class:`AdamW`'s.
+    ``update="gradclip"`` (the default): gradclip's engine, f32 arithmetic (f64 for f64
+    parameters). ``update="torch"`` (and any step the engine does not take): a plain-torch
+    implementation of the same update, with GradScaler's inputs read on the device.
+
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = Lion(model.parameters(), lr=1e-4, max_grad_norm=1.0)
+    >>> model(torch.randn(8, 4)).square().sum().backward()
+    >>> opt.step()
+    >>> sorted(opt.state[model.weight])
+    ['exp_avg']
+    """
+
+    _step_supports_amp_scaling = True
+    _SPARSE = "Lion does not support sparse gradients"
+
+    def __init__(
+        self,
+        params,
+        lr=1e-4,
+        betas=(0.9, 0.99),
+        weight_decay=0.0,
+        *,
+        maximize=False,
+        max_grad_norm=None,
+        norm_type=2.0,
+        nonfinite="skip",
+        pipeline_group=None,
+        update="gradclip",
+    ):
+        if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not all(0.0 <= b <= 1.0 for b in betas):
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, True, None, False, update)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize))
+
+    def _hyper(self, group):
+        beta1, beta2 = group["betas"]
+        return "lion", (float(beta1), float(beta2), float(group["weight_decay"]), 0.0), (bool(group["maximize"]), False, False)
+
+    def _make_states(self, group, params) -> None:
+        """A zero ``exp_avg`` per parameter (the paper's initial momentum)."""
+        _refuse_sparse(params, self._SPARSE)
+        for p in params:
+            st = self.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _after_load(self) -> None:
+        pass
+
+    def _torch_step(self) -> None:
+        """The update in plain torch (the engine's fallback and ``update="torch"``): each
+        gradient divided by GradScaler's ``grad_scale`` (here also the clip's ``1 / coefficient``),
+        the step skipped where ``found_inf`` is set, both read on the device."""
+        scale = getattr(self, "grad_scale", None)
+        found = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            self._make_states(group, params)
+            beta1, beta2 = group["betas"]
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in params:
+                g = p.grad
+                if scale is not None:
+                    g = g / scale.to(g.device)
+                if group["maximize"]:
+                    g = -g
+                m = self.state[p]["exp_avg"]
+                c = m.mul(beta1).add(g, alpha=1 - beta1)
+                new_p = p.mul(1 - lr * wd).add(torch.sign(c), alpha=-lr)
+                new_m = m.mul(beta2).add(g, alpha=1 - beta2)
+                if found is not None:
+                    skip = found.to(p.device) != 0
+                    new_p, new_m = torch.where(skip, p, new_p), torch.where(skip, m, new_m)
+                p.copy_(new_p)
+                m.copy_(new_m)

@@ -1,29 +1,31 @@
-//! The Adam / AdamW step on the GPU ([`GpuEngine::adam_step`]): with a clip, the norm kernel
-//! (its last block writes the norm, the clip coefficient and the non-finite flag to a
-//! [`DeviceNorm`]), then the Adam kernel, which multiplies each gradient by that coefficient as it
-//! reads it and, with [`NonFinite::Skip`], leaves everything untouched on a non-finite norm. Two
-//! launches, no scale pass, no gradient write, no host synchronization (except
-//! [`NonFinite::Error`], which reads the norm). The step count lives on the device
+//! The optimizer step on the GPU, one orchestration for every [`Rule`] ([`GpuEngine::step_raw`];
+//! [`GpuEngine::adam_step`] and [`GpuEngine::step_with`] over cudarc buffers): with a clip, the
+//! norm kernel (its last block writes the norm, the clip coefficient and the non-finite flag to
+//! a [`DeviceNorm`]), then the rule's update kernel, which multiplies each gradient by that
+//! coefficient as it reads it and, with [`NonFinite::Skip`], leaves everything untouched on a
+//! non-finite norm. Two launches, no scale pass, no gradient write, no host synchronization
+//! (except [`NonFinite::Error`], which reads the norm). The step count lives on the device
 //! ([`DeviceStepCount`]), so a step can be captured in a CUDA graph: under capture its tables go
 //! to memory the graph owns, as the norm's do.
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
-use gradclip_kernels::abi::{AdamCount, AdamParams, AdamTensorDesc, ChunkTask, adam_chunk_elems, adam_flags, flags};
+use gradclip_kernels::abi::{ChunkTask, UpdateCount, UpdateTensorDesc, flags, update_chunk_elems, update_flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::capture::{self, Capture};
 use super::device_norm::DeviceNorm;
 use super::engine::GpuEngine;
-use super::launch::{self, AdamTables};
+use super::kernels::Kernel;
+use super::launch::{self, UpdateTables};
 use super::words::{as_words, from_words};
 use crate::error::{Error, Result};
-use crate::optim::{AdamConfig, ClipConfig, NonFinite, Parts, StepCount, StepList, check_clip};
+use crate::optim::{AdamConfig, ClipConfig, KernelArgs, NonFinite, Parts, Rule, StepCount, StepList, check_clip};
 use crate::plan::MAX_TASKS;
 use crate::tensor_list::TensorList;
 
-/// One parameter and its optimizer state in device memory of the engine's context. States and
+/// One parameter and its Adam state in device memory of the engine's context. States and
 /// gradients are in the parameter's dtype or f32; an f64 parameter takes f64 throughout.
 pub struct DeviceAdamTensor<'a> {
     /// The parameter, updated in place.
@@ -38,7 +40,18 @@ pub struct DeviceAdamTensor<'a> {
     pub max_exp_avg_sq: Option<&'a mut (dyn DeviceGradMut + 'a)>,
 }
 
-/// A [`StepCount`] in device memory: the Adam kernel reads it and its last block advances it,
+/// One parameter and the states of any [`Rule`] (in its order, [`Rule::states`]) in device
+/// memory of the engine's context ([`GpuEngine::step_with`]).
+pub struct DeviceStepTensor<'a> {
+    /// The parameter, updated in place.
+    pub param: &'a mut (dyn DeviceGradMut + 'a),
+    /// Its gradient (read, never written).
+    pub grad: &'a (dyn DeviceGrad + 'a),
+    /// Its states, in the rule's order.
+    pub states: Vec<&'a mut (dyn DeviceGradMut + 'a)>,
+}
+
+/// A [`StepCount`] in device memory: the update kernel reads it and its last block advances it,
 /// so a step needs no host value (and can be captured in a CUDA graph).
 #[derive(Debug)]
 pub struct DeviceStepCount {
@@ -55,7 +68,7 @@ impl DeviceStepCount {
 
     /// Waits for the count's stream and reads it.
     pub fn read(&self) -> Result<StepCount> {
-        let c: AdamCount = from_words(&self.words.stream().clone_dtoh(&self.words)?);
+        let c: UpdateCount = from_words(&self.words.stream().clone_dtoh(&self.words)?);
         Ok(StepCount {
             steps: c.steps,
             skipped: c.skipped,
@@ -63,7 +76,7 @@ impl DeviceStepCount {
     }
 }
 
-/// Step inputs that live in device memory of the engine's context, read by the Adam kernel when
+/// Step inputs that live in device memory of the engine's context, read by the update kernel when
 /// the step runs (so a step captured in a CUDA graph takes each replay's values): each an
 /// address, or 0 for none.
 ///
@@ -74,7 +87,7 @@ impl DeviceStepCount {
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceStepInputs {
-    /// One f64: the learning rate, used instead of [`AdamConfig::lr`] (an LR schedule that
+    /// One f64: the learning rate, used instead of the rule's (an LR schedule that
     /// writes it on the device).
     pub lr: u64,
     /// One f32: the loss scale the gradients carry (GradScaler's scale): every gradient is
@@ -103,10 +116,10 @@ impl DeviceStepInputs {
 }
 
 /// [`DeviceStepInputs`] as cudarc buffers of the engine's context, for
-/// [`GpuEngine::adam_step_with`]: each one element, or None.
+/// [`GpuEngine::step_with`]: each one element, or None.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DeviceInputs<'a> {
-    /// The learning rate (used instead of [`AdamConfig::lr`]).
+    /// The learning rate (used instead of the rule's).
     pub lr: Option<&'a CudaSlice<f64>>,
     /// The loss scale the gradients carry (finite, positive).
     pub loss_scale: Option<&'a CudaSlice<f32>>,
@@ -117,7 +130,7 @@ pub struct DeviceInputs<'a> {
 /// The optimizer tables of the lists uploaded last (a few: one per parameter group), in the
 /// engine's own memory: counter word, tensor table, task table.
 #[derive(Debug, Default)]
-pub(crate) struct AdamUpload {
+pub(crate) struct UpdateUpload {
     lists: Vec<Uploaded>,
 }
 
@@ -134,11 +147,11 @@ struct Uploaded {
 const KEPT_LISTS: usize = 8;
 
 /// The kernel's tables for `parts` (checked by the caller).
-fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
+fn plan(parts: &[Parts]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
     let mut descs = Vec::with_capacity(parts.len());
     let mut tasks = Vec::new();
     for (i, p) in parts.iter().enumerate() {
-        let n = p.param.len.div_ceil(adam_chunk_elems(p.param.dtype.size()));
+        let n = p.param.len.div_ceil(update_chunk_elems(p.param.dtype.size()));
         if tasks.len() as u64 + n > MAX_TASKS {
             return Err(Error::TooManyTasks {
                 tasks: tasks.len() as u64 + n,
@@ -149,14 +162,14 @@ fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
             tensor: i as u32,
             chunk: c as u32,
         }));
-        descs.push(AdamTensorDesc {
+        let states = p.states.map(|s| s.map_or(0, |s| s.addr));
+        let state_dtype = p.states[0].map_or(p.param.dtype, |s| s.dtype);
+        descs.push(UpdateTensorDesc {
             param: p.param.addr,
             grad: p.grad.addr,
-            exp_avg: p.exp_avg.addr,
-            exp_avg_sq: p.exp_avg_sq.addr,
-            max_exp_avg_sq: p.max_exp_avg_sq.map_or(0, |m| m.addr),
+            states,
             len: p.param.len,
-            dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | p.exp_avg.dtype.code() << 8,
+            dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | state_dtype.code() << 8,
             reserved: 0,
             step: p.step.map_or(0, |s| s.addr),
         });
@@ -167,8 +180,8 @@ fn plan(parts: &[Parts]) -> Result<(Vec<AdamTensorDesc>, Vec<ChunkTask>)> {
 /// The checks of an update's inputs other than its tensors (those are a [`StepList`]'s): the
 /// hyperparameters, the step count's, (with a clip) the norm output's and the device inputs'
 /// addresses.
-fn check_inputs(cfg: &AdamConfig, count: u64, norm: Option<u64>, inputs: &DeviceStepInputs) -> Result<AdamParams> {
-    let h = cfg.params()?;
+fn check_inputs(rule: &Rule, count: u64, norm: Option<u64>, inputs: &DeviceStepInputs) -> Result<KernelArgs> {
+    let h = rule.args()?;
     inputs.check()?;
     for (what, addr) in [("the step count", Some(count)), ("the norm output", norm)] {
         if let Some(addr) = addr.filter(|&a| a == 0 || !a.is_multiple_of(8)) {
@@ -196,12 +209,7 @@ impl GpuEngine {
         self.adam_step_with(tensors, cfg, count, clip, norm, &DeviceInputs::default())
     }
 
-    /// [`GpuEngine::adam_step`] with inputs in device memory, read when the step runs (a
-    /// captured step takes each replay's values): a learning rate, the loss scale the gradients
-    /// carry (divided out as each gradient is read; a clip limits the norm of the unscaled
-    /// gradients, while `norm` gets the norm of the gradients as they are and, as its
-    /// coefficient, the factor; one more one-thread launch) and an overflow flag that skips the
-    /// step. With a loss scale, give the clip [`NonFinite::Skip`].
+    /// [`GpuEngine::adam_step`] with inputs in device memory ([`GpuEngine::step_with`]).
     pub fn adam_step_with(
         &mut self,
         tensors: &mut [DeviceAdamTensor<'_>],
@@ -211,16 +219,43 @@ impl GpuEngine {
         norm: &mut DeviceNorm,
         inputs: &DeviceInputs<'_>,
     ) -> Result<()> {
+        let mut steps: Vec<DeviceStepTensor<'_>> = tensors
+            .iter_mut()
+            .map(|t| {
+                let mut states: Vec<&mut (dyn DeviceGradMut + '_)> = vec![&mut *t.exp_avg, &mut *t.exp_avg_sq];
+                if let Some(m) = t.max_exp_avg_sq.as_mut() {
+                    states.push(&mut **m);
+                }
+                DeviceStepTensor {
+                    param: &mut *t.param,
+                    grad: &*t.grad,
+                    states,
+                }
+            })
+            .collect();
+        self.step_with(&mut steps, &Rule::Adam(*cfg), count, clip, norm, inputs)
+    }
+
+    /// One step of any [`Rule`] over `tensors` (each with the rule's states) on the engine's
+    /// stream, as [`GpuEngine::adam_step`], with inputs in device memory read when the step runs
+    /// (a captured step takes each replay's values): a learning rate, the loss scale the
+    /// gradients carry (divided out as each gradient is read; a clip limits the norm of the
+    /// unscaled gradients, while `norm` gets the norm of the gradients as they are and, as its
+    /// coefficient, the factor; one more one-thread launch) and an overflow flag that skips the
+    /// step. With a loss scale, give the clip [`NonFinite::Skip`].
+    pub fn step_with(
+        &mut self,
+        tensors: &mut [DeviceStepTensor<'_>],
+        rule: &Rule,
+        count: &mut DeviceStepCount,
+        clip: Option<&ClipConfig>,
+        norm: &mut DeviceNorm,
+        inputs: &DeviceInputs<'_>,
+    ) -> Result<()> {
         let contexts = tensors.iter().flat_map(|t| {
-            [
-                Some(t.param.context()),
-                Some(t.grad.context()),
-                Some(t.exp_avg.context()),
-                Some(t.exp_avg_sq.context()),
-            ]
-            .into_iter()
-            .chain([t.max_exp_avg_sq.as_ref().map(|m| m.context())])
-            .flatten()
+            [t.param.context(), t.grad.context()]
+                .into_iter()
+                .chain(t.states.iter().map(|s| s.context()))
         });
         let input_contexts = [
             inputs.lr.map(|x| x.context()),
@@ -247,22 +282,17 @@ impl GpuEngine {
         for t in tensors.iter_mut() {
             let (param, g1) = t.param.as_raw_mut(&stream);
             let (grad, g2) = t.grad.as_raw(&stream);
-            let (exp_avg, g3) = t.exp_avg.as_raw_mut(&stream);
-            let (exp_avg_sq, g4) = t.exp_avg_sq.as_raw_mut(&stream);
-            let max_exp_avg_sq = t.max_exp_avg_sq.as_mut().map(|m| {
-                let (r, g) = m.as_raw_mut(&stream);
-                guards.push(g);
-                r
-            });
-            guards.extend([g1, g2, g3, g4]);
-            parts.push(Parts {
-                param,
-                grad,
-                exp_avg,
-                exp_avg_sq,
-                max_exp_avg_sq,
-                step: None,
-            });
+            guards.extend([g1, g2]);
+            let states: Vec<_> = t
+                .states
+                .iter_mut()
+                .map(|s| {
+                    let (r, g) = s.as_raw_mut(&stream);
+                    guards.push(g);
+                    r
+                })
+                .collect();
+            parts.push(Parts::new(param, grad, &states));
         }
         let (count_addr, _gc) = count.words.device_ptr_mut(&stream);
         let (lr, _gl) = inputs.lr.map(|x| x.device_ptr(&stream)).unzip();
@@ -279,39 +309,38 @@ impl GpuEngine {
         // borrowed by the guards until the launches are enqueued (cudarc orders later uses);
         // `count_addr` and `norm_addr` are the DeviceStepCount's and DeviceNorm's memory, the
         // inputs buffers of this context (checked above) of one element, borrowed likewise.
-        let r = unsafe { self.adam_step_raw(&parts, cfg, count_addr, clip, norm_addr, &raw_inputs) };
+        let r = unsafe { self.step_raw(&parts, rule, count_addr, clip, norm_addr, &raw_inputs) };
         drop(addrs);
         drop(guards);
         r
     }
 
-    /// [`GpuEngine::adam_step`] over device addresses: [`GpuEngine::clip_norm_raw`] over the
-    /// gradients (with a clip), then [`GpuEngine::adam_update_raw`]. `count` is an
-    /// [`AdamCount`] (two u64: steps, skipped) and `norm` a 24-byte NormOutput, both in device
-    /// memory of this context (`norm` is used only with a clip or a loss scale and may be 0
-    /// otherwise; it gets the norm of the gradients as they are, scaled when `inputs` has a loss
-    /// scale, and as its coefficient the factor the update multiplied them by).
-    /// `inputs`: a learning rate, loss scale and overflow flag in device memory
-    /// ([`DeviceStepInputs`]); with a loss scale, give the clip [`NonFinite::Skip`] (an overflow
-    /// is then a skipped step, not an error).
+    /// The step over device addresses: [`GpuEngine::clip_norm_raw`] over the gradients (with a
+    /// clip), then [`GpuEngine::update_list_raw`]. `count` is an [`UpdateCount`] (two u64: steps,
+    /// skipped) and `norm` a 24-byte NormOutput, both in device memory of this context (`norm` is
+    /// used only with a clip or a loss scale and may be 0 otherwise; it gets the norm of the
+    /// gradients as they are, scaled when `inputs` has a loss scale, and as its coefficient the
+    /// factor the update multiplied them by). `inputs`: a learning rate, loss scale and overflow
+    /// flag in device memory ([`DeviceStepInputs`]); with a loss scale, give the clip
+    /// [`NonFinite::Skip`] (an overflow is then a skipped step, not an error).
     ///
     /// # Safety
     /// Every part is device memory of this context of its length and dtype, the written parts
     /// (parameters, states) used by nothing else until the work this call enqueues has run, and
     /// `count`, `norm` (when used) and the inputs valid device memory of their sizes, written
     /// before on the stream, not freed before that work has run.
-    pub unsafe fn adam_step_raw(
+    pub unsafe fn step_raw(
         &mut self,
         parts: &[Parts],
-        cfg: &AdamConfig,
+        rule: &Rule,
         count: u64,
         clip: Option<&ClipConfig>,
         norm: u64,
         inputs: &DeviceStepInputs,
     ) -> Result<()> {
         // Every check of the update before the norm is enqueued: nothing is written on an error.
-        let list = StepList::new(&[(parts.to_vec(), cfg.amsgrad)])?;
-        let h = check_inputs(cfg, count, (clip.is_some() || inputs.loss_scale != 0).then_some(norm), inputs)?;
+        let list = StepList::new(&[(parts.to_vec(), rule.states())])?;
+        let h = check_inputs(rule, count, (clip.is_some() || inputs.loss_scale != 0).then_some(norm), inputs)?;
         if let Some(c) = clip {
             // SAFETY: the caller's contract covers the gradients and `norm`.
             unsafe { self.clip_norm_raw(list.grads(), c, norm) }?;
@@ -320,11 +349,11 @@ impl GpuEngine {
         // NormOutput was written just above.
         let factor = unsafe { self.update_factor_raw(norm, clip, inputs.loss_scale) }?;
         // SAFETY: the caller's contract, checked above; `norm` was written just above.
-        unsafe { self.launch_update(&list, 0, h, count, factor, inputs.lr, inputs.found_inf) }
+        unsafe { self.launch_update(&list, 0, rule, h, count, factor, inputs.lr, inputs.found_inf) }
     }
 
     /// The stage between the norm and the updates of a step: the `factor` argument of every
-    /// group's [`GpuEngine::adam_update_raw`] (None without a clip or a loss scale). When the
+    /// group's [`GpuEngine::update_list_raw`] (None without a clip or a loss scale). When the
     /// gradients carry a loss scale (one f32 at `loss_scale`, GradScaler's; 0: none) one
     /// one-thread launch gives the NormOutput at `norm`, as its coefficient, the factor each
     /// update multiplies the gradients by ([`gradclip_kernels::adam::gradient_factor`]: with
@@ -349,7 +378,7 @@ impl GpuEngine {
         let stream = self.stream().clone();
         let max_norm = clip.map_or(1.0, |c| c.max_norm);
         // SAFETY: the caller's contract.
-        unsafe { launch::adam_loss_scale(&stream, self.kernels(), norm, loss_scale, max_norm, clip.is_some()) }?;
+        unsafe { launch::loss_scale(&stream, self.kernels(), norm, loss_scale, max_norm, clip.is_some()) }?;
         Ok(Some((norm, skip)))
     }
 
@@ -435,66 +464,50 @@ impl GpuEngine {
         Ok(())
     }
 
-    /// The update half: the Adam kernel over one parameter group. `factor`: the NormOutput
-    /// whose coefficient multiplies each gradient as it is read and whether a non-finite norm
-    /// skips the step, as [`GpuEngine::update_factor_raw`] gives it; None: factor 1. `lr` and `found_inf`: a learning rate (f64) and an
-    /// overflow flag (f32, nonzero skips the step) in device memory, or 0
-    /// ([`DeviceStepInputs`]).
+    /// The update half over group `group` of a [`StepList`], checked when it was made (no
+    /// per-step check of its tensors, and its tables uploaded once while the same list comes
+    /// back); the list must have been made for the rule's states. `factor`: the NormOutput whose
+    /// coefficient multiplies each gradient as it is read and whether a non-finite norm skips
+    /// the step, as [`GpuEngine::update_factor_raw`] gives it; None: factor 1. `lr` and
+    /// `found_inf`: a learning rate (f64) and an overflow flag (f32, nonzero skips the step) in
+    /// device memory, or 0 ([`DeviceStepInputs`]).
     ///
     /// # Safety
-    /// As [`GpuEngine::adam_step_raw`]; the NormOutput was written before on this stream.
-    pub unsafe fn adam_update_raw(
-        &mut self,
-        parts: &[Parts],
-        cfg: &AdamConfig,
-        count: u64,
-        factor: Option<(u64, bool)>,
-        lr: u64,
-        found_inf: u64,
-    ) -> Result<()> {
-        let list = StepList::new(&[(parts.to_vec(), cfg.amsgrad)])?;
-        // SAFETY: the caller's contract.
-        unsafe { self.adam_update_list_raw(&list, 0, cfg, count, factor, lr, found_inf) }
-    }
-
-    /// [`GpuEngine::adam_update_raw`] over group `group` of a [`StepList`], checked when it was
-    /// made: no per-step check of its tensors, and its tables uploaded once while the same list
-    /// comes back. `cfg.amsgrad` must be the group's.
-    ///
-    /// # Safety
-    /// As [`GpuEngine::adam_update_raw`], for the list's tensors.
+    /// As [`GpuEngine::step_raw`], for the list's tensors; the NormOutput was written before on
+    /// this stream.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn adam_update_list_raw(
+    pub unsafe fn update_list_raw(
         &mut self,
         list: &StepList,
         group: usize,
-        cfg: &AdamConfig,
+        rule: &Rule,
         count: u64,
         factor: Option<(u64, bool)>,
         lr: u64,
         found_inf: u64,
     ) -> Result<()> {
-        list.group_for(group, cfg.amsgrad)?;
+        list.group_for(group, rule)?;
         let inputs = DeviceStepInputs {
             lr,
             loss_scale: 0,
             found_inf,
         };
-        let h = check_inputs(cfg, count, factor.map(|(n, _)| n), &inputs)?;
+        let h = check_inputs(rule, count, factor.map(|(n, _)| n), &inputs)?;
         // SAFETY: the caller's contract; the list was checked when made.
-        unsafe { self.launch_update(list, group, h, count, factor, lr, found_inf) }
+        unsafe { self.launch_update(list, group, rule, h, count, factor, lr, found_inf) }
     }
 
-    /// The Adam launch of group `group` of a checked list.
+    /// The update launch of group `group` of a checked list.
     ///
     /// # Safety
-    /// As [`GpuEngine::adam_update_raw`].
+    /// As [`GpuEngine::update_list_raw`].
     #[allow(clippy::too_many_arguments)]
     unsafe fn launch_update(
         &mut self,
         list: &StepList,
         group: usize,
-        h: AdamParams,
+        rule: &Rule,
+        h: KernelArgs,
         count: u64,
         factor: Option<(u64, bool)>,
         lr: u64,
@@ -502,20 +515,26 @@ impl GpuEngine {
     ) -> Result<()> {
         let norm = factor.map_or(0, |(n, _)| n);
         let skip = matches!(factor, Some((_, true)));
-        let h = AdamParams {
-            flags: h.flags | if skip { adam_flags::SKIP_NONFINITE } else { 0 },
+        let h = KernelArgs {
+            flags: h.flags | if skip { update_flags::SKIP_NONFINITE } else { 0 },
             ..h
         };
-        let (tables, num_tasks) = self.upload_adam(list, group)?;
+        let kernel = match rule {
+            Rule::Adam(_) => Kernel::Adam,
+            Rule::Sgd(_) => Kernel::Sgd,
+            Rule::Lion(_) => Kernel::Lion,
+        };
+        let (tables, num_tasks) = self.upload_tables(list, group)?;
         let parts = list.group(group).0;
         let stream = self.stream().clone();
-        // SAFETY: the tables were planned from `parts` (checked above: lengths, dtypes, valid and
-        // disjoint memory) and uploaded on this stream; the caller vouches for the memory of the
-        // parts, of `count`, of the NormOutput and of the inputs.
+        // SAFETY: the tables were planned from `parts` (checked for the rule: lengths, dtypes,
+        // its states present, valid and disjoint memory) and uploaded on this stream; the caller
+        // vouches for the memory of the parts, of `count`, of the NormOutput and of the inputs.
         unsafe {
-            launch::adam(
+            launch::update(
                 &stream,
                 self.kernels(),
+                kernel,
                 &tables,
                 num_tasks,
                 parts.len() as u64,
@@ -533,7 +552,7 @@ impl GpuEngine {
     /// otherwise uploaded unless one of the lists kept is this list's group or the same parts. A
     /// new upload reuses the least recently used buffer when it is large enough (the copy is
     /// ordered after the launches that read it on this stream).
-    fn upload_adam(&mut self, list: &StepList, group: usize) -> Result<(AdamTables, u64)> {
+    fn upload_tables(&mut self, list: &StepList, group: usize) -> Result<(UpdateTables, u64)> {
         let stream = self.stream().clone();
         let parts = list.group(group).0;
         match capture::status(&stream)? {
@@ -542,7 +561,7 @@ impl GpuEngine {
                 let (dw, tw) = (as_words(&descs), as_words(&tasks));
                 let tasks_at = 8 + 8 * dw.len();
                 let base = capture::upload_words_owned_by(&stream, graph, tasks_at + 8 * tw.len(), 8, &[(8, dw), (tasks_at, tw)])?;
-                let tables = AdamTables {
+                let tables = UpdateTables {
                     counter: base,
                     tensors: base + 8,
                     tasks: base + tasks_at as u64,
@@ -552,7 +571,7 @@ impl GpuEngine {
             Capture::None => capture::free_released(&stream),
         }
         let key = (list.id(), group);
-        let lists = &mut self.adam.lists;
+        let lists = &mut self.updates.lists;
         match lists.iter().position(|u| u.key == key || u.parts == parts) {
             Some(i) => {
                 let mut u = lists.remove(i);
@@ -596,9 +615,9 @@ impl GpuEngine {
         }
         let u = &lists[0];
         let (base, _g) = u.buf.device_ptr(&stream);
-        let descs_bytes = (u.parts.len() * size_of::<AdamTensorDesc>()) as u64;
+        let descs_bytes = (u.parts.len() * size_of::<UpdateTensorDesc>()) as u64;
         Ok((
-            AdamTables {
+            UpdateTables {
                 counter: base,
                 tensors: base + 8,
                 tasks: base + 8 + descs_bytes,
@@ -620,14 +639,13 @@ mod tests {
 
     fn parts(i: u64, len: u64, p: DType, s: DType, amsgrad: bool) -> Parts {
         let at = |k: u64| (i + 1) << 32 | k << 24;
-        Parts {
-            param: raw(at(0), len, p),
-            grad: raw(at(1), len, p),
-            exp_avg: raw(at(2), len, s),
-            exp_avg_sq: raw(at(3), len, s),
-            max_exp_avg_sq: amsgrad.then(|| raw(at(4), len, s)),
-            step: None,
-        }
+        Parts::adam(
+            raw(at(0), len, p),
+            raw(at(1), len, p),
+            raw(at(2), len, s),
+            raw(at(3), len, s),
+            amsgrad.then(|| raw(at(4), len, s)),
+        )
     }
 
     /// Tasks enumerate each parameter's chunks (their length set by the parameter's dtype) in
@@ -635,7 +653,7 @@ mod tests {
     /// unpacks them.
     #[test]
     fn plan_tasks_and_descriptors() {
-        let (narrow, wide) = (adam_chunk_elems(2), adam_chunk_elems(8));
+        let (narrow, wide) = (update_chunk_elems(2), update_chunk_elems(8));
         let list = [
             parts(0, 2 * narrow + 1808, DType::Bf16, DType::F32, true),
             parts(1, 0, DType::F32, DType::F32, false),
@@ -643,7 +661,7 @@ mod tests {
             parts(3, narrow, DType::F32, DType::F32, false),
         ];
         let (descs, tasks) = plan(&list).unwrap();
-        let f32_chunks = narrow.div_ceil(adam_chunk_elems(4)) as u32;
+        let f32_chunks = narrow.div_ceil(update_chunk_elems(4)) as u32;
         let want: Vec<(u32, u32)> = [(0, 0), (0, 1), (0, 2), (2, 0)]
             .into_iter()
             .chain((0..f32_chunks).map(|c| (3, c)))
@@ -653,10 +671,7 @@ mod tests {
             descs[0].dtypes,
             DType::Bf16.code() | DType::Bf16.code() << 4 | DType::F32.code() << 8
         );
-        assert_eq!(
-            (descs[0].max_exp_avg_sq, descs[1].max_exp_avg_sq),
-            (list[0].max_exp_avg_sq.unwrap().addr, 0)
-        );
+        assert_eq!((descs[0].states[2], descs[1].states[2]), (list[0].states[2].unwrap().addr, 0));
         assert_eq!((descs[2].grad, descs[2].len), (list[2].grad.addr, wide));
     }
 
@@ -664,14 +679,16 @@ mod tests {
     fn overlapping_parts_are_refused() {
         let mut p = parts(0, 100, DType::F32, DType::F32, false);
         use crate::optim::check;
+        let adamw = Rule::Adam(AdamConfig::adamw(1e-3));
+        let check = |p: &[Parts], _| check(p, &adamw);
         assert!(check(&[p], false).is_ok());
-        p.exp_avg.addr = p.param.addr + 8;
+        p.states[0].as_mut().unwrap().addr = p.param.addr + 8;
         assert!(matches!(check(&[p], false), Err(Error::Overlap { .. })));
         let (a, mut b) = (
             parts(0, 100, DType::F32, DType::F32, false),
             parts(1, 100, DType::F32, DType::F32, false),
         );
-        b.grad = a.exp_avg_sq;
+        b.grad = a.states[1].unwrap();
         assert!(
             matches!(check(&[a, b], false), Err(Error::Overlap { .. })),
             "a gradient on another parameter's state"

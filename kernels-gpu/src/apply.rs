@@ -1,0 +1,550 @@
+//! The multi-tensor walk every optimizer kernel runs (`update_entry` holds the entry points):
+//! one block per [`ChunkTask`] of [`update_chunk_elems`] elements of one parameter; each thread
+//! loads its elements of the parameter, the gradient and the optimizer's `N` states (16-byte
+//! vectors when every part is aligned, software-pipelined when they are all 16-bit), widens them
+//! to opmath, applies the optimizer's [`ElementUpdate`] (the arithmetic the CPU backend runs) and
+//! rounds back. [`begin`], [`task`] and [`finish`] are the step around it: the device inputs
+//! read, the skip decided, the block's task, and the last block advancing the step counts (so a
+//! step is capturable).
+
+use core::arch::asm;
+
+use crate::abi::{
+    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, UpdateCount, UpdateTensorDesc, WARP_THREADS, dtype_code, update_chunk_elems,
+};
+use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, smem_flag, st_v4, sync_threads, thread_idx};
+use crate::dtype::{Bf16, Element, F16, F32, F64};
+use crate::update::ElementUpdate;
+
+/// Warps of a block (the shared-memory layout of [`smem_flag`]).
+const BLOCK_WARPS: u32 = BLOCK_THREADS / WARP_THREADS;
+/// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part.
+const GROUP: u64 = 8;
+/// Whether groups whose parts are all 16-bit are software-pipelined (see `chunk_f32`).
+const PIPELINE_16BIT: bool = true;
+/// Elements a thread loads before it computes on the unaligned (scalar) path.
+const UNROLL: usize = 4;
+/// The parts of a parameter: itself, its gradient, its states.
+const PARTS: usize = 2 + MAX_STATES;
+const _: () = assert!(MAX_STATES == 3, "the walk names each state: update it with MAX_STATES");
+
+/// # Safety
+/// `addr` holds at least `i + 1` elements of `E`.
+#[inline(always)]
+unsafe fn load<E: Element>(addr: u64, i: u64) -> E::Bits {
+    // SAFETY: the caller's contract.
+    unsafe { (addr as *const E::Bits).add(i as usize).read() }
+}
+
+/// # Safety
+/// `addr` holds at least `i + 1` writable elements of `E`, written by no other thread.
+#[inline(always)]
+unsafe fn store<E: Element>(addr: u64, i: u64, v: E::Bits) {
+    // SAFETY: the caller's contract.
+    unsafe { (addr as *mut E::Bits).add(i as usize).write(v) }
+}
+
+/// The raw 16-byte vectors of one group of one part (two of them hold 8 f32).
+type Raw = [[u32; 4]; 2];
+
+/// Loads elements `first..first + GROUP` of a part, raw, in 16-byte loads (`nc`: through the
+/// read-only path, for a part the launch does not write). Kept raw until the update widens them:
+/// half the registers of f32 values for the 16-bit parts.
+///
+/// # Safety
+/// `E` is a 16- or 32-bit type; `addr + first * E::SIZE` is 16-byte aligned and the group lies
+/// inside the part.
+#[inline(always)]
+unsafe fn load_group<E: Element>(addr: u64, first: u64, nc: bool) -> Raw {
+    let base = addr + first * E::SIZE;
+    // SAFETY: (both loads) the vector is 16-byte aligned and inside the part (the contract).
+    let ld = |a: u64| unsafe { if nc { ld_nc_v4(a) } else { ld_v4(a, true) } };
+    // Straight-line code: a loop here is kept as a loop over an array in local memory.
+    if E::SIZE == 4 {
+        [ld(base), ld(base + 16)]
+    } else {
+        [ld(base), [0; 4]]
+    }
+}
+
+/// Element `k` of a group loaded by [`load_group`], as f32.
+#[inline(always)]
+fn widen_at<E: Element>(raw: &Raw, k: usize) -> f32 {
+    let lanes = E::LANES as usize;
+    // SAFETY: every Vector type is 16 bytes of plain integers.
+    let vec: E::Vector = unsafe { core::mem::transmute_copy(&raw[k / lanes]) };
+    E::to_f32(vec.as_ref()[k % lanes])
+}
+
+/// Rounds a group to `E` and stores it in 16-byte stores.
+///
+/// # Safety
+/// As [`load_group`], the group written by no other thread.
+#[inline(always)]
+unsafe fn store_group<E: Element>(addr: u64, first: u64, x: &[f32; GROUP as usize]) {
+    let base = addr + first * E::SIZE;
+    if E::SIZE == 2 {
+        let mut w = [0u32; 4];
+        for (k, w) in w.iter_mut().enumerate() {
+            *w = pack_pair::<E>(x[2 * k], x[2 * k + 1]);
+        }
+        // SAFETY: the vector is 16-byte aligned, inside the part and this thread's alone (the contract).
+        unsafe { st_v4(base, w, true) };
+    } else {
+        let mut bits = [E::Bits::default(); GROUP as usize];
+        for k in 0..GROUP as usize {
+            bits[k] = E::from_f32(x[k]);
+        }
+        // SAFETY: `bits` is 32 bytes of plain integers (a 32-bit E), read as 32; each vector is
+        // 16-byte aligned, inside the part and this thread's alone (the contract).
+        unsafe {
+            let w: [[u32; 4]; 2] = core::mem::transmute_copy(&bits);
+            st_v4(base, w[0], true);
+            st_v4(base + 16, w[1], true);
+        }
+    }
+}
+
+/// Two f32 rounded to a 16-bit type and packed (`lo` in the low half) by one `cvt.rn.*x2.f32`:
+/// the bits of [`Element::from_f32`] (nearest-even, NaN to the canonical 0x7FFF) in one
+/// instruction where the bit-exact integer rounding takes about seven per value.
+#[inline(always)]
+fn pack_pair<E: Element>(lo: f32, hi: f32) -> u32 {
+    let d: u32;
+    // SAFETY: register-only conversions (sm_80+, PTX 7.0+: the kernels target sm_80, PTX 7.8).
+    unsafe {
+        if E::CODE == dtype_code::BF16 {
+            asm!("cvt.rn.bf16x2.f32 {d}, {a}, {b};", d = out(reg32) d, a = in(reg32) hi, b = in(reg32) lo, options(pure, nomem, nostack, preserves_flags));
+        } else {
+            asm!("cvt.rn.f16x2.f32 {d}, {a}, {b};", d = out(reg32) d, a = in(reg32) hi, b = in(reg32) lo, options(pure, nomem, nostack, preserves_flags));
+        }
+    }
+    d
+}
+
+/// The raw group at element `i` of the parameter, the gradient and the first `N` states (zeros
+/// past them).
+///
+/// # Safety
+/// Every part of `d` up to state `N` is 16-byte aligned, `i` is a multiple of [`GROUP`] and the
+/// group lies inside the parts (live device memory of `d.len` elements).
+#[inline(always)]
+unsafe fn load_parts<P: Element, G: Element, S: Element, const N: usize>(d: &UpdateTensorDesc, i: u64) -> [Raw; PARTS] {
+    let zero = [[0; 4]; 2];
+    // Straight-line, constant indices (a loop over the states would keep the group in local
+    // memory). SAFETY: (every load) the contract; the gradient is not written by the launch (`nc`).
+    unsafe {
+        [
+            load_group::<P>(d.param, i, false),
+            load_group::<G>(d.grad, i, true),
+            if N > 0 { load_group::<S>(d.states[0], i, false) } else { zero },
+            if N > 1 { load_group::<S>(d.states[1], i, false) } else { zero },
+            if N > 2 { load_group::<S>(d.states[2], i, false) } else { zero },
+        ]
+    }
+}
+
+/// Updates the group at element `i` from its raw values and stores it.
+///
+/// # Safety
+/// As [`load_parts`], the group written by no other thread.
+#[inline(always)]
+unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32>>(
+    d: &UpdateTensorDesc,
+    i: u64,
+    u: &U,
+    raw: &[Raw; PARTS],
+) {
+    let [p, g, s0, s1, s2] = raw;
+    let mut out = [[0.0f32; GROUP as usize]; 1 + MAX_STATES];
+    // k indexes the parts' groups and the outputs at once.
+    #[allow(clippy::needless_range_loop)]
+    for k in 0..GROUP as usize {
+        let w = |r: &Raw, n: usize| if N > n { widen_at::<S>(r, k) } else { 0.0 };
+        let mut st = [w(s0, 0), w(s1, 1), w(s2, 2)];
+        out[0][k] = u.update(widen_at::<P>(p, k), widen_at::<G>(g, k), &mut st);
+        (out[1][k], out[2][k], out[3][k]) = (st[0], st[1], st[2]);
+    }
+    // SAFETY: the contract.
+    unsafe {
+        store_group::<P>(d.param, i, &out[0]);
+        if N > 0 {
+            store_group::<S>(d.states[0], i, &out[1]);
+        }
+        if N > 1 {
+            store_group::<S>(d.states[1], i, &out[2]);
+        }
+        if N > 2 {
+            store_group::<S>(d.states[2], i, &out[3]);
+        }
+    }
+}
+
+/// One task of a parameter with f32 opmath (bf16, f16 or f32 parameter `P`, gradient `G`,
+/// states `S`, `N` of them): in 16-byte groups when every part is 16-byte aligned, element by
+/// element otherwise and for the tail of a group that ends past the tensor.
+///
+/// # Safety
+/// `d` describes live device memory (every part `d.len` elements of its dtype, the written parts
+/// disjoint from everything else of the launch, the gradient not written during it) and `chunk`
+/// is one of its tasks.
+#[inline(always)]
+unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32> + Copy>(
+    d: &UpdateTensorDesc,
+    chunk: u64,
+    u: U,
+) {
+    // The count of states a compile-time constant for the update too (Adam's amsgrad test folds).
+    let u = &u.for_states(N);
+    let start = chunk * update_chunk_elems(P::SIZE);
+    let end = d.len.min(start + update_chunk_elems(P::SIZE));
+    let state = |n: usize| if N > n { d.states[n] } else { 0 };
+    if (d.param | d.grad | state(0) | state(1) | state(2)) & 15 == 0 {
+        // Consecutive threads take consecutive groups (coalesced); `stride` apart per thread. A
+        // loop with a run-time count, so that a long chunk is not unrolled into spills.
+        let stride = BLOCK_THREADS as u64 * GROUP;
+        let mut i = start + thread_idx() as u64 * GROUP;
+        // All-16-bit parts with at most two states: software-pipelined, the next group's loads in
+        // flight while this one is computed (a group's arithmetic outlasts a warp's share of the
+        // memory latency; the raw group is 16 registers). With f32 parts, or Adam's third state,
+        // a prefetched group spills at 3 blocks per SM, measured slower: one group at a time.
+        // SAFETY: (every load and update) the group at i is full (`i + GROUP <= end`), inside
+        // every part, whose bases are 16-byte aligned, and starts at a multiple of GROUP; it
+        // belongs to this thread alone.
+        unsafe {
+            if P::SIZE == 2 && G::SIZE == 2 && S::SIZE == 2 && PIPELINE_16BIT && N <= 2 {
+                if i + GROUP <= end {
+                    let mut this = load_parts::<P, G, S, N>(d, i);
+                    while i + stride + GROUP <= end {
+                        let next = load_parts::<P, G, S, N>(d, i + stride);
+                        update_parts::<P, G, S, N, U>(d, i, u, &this);
+                        this = next;
+                        i += stride;
+                    }
+                    update_parts::<P, G, S, N, U>(d, i, u, &this);
+                    i += stride;
+                }
+            } else {
+                while i + GROUP <= end {
+                    update_parts::<P, G, S, N, U>(d, i, u, &load_parts::<P, G, S, N>(d, i));
+                    i += stride;
+                }
+            }
+        }
+        // The tensor's last, partial group, if this thread holds it.
+        if i < end {
+            for j in i..end {
+                // SAFETY: j < d.len; element j belongs to this thread alone.
+                unsafe { element_f32::<P, G, S, N, U>(d, j, u) };
+            }
+        }
+    } else {
+        // Rounds of UNROLL elements per thread, a run-time count (see the aligned path).
+        let mut first = start + thread_idx() as u64;
+        while first < end {
+            let mut vals = [[0.0f32; PARTS]; UNROLL];
+            for (k, v) in vals.iter_mut().enumerate() {
+                let i = first + k as u64 * BLOCK_THREADS as u64;
+                if i < end {
+                    // SAFETY: i < d.len (the caller's contract covers every part up to d.len).
+                    *v = unsafe { load_f32::<P, G, S, N>(d, i) };
+                }
+            }
+            for (k, v) in vals.iter().enumerate() {
+                let i = first + k as u64 * BLOCK_THREADS as u64;
+                if i < end {
+                    // SAFETY: as the loads; element i belongs to this thread alone.
+                    unsafe { update_f32_at::<P, S, N, U>(d, i, u, v) };
+                }
+            }
+            first += (UNROLL * BLOCK_THREADS as usize) as u64;
+        }
+    }
+}
+
+/// Element `i` of every part, as f32: `[param, grad, states.., zeros]`.
+///
+/// # Safety
+/// `i < d.len` (the parts of `d` up to state `N` are live device memory of that length).
+#[inline(always)]
+unsafe fn load_f32<P: Element, G: Element, S: Element, const N: usize>(d: &UpdateTensorDesc, i: u64) -> [f32; PARTS] {
+    // SAFETY: the contract.
+    let state = |n: usize| {
+        if N > n {
+            unsafe { S::to_f32(load::<S>(d.states[n], i)) }
+        } else {
+            0.0
+        }
+    };
+    // SAFETY: the contract.
+    unsafe {
+        [
+            P::to_f32(load::<P>(d.param, i)),
+            G::to_f32(load::<G>(d.grad, i)),
+            state(0),
+            state(1),
+            state(2),
+        ]
+    }
+}
+
+/// Updates element `i` from its values `v` ([`load_f32`]) and stores it, rounded to the parts'
+/// dtypes.
+///
+/// # Safety
+/// `i < d.len`; element `i` of the written parts belongs to this thread alone.
+#[inline(always)]
+unsafe fn update_f32_at<P: Element, S: Element, const N: usize, U: ElementUpdate<f32>>(
+    d: &UpdateTensorDesc,
+    i: u64,
+    u: &U,
+    v: &[f32; PARTS],
+) {
+    let mut st = [v[2], v[3], v[4]];
+    let p = u.update(v[0], v[1], &mut st);
+    // SAFETY: the contract.
+    unsafe {
+        store::<P>(d.param, i, P::from_f32(p));
+        if N > 0 {
+            store::<S>(d.states[0], i, S::from_f32(st[0]));
+        }
+        if N > 1 {
+            store::<S>(d.states[1], i, S::from_f32(st[1]));
+        }
+        if N > 2 {
+            store::<S>(d.states[2], i, S::from_f32(st[2]));
+        }
+    }
+}
+
+/// One element's update, loaded and stored alone.
+///
+/// # Safety
+/// As [`update_f32_at`].
+#[inline(always)]
+unsafe fn element_f32<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32>>(d: &UpdateTensorDesc, i: u64, u: &U) {
+    // SAFETY: the contract.
+    unsafe { update_f32_at::<P, S, N, U>(d, i, u, &load_f32::<P, G, S, N>(d, i)) }
+}
+
+/// One task of an f64 parameter (every part f64).
+///
+/// # Safety
+/// As [`chunk_f32`].
+#[inline(always)]
+pub(crate) unsafe fn chunk_f64<const N: usize, U: ElementUpdate<f64> + Copy>(d: &UpdateTensorDesc, chunk: u64, u: U) {
+    let u = u.for_states(N);
+    let start = chunk * update_chunk_elems(8);
+    let end = d.len.min(start + update_chunk_elems(8));
+    // A run-time count (see chunk_f32's aligned path).
+    let mut i = start + thread_idx() as u64;
+    while i < end {
+        // SAFETY: i < d.len; element i belongs to this thread alone.
+        unsafe {
+            let state = |n: usize| if N > n { F64::widen(load::<F64>(d.states[n], i)) } else { 0.0 };
+            let mut st = [state(0), state(1), state(2)];
+            let p = u.update(F64::widen(load::<F64>(d.param, i)), F64::widen(load::<F64>(d.grad, i)), &mut st);
+            store::<F64>(d.param, i, F64::from_f64(p));
+            if N > 0 {
+                store::<F64>(d.states[0], i, F64::from_f64(st[0]));
+            }
+            if N > 1 {
+                store::<F64>(d.states[1], i, F64::from_f64(st[1]));
+            }
+            if N > 2 {
+                store::<F64>(d.states[2], i, F64::from_f64(st[2]));
+            }
+        }
+        i += BLOCK_THREADS as u64;
+    }
+}
+
+/// [`chunk_f32`] for the parts' dtypes `(param, grad, states)` (codes); other combinations
+/// are refused by the host and do nothing here.
+///
+/// # Safety
+/// As [`chunk_f32`], with `dtypes` the parts' own.
+#[inline(always)]
+pub(crate) unsafe fn chunk_any_f32<const N: usize, U: ElementUpdate<f32> + Copy>(
+    d: &UpdateTensorDesc,
+    chunk: u64,
+    u: U,
+    dtypes: (u32, u32, u32),
+) {
+    use dtype_code::{BF16 as B, F16 as H, F32 as S};
+    // SAFETY: (every arm) the caller's contract; the dtypes named are the parts' own.
+    unsafe {
+        match dtypes {
+            (B, B, B) => chunk_f32::<Bf16, Bf16, Bf16, N, U>(d, chunk, u),
+            (B, B, S) => chunk_f32::<Bf16, Bf16, F32, N, U>(d, chunk, u),
+            (B, S, B) => chunk_f32::<Bf16, F32, Bf16, N, U>(d, chunk, u),
+            (B, S, S) => chunk_f32::<Bf16, F32, F32, N, U>(d, chunk, u),
+            (H, H, H) => chunk_f32::<F16, F16, F16, N, U>(d, chunk, u),
+            (H, H, S) => chunk_f32::<F16, F16, F32, N, U>(d, chunk, u),
+            (H, S, H) => chunk_f32::<F16, F32, F16, N, U>(d, chunk, u),
+            (H, S, S) => chunk_f32::<F16, F32, F32, N, U>(d, chunk, u),
+            (S, S, S) => chunk_f32::<F32, F32, F32, N, U>(d, chunk, u),
+            _ => {}
+        }
+    }
+}
+
+/// Whether `d`'s parameter is f64 (its task takes [`chunk_f64`], else [`chunk_any_f32`]).
+#[inline(always)]
+pub(crate) fn is_f64(d: &UpdateTensorDesc) -> bool {
+    d.dtypes & 0xF == dtype_code::F64
+}
+
+/// The parts' dtypes `(param, grad, states)` of `d`, as [`chunk_any_f32`] takes them.
+#[inline(always)]
+pub(crate) fn dtypes(d: &UpdateTensorDesc) -> (u32, u32, u32) {
+    (d.dtypes & 0xF, (d.dtypes >> 4) & 0xF, (d.dtypes >> 8) & 0xF)
+}
+
+/// A step as one block of an optimizer kernel sees it ([`begin`]): the inputs read on the
+/// device, the skip decided, and the block's task.
+#[derive(Clone, Copy)]
+pub(crate) struct Step {
+    /// The learning rate (the device one when given).
+    pub lr: f64,
+    /// The factor each gradient is multiplied by (the clip coefficient; 1 without a norm).
+    pub coef: f64,
+    /// Nothing is updated: an overflow, or a non-finite norm with `SKIP_NONFINITE`.
+    pub skip: bool,
+    /// The group's count of steps taken before this one.
+    steps: u64,
+}
+
+/// The first half of a step of an optimizer kernel: reads the device inputs (`lr_in` instead
+/// of `lr`, the norm's coefficient, `found_inf`) and decides the skip (an overflow, or a
+/// non-finite norm with [`crate::abi::update_flags::SKIP_NONFINITE`] in `flags`).
+///
+/// # Safety
+/// `count`, `norm`, `lr_in` and `found_inf` (those not null) are device memory written before
+/// the launch on its stream.
+#[inline(always)]
+pub(crate) unsafe fn begin(
+    count: *const UpdateCount,
+    norm: *const NormOutput,
+    lr: f64,
+    flags: u32,
+    lr_in: *const f64,
+    found_inf: *const f32,
+) -> Step {
+    // SAFETY: each input not null was written before the launch on this stream (contract).
+    let (lr, overflow, out) = unsafe {
+        (
+            if lr_in.is_null() { lr } else { lr_in.read() },
+            !found_inf.is_null() && found_inf.read() != 0.0,
+            if norm.is_null() { None } else { Some(norm.read()) },
+        )
+    };
+    // The factor is read, not computed: an f64 division here (its slow path a call) costs the
+    // Adam kernel its register budget (spills, 20% slower on the H200).
+    let coef = out.map_or(1.0, |o| o.coef);
+    let nonfinite = out.is_some_and(|o| o.nonfinite != 0);
+    Step {
+        lr,
+        coef,
+        skip: overflow || (nonfinite && flags & crate::abi::update_flags::SKIP_NONFINITE != 0),
+        // SAFETY: only the last block writes it, after every block has read it ([`finish`]).
+        steps: unsafe { (*count).steps },
+    }
+}
+
+/// This block's task when the step is taken: its tensor, its chunk and its step number (the
+/// tensor's own count, or the group's, plus one).
+///
+/// # Safety
+/// One block per task of the plan of `tasks` over `tensors` (the launch's contract); an own step
+/// count is one f32 that only the last block writes, after every block's ticket.
+#[inline(always)]
+pub(crate) unsafe fn task(
+    s: &Step,
+    tensors: *const UpdateTensorDesc,
+    tasks: *const ChunkTask,
+    num_tasks: u64,
+) -> Option<(UpdateTensorDesc, u64, f64)> {
+    if s.skip || num_tasks == 0 {
+        return None;
+    }
+    // SAFETY: the contract.
+    unsafe {
+        let t = tasks.add(block_idx() as usize).read();
+        let d = tensors.add(t.tensor as usize).read();
+        let own = if d.step == 0 {
+            s.steps as f64
+        } else {
+            (d.step as *const f32).read() as f64
+        };
+        Some((d, t.chunk as u64, 1.0 + own))
+    }
+}
+
+/// The second half: the block that finishes last adds one to `count.steps` (or
+/// `count.skipped`) and, when the step is taken, to every parameter's own count (its threads
+/// striding over the `num_tensors` tensors).
+///
+/// # Safety
+/// As the entry points of `update_entry`: [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared
+/// memory, `counter` zero before the launch, every block of the launch calling this once after
+/// its task.
+#[inline(always)]
+pub(crate) unsafe fn finish(
+    s: &Step,
+    tensors: *const UpdateTensorDesc,
+    counter: *mut u32,
+    count: *mut UpdateCount,
+    num_tasks: u64,
+    num_tensors: u64,
+) {
+    // Every thread of the block has read `count` and its tensor's step, and finished its
+    // elements, before thread 0 takes the block's ticket.
+    // SAFETY: every thread of the block reaches this barrier.
+    unsafe { sync_threads() };
+    let flag = smem_flag::<BLOCK_WARPS>();
+    if thread_idx() == 0 {
+        let last = if num_tasks == 0 {
+            true
+        } else {
+            fence_gpu();
+            // SAFETY: the engine's counter, zero between launches.
+            unsafe { atomic_add_u32(counter, 1) as u64 + 1 == num_tasks }
+        };
+        // SAFETY: the launch gives BLOCK_SMEM_BYTES of dynamic shared memory (contract).
+        unsafe { flag.write_volatile(last as u32) };
+        if last {
+            // SAFETY: every other block has taken its ticket, so has read `count`; the counter is
+            // reset for the next launch, which the stream orders after this one.
+            unsafe {
+                if s.skip {
+                    (*count).skipped += 1;
+                } else {
+                    (*count).steps = s.steps + 1;
+                }
+                if num_tasks > 0 {
+                    counter.write_volatile(0);
+                }
+            }
+        }
+    }
+    // SAFETY: every thread of the block reaches this barrier.
+    unsafe { sync_threads() };
+    // SAFETY: written by thread 0 before the barrier just above, which orders it for every thread.
+    if s.skip || unsafe { flag.read_volatile() } == 0 {
+        return;
+    }
+    fence_gpu();
+    let mut i = thread_idx() as u64;
+    while i < num_tensors {
+        // SAFETY: the table holds `num_tensors` descriptors; every block has read its tensor's
+        // step before its ticket, and this block holds the last one; each count is one f32.
+        unsafe {
+            let at = (*tensors.add(i as usize)).step as *mut f32;
+            if !at.is_null() {
+                at.write(at.read() + 1.0);
+            }
+        }
+        i += BLOCK_THREADS as u64;
+    }
+}
