@@ -119,6 +119,8 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
     grad_bytes = numel * size
     floor_step = step_bytes / copy_rate * 1e3
     floor_clip = floor_step + grad_bytes / read_rate * 1e3
+    # SGD with momentum and Lion read param, grad, one state and write param and that state.
+    floor_one_state_clip = numel * size * 5 / copy_rate * 1e3 + grad_bytes / read_rate * 1e3
     probe_ms = None
     if probe and device == "cuda":
         probe_ms = memory_probe_ms(numel, dtype, reps)
@@ -135,6 +137,9 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
                 "clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="torch"),
                 "kernel_plain": lambda: optim.AdamW(params, lr=1e-6, update="gradclip"),
                 "kernel_clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="gradclip"),
+                "torch_sgd": lambda: torch.optim.SGD(params, lr=1e-6, momentum=0.9, fused=True),
+                "sgd_clip": lambda: optim.SGD(params, lr=1e-6, momentum=0.9, max_grad_norm=max_norm),
+                "lion_clip": lambda: optim.Lion(params, lr=1e-9, max_grad_norm=max_norm),
             }[key]()
             made[key].step()
         return made[key]
@@ -151,11 +156,16 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
         rows += [
             ("gradclip optim.AdamW(update='gradclip')", lambda: opt("kernel_plain").step(), floor_step),
             ("gradclip optim.AdamW(update='gradclip'), max_grad_norm", lambda: opt("kernel_clip").step(), floor_clip),
+            # The other optimizers of the spine (one state each).
+            ("torch clip_grad_norm_ + fused SGD(momentum)", lambda: (torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), opt("torch_sgd").step()), floor_one_state_clip),
+            ("gradclip optim.SGD(momentum), max_grad_norm", lambda: opt("sgd_clip").step(), floor_one_state_clip),
+            ("gradclip optim.Lion, max_grad_norm", lambda: opt("lion_clip").step(), floor_one_state_clip),
         ]
     rows = [r for r in rows if only is None or only in r[0]]
     out = []
     for name, fn, floor in rows:
         ms = per_step_ms(fn, reps, device)
+        made.clear()  # one optimizer's states at a time beside a 10 GB list
         out.append({"row": name, "ms": ms, "floor_ms": floor, "x_floor": ms / floor})
         print(f"  {name:48s} {ms:8.3f} ms   floor {floor:8.3f} ms   {ms / floor:5.2f}x", flush=True)
     return {"dtype": str(dtype), "tensors": len(params), "params": numel, "grad_bytes": grad_bytes, "step_bytes": step_bytes, "memory_probe_ms": probe_ms, "rows": out}
