@@ -8,6 +8,9 @@ each clip + optimizer:
   gradclip_default          gradclip.torch.optim.AdamW(max_grad_norm=1.0) with its default update
   gradclip_update_gradclip  ... update="gradclip" (gradclip's kernels, the clip inside the update)
   gradclip_update_torch     ... update="torch" (torch's fused kernel, the coefficient as grad_scale)
+  torch_clip_sgd            torch's clip_grad_norm_ + SGD(momentum=0.9, fused=True)
+  gradclip_sgd              gradclip.torch.optim.SGD(momentum=0.9, max_grad_norm=1.0)
+  gradclip_lion             gradclip.torch.optim.Lion(max_grad_norm=1.0)
 
 Models:
   dense   a 0.95 B decoder (16 layers, d=2048, 16 heads, SwiGLU 5632; 115 gradient tensors),
@@ -138,10 +141,19 @@ def make_optimizer(name, params):
         return torch.optim.AdamW(params, lr=1e-4, fused=True), 1.0
     if name == "gradclip_default":
         return optim.AdamW(params, lr=1e-4, max_grad_norm=1.0), None
+    if name == "torch_clip_sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=True), 1.0
+    if name == "gradclip_sgd":
+        return optim.SGD(params, lr=1e-3, momentum=0.9, max_grad_norm=1.0), None
+    if name == "gradclip_lion":
+        return optim.Lion(params, lr=1e-5, max_grad_norm=1.0), None
     return optim.AdamW(params, lr=1e-4, max_grad_norm=1.0, update=name.removeprefix("gradclip_update_")), None
 
 
-OPTIMIZERS = ["torch_fused_noclip", "torch_clip_fused", "gradclip_default", "gradclip_update_gradclip", "gradclip_update_torch"]
+OPTIMIZERS = [
+    "torch_fused_noclip", "torch_clip_fused", "gradclip_default", "gradclip_update_gradclip", "gradclip_update_torch",
+    "torch_clip_sgd", "gradclip_sgd", "gradclip_lion",
+]
 
 
 def run(model_name, opt_name, args, device):

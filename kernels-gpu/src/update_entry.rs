@@ -20,7 +20,7 @@
 
 use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, SgdParams, UpdateCount, UpdateTensorDesc, adam_flags};
 use crate::adam::{gradient_factor, step_scalars_f32, step_scalars_f64};
-use crate::apply::{begin, chunk_any_f32, chunk_f64, dtypes, finish, is_f64, task};
+use crate::apply::{begin, chunk_any_f32, chunk_f64, dtypes, finish, is_f64, step_of, task};
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 
@@ -50,7 +50,9 @@ pub unsafe extern "gpu-kernel" fn gradclip_adam(
     // SAFETY: the module's contract (for begin, task, the walks and finish).
     unsafe {
         let s = begin(count, norm, lr, flags, lr_in, found_inf);
-        if let Some((d, c, step)) = task(&s, tensors, tasks, num_tasks) {
+        if let Some((d, c)) = task(&s, tensors, tasks, num_tasks) {
+            let d = d.read();
+            let step = step_of(&s, &d);
             let h = AdamParams {
                 lr: s.lr,
                 beta1: h0,
@@ -107,7 +109,9 @@ pub unsafe extern "gpu-kernel" fn gradclip_sgd(
     // SAFETY: the module's contract (for begin, task, the walks and finish).
     unsafe {
         let s = begin(count, norm, lr, flags, lr_in, found_inf);
-        if let Some((d, c, step)) = task(&s, tensors, tasks, num_tasks) {
+        if let Some((d, c)) = task(&s, tensors, tasks, num_tasks) {
+            let d = d.read();
+            let step = step_of(&s, &d);
             let h = SgdParams {
                 lr: s.lr,
                 momentum: h0,
@@ -161,7 +165,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_lion(
     // SAFETY: the module's contract (for begin, task, the walks and finish).
     unsafe {
         let s = begin(count, norm, lr, flags, lr_in, found_inf);
-        if let Some((d, c, _)) = task(&s, tensors, tasks, num_tasks) {
+        if let Some((d, c)) = task(&s, tensors, tasks, num_tasks) {
+            let d = d.read();
             let h = LionParams {
                 lr: s.lr,
                 beta1: h0,
