@@ -8,7 +8,10 @@ each clip + optimizer:
   gradclip_default          gradclip.torch.optim.AdamW(max_grad_norm=1.0) with its default update
   gradclip_update_gradclip  ... update="gradclip" (gradclip's kernels, the clip inside the update)
   gradclip_update_torch     ... update="torch" (torch's fused kernel, the coefficient as grad_scale)
-  torch_clip_sgd            torch's clip_grad_norm_ + SGD(momentum=0.9, fused=True)
+  torch_clip_sgd            torch's clip_grad_norm_ + SGD(momentum=0.9) (foreach: torch's fused SGD
+                            fails on the MoE's second step, "expected Tensor as element 54 in
+                            argument 2, but got NoneType": it keeps no buffer for a parameter
+                            whose gradient was None at its first step)
   gradclip_sgd              gradclip.torch.optim.SGD(momentum=0.9, max_grad_norm=1.0)
   gradclip_lion             gradclip.torch.optim.Lion(max_grad_norm=1.0)
 
@@ -142,7 +145,7 @@ def make_optimizer(name, params):
     if name == "gradclip_default":
         return optim.AdamW(params, lr=1e-4, max_grad_norm=1.0), None
     if name == "torch_clip_sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=True), 1.0
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True), 1.0
     if name == "gradclip_sgd":
         return optim.SGD(params, lr=1e-3, momentum=0.9, max_grad_norm=1.0), None
     if name == "gradclip_lion":
