@@ -103,6 +103,6 @@ mod tests {
         );
         let mut st = [0.0f32; 3];
         assert_eq!(s.update(1.0, 2.0, &mut st), 1.0 + 1e-2f32);
-        assert_eq!(st[0], (1.0 - 0.99f64) as f32 * -1.0);
+        assert_eq!(st[0], -((1.0 - 0.99f64) as f32));
     }
 }

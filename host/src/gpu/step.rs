@@ -228,7 +228,7 @@ impl GpuEngine {
                 }
                 DeviceStepTensor {
                     param: &mut *t.param,
-                    grad: &*t.grad,
+                    grad: t.grad,
                     states,
                 }
             })

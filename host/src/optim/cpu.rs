@@ -331,7 +331,7 @@ unsafe fn update_checked(parts: &[Parts], h: Checked, count: &mut StepCount, coe
 /// arithmetic is the kernel's: [`ElementUpdate::for_states`]).
 ///
 /// # Safety
-/// As [`update_range_f32`]; the piece's first `states` states are present.
+/// As [`update_range`]; the piece's first `states` states are present.
 unsafe fn update_piece<U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy>(p: &Piece, states: usize, u32: U32, u64: U64) {
     // SAFETY (every arm): the caller's contract.
     unsafe {
@@ -347,7 +347,7 @@ unsafe fn update_piece<U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> +
 /// Dispatches a piece to the walk of its dtypes.
 ///
 /// # Safety
-/// As [`update_range_f32`].
+/// As [`update_range`].
 unsafe fn update_dtypes<const N: usize, U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy>(p: &Piece, u32: U32, u64: U64) {
     use DType::*;
     let (u32, u64) = (u32.for_states(N), u64.for_states(N));
