@@ -1,6 +1,7 @@
-//! The CPU Adam / AdamW step with the clip inside: against the textbook update in f64 for every
-//! dtype and option, exactly equal to "clip, then step" for f32 gradients, the non-finite
-//! policies, and every refused input leaving everything untouched.
+//! The CPU optimizer steps with the clip inside: Adam / AdamW against the textbook update in f64
+//! for every dtype and option, exactly equal to "clip, then step" for f32 gradients, the
+//! non-finite policies; SGD and Lion against their f64 references; every refused input leaving
+//! everything untouched.
 
 use gradclip::cpu::{Cpu, HostGrad, HostGradMut};
 use gradclip::optim::{AdamConfig, ClipConfig, HostAdamTensor, NonFinite, StepCount};
@@ -462,4 +463,258 @@ fn wrong_parts_are_named() {
         ),
         "{e}"
     );
+}
+
+/// SGD (torch's semantics) and Lion (the published update) in f64 on one element list, `steps`
+/// steps of gradient `g` each step, clipped by the coefficient of the whole list's norm.
+fn rule_reference(rule: &gradclip::optim::Rule, p: &mut [f64], state: &mut [f64], g: &[f64], step: u64, coef: f64) {
+    use gradclip::optim::Rule;
+    for i in 0..p.len() {
+        match rule {
+            Rule::Sgd(c) => {
+                let mut d = g[i] * coef;
+                if c.maximize {
+                    d = -d;
+                }
+                d += c.weight_decay * p[i];
+                if c.momentum != 0.0 {
+                    state[i] = if step == 1 {
+                        d
+                    } else {
+                        c.momentum * state[i] + (1.0 - c.dampening) * d
+                    };
+                    d = if c.nesterov { d + c.momentum * state[i] } else { state[i] };
+                }
+                p[i] -= c.lr * d;
+            }
+            Rule::Lion(c) => {
+                let d = if c.maximize { -g[i] * coef } else { g[i] * coef };
+                let dir = c.betas.0 * state[i] + (1.0 - c.betas.0) * d;
+                p[i] = p[i] * (1.0 - c.lr * c.weight_decay) - c.lr * dir.signum() * (dir != 0.0) as u8 as f64;
+                state[i] = c.betas.1 * state[i] + (1.0 - c.betas.1) * d;
+            }
+            Rule::Adam(_) => unreachable!("Adam has its own reference above"),
+        }
+    }
+}
+
+/// SGD and Lion through the generic CPU step (`Cpu::step` with [`HostStepTensor`]s) follow their
+/// f64 references over five clipped steps, for f32, f64, bf16 and f16 parameters (states in f32
+/// for the 16-bit ones, torch's mixed precision), within each dtype's rounding; the reported norm
+/// is the list's.
+#[test]
+fn sgd_and_lion_follow_their_f64_references() {
+    use gradclip::optim::{HostStepTensor, LionConfig, Rule, SgdConfig};
+    let sgd = SgdConfig::new(0.05);
+    let rules = [
+        Rule::Sgd(sgd),
+        Rule::Sgd(SgdConfig {
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 1e-2,
+            ..sgd
+        }),
+        Rule::Sgd(SgdConfig {
+            momentum: 0.5,
+            nesterov: true,
+            maximize: true,
+            ..sgd
+        }),
+        Rule::Lion(LionConfig {
+            weight_decay: 0.1,
+            ..LionConfig::new(1e-3)
+        }),
+        Rule::Lion(LionConfig {
+            maximize: true,
+            ..LionConfig::new(1e-3)
+        }),
+    ];
+    fn run<P: Num, S: Num>(rule: &Rule, tol: f64)
+    where
+        for<'a> &'a mut [P]: Into<HostGradMut<'a>>,
+        for<'a> &'a [P]: Into<HostGrad<'a>>,
+        for<'a> &'a mut [S]: Into<HostGradMut<'a>>,
+    {
+        let mut s = slots::<P, S>(11, &[1000, 70_001, 3]);
+        for x in s.iter_mut() {
+            x.m.iter_mut().for_each(|m| *m = S::from(0.0));
+        }
+        let mut want_p: Vec<Vec<f64>> = s.iter().map(|x| x.param.iter().map(|v| v.get()).collect()).collect();
+        let mut want_m: Vec<Vec<f64>> = s.iter().map(|x| vec![0.0; x.param.len()]).collect();
+        let grads: Vec<Vec<f64>> = s.iter().map(|x| x.grad.iter().map(|v| v.get()).collect()).collect();
+        let norm = grads.iter().flatten().map(|g| g * g).sum::<f64>().sqrt();
+        let clip = ClipConfig::new(norm / 4.0);
+        let mut count = StepCount::default();
+        let states = rule.states().len();
+        for step in 1..=5u64 {
+            let mut t: Vec<HostStepTensor<'_>> = s
+                .iter_mut()
+                .map(|x| HostStepTensor {
+                    param: (&mut x.param[..]).into(),
+                    grad: (&x.grad[..]).into(),
+                    states: if states == 1 { vec![(&mut x.m[..]).into()] } else { vec![] },
+                })
+                .collect();
+            let r = Cpu::new().step(&mut t, rule, &mut count, Some(&clip)).unwrap();
+            assert!(
+                (r.norm.unwrap() - norm).abs() <= 1e-6 * norm,
+                "{rule:?}: norm {:?} vs {norm}",
+                r.norm
+            );
+            for i in 0..grads.len() {
+                rule_reference(rule, &mut want_p[i], &mut want_m[i], &grads[i], step, r.coef);
+            }
+        }
+        assert_eq!(count.steps, 5);
+        for (x, want) in s.iter().zip(&want_p) {
+            for (got, want) in x.param.iter().zip(want) {
+                assert!(
+                    (got.get() - want).abs() <= tol * (1.0 + want.abs()),
+                    "{rule:?}: {} vs {want}",
+                    got.get()
+                );
+            }
+        }
+        if states == 1 {
+            for (x, want) in s.iter().zip(&want_m) {
+                for (got, want) in x.m.iter().zip(want) {
+                    assert!(
+                        (got.get() - want).abs() <= tol * (1.0 + want.abs()),
+                        "{rule:?}: state {} vs {want}",
+                        got.get()
+                    );
+                }
+            }
+        }
+    }
+    for rule in &rules {
+        run::<f32, f32>(rule, 1e-5);
+        run::<f64, f64>(rule, 1e-12);
+        run::<bf16, f32>(rule, 2e-2);
+        run::<f16, f32>(rule, 3e-3);
+    }
+}
+
+/// Refused inputs of the other optimizers leave everything untouched and name what to fix: a
+/// momentum buffer missing, states of two dtypes, Nesterov with dampening, a negative momentum,
+/// a Lion beta above 1; a step list made for one rule's states is refused for another's.
+#[test]
+fn sgd_and_lion_refuse_bad_input_before_writing() {
+    use gradclip::optim::{HostStepTensor, LionConfig, Parts, Rule, SgdConfig, StepList};
+    use gradclip::plan::RawTensor;
+    let momentum = Rule::Sgd(SgdConfig {
+        momentum: 0.9,
+        ..SgdConfig::new(0.1)
+    });
+    let mut s = slots::<f32, f32>(12, &[16, 8]);
+    let before = snapshot(&s);
+    let mut count = StepCount::default();
+    let run = |s: &mut [Slot<f32, f32>], rule: &Rule, with_state: bool, count: &mut StepCount| {
+        let mut t: Vec<HostStepTensor<'_>> = s
+            .iter_mut()
+            .enumerate()
+            .map(|(i, x)| HostStepTensor {
+                param: (&mut x.param[..]).into(),
+                grad: (&x.grad[..]).into(),
+                states: if with_state || i == 0 {
+                    vec![(&mut x.m[..]).into()]
+                } else {
+                    vec![]
+                },
+            })
+            .collect();
+        Cpu::new().step(&mut t, rule, count, Some(&ClipConfig::new(1.0)))
+    };
+    let e = run(&mut s, &momentum, false, &mut count);
+    assert!(
+        matches!(
+            e,
+            Err(Error::MissingState {
+                index: 1,
+                state: "momentum_buffer"
+            })
+        ),
+        "{e:?}"
+    );
+    for (bad, what) in [
+        (
+            Rule::Sgd(SgdConfig {
+                momentum: 0.9,
+                dampening: 0.1,
+                nesterov: true,
+                ..SgdConfig::new(0.1)
+            }),
+            "Nesterov",
+        ),
+        (
+            Rule::Sgd(SgdConfig {
+                momentum: -0.9,
+                ..SgdConfig::new(0.1)
+            }),
+            "momentum",
+        ),
+        (
+            Rule::Lion(LionConfig {
+                betas: (0.9, 1.5),
+                ..LionConfig::new(1e-4)
+            }),
+            "beta2",
+        ),
+    ] {
+        let e = run(&mut s, &bad, true, &mut count);
+        assert!(
+            matches!(&e, Err(Error::InvalidHyperparameter { what: w, .. }) if w.contains(what)),
+            "{e:?}"
+        );
+    }
+    assert_eq!(snapshot(&s), before);
+    assert_eq!(count, StepCount::default());
+    // A state of a dtype the parameter cannot take, then two states of different dtypes: named.
+    let (mut p, g, mut m32) = (vec![0.0f32; 4], vec![1.0f32; 4], vec![0.0f32; 4]);
+    let mut m64 = vec![0.0f64; 4];
+    let parts = Parts::new(
+        RawTensor::of::<f32>(p.as_mut_ptr() as u64, 4),
+        RawTensor::of::<f32>(g.as_ptr() as u64, 4),
+        &[
+            RawTensor::of::<f32>(m32.as_mut_ptr() as u64, 4),
+            RawTensor::of::<f64>(m64.as_mut_ptr() as u64, 4),
+        ],
+    );
+    let adam = Rule::Adam(AdamConfig::adamw(1e-3));
+    let e = gradclip::optim::check(&[parts], &adam).unwrap_err();
+    assert!(matches!(e, Error::OptimizerDtype { role: "exp_avg_sq", .. }), "{e}");
+    let (mut pb, gb, mut sb) = (vec![bf16::ZERO; 4], vec![bf16::ONE; 4], vec![bf16::ZERO; 4]);
+    let mixed = Parts::new(
+        RawTensor::of::<bf16>(pb.as_mut_ptr() as u64, 4),
+        RawTensor::of::<bf16>(gb.as_ptr() as u64, 4),
+        &[
+            RawTensor::of::<f32>(m32.as_mut_ptr() as u64, 4),
+            RawTensor::of::<bf16>(sb.as_mut_ptr() as u64, 4),
+        ],
+    );
+    let e = gradclip::optim::check(&[mixed], &adam).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::StateDtypes {
+                index: 0,
+                state: "exp_avg_sq",
+                first: "exp_avg",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // A list checked for SGD with momentum serves that rule only: not SGD without momentum, not
+    // Adam, and not Lion (one state too, by another name).
+    let one = Parts::new(
+        RawTensor::of::<f32>(p.as_mut_ptr() as u64, 4),
+        RawTensor::of::<f32>(g.as_ptr() as u64, 4),
+        &[RawTensor::of::<f32>(m32.as_mut_ptr() as u64, 4)],
+    );
+    let list = StepList::new(&[(vec![one], momentum.states())]).unwrap();
+    assert!(list.group_for(0, &momentum).is_ok());
+    assert!(list.group_for(0, &Rule::Sgd(SgdConfig::new(0.1))).is_err());
+    assert!(list.group_for(0, &adam).is_err());
+    assert!(list.group_for(0, &Rule::Lion(LionConfig::new(1e-4))).is_err());
 }
