@@ -1,5 +1,6 @@
-"""Optimizers that clip as part of their step: ``AdamW`` and ``Adam``, ``torch.optim``'s
-optimizers plus ``max_grad_norm``, on one of two updates.
+"""Optimizers that clip as part of their step: ``AdamW``, ``Adam`` and ``SGD`` (``torch.optim``'s
+optimizers plus ``max_grad_norm``) and ``Lion``, on one spine (``_ClippingStep``) and one of two
+updates.
 
 ``update="gradclip"`` (the default): gradclip's engine. The gradients' global norm (one launch on
 CUDA, f64, no host synchronization, global over DTensor and ``Shards`` gradients), then one update
