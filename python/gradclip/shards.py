@@ -28,9 +28,26 @@ class Shards:
 
     def __init__(self, params: Iterable[Any], over: Sequence[Any] = (), counted: bool = True):
         self.params: Tuple[Any, ...] = tuple(params)
+        if isinstance(over, (str, bytes)) or not isinstance(over, Iterable):
+            raise TypeError(f"Shards(over=...) takes a sequence of process groups; got {type(over).__name__} {over!r}")
         self.over: Tuple[Any, ...] = tuple(over)
+        for i, g in enumerate(self.over):
+            if not _is_process_group(g):
+                raise TypeError(f"Shards(over=...): over[{i}] is {type(g).__name__} {g!r}, not a process group")
         self.counted = bool(counted)
 
     def __repr__(self) -> str:
         names = [getattr(g, "group_name", repr(g)) for g in self.over]
         return f"Shards({len(self.params)} tensors, over={names}, counted={self.counted})"
+
+
+def _is_process_group(g: Any) -> bool:
+    """Whether ``g`` is a torch.distributed process group (or a test's stand-in that says so)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and isinstance(g, dist.ProcessGroup):
+            return True
+    except ImportError:  # pragma: no cover - a torch without distributed
+        pass
+    return hasattr(g, "size") and hasattr(g, "rank")

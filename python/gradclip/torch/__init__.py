@@ -22,6 +22,8 @@ as torch's ``_foreach_mul_`` does.
 from __future__ import annotations
 
 import math
+import types
+import warnings
 from collections import defaultdict
 from typing import Iterable, List, Optional, Union
 
@@ -29,6 +31,7 @@ import torch
 
 from .. import _native
 from ..shards import Shards
+from . import _ops
 
 _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -153,10 +156,23 @@ def _scan(items: list, grads: bool):
     except AttributeError:
         if any(isinstance(x, Shards) for x in items):
             return None, None, True
+        _refuse_non_tensors(items, grads)
         raise
     if plan is None and any(_is_dtensor(t) for t in ts):
         return None, ts, True
     return plan, ts, False
+
+
+def _refuse_non_tensors(items: list, grads: bool) -> None:
+    """TypeError naming the first item that is not a tensor (a gradient that is not a tensor,
+    with ``grads``), by its position."""
+    what = "parameters" if grads else "tensors"
+    for i, x in enumerate(items):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what}[{i}] is {type(x).__name__}, not a tensor: pass tensors (or Shards groups)")
+        g = x.grad if grads else x
+        if grads and g is not None and not isinstance(g, torch.Tensor):
+            raise TypeError(f"parameters[{i}].grad is {type(g).__name__}, not a tensor")
 
 
 def _overlap(ts: List[torch.Tensor]) -> bool:
@@ -336,7 +352,6 @@ def _written(ts: List[torch.Tensor]) -> None:
     torch._C._increment_version(ts)
 
 
-@_opaque_to_compile
 def get_total_norm(
     tensors: _TensorOrTensors,
     norm_type: float = 2.0,
@@ -347,7 +362,19 @@ def get_total_norm(
 ) -> torch.Tensor:
     """The norm of all ``tensors`` together, as ``torch.nn.utils.get_total_norm``. DTensors and
     ``Shards`` groups give the global norm over their process groups (a DTensor norm for DTensor
-    inputs); ``pipeline_group`` combines the norms of pipeline stages."""
+    inputs); ``pipeline_group`` combines the norms of pipeline stages. Under ``torch.compile`` a
+    plain list of one device's tensors is one registered op in the graph (``gradclip::total_norm``)."""
+    if torch.compiler.is_compiling() and not error_if_nonfinite and pipeline_group is None:
+        ts = _compilable(tensors, False)
+        if ts is not None:
+            return _ops.OPS.total_norm(ts, float(norm_type))
+    return _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group)
+
+
+@_opaque_to_compile
+@torch.no_grad()
+def _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group) -> torch.Tensor:
+    """``get_total_norm`` outside a compiled graph (and for what the graph does not take)."""
     _refuse_host_read_under_capture(error_if_nonfinite)
     items = _as_list(tensors)
     plan, ts, sharded = _scan(items, False)
@@ -409,13 +436,25 @@ def _clip_grads(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Te
         _scale_group(ts, coef)
 
 
-@_opaque_to_compile
 def clip_grads_with_norm_(
     parameters: _TensorOrTensors, max_norm: float, total_norm: torch.Tensor, foreach: Optional[bool] = None
 ) -> None:
     """Scale every gradient by ``min(1, max_norm / (total_norm + 1e-6))``, as torch does: the
     second half of a sharded clip, whose ``total_norm`` was all-reduced across ranks (a DTensor
-    norm, as torch's and gradclip's clips return for DTensor gradients, is taken whole)."""
+    norm, as torch's and gradclip's clips return for DTensor gradients, is taken whole). Under
+    ``torch.compile``, plain gradients of one device: ``gradclip::clip_grads_with_norm_``."""
+    if torch.compiler.is_compiling() and type(total_norm) is torch.Tensor and float(max_norm) >= 0:
+        grads = _compilable(parameters, True)
+        if grads is not None:
+            _ops.OPS.clip_grads_with_norm_(grads, float(max_norm), total_norm)
+            return
+    _clip_grads_with_norm_(parameters, max_norm, total_norm)
+
+
+@_opaque_to_compile
+@torch.no_grad()
+def _clip_grads_with_norm_(parameters, max_norm, total_norm) -> None:
+    """``clip_grads_with_norm_`` outside a compiled graph."""
     max_norm = _check_max_norm(max_norm)
     items = _as_list(parameters)
     plan, grads, sharded = _scan(items, True)
@@ -461,7 +500,6 @@ def _grads_norm64(params: list, norm_type: float, pipeline_group=None):
     return _total_norm64(plan, grads, p)
 
 
-@_opaque_to_compile
 def clip_grad_norm_(
     parameters: _TensorOrTensors,
     max_norm: float,
@@ -475,11 +513,48 @@ def clip_grad_norm_(
 
     DTensor gradients (FSDP2, TP, HSDP, several meshes at once) and ``Shards`` groups (plain
     process groups) are clipped by their global norm, combined with one all-reduce per process
-    group; ``pipeline_group`` (a process group) combines the norms of pipeline stages."""
+    group; ``pipeline_group`` (a process group) combines the norms of pipeline stages. Under
+    ``torch.compile`` the plain gradients of one device are one registered op in the graph
+    (``gradclip::clip_grad_norm_``, the eager call's bits); the rest (DTensor, ``Shards``,
+    ``error_if_nonfinite=True``, which reads the norm on the host) runs eagerly at a graph break."""
+    if torch.compiler.is_compiling() and not error_if_nonfinite and pipeline_group is None and float(max_norm) >= 0:
+        grads = _compilable(parameters, True)
+        if grads is not None:
+            return _ops.OPS.clip_grad_norm_(grads, float(max_norm), float(norm_type))
+    return _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group)
+
+
+def _compilable(items, grads: bool):
+    """The plain tensors of ``items`` (their gradients when ``grads``, None ones left out) when
+    a compiled graph can take them as one op: all plain tensors of one device, at least one;
+    None otherwise (the eager function then runs, at a graph break). Traced by dynamo."""
+    items = [items] if isinstance(items, torch.Tensor) else list(items)
+    if any(isinstance(x, Shards) for x in items):
+        return None
+    ts = [p.grad for p in items if p.grad is not None] if grads else items
+    if not ts or any(t is None or type(t) not in (torch.Tensor, torch.nn.Parameter) for t in ts):
+        return None
+    if any(t.device != ts[0].device for t in ts):
+        return None
+    # Views (DDP's gradient_as_bucket_view, any flat gradient buffer): Inductor (torch 2.11)
+    # clones aliased mutated inputs and read past the views doing so (NaN norms), so a list with
+    # a view runs eagerly, at a graph break, in place.
+    if any(t._base is not None for t in ts):
+        return None
+    return ts
+
+
+@_opaque_to_compile
+@torch.no_grad()
+def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group) -> torch.Tensor:
+    """``clip_grad_norm_`` outside a compiled graph (and for what the graph does not take)."""
     _refuse_host_read_under_capture(error_if_nonfinite)
     max_norm = _check_max_norm(max_norm)
     # `parameters` may be a generator: it is read once, here, into the list of gradients.
+    generator = isinstance(parameters, types.GeneratorType)
     items = _as_list(parameters)
+    if generator and not items:
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
     plan, grads, sharded = _scan(items, True)
     if sharded or pipeline_group is not None:
         distributed = _distributed()
@@ -496,6 +571,12 @@ def clip_grad_norm_(
     if len(grads) == 0:
         return torch.tensor(0.0)
     p = _check_p(norm_type)
+    return _clip_scanned(plan, grads, max_norm, p, error_if_nonfinite, norm_type)
+
+
+def _clip_scanned(plan, grads: List[torch.Tensor], max_norm: float, p: float, error_if_nonfinite: bool, norm_type: float) -> torch.Tensor:
+    """The clip of one device's plain gradients as the planner read them (``plan``, or None for
+    the ones it does not take), returning the norm as torch does."""
     _check_writable(plan, grads)
     if plan is not None and not error_if_nonfinite:
         # The whole clip in one native call: norm and scale, no host synchronization on CUDA.
@@ -518,3 +599,33 @@ def clip_grad_norm_(
     else:
         _clip_grads(grads, max_norm, total64)
     return total
+
+
+def _norm_of_list(tensors: List[torch.Tensor], p: float) -> torch.Tensor:
+    """The op ``gradclip::total_norm``: the norm of a plain list, as ``get_total_norm``."""
+    return _get_total_norm(tensors, p, False, None)
+
+
+def _clip_list(grads: List[torch.Tensor], max_norm: float, p: float) -> torch.Tensor:
+    """The op ``gradclip::clip_grad_norm_``: clips the tensors ``grads`` themselves."""
+    with torch.no_grad():
+        max_norm = _check_max_norm(max_norm)
+        p = _check_p(p)
+        plan, ts, _ = _scan(grads, False)
+        return _clip_scanned(plan, ts, max_norm, p, False, p)
+
+
+def _scale_list(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """The op ``gradclip::clip_grads_with_norm_``: scales the tensors ``grads`` themselves."""
+    with torch.no_grad():
+        max_norm = _check_max_norm(max_norm)
+        plan, ts, _ = _scan(grads, False)
+        _check_writable(plan, ts)
+        if plan is not None:
+            _scale_plan(plan, _clip_coef(max_norm, total_norm))
+            _written(ts)
+        else:
+            _clip_grads(ts, max_norm, total_norm)
+
+
+_ops.register(_norm_of_list, _clip_list, _scale_list, _result_dtype)

@@ -1,0 +1,150 @@
+"""gradclip's clip inside torch.compile: the three public functions are registered ops in the
+graph (no graph break on plain gradients of one device), compiled results equal eager bit for bit,
+gradients that are views of one flat buffer (FSDP2's layout) are clipped in place with no copy;
+and the eager paths' defects that issue 18 names: the fallback runs without autograd, an empty
+generator warns as torch does, a non-tensor is named by its position."""
+
+import warnings
+
+import pytest
+import torch
+
+import gradclip.torch as gt
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
+def _model(device, dtype, seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(device=device, dtype=dtype)
+    m(torch.randn(4, 16, device=device, dtype=dtype)).square().sum().backward()
+    return m
+
+
+def _grads(m):
+    return [p.grad for p in m.parameters()]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_compiled_clip_has_no_graph_break_and_equals_eager(device, dtype):
+    def clip(m):
+        return gt.clip_grad_norm_(m.parameters(), 0.5)
+
+    def norm(m):
+        return gt.get_total_norm([p.grad for p in m.parameters()], 3.0)
+
+    def with_norm(m, n):
+        gt.clip_grads_with_norm_(m.parameters(), 0.5, n)
+
+    for fn, args in ((clip, ()), (norm, ())):
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fn)(_model(device, dtype))
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        a, b = _model(device, dtype), _model(device, dtype)
+        got = torch.compile(fn, fullgraph=True)(a)
+        want = fn(b)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert _same(_grads(a), _grads(b))
+    torch._dynamo.reset()
+    a, b = _model(device, dtype), _model(device, dtype)
+    n = torch.tensor(7.0, device=device)
+    torch.compile(with_norm, fullgraph=True)(a, n)
+    with_norm(b, n)
+    assert _same(_grads(a), _grads(b)) and not _same(_grads(a), _grads(_model(device, dtype)))
+
+
+def test_compiled_clip_of_flat_buffer_views_runs_in_place_at_a_graph_break():
+    """Gradients that are views of one flat buffer (DDP's gradient_as_bucket_view): Inductor
+    (torch 2.11) clones aliased mutated inputs of an op and read past the views doing so (a NaN
+    norm in this very test when the op took them), so such a list runs eagerly at a graph break:
+    the buffer clipped in place, the eager clip's bits. Plain gradients: the op's code clones
+    nothing."""
+    from torch._inductor.utils import run_and_get_code
+
+    def make():
+        torch.manual_seed(1)
+        ps = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 28, 1000)]
+        flat = torch.randn(1128)
+        at = 0
+        for p in ps:
+            p.grad = flat[at : at + p.numel()]
+            at += p.numel()
+        return ps, flat
+
+    def clip(ps):
+        return gt.clip_grad_norm_(ps, 1.0)
+
+    torch._dynamo.reset()
+    (ps, flat), (eager_ps, eager_flat) = make(), make()
+    ptr = flat.data_ptr()
+    got = torch.compile(clip)(ps)
+    want = clip(eager_ps)
+    assert torch.equal(got, want) and torch.equal(flat, eager_flat) and flat.data_ptr() == ptr
+    assert all(p.grad._base is flat for p in ps)
+    torch._dynamo.reset()
+    plain = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 28, 1000)]
+    for p in plain:
+        p.grad = torch.randn(p.shape)
+    ptrs = [p.grad.data_ptr() for p in plain]
+    _, code = run_and_get_code(torch.compile(clip, fullgraph=True), plain)
+    body = "\n".join(code)
+    assert "gradclip.clip_grad_norm_" in body and "clone" not in body and "copy_" not in body, body
+    assert [p.grad.data_ptr() for p in plain] == ptrs
+
+
+def test_what_the_graph_does_not_take_runs_eagerly_and_correctly():
+    """error_if_nonfinite (a host read), gradients on two kinds of storage (a strided one, which
+    the op's eager implementation hands to torch): still the eager results under compile."""
+
+    def clip_checked(m):
+        return gt.clip_grad_norm_(m.parameters(), 0.5, error_if_nonfinite=True)
+
+    a, b = _model("cpu", torch.float32), _model("cpu", torch.float32)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(clip_checked)(a), clip_checked(b)) and _same(_grads(a), _grads(b))
+    bad = _model("cpu", torch.float32)
+    bad[0].weight.grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.compile(clip_checked)(bad)
+
+
+def test_fallback_runs_without_autograd():
+    """Gradients the engine does not take (channels_last, and gradients made with
+    create_graph=True): the norm has no grad_fn and the clip is not recorded, as torch's."""
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    assert not conv.weight.grad.is_contiguous()
+    n = gt.get_total_norm([conv.weight.grad, conv.bias.grad])
+    assert n.grad_fn is None and not n.requires_grad
+    w = torch.nn.Parameter(torch.randn(5, 5))
+    (g,) = torch.autograd.grad((w.sin() ** 2).sum(), w, create_graph=True)
+    w.grad = g.t()  # strided, and part of a graph
+    before = torch.linalg.vector_norm(g.detach())
+    total = gt.clip_grad_norm_([w], 0.1)
+    assert total.grad_fn is None and not total.requires_grad
+    assert torch.allclose(total, before) and torch.allclose(torch.linalg.vector_norm(w.grad.detach()), torch.tensor(0.1))
+
+
+def test_an_empty_generator_warns_as_torch_does():
+    with pytest.warns(UserWarning, match="empty generator"):
+        assert float(gt.clip_grad_norm_((p for p in []), 1.0)) == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gt.clip_grad_norm_([], 1.0)  # an empty list is not a generator: no warning
+
+
+def test_non_tensors_are_named_by_position():
+    t = torch.ones(3)
+    with pytest.raises(TypeError, match=r"tensors\[1\] is NoneType"):
+        gt.get_total_norm([t, None])
+    with pytest.raises(TypeError, match=r"parameters\[1\] is int"):
+        gt.clip_grad_norm_([torch.nn.Parameter(t), 3], 1.0)
+    with pytest.raises(TypeError, match="sequence of process groups; got str"):
+        gt.Shards([t], over="x")
+    with pytest.raises(TypeError, match=r"over\[0\] is int"):
+        gt.Shards([t], over=[3])
