@@ -148,3 +148,34 @@ def test_non_tensors_are_named_by_position():
         gt.Shards([t], over="x")
     with pytest.raises(TypeError, match=r"over\[0\] is int"):
         gt.Shards([t], over=[3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_reduce_overhead_step_with_the_clip_inside_equals_eager():
+    """torch.compile(mode="reduce-overhead") (CUDA graphs) of a step that clips with gradclip and
+    steps torch's capturable AdamW: five replays on new gradient values (copied into the same
+    gradient tensors, as a captured step needs) give the eager step's norms and parameters."""
+    def make():
+        torch.manual_seed(3)
+        m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)]).cuda()
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True, foreach=True)
+
+    def step(m, opt):
+        n = gt.clip_grad_norm_(m.parameters(), 0.5)
+        opt.step()
+        return n
+
+    (a, oa), (b, ob) = make(), make()
+    compiled = torch.compile(step, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for i in range(5):
+        grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in a.parameters()]
+        for pa, pb, g in zip(a.parameters(), b.parameters(), grads):
+            pa.grad.copy_(g)
+            pb.grad.copy_(g)
+        got, want = compiled(a, oa).clone(), step(b, ob)
+        assert torch.equal(got, want), (i, got, want)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
