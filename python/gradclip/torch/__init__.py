@@ -212,8 +212,11 @@ def _with_workspace(plan):
     """``plan``, with zeroed device memory from torch's caching allocator lent to it for the
     engine's tables once, so torch's accounting sees it. Never under CUDA-graph capture: memory
     allocated there would be the graph pool's, and captured calls keep their tables in memory
-    the graph itself owns (uploaded at capture time, freed with the graph)."""
-    if not plan.has_workspace and not _capturing():
+    the graph itself owns (uploaded at capture time, freed with the graph). Nor inside the
+    registered ops (``_ops``): a compiled graph runs them in its own memory pool (CUDA-graph
+    trees warm up and record there), where a loan kept by the plan would be a live allocation
+    the pool does not track; their tables go to the engine's own memory."""
+    if not plan.has_workspace and not _capturing() and not _OPS_RUNNING[0]:
         plan.lend_workspace(torch.zeros(max(plan.workspace_bytes, 8), dtype=torch.uint8, device=plan.device))
     return plan
 
@@ -601,31 +604,50 @@ def _clip_scanned(plan, grads: List[torch.Tensor], max_norm: float, p: float, er
     return total
 
 
+#: Nonzero while a registered op's implementation runs (see ``_with_workspace``).
+_OPS_RUNNING = [0]
+
+
+def _as_op(fn):
+    """``fn`` as a registered op's implementation: no autograd, no workspace loan."""
+
+    def run(*args):
+        _OPS_RUNNING[0] += 1
+        try:
+            with torch.no_grad():
+                return fn(*args)
+        finally:
+            _OPS_RUNNING[0] -= 1
+
+    return run
+
+
+@_as_op
 def _norm_of_list(tensors: List[torch.Tensor], p: float) -> torch.Tensor:
     """The op ``gradclip::total_norm``: the norm of a plain list, as ``get_total_norm``."""
     return _get_total_norm(tensors, p, False, None)
 
 
+@_as_op
 def _clip_list(grads: List[torch.Tensor], max_norm: float, p: float) -> torch.Tensor:
     """The op ``gradclip::clip_grad_norm_``: clips the tensors ``grads`` themselves."""
-    with torch.no_grad():
-        max_norm = _check_max_norm(max_norm)
-        p = _check_p(p)
-        plan, ts, _ = _scan(grads, False)
-        return _clip_scanned(plan, ts, max_norm, p, False, p)
+    max_norm = _check_max_norm(max_norm)
+    p = _check_p(p)
+    plan, ts, _ = _scan(grads, False)
+    return _clip_scanned(plan, ts, max_norm, p, False, p)
 
 
+@_as_op
 def _scale_list(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     """The op ``gradclip::clip_grads_with_norm_``: scales the tensors ``grads`` themselves."""
-    with torch.no_grad():
-        max_norm = _check_max_norm(max_norm)
-        plan, ts, _ = _scan(grads, False)
-        _check_writable(plan, ts)
-        if plan is not None:
-            _scale_plan(plan, _clip_coef(max_norm, total_norm))
-            _written(ts)
-        else:
-            _clip_grads(ts, max_norm, total_norm)
+    max_norm = _check_max_norm(max_norm)
+    plan, ts, _ = _scan(grads, False)
+    _check_writable(plan, ts)
+    if plan is not None:
+        _scale_plan(plan, _clip_coef(max_norm, total_norm))
+        _written(ts)
+    else:
+        _clip_grads(ts, max_norm, total_norm)
 
 
 _ops.register(_norm_of_list, _clip_list, _scale_list, _result_dtype)
