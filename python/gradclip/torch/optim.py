@@ -325,10 +325,14 @@ class _ClippingStep:
             self.last_grad_norm = torch.zeros(())
         return True
 
+    # Called, not traced, by torch.compile: the step reads its tensors' addresses in native code
+    # (dynamo failed inside it, on the layout it keeps); a compiled step breaks its graph here.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
-        scale pass), then updates as torch's fused optimizer; returns the closure's loss."""
+        scale pass), then updates as torch's fused optimizer; returns the closure's loss. Under
+        ``torch.compile`` it runs eagerly (a graph break)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
