@@ -24,165 +24,131 @@ use crate::apply::{begin, chunk_any_f32, chunk_f64, dtypes, finish, is_f64, step
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 
-/// Adam / AdamW ([`crate::adam`]): states `exp_avg`, `exp_avg_sq` and, with amsgrad,
-/// `max_exp_avg_sq`; each parameter's bias correction from its own step count.
-///
-/// # Safety
-/// See the module's documentation.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn gradclip_adam(
-    tensors: *const UpdateTensorDesc,
-    tasks: *const ChunkTask,
-    counter: *mut u32,
-    count: *mut UpdateCount,
-    norm: *const NormOutput,
-    lr: f64,
-    h0: f64,
-    h1: f64,
-    h2: f64,
-    h3: f64,
-    flags: u32,
-    num_tasks: u64,
-    lr_in: *const f64,
-    found_inf: *const f32,
-    num_tensors: u64,
-) {
-    // SAFETY: the module's contract (for begin, task, the walks and finish).
-    unsafe {
-        let s = begin(count, norm, lr, flags, lr_in, found_inf);
-        if let Some((d, c)) = task(&s, tensors, tasks, num_tasks) {
-            let d = d.read();
-            let step = step_of(&s, &d);
-            let h = AdamParams {
-                lr: s.lr,
-                beta1: h0,
-                beta2: h1,
-                eps: h2,
-                weight_decay: h3,
-                flags,
-                reserved: 0,
-            };
-            let amsgrad = flags & adam_flags::AMSGRAD != 0;
-            if is_f64(&d) {
-                let u = step_scalars_f64(&h, step).clipped_by(s.coef);
-                if amsgrad {
-                    chunk_f64::<3, _>(&d, c, u);
-                } else {
-                    chunk_f64::<2, _>(&d, c, u);
+/// An optimizer kernel: the arguments every one takes, the step around its task (`begin`,
+/// `task`, `finish`), and `$body` for this block's task, with the tensor's descriptor `$d`, its
+/// chunk `$c`, its step number `$step`, the step's inputs `$s`, the four hyperparameters `$h`
+/// and the flags `$flags` in scope.
+macro_rules! update_kernel {
+    ($(#[$doc:meta])* $name:ident, |$d:ident, $c:ident, $step:ident, $s:ident, $h:ident, $flags:ident| $body:block) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// See the module's documentation.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $name(
+            tensors: *const UpdateTensorDesc,
+            tasks: *const ChunkTask,
+            counter: *mut u32,
+            count: *mut UpdateCount,
+            norm: *const NormOutput,
+            lr: f64,
+            h0: f64,
+            h1: f64,
+            h2: f64,
+            h3: f64,
+            $flags: u32,
+            num_tasks: u64,
+            lr_in: *const f64,
+            found_inf: *const f32,
+            num_tensors: u64,
+        ) {
+            // SAFETY: the module's contract (for begin, task, the walks and finish).
+            unsafe {
+                let $s = begin(count, norm, lr, $flags, lr_in, found_inf);
+                if let Some((d, $c)) = task(&$s, tensors, tasks, num_tasks) {
+                    let $d = d.read();
+                    let $step = step_of(&$s, &$d);
+                    let $h = [h0, h1, h2, h3];
+                    $body
                 }
-            } else {
-                let u = step_scalars_f32(&h, step).clipped_by(s.coef);
-                if amsgrad {
-                    chunk_any_f32::<3, _>(&d, c, u, dtypes(&d));
-                } else {
-                    chunk_any_f32::<2, _>(&d, c, u, dtypes(&d));
-                }
+                finish(&$s, tensors, counter, count, num_tasks, num_tensors);
             }
         }
-        finish(&s, tensors, counter, count, num_tasks, num_tensors);
-    }
+    };
 }
 
-/// SGD ([`crate::sgd`]): with momentum, state `momentum_buffer` (its first step, from the
-/// parameter's own count, takes the gradient); without, no state.
-///
-/// # Safety
-/// See the module's documentation.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn gradclip_sgd(
-    tensors: *const UpdateTensorDesc,
-    tasks: *const ChunkTask,
-    counter: *mut u32,
-    count: *mut UpdateCount,
-    norm: *const NormOutput,
-    lr: f64,
-    h0: f64,
-    h1: f64,
-    h2: f64,
-    _h3: f64,
-    flags: u32,
-    num_tasks: u64,
-    lr_in: *const f64,
-    found_inf: *const f32,
-    num_tensors: u64,
-) {
-    // SAFETY: the module's contract (for begin, task, the walks and finish).
-    unsafe {
-        let s = begin(count, norm, lr, flags, lr_in, found_inf);
-        if let Some((d, c)) = task(&s, tensors, tasks, num_tasks) {
-            let d = d.read();
-            let step = step_of(&s, &d);
-            let h = SgdParams {
-                lr: s.lr,
-                momentum: h0,
-                dampening: h1,
-                weight_decay: h2,
-                flags,
-            };
-            let momentum = h.momentum != 0.0;
-            if is_f64(&d) {
-                let u = sgd_scalars_f64(&h, step, s.coef);
-                if momentum {
-                    chunk_f64::<1, _>(&d, c, u);
-                } else {
-                    chunk_f64::<0, _>(&d, c, u);
-                }
+update_kernel!(
+    /// Adam / AdamW ([`crate::adam`]): states `exp_avg`, `exp_avg_sq` and, with amsgrad,
+    /// `max_exp_avg_sq`; each parameter's bias correction from its own step count.
+    gradclip_adam,
+    |d, c, step, s, h, flags| {
+        let h = AdamParams {
+            lr: s.lr,
+            beta1: h[0],
+            beta2: h[1],
+            eps: h[2],
+            weight_decay: h[3],
+            flags,
+            reserved: 0,
+        };
+        let amsgrad = flags & adam_flags::AMSGRAD != 0;
+        if is_f64(&d) {
+            let u = step_scalars_f64(&h, step).clipped_by(s.coef);
+            if amsgrad {
+                chunk_f64::<3, _>(&d, c, u);
             } else {
-                let u = sgd_scalars_f32(&h, step, s.coef);
-                if momentum {
-                    chunk_any_f32::<1, _>(&d, c, u, dtypes(&d));
-                } else {
-                    chunk_any_f32::<0, _>(&d, c, u, dtypes(&d));
-                }
+                chunk_f64::<2, _>(&d, c, u);
+            }
+        } else {
+            let u = step_scalars_f32(&h, step).clipped_by(s.coef);
+            if amsgrad {
+                chunk_any_f32::<3, _>(&d, c, u, dtypes(&d));
+            } else {
+                chunk_any_f32::<2, _>(&d, c, u, dtypes(&d));
             }
         }
-        finish(&s, tensors, counter, count, num_tasks, num_tensors);
     }
-}
+);
 
-/// Lion ([`crate::lion`]): state `exp_avg`.
-///
-/// # Safety
-/// See the module's documentation.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn gradclip_lion(
-    tensors: *const UpdateTensorDesc,
-    tasks: *const ChunkTask,
-    counter: *mut u32,
-    count: *mut UpdateCount,
-    norm: *const NormOutput,
-    lr: f64,
-    h0: f64,
-    h1: f64,
-    h2: f64,
-    _h3: f64,
-    flags: u32,
-    num_tasks: u64,
-    lr_in: *const f64,
-    found_inf: *const f32,
-    num_tensors: u64,
-) {
-    // SAFETY: the module's contract (for begin, task, the walks and finish).
-    unsafe {
-        let s = begin(count, norm, lr, flags, lr_in, found_inf);
-        if let Some((d, c)) = task(&s, tensors, tasks, num_tasks) {
-            let d = d.read();
-            let h = LionParams {
-                lr: s.lr,
-                beta1: h0,
-                beta2: h1,
-                weight_decay: h2,
-                flags,
-            };
-            if is_f64(&d) {
-                chunk_f64::<1, _>(&d, c, lion_scalars_f64(&h, s.coef));
+update_kernel!(
+    /// SGD ([`crate::sgd`]): with momentum, state `momentum_buffer` (its first step, from the
+    /// parameter's own count, takes the gradient); without, no state.
+    gradclip_sgd,
+    |d, c, step, s, h, flags| {
+        let h = SgdParams {
+            lr: s.lr,
+            momentum: h[0],
+            dampening: h[1],
+            weight_decay: h[2],
+            flags,
+        };
+        let momentum = h.momentum != 0.0;
+        if is_f64(&d) {
+            let u = sgd_scalars_f64(&h, step, s.coef);
+            if momentum {
+                chunk_f64::<1, _>(&d, c, u);
             } else {
-                chunk_any_f32::<1, _>(&d, c, lion_scalars_f32(&h, s.coef), dtypes(&d));
+                chunk_f64::<0, _>(&d, c, u);
+            }
+        } else {
+            let u = sgd_scalars_f32(&h, step, s.coef);
+            if momentum {
+                chunk_any_f32::<1, _>(&d, c, u, dtypes(&d));
+            } else {
+                chunk_any_f32::<0, _>(&d, c, u, dtypes(&d));
             }
         }
-        finish(&s, tensors, counter, count, num_tasks, num_tensors);
     }
-}
+);
+
+update_kernel!(
+    /// Lion ([`crate::lion`]): state `exp_avg` (no step count: the update has no bias correction).
+    gradclip_lion,
+    |d, c, _step, s, h, flags| {
+        let h = LionParams {
+            lr: s.lr,
+            beta1: h[0],
+            beta2: h[1],
+            weight_decay: h[2],
+            flags,
+        };
+        if is_f64(&d) {
+            chunk_f64::<1, _>(&d, c, lion_scalars_f64(&h, s.coef));
+        } else {
+            chunk_any_f32::<1, _>(&d, c, lion_scalars_f32(&h, s.coef), dtypes(&d));
+        }
+    }
+);
 
 /// One thread, between the norm kernel and the update kernel of a step whose gradients carry a
 /// loss scale (one f32 at `loss_scale`, GradScaler's): `out.coef` becomes the factor the update
