@@ -74,8 +74,8 @@ pub struct GpuEngine {
     ws: OwnWorkspace,
     external: Option<ExternalWorkspace>,
     uploaded: Option<Uploaded>,
-    /// The optimizer's tables ([`super::step`]).
-    pub(super) updates: super::step::UpdateUpload,
+    /// The optimizer kernels' tables ([`super::update_tables`]).
+    pub(super) updates: super::update_tables::UpdateUpload,
     /// One f64 for the sharded clip's cross-rank combine ([`super::sharded`]), allocated with
     /// the engine so that a sharded clip can be captured.
     pub(super) partial: CudaSlice<f64>,

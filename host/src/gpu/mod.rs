@@ -23,6 +23,7 @@ mod sharded;
 mod step;
 #[cfg(feature = "bench-kernels")]
 pub mod tools;
+mod update_tables;
 mod words;
 mod workspace;
 

@@ -11,18 +11,17 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
-use gradclip_kernels::abi::{ChunkTask, UpdateCount, UpdateTensorDesc, flags, update_chunk_elems, update_flags};
+use gradclip_kernels::abi::{UpdateCount, flags, update_flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::capture::{self, Capture};
 use super::device_norm::DeviceNorm;
 use super::engine::GpuEngine;
 use super::kernels::Kernel;
-use super::launch::{self, UpdateTables};
-use super::words::{as_words, from_words};
+use super::launch;
+use super::words::from_words;
 use crate::error::{Error, Result};
 use crate::optim::{AdamConfig, ClipConfig, KernelArgs, NonFinite, Parts, Rule, StepCount, StepList, check_clip};
-use crate::plan::MAX_TASKS;
 use crate::tensor_list::TensorList;
 
 /// One parameter and its Adam state in device memory of the engine's context. States and
@@ -125,56 +124,6 @@ pub struct DeviceInputs<'a> {
     pub loss_scale: Option<&'a CudaSlice<f32>>,
     /// Nonzero skips the step.
     pub found_inf: Option<&'a CudaSlice<f32>>,
-}
-
-/// The optimizer tables of the lists uploaded last (a few: one per parameter group), in the
-/// engine's own memory: counter word, tensor table, task table.
-#[derive(Debug, Default)]
-pub(crate) struct UpdateUpload {
-    lists: Vec<Uploaded>,
-}
-
-#[derive(Debug)]
-struct Uploaded {
-    /// The [`StepList`] and group these tables were uploaded for.
-    key: (u64, usize),
-    parts: Vec<Parts>,
-    buf: CudaSlice<u64>,
-    num_tasks: u64,
-}
-
-/// Lists kept uploaded (the most recently used first).
-const KEPT_LISTS: usize = 8;
-
-/// The kernel's tables for `parts` (checked by the caller).
-fn plan(parts: &[Parts]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
-    let mut descs = Vec::with_capacity(parts.len());
-    let mut tasks = Vec::new();
-    for (i, p) in parts.iter().enumerate() {
-        let n = p.param.len.div_ceil(update_chunk_elems(p.param.dtype.size()));
-        if tasks.len() as u64 + n > MAX_TASKS {
-            return Err(Error::TooManyTasks {
-                tasks: tasks.len() as u64 + n,
-                max: MAX_TASKS,
-            });
-        }
-        tasks.extend((0..n).map(|c| ChunkTask {
-            tensor: i as u32,
-            chunk: c as u32,
-        }));
-        let states = p.states.map(|s| s.map_or(0, |s| s.addr));
-        let state_dtype = p.states[0].map_or(p.param.dtype, |s| s.dtype);
-        descs.push(UpdateTensorDesc {
-            param: p.param.addr,
-            grad: p.grad.addr,
-            states,
-            len: p.param.len,
-            dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | state_dtype.code() << 8,
-            reserved: 0,
-            step: p.step.map_or(0, |s| s.addr),
-        });
-    }
-    Ok((descs, tasks))
 }
 
 /// The checks of an update's inputs other than its tensors (those are a [`StepList`]'s): the
@@ -524,7 +473,7 @@ impl GpuEngine {
             Rule::Sgd(_) => Kernel::Sgd,
             Rule::Lion(_) => Kernel::Lion,
         };
-        let (tables, num_tasks) = self.upload_tables(list, group)?;
+        let (tables, num_tasks) = self.updates.tables(&self.stream().clone(), list, group)?;
         let parts = list.group(group).0;
         let stream = self.stream().clone();
         // SAFETY: the tables were planned from `parts` (checked for the rule: lengths, dtypes,
@@ -545,156 +494,5 @@ impl GpuEngine {
                 found_inf,
             )
         }
-    }
-
-    /// The optimizer tables of group `group` of `list` in device memory and their task count:
-    /// under CUDA-graph capture, fresh ones that the graph owns (as the norm's, [`capture`]);
-    /// otherwise uploaded unless one of the lists kept is this list's group or the same parts. A
-    /// new upload reuses the least recently used buffer when it is large enough (the copy is
-    /// ordered after the launches that read it on this stream).
-    fn upload_tables(&mut self, list: &StepList, group: usize) -> Result<(UpdateTables, u64)> {
-        let stream = self.stream().clone();
-        let parts = list.group(group).0;
-        match capture::status(&stream)? {
-            Capture::Active(graph) => {
-                let (descs, tasks) = plan(parts)?;
-                let (dw, tw) = (as_words(&descs), as_words(&tasks));
-                let tasks_at = 8 + 8 * dw.len();
-                let base = capture::upload_words_owned_by(&stream, graph, tasks_at + 8 * tw.len(), 8, &[(8, dw), (tasks_at, tw)])?;
-                let tables = UpdateTables {
-                    counter: base,
-                    tensors: base + 8,
-                    tasks: base + tasks_at as u64,
-                };
-                return Ok((tables, tasks.len() as u64));
-            }
-            Capture::None => capture::free_released(&stream),
-        }
-        let key = (list.id(), group);
-        let lists = &mut self.updates.lists;
-        match lists.iter().position(|u| u.key == key || u.parts == parts) {
-            Some(i) => {
-                let mut u = lists.remove(i);
-                u.key = key;
-                lists.insert(0, u);
-            }
-            None => {
-                let (descs, tasks) = plan(parts)?;
-                let (dw, tw) = (as_words(&descs), as_words(&tasks));
-                let words = 1 + dw.len() + tw.len();
-                // The oldest buffer, when full and large enough; its counter word is zero (every
-                // launch leaves it so), and the copies below never touch it.
-                let reuse = (lists.len() >= KEPT_LISTS)
-                    .then(|| lists.pop())
-                    .flatten()
-                    .filter(|u| u.buf.len() >= words);
-                let mut buf = match reuse {
-                    Some(u) => u.buf,
-                    None => {
-                        lists.truncate(KEPT_LISTS - 1);
-                        stream.alloc_zeros::<u64>(words)?
-                    }
-                };
-                let mut at = 1;
-                for words in [dw, tw] {
-                    if !words.is_empty() {
-                        stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
-                    }
-                    at += words.len();
-                }
-                lists.insert(
-                    0,
-                    Uploaded {
-                        key,
-                        parts: parts.to_vec(),
-                        buf,
-                        num_tasks: tasks.len() as u64,
-                    },
-                );
-            }
-        }
-        let u = &lists[0];
-        let (base, _g) = u.buf.device_ptr(&stream);
-        let descs_bytes = (u.parts.len() * size_of::<UpdateTensorDesc>()) as u64;
-        Ok((
-            UpdateTables {
-                counter: base,
-                tensors: base + 8,
-                tasks: base + 8 + descs_bytes,
-            },
-            u.num_tasks,
-        ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::DType;
-    use crate::plan::RawTensor;
-
-    fn raw(addr: u64, len: u64, dtype: DType) -> RawTensor {
-        RawTensor { addr, len, dtype }
-    }
-
-    fn parts(i: u64, len: u64, p: DType, s: DType, amsgrad: bool) -> Parts {
-        let at = |k: u64| (i + 1) << 32 | k << 24;
-        Parts::adam(
-            raw(at(0), len, p),
-            raw(at(1), len, p),
-            raw(at(2), len, s),
-            raw(at(3), len, s),
-            amsgrad.then(|| raw(at(4), len, s)),
-        )
-    }
-
-    /// Tasks enumerate each parameter's chunks (their length set by the parameter's dtype) in
-    /// order; the table carries every part's address and the three dtypes packed as the kernel
-    /// unpacks them.
-    #[test]
-    fn plan_tasks_and_descriptors() {
-        let (narrow, wide) = (update_chunk_elems(2), update_chunk_elems(8));
-        let list = [
-            parts(0, 2 * narrow + 1808, DType::Bf16, DType::F32, true),
-            parts(1, 0, DType::F32, DType::F32, false),
-            parts(2, wide, DType::F64, DType::F64, false),
-            parts(3, narrow, DType::F32, DType::F32, false),
-        ];
-        let (descs, tasks) = plan(&list).unwrap();
-        let f32_chunks = narrow.div_ceil(update_chunk_elems(4)) as u32;
-        let want: Vec<(u32, u32)> = [(0, 0), (0, 1), (0, 2), (2, 0)]
-            .into_iter()
-            .chain((0..f32_chunks).map(|c| (3, c)))
-            .collect();
-        assert_eq!(tasks.iter().map(|t| (t.tensor, t.chunk)).collect::<Vec<_>>(), want);
-        assert_eq!(
-            descs[0].dtypes,
-            DType::Bf16.code() | DType::Bf16.code() << 4 | DType::F32.code() << 8
-        );
-        assert_eq!((descs[0].states[2], descs[1].states[2]), (list[0].states[2].unwrap().addr, 0));
-        assert_eq!((descs[2].grad, descs[2].len), (list[2].grad.addr, wide));
-    }
-
-    #[test]
-    fn overlapping_parts_are_refused() {
-        let mut p = parts(0, 100, DType::F32, DType::F32, false);
-        use crate::optim::check;
-        let adamw = Rule::Adam(AdamConfig::adamw(1e-3));
-        let check = |p: &[Parts], _| check(p, &adamw);
-        assert!(check(&[p], false).is_ok());
-        p.states[0].as_mut().unwrap().addr = p.param.addr + 8;
-        assert!(matches!(check(&[p], false), Err(Error::Overlap { .. })));
-        let (a, mut b) = (
-            parts(0, 100, DType::F32, DType::F32, false),
-            parts(1, 100, DType::F32, DType::F32, false),
-        );
-        b.grad = a.states[1].unwrap();
-        assert!(
-            matches!(check(&[a, b], false), Err(Error::Overlap { .. })),
-            "a gradient on another parameter's state"
-        );
-        b = parts(1, 100, DType::F32, DType::F32, false);
-        b.param.addr = 0;
-        assert!(matches!(check(&[a, b], false), Err(Error::NullPointer { .. })));
     }
 }
