@@ -20,7 +20,7 @@ import time
 import torch
 
 import gradclip.torch as gt
-from gradclip import _native
+from gradclip import _engine, _native
 
 LISTS = [(100, 1024, torch.float32), (500, 1 << 20, torch.bfloat16), (1000, 1024, torch.float32), (10000, 1024, torch.float32)]
 
@@ -47,11 +47,11 @@ def profile(n, elems, dtype):
     grads = [p.grad for p in params]
     gt.get_total_norm(grads)  # plans the list once
     plan, _ = gt._PLANNER.scan(grads, False)
-    out, stream = gt._cuda_out(plan.device)
+    out, stream = _engine._cuda_out(plan.device)
     row = {"tensors": n, "elements": elems, "dtype": str(dtype).replace("torch.", "")}
     row["scan_us"] = per_call_us(lambda: gt._PLANNER.scan(grads, False))
     row["scan_params_us"] = per_call_us(lambda: gt._PLANNER.scan(params, True))
-    row["out_us"] = per_call_us(lambda: gt._cuda_out(plan.device))
+    row["out_us"] = per_call_us(lambda: _engine._cuda_out(plan.device))
     row["native_norm_us"] = per_call_us(lambda: _native.cuda_total_norm(plan, stream, 2.0, out.data_ptr()))
     row["to_dtype_us"] = per_call_us(lambda: out[0].to(plan.result_dtype))
     row["gradclip_norm_us"] = per_call_us(lambda: gt.get_total_norm(grads))

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import torch as _gt
+from . import _engine
 from .shards import Shards
 
 try:
@@ -211,7 +211,7 @@ class Layout:
         self._locals = [pc.local for pc in pcs]
         keys = set(self._keys_of)
         self.one_key = next(iter(keys)) if len(keys) == 1 and None not in keys and not self.partial else None
-        self._dtype = _gt._result_dtype(self._locals) if self._locals else torch.get_default_dtype()
+        self._dtype = _engine._result_dtype(self._locals) if self._locals else torch.get_default_dtype()
         return self
 
     def local_tensors(self) -> List[torch.Tensor]:
@@ -335,25 +335,25 @@ def _root(x: torch.Tensor, p: float) -> torch.Tensor:
 def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
     """The norm of one device's tensors: the kept plan of this very list when the engine takes it
     whole (a repeated list costs no planning), else the engine for its share and torch for the rest."""
-    plan, ts = _gt._PLANNER.scan(ts, False)
+    plan, ts = _engine._PLANNER.scan(ts, False)
     if plan is not None:
-        return _gt._plan_norm(plan, p)
-    return _gt._device_norm(ts, p)
+        return _engine._plan_norm(plan, p)
+    return _engine._device_norm(ts, p)
 
 
 def _tensor_norms(ts: List[torch.Tensor], p: float) -> torch.Tensor:
     """Each tensor's norm (f64 vector on their device): the engine's per-tensor kernel for the
     tensors it takes, torch for the rest."""
-    plan, ts = _gt._PLANNER.scan(ts, False)
+    plan, ts = _engine._PLANNER.scan(ts, False)
     if plan is not None:
-        return _gt._plan_tensor_norms(plan, p)
-    plan, rest = _gt._PLANNER.split(ts)
+        return _engine._plan_tensor_norms(plan, p)
+    plan, rest = _engine._PLANNER.split(ts)
     device = ts[0].device
     norms = torch.empty(len(ts), dtype=torch.float64, device=device)
     rest_ids = {id(t) for t in rest}
     if plan is not None:
         taken = [i for i, t in enumerate(ts) if id(t) not in rest_ids]
-        norms[torch.tensor(taken, device=device)] = _gt._plan_tensor_norms(plan, p)
+        norms[torch.tensor(taken, device=device)] = _engine._plan_tensor_norms(plan, p)
     for i, t in enumerate(ts):
         if id(t) in rest_ids:
             x = t.to(torch.float64) if t.is_floating_point() else t
@@ -405,7 +405,7 @@ def _one_key(layout: Layout, pipeline_group):
     key = layout.one_key
     if key is None:
         return None
-    plan, ts = _gt._PLANNER.scan(layout.local_tensors(), False)
+    plan, ts = _engine._PLANNER.scan(layout.local_tensors(), False)
     if plan is None or plan.device < 0:
         return None
     groups = layout.combining_groups(key)
@@ -435,18 +435,18 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
     if found is None:
         return None
     plan, ts, groups = found
-    _gt._check_writable(plan, ts)
-    out, stream = _gt._cuda_out(plan.device)
+    _engine._check_writable(plan, ts)
+    out, stream = _engine._cuda_out(plan.device)
     if not groups:
-        _gt._cuda_call(_gt._native.cuda_clip_grad_norm, plan, stream, max_norm, p, out.data_ptr())
-        _gt._written(ts)
+        _engine._cuda_call(_engine._native.cuda_clip_grad_norm, plan, stream, max_norm, p, out.data_ptr())
+        _engine._written(ts)
         return out[0]
-    _gt._cuda_call(_gt._native.cuda_total_norm, plan, stream, p, out.data_ptr())
+    _engine._cuda_call(_engine._native.cuda_total_norm, plan, stream, p, out.data_ptr())
     norm = _combined(out[:1], p, groups)
     # The clip rule on the combined norm; the engine copies the coefficient into its own result
     # slot for the scale kernel.
-    _gt._scale_plan(plan, _gt._clip_coef(max_norm, norm))
-    _gt._written(ts)
+    _engine._scale_plan(plan, _engine._clip_coef(max_norm, norm))
+    _engine._written(ts)
     return norm[0]
 
 
@@ -457,14 +457,14 @@ def norm_one_key(layout: Layout, p: float, pipeline_group=None) -> Optional[torc
     if found is None:
         return None
     plan, _, groups = found
-    norm = _gt._plan_norm(plan, p)
+    norm = _engine._plan_norm(plan, p)
     return _combined(norm.reshape(1), p, groups)[0] if groups else norm
 
 
 def returned(layout: Layout, norm64: torch.Tensor, error_if_nonfinite: bool, norm_type: float):
     """The norm as torch returns it: in the gradients' dtype, a DTensor (replicated, so
     ``full_tensor()`` costs nothing) when the gradients are DTensors."""
-    total = _gt._returned_norm(norm64, layout.result_dtype(), error_if_nonfinite, norm_type)
+    total = _engine._returned_norm(norm64, layout.result_dtype(), error_if_nonfinite, norm_type)
     if layout.mesh is not None:
         mesh = layout.mesh
         if total.device.type != mesh.device_type:
@@ -505,15 +505,15 @@ def scale(layout: Layout, coef: torch.Tensor) -> None:
         by_device[pc.local.device].append(pc.local)
     planned = []
     for ts in by_device.values():
-        plan, ts = _gt._PLANNER.scan(ts, False)
-        _gt._check_writable(plan, ts)
+        plan, ts = _engine._PLANNER.scan(ts, False)
+        _engine._check_writable(plan, ts)
         planned.append((plan, ts))
     for plan, ts in planned:
         if plan is not None:
-            _gt._scale_plan(plan, coef.to(ts[0].device))
-            _gt._written(ts)
+            _engine._scale_plan(plan, coef.to(ts[0].device))
+            _engine._written(ts)
         else:
-            _gt._scale_group(ts, coef.to(ts[0].device))
+            _engine._scale_group(ts, coef.to(ts[0].device))
 
 
 def local_norm_of(total_norm) -> torch.Tensor:

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import gradclip.torch as gt
-from gradclip import _native
+from gradclip import _engine, _native
 
 # The planner gradclip.torch uses (a repeated list recognized by torch's guards in two calls),
 # and one without a validator (every call reads every tensor): both must be exact.
-PER_TENSOR = _native.Planner(gt._NATIVE_DTYPES)
+PER_TENSOR = _native.Planner(_engine._NATIVE_DTYPES)
 _current = [gt._PLANNER]
 
 
@@ -113,7 +113,7 @@ def test_this_torch_gives_the_one_call_validator():
 @pytest.mark.parametrize("device", DEVICES)
 def test_validator_sees_every_change_the_full_read_sees(device):
     gs = [torch.randn(4, 4, device=device), torch.randn(8, device=device)]
-    valid = gt._make_validator(gs)
+    valid = _engine._make_validator(gs)
     assert valid(gs) and valid(list(gs))
     edits = [
         lambda g: g.__setitem__(1, torch.randn(8, device=device)),
@@ -126,7 +126,7 @@ def test_validator_sees_every_change_the_full_read_sees(device):
     ]
     for edit in edits:
         g = [t.clone() for t in gs]
-        v = gt._make_validator(g)
+        v = _engine._make_validator(g)
         edit(g)
         assert not v(g)
 

@@ -21,94 +21,36 @@ as torch's ``_foreach_mul_`` does.
 
 from __future__ import annotations
 
-import math
 import types
 import warnings
-from collections import defaultdict
 from typing import Iterable, List, Optional, Union
 
 import torch
 
 from .. import _native
+from .._engine import (  # the engine layer this face stands on
+    _OPS_RUNNING,
+    _PLANNER,
+    _check_max_norm,
+    _check_p,
+    _check_writable,
+    _clip_coef,
+    _clip_grads,
+    _cuda_call,
+    _cuda_out,
+    _refuse_host_read_under_capture,
+    _result_dtype,
+    _returned_norm,
+    _scale_plan,
+    _total_norm64,
+    _written,
+)
 from ..shards import Shards
 from . import _ops
 
 _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 __all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "Shards"]
-
-try:  # torch's private guard functions (torch.compile's and CUDA-graph trees'), when present
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-
-    _ptrs_equal = torch._C._tensors_data_ptrs_at_indices_equal
-except (ImportError, AttributeError):  # pragma: no cover - other torch versions
-    _TensorGuards = _ptrs_equal = None
-
-
-def _make_validator(tensors: List[torch.Tensor]):
-    """A callable that tells, in two C++ calls over the whole list, whether a list is still
-    exactly ``tensors``: same length, and every tensor with the same sizes, strides, dtype,
-    device (dispatch keys), requires_grad (torch's TensorGuards, what torch.compile checks
-    before it reuses a compiled graph) and address (what CUDA-graph trees check). It keeps no
-    reference to the tensors. Reading five attributes per tensor from Python or native code
-    costs about three times as much, and that read is the whole host cost of a repeated call.
-    None when torch lacks these functions."""
-    if _TensorGuards is None or _ptrs_equal is None:
-        return None
-    try:
-        guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        ptrs = [t.data_ptr() for t in tensors]
-    except Exception:
-        return None
-    index = list(range(len(ptrs)))
-
-    def valid(ts: List[torch.Tensor]) -> bool:
-        return len(ts) == len(ptrs) and guards.check(*ts) and _ptrs_equal(ts, ptrs, index)
-
-    return valid
-
-
-def _guard_functions():
-    """torch's ``(TensorGuards, _tensors_data_ptrs_at_indices_equal)`` for the native planner,
-    when they exist and behave as relied on (checked once, here, on host tensors through
-    ``_make_validator``: an unchanged list passes; resize_, t_, ``.data =`` with a dtype view or
-    a new tensor, and a shorter list fail); None otherwise: every call then reads every tensor."""
-
-    def fresh():
-        a, b = torch.zeros(4, 4), torch.zeros(8)
-        return a, b, _make_validator([a, b])
-
-    edits = (lambda a, b: b.resize_(6), lambda a, b: a.t_(),
-             lambda a, b: setattr(a, "data", a.view(torch.int32)), lambda a, b: setattr(b, "data", torch.zeros(8)))
-    try:
-        a, b, valid = fresh()
-        if valid is None or valid([a, b]) is not True or valid([a]):
-            return None
-        for edit in edits:
-            a, b, valid = fresh()
-            edit(a, b)
-            if valid([a, b]):
-                return None
-        return _TensorGuards, _ptrs_equal
-    except Exception:
-        return None
-
-
-# Reads tensor lists in native code and keeps the plan of the last list while the same storage
-# comes back (address, size, dtype, contiguity and device of every tensor: exact); a repeated
-# list is recognized by torch's guards, a list of new tensors of the same layout by its addresses.
-_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # the engine's, in its order
-_PLANNER = _native.Planner(_NATIVE_DTYPES, _guard_functions())
-
-try:  # the raw handle of the current stream and the current device, as torch's generated code reads them
-    _raw_stream = torch._C._cuda_getCurrentRawStream
-    _current_device = torch._C._cuda_getDevice
-except AttributeError:  # pragma: no cover - older or CPU-only builds
-    def _raw_stream(index: int) -> int:
-        return torch.cuda.current_stream(index).cuda_stream
-
-    def _current_device() -> int:
-        return torch.cuda.current_device()
 
 
 def _as_list(tensors: _TensorOrTensors) -> List[torch.Tensor]:
@@ -175,184 +117,11 @@ def _refuse_non_tensors(items: list, grads: bool) -> None:
             raise TypeError(f"parameters[{i}].grad is {type(g).__name__}, not a tensor")
 
 
-def _overlap(ts: List[torch.Tensor]) -> bool:
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts if t.numel() > 0)
-    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
-
-
-def _by_device(ts: List[torch.Tensor]):
-    groups = defaultdict(list)
-    for t in ts:
-        groups[t.device].append(t)
-    return groups
-
-
-def _is_fp8(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point and dtype.itemsize == 1
-
-
-def _result_dtype(ts: List[torch.Tensor]) -> torch.dtype:
-    """The dtype torch gives the norm of ``ts``: their promoted dtype, real. torch has no
-    promotion rules (and no norm kernels) for fp8; an fp8 gradient counts as float32 here."""
-    dtypes = [torch.float32 if _is_fp8(t.dtype) else t.dtype for t in ts]
-    dtype = dtypes[0]
-    for d in dtypes[1:]:
-        dtype = torch.promote_types(dtype, d)
-    if not dtype.is_floating_point and not dtype.is_complex:
-        dtype = torch.get_default_dtype()
-    return dtype.to_real() if dtype.is_complex else dtype
-
-
-def _capturing() -> bool:
-    """True while torch's current stream (of the current device) is being captured into a CUDA graph."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
-def _with_workspace(plan):
-    """``plan``, with zeroed device memory from torch's caching allocator lent to it for the
-    engine's tables once, so torch's accounting sees it. Never under CUDA-graph capture: memory
-    allocated there would be the graph pool's, and captured calls keep their tables in memory
-    the graph itself owns (uploaded at capture time, freed with the graph). Nor inside the
-    registered ops (``_ops``): a compiled graph runs them in its own memory pool (CUDA-graph
-    trees warm up and record there), where a loan kept by the plan would be a live allocation
-    the pool does not track; their tables go to the engine's own memory."""
-    if not plan.has_workspace and not _capturing() and not _OPS_RUNNING[0]:
-        plan.lend_workspace(torch.zeros(max(plan.workspace_bytes, 8), dtype=torch.uint8, device=plan.device))
-    return plan
-
-
-def _refuse_host_read_under_capture(error_if_nonfinite: bool) -> None:
-    """``error_if_nonfinite`` reads the norm on the host, which a CUDA graph cannot record:
-    refuse it at capture time, before anything is enqueued (torch's own clip fails there too,
-    with a CUDA error that invalidates the capture)."""
-    if error_if_nonfinite and _capturing():
-        raise RuntimeError(
-            "error_if_nonfinite=True cannot be captured in a CUDA graph: it reads the norm on the host. "
-            "Capture with error_if_nonfinite=False and check the returned norm (torch.isfinite) after replay."
-        )
-
-
-def _cuda_out(index: int):
-    """A fresh 24-byte result buffer on CUDA device ``index`` (the engine's NormOutput: norm,
-    coefficient, flags) from torch's allocator, and the handle of torch's current stream there."""
-    return torch.empty(3, dtype=torch.float64, device=index), _raw_stream(index)
-
-
-def _cuda_call(entry, plan, *args):
-    """Calls the native CUDA ``entry`` on ``plan`` (its workspace lent first) with torch's current
-    device set to the plan's: the engine binds that device's context, and torch must keep
-    knowing which device is current (it sets and restores it here, its own way)."""
-    if plan.device == _current_device():
-        return entry(_with_workspace(plan), *args)
-    with torch.cuda.device(plan.device):
-        return entry(_with_workspace(plan), *args)
-
-
-def _check_p(norm_type: float) -> float:
-    p = float(norm_type)
-    if math.isnan(p) or p < 1.0:
-        raise ValueError(f"gradclip supports norm_type >= 1 (1, 2, any finite p, inf); got {norm_type}")
-    return p
-
-
-def _plan_norm(plan, p: float) -> torch.Tensor:
-    """The p-norm of a plan's tensors as a 0-dim f64 tensor on their device."""
-    if plan.device >= 0:
-        out, stream = _cuda_out(plan.device)
-        _cuda_call(_native.cuda_total_norm, plan, stream, p, out.data_ptr())
-        return out[0]
-    return torch.tensor(_native.cpu_total_norm(plan, p)[0], dtype=torch.float64)
-
-
-def _plan_tensor_norms(plan, p: float) -> torch.Tensor:
-    """The p-norm of each of a plan's tensors, as an f64 vector on their device (the norm kernel
-    and the per-tensor kernel: two launches on CUDA)."""
-    if plan.device >= 0:
-        out, stream = _cuda_out(plan.device)
-        per = torch.empty(len(plan), dtype=torch.float64, device=plan.device)
-        _cuda_call(_native.cuda_total_norm, plan, stream, p, out.data_ptr(), per.data_ptr())
-        return per
-    return torch.tensor(_native.cpu_total_norm(plan, p, True)[1], dtype=torch.float64)
-
-
-def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
-    """The p-norm of ``ts`` (all on one device) as a 0-dim f64 tensor there: the engine for the
-    tensors it takes, torch for the rest."""
-    plan, rest = _PLANNER.split(ts)
-    parts = [] if plan is None else [_plan_norm(plan, p)]
-    for t in rest:
-        x = t.to(torch.float64) if t.is_floating_point() else t
-        parts.append(torch.linalg.vector_norm(x, p).to(torch.float64))
-    if len(parts) == 1:
-        return parts[0]
-    return torch.linalg.vector_norm(torch.stack(parts), p)
-
-
-def _nonfinite_error(norm_type: float) -> RuntimeError:
-    return RuntimeError(
-        f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it cannot be "
-        "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-        "`error_if_nonfinite=False`"
-    )
-
-
 def _opaque_to_compile(fn):
     """Marks a public function as one torch.compile calls rather than traces: it runs native
     code on raw addresses, which dynamo cannot trace (it would warn and break the graph anyway)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return disable(fn) if disable is not None else fn
-
-
-def _total_norm64(plan, ts: List[torch.Tensor], p: float):
-    """The p-norm of ``ts`` (read into ``plan`` when the engine takes the whole list) as a 0-dim
-    f64 tensor on the first tensor's device, and the dtype torch returns it in."""
-    if plan is not None:
-        return _plan_norm(plan, p), plan.result_dtype
-    groups = _by_device(ts)
-    first = ts[0].device
-    norms = [_device_norm(g, p).to(first) for g in groups.values()]
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), p)
-    return total, _result_dtype(ts)
-
-
-def _returned_norm(total64: torch.Tensor, dtype: torch.dtype, error_if_nonfinite: bool, norm_type: float) -> torch.Tensor:
-    """The norm as torch returns it (in ``dtype``); with ``error_if_nonfinite``, raises when that
-    value is NaN or infinite, as torch decides on the value it returns (an f16 norm that
-    overflows f16 raises even though its f64 value is finite). One host synchronization then."""
-    total = total64.to(dtype)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise _nonfinite_error(norm_type)
-    return total
-
-
-def _check_max_norm(max_norm: float) -> float:
-    """``max_norm`` as a float, or ValueError when it is negative or NaN: the engine's own rule,
-    applied before anything is read or written on every path."""
-    max_norm = float(max_norm)
-    _native.check_max_norm(max_norm)
-    return max_norm
-
-
-_INFERENCE_WRITE = (
-    "Inplace update to inference tensor outside InferenceMode is not allowed.You can make a clone to get a normal "
-    "tensor before doing inplace update.See https://github.com/pytorch/rfcs/pull/17 for more details."
-)
-
-
-def _check_writable(plan, ts: List[torch.Tensor]) -> None:
-    """Refuses, before anything is written, what torch's in-place ops refuse: an inference tensor
-    outside inference mode (the plan knows whether it holds one; a list torch handles is read)."""
-    if torch.is_inference_mode_enabled():
-        return
-    inference = plan.has_inference if plan is not None else any(t.is_inference() for t in ts)
-    if inference:
-        raise RuntimeError(_INFERENCE_WRITE)
-
-
-def _written(ts: List[torch.Tensor]) -> None:
-    """Bumps the version counter of every tensor the engine wrote, as torch's in-place ops do, so
-    autograd detects a saved tensor modified by the clip (inference tensors have none: skipped)."""
-    torch._C._increment_version(ts)
 
 
 def get_total_norm(
@@ -390,53 +159,6 @@ def _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group) -> t
     p = _check_p(norm_type)
     total64, dtype = _total_norm64(plan, ts, p)
     return _returned_norm(total64, dtype, error_if_nonfinite, norm_type)
-
-
-def _scale_plan(plan, coef: torch.Tensor) -> None:
-    """Multiply every tensor of ``plan`` by ``coef`` (0-dim f64), in place: on CUDA one copy of
-    the coefficient into the engine's result slot and one launch, which does nothing when the
-    coefficient is 1 (decided on the device)."""
-    if plan.device >= 0:
-        coef = coef.to(device=plan.device, dtype=torch.float64).contiguous()
-        _cuda_call(_native.cuda_scale, plan, _raw_stream(plan.device), coef.data_ptr())
-    else:
-        _native.cpu_scale(plan, float(coef))
-
-
-def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
-    """Multiply every tensor of ``ts`` (all on one device) by ``coef`` (0-dim f64), in place."""
-    plan, rest = _PLANNER.split(ts)
-    if plan is not None:
-        _scale_plan(plan, coef)
-        _written(ts)
-    for t in [t for t in rest if _is_fp8(t.dtype)]:
-        # torch has no fp8 multiply: multiply in f32 and round once, as it does for bf16/f16.
-        t.copy_(t.float().mul_(coef.to(device=t.device, dtype=torch.float32)))
-    rest = [t for t in rest if not _is_fp8(t.dtype)]
-    if rest:
-        device = rest[0].device
-        if _overlap([t for t in rest if t.is_contiguous()]) or len({t.data_ptr() for t in rest}) < len(rest):
-            # Aliased gradients (a parameter listed twice): one multiply per occurrence, in order,
-            # as torch's CPU path does (its fused CUDA kernel races on aliased tensors).
-            for t in rest:
-                t.mul_(coef.to(device))
-        else:
-            torch._foreach_mul_(rest, coef.to(device))
-
-
-def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
-    """torch's rule, in f64: min(1, max_norm / (total_norm + 1e-6)), the engine's too. A
-    bf16/f16/f32 ``total_norm`` is widened to f64 first (torch would compute the coefficient in
-    that dtype)."""
-    return torch.clamp(float(max_norm) / (total_norm.to(torch.float64) + 1e-6), max=1.0)
-
-
-def _clip_grads(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    if len(grads) == 0:
-        return
-    coef = _clip_coef(max_norm, total_norm)
-    for ts in _by_device(grads).values():
-        _scale_group(ts, coef)
 
 
 def clip_grads_with_norm_(
@@ -602,10 +324,6 @@ def _clip_scanned(plan, grads: List[torch.Tensor], max_norm: float, p: float, er
     else:
         _clip_grads(grads, max_norm, total64)
     return total
-
-
-#: Nonzero while a registered op's implementation runs (see ``_with_workspace``).
-_OPS_RUNNING = [0]
 
 
 def _as_op(fn):

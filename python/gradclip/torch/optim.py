@@ -33,7 +33,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import _native
-from . import _PLANNER, _check_max_norm, _current_device, _raw_stream, _check_p, _clip_coef, _grads_norm64, _is_dtensor, _refuse_host_read_under_capture, _result_dtype
+from .._engine import _PLANNER, _check_max_norm, _check_p, _clip_coef, _current_device, _raw_stream, _refuse_host_read_under_capture, _result_dtype
+from . import _grads_norm64, _is_dtensor
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
