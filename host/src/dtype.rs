@@ -3,8 +3,6 @@
 use gradclip_kernels::abi::dtype_code;
 use gradclip_kernels::dtype as k;
 
-use crate::error::{Error, Result};
-
 /// A gradient's element type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
@@ -32,12 +30,9 @@ impl DType {
         }
     }
 
-    /// The type with kernel code `code`.
-    pub fn from_code(code: u32) -> Result<Self> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.code() == code)
-            .ok_or(Error::UnknownDtype { code })
+    /// The type with kernel code `code` (None for a code the kernels do not know).
+    pub fn from_code(code: u32) -> Option<Self> {
+        DType::ALL.into_iter().find(|d| d.code() == code)
     }
 
     /// Bytes per element.

@@ -41,12 +41,6 @@ pub enum Error {
         /// Its element count.
         len: u64,
     },
-    /// A dtype code that gradclip does not know.
-    #[error("unknown dtype code {code}: gradclip takes bf16 (0), f16 (1), f32 (2) and f64 (3)")]
-    UnknownDtype {
-        /// The code given.
-        code: u32,
-    },
     /// p is NaN or below 1.
     #[error("norm type p = {p} is not supported: use p >= 1 (1, 2, any finite p, or infinity)")]
     InvalidNormType {
