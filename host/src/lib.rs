@@ -43,6 +43,11 @@ pub use norm::{ClipOptions, NormReport, NormType, validate_max_norm};
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeDoctests;
 
+/// The engine page's code blocks (`docs/engine.md`), compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/engine.md")]
+pub struct EngineDocDoctests;
+
 /// Which backend [`Backend::detect`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
