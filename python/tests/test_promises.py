@@ -128,7 +128,7 @@ def bits(t):
 def test_clip_coefficient_against_torchs_actual_output(device, dtype):
     # The same f64 total_norm given to both. gradclip multiplies each element by the coefficient
     # rounded to f32 (f64 for f64 gradients) and rounds once. torch does the same on CPU; on CUDA
-    # it first rounds the coefficient to a bf16/f16 gradient's own dtype. The README states this;
+    # it first rounds the coefficient to a bf16/f16 gradient's own dtype. docs/engine.md states this;
     # here both outputs are checked bit for bit against those two rules.
     g = torch.Generator().manual_seed(5)
     base = (torch.randn(4096, generator=g, dtype=torch.float64)).to(dtype).to(device)
@@ -143,6 +143,6 @@ def test_clip_coefficient_against_torchs_actual_output(device, dtype):
     narrow = device == "cuda" and dtype in (torch.bfloat16, torch.float16)
     torch_coef = torch.tensor(coef64, dtype=dtype if narrow else wide).to(wide)
     torch_rule = (base.to(wide) * torch_coef.to(device)).to(dtype)
-    assert torch.equal(bits(theirs.grad), bits(torch_rule)), "torch's rule changed: update the README"
+    assert torch.equal(bits(theirs.grad), bits(torch_rule)), "torch's rule changed: update docs/engine.md"
     if not narrow:
         assert torch.equal(bits(ours.grad), bits(theirs.grad))
