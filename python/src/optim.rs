@@ -48,15 +48,6 @@ struct Group {
     own_step: bool,
 }
 
-/// Whether a rule's parameters step from their own `state["step"]`.
-fn own_step(rule: &Rule) -> bool {
-    match rule {
-        Rule::Adam(_) => true,
-        Rule::Sgd(_) => !rule.states().is_empty(),
-        Rule::Lion(_) => false,
-    }
-}
-
 /// The gradients of the last step, and the checked list they made.
 struct Grads {
     /// Which parameters (every group's, in order) had a gradient.
@@ -165,7 +156,7 @@ pub fn step_layout(
             params: Vec::with_capacity(params.len()),
             states: Vec::with_capacity(params.len()),
             names: rule.states(),
-            own_step: own_step(&rule),
+            own_step: rule.uses_own_step(),
         };
         for p in params.iter() {
             let lp = shard(&p, local)?;

@@ -180,6 +180,25 @@ impl Rule {
         }
     }
 
+    /// Whether the update reads each parameter's own step count ([`super::Parts::step`],
+    /// torch's `state["step"]`): Adam's bias correction and SGD's first momentum step do; Lion and
+    /// SGD without momentum have no use for it.
+    ///
+    /// ```
+    /// use gradclip::optim::{AdamConfig, LionConfig, Rule, SgdConfig};
+    /// assert!(Rule::from(AdamConfig::adamw(1e-3)).uses_own_step());
+    /// assert!(Rule::from(SgdConfig { momentum: 0.9, ..SgdConfig::new(0.1) }).uses_own_step());
+    /// assert!(!Rule::from(SgdConfig::new(0.1)).uses_own_step());
+    /// assert!(!Rule::from(LionConfig::new(1e-4)).uses_own_step());
+    /// ```
+    pub fn uses_own_step(&self) -> bool {
+        match self {
+            Rule::Adam(_) => true,
+            Rule::Sgd(c) => c.momentum != 0.0,
+            Rule::Lion(_) => false,
+        }
+    }
+
     /// The learning rate.
     pub fn lr(&self) -> f64 {
         match self {
