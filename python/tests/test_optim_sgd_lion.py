@@ -181,3 +181,37 @@ def test_sgd_and_lion_skip_a_nonfinite_step(device):
         after = opt.state_dict()["state"]
         assert all(torch.equal(states[k][n], after[k][n]) for k in states for n in states[k])
         assert int(opt.skipped_steps) == 1 and not math.isfinite(float(opt.last_grad_norm))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["sgd", "lion"])
+def test_tensor_lr_and_gradscaler_inputs(device, name):
+    """What the README promises for SGD and Lion beside Adam: a tensor learning rate steps as
+    the same float does; gradients carrying GradScaler's power-of-two scale (``grad_scale`` set
+    on the optimizer, as GradScaler.step does) step as the unscaled ones; its ``found_inf``
+    skips the step with nothing written."""
+    def make(ps, lr):
+        if name == "sgd":
+            return optim.SGD(ps, lr=lr, momentum=0.9, max_grad_norm=1.0)
+        return optim.Lion(ps, lr=lr, max_grad_norm=1.0)
+
+    runs = {}
+    for how in ("float", "tensor", "scaled"):
+        ours, _ = _models(device, torch.float32, 6)
+        opt = make(ours, torch.tensor(0.01) if how == "tensor" else 0.01)
+        for step in range(3):
+            grads, none = _grads(step, len(ours), 6, 0.0)
+            if how == "scaled":
+                grads = [g * 1024 for g in grads]
+                opt.grad_scale = torch.tensor(1024.0, device=device)
+                opt.found_inf = torch.tensor(0.0, device=device)
+            _set(ours, grads, none)
+            opt.step()
+        runs[how] = [p.detach().clone() for p in ours]
+        if how == "scaled":
+            before = [p.detach().clone() for p in ours]
+            opt.found_inf = torch.tensor(1.0, device=device)
+            opt.step()
+            assert all(torch.equal(a, b) for a, b in zip(before, ours)), "found_inf wrote"
+    for how in ("tensor", "scaled"):
+        assert all(torch.equal(a, b) for a, b in zip(runs["float"], runs[how])), how
