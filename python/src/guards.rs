@@ -3,7 +3,9 @@
 //! checks before it reuses a graph) and its data-pointer check (what CUDA-graph trees check),
 //! held apart, so that a list whose tensors keep their shapes but were allocated anew (new
 //! gradient tensors every step after `zero_grad(set_to_none=True)`) is read again by address
-//! only. Reading a tensor's attributes one call at a time costs several times as much.
+//! only, and a list whose layout cannot change under it (the parameters, whose storages the
+//! optimizer's layout holds) is checked by address alone. Reading a tensor's attributes one call
+//! at a time costs several times as much.
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -32,6 +34,13 @@ impl GuardFns {
         let guards = self.guards.bind(py).call(args, Some(&kwargs)).ok()?;
         Some(ListGuard {
             guards: guards.unbind(),
+            addresses: self.addresses(py, ptrs)?,
+        })
+    }
+
+    /// The address check of a list whose tensors are at `ptrs`.
+    pub(crate) fn addresses(&self, py: Python<'_>, ptrs: &[u64]) -> Option<AddressCheck> {
+        Some(AddressCheck {
             ptrs_equal: self.ptrs_equal.clone_ref(py),
             ptrs: PyList::new(py, ptrs).ok()?.unbind(),
             idx: PyList::new(py, 0..ptrs.len()).ok()?.unbind(),
@@ -40,13 +49,39 @@ impl GuardFns {
     }
 }
 
-/// What one list looked like when read (no reference to its tensors).
-pub(crate) struct ListGuard {
-    guards: Py<PyAny>,
+/// Where a list's tensors were when read: one C++ call says whether each is still there.
+pub(crate) struct AddressCheck {
     ptrs_equal: Py<PyAny>,
     ptrs: Py<PyList>,
     idx: Py<PyList>,
     len: usize,
+}
+
+impl AddressCheck {
+    /// Same length, and every tensor at the address it had (any error counts as no).
+    pub(crate) fn same(&self, list: &Bound<'_, PyList>) -> bool {
+        let py = list.py();
+        list.len() == self.len
+            && self
+                .ptrs_equal
+                .bind(py)
+                .call1((list, self.ptrs.bind(py), self.idx.bind(py)))
+                .and_then(|r| r.is_truthy())
+                .unwrap_or(false)
+    }
+
+    /// The same check for tensors now at `ptrs` (as many as before).
+    pub(crate) fn moved_to(&mut self, py: Python<'_>, ptrs: &[u64]) -> PyResult<()> {
+        debug_assert_eq!(ptrs.len(), self.len);
+        self.ptrs = PyList::new(py, ptrs)?.unbind();
+        Ok(())
+    }
+}
+
+/// What one list looked like when read (no reference to its tensors).
+pub(crate) struct ListGuard {
+    guards: Py<PyAny>,
+    addresses: AddressCheck,
 }
 
 impl ListGuard {
@@ -54,7 +89,7 @@ impl ListGuard {
     /// requires_grad it had (any error counts as no).
     pub(crate) fn same_layout(&self, list: &Bound<'_, PyList>) -> bool {
         let py = list.py();
-        if list.len() != self.len {
+        if list.len() != self.addresses.len {
             return false;
         }
         let Ok(args) = PyTuple::new(py, list.iter()) else {
@@ -67,32 +102,14 @@ impl ListGuard {
             .unwrap_or(false)
     }
 
-    /// [`ListGuard::same_layout`] for a guard of one tensor, on that tensor (no list made).
-    pub(crate) fn same_layout_one(&self, t: &Bound<'_, PyAny>) -> bool {
-        let py = t.py();
-        self.len == 1
-            && self
-                .guards
-                .bind(py)
-                .call_method1(intern!(py, "check"), (t,))
-                .and_then(|r| r.is_truthy())
-                .unwrap_or(false)
-    }
-
     /// Every tensor at the address it had (the list passed [`ListGuard::same_layout`]).
     pub(crate) fn same_addresses(&self, list: &Bound<'_, PyList>) -> bool {
-        let py = list.py();
-        self.ptrs_equal
-            .bind(py)
-            .call1((list, self.ptrs.bind(py), self.idx.bind(py)))
-            .and_then(|r| r.is_truthy())
-            .unwrap_or(false)
+        self.addresses.same(list)
     }
 
     /// The same guard for the same layout at new addresses.
     pub(crate) fn moved_to(&mut self, py: Python<'_>, ptrs: &[u64]) -> PyResult<()> {
-        self.ptrs = PyList::new(py, ptrs)?.unbind();
-        Ok(())
+        self.addresses.moved_to(py, ptrs)
     }
 }
 

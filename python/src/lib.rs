@@ -8,6 +8,7 @@ mod cuda;
 mod guards;
 mod optim;
 mod scan;
+mod step_grads;
 
 use gradclip::{ClipOptions, Error, NormType};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};

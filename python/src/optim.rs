@@ -23,8 +23,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::cuda::with_engine;
-use crate::guards::{ListGuard, data_ptrs};
+use crate::guards::{AddressCheck, data_ptrs};
 use crate::scan::{Place, Planner};
+use crate::step_grads::StepGrads;
 use crate::to_py;
 
 /// [`optim_step`]'s verdicts: the step ran; the layout no longer fits (make a new one and call
@@ -48,16 +49,6 @@ struct Group {
     own_step: bool,
 }
 
-/// The gradients of the last step, and the checked list they made.
-struct Grads {
-    /// Which parameters (every group's, in order) had a gradient.
-    mask: Vec<bool>,
-    objs: Vec<Py<PyAny>>,
-    tensors: Vec<RawTensor>,
-    guard: Option<ListGuard>,
-    list: StepList,
-}
-
 struct Kept {
     place: Place,
     groups: Vec<Group>,
@@ -71,18 +62,16 @@ struct Kept {
     /// `set_`), which the identity walk does not see (the update would then go to the old
     /// storage until the next layout).
     _storages: Vec<Py<PyAny>>,
-    /// The parameters: their layout (sizes, strides, dtype, device) and addresses are checked
-    /// every step (`p.data = ...` gives a parameter new storage).
+    /// The parameters, whose storages `_storages` holds too: their addresses are checked every
+    /// step (`p.data = ...` gives a parameter new storage, which the next step reads anew). With
+    /// the storage held, memory at a kept address stays the parameter's, so the address alone
+    /// says the layout read is still the one written (torch's guards here cost as much again).
     params: Py<PyList>,
-    layout: ListGuard,
-    grads: Option<Grads>,
+    param_addresses: AddressCheck,
+    grads: StepGrads,
     /// Each parameter's (group, position), by the address of its Python object (the layout holds
     /// the objects, so the addresses stay theirs).
     slot_of: HashMap<usize, (usize, usize)>,
-    /// Per parameter (every group's, in order): the guard of the last gradient read for it, and
-    /// that gradient's length and dtype. A step whose set of None gradients changed reads each
-    /// gradient's address only, when its guard says the layout is the one read.
-    slots: Vec<Option<(ListGuard, RawTensor)>>,
     /// Nanoseconds of the stages of the last step (see `StepLayout::last_step_ns`).
     timings: [u64; 4],
 }
@@ -163,6 +152,7 @@ pub fn step_layout(
             let Some(param) = read_at(pl, &lp, &mut place)? else {
                 return Ok(None);
             };
+            storages.push(lp.call_method0(intern!(py, "untyped_storage"))?.unbind());
             all_params.append(&lp)?;
             if group.names.is_empty() && !group.own_step {
                 // Nothing of the state dict is read (SGD without momentum).
@@ -195,11 +185,11 @@ pub fn step_layout(
     let Some(place) = place else {
         return Ok(None);
     };
-    let Some(layout) = fns.guard(&all_params, &data_ptrs(&all_params)?) else {
+    let Some(param_addresses) = fns.addresses(py, &data_ptrs(&all_params)?) else {
         return Ok(None);
     };
     let states = read_states(state, 0)?;
-    let slots = (0..all_params.len()).map(|_| None).collect();
+    let grads = StepGrads::new(all_params.len());
     let slot_of = kept_groups
         .iter()
         .enumerate()
@@ -215,10 +205,9 @@ pub fn step_layout(
             states,
             _storages: storages,
             params: all_params.unbind(),
-            layout,
-            grads: None,
+            param_addresses,
+            grads,
             slot_of,
-            slots,
             timings: [0; 4],
         }),
     }))
@@ -357,7 +346,7 @@ impl Kept {
         }
         self._storages.extend(storages);
         self.states.extend(read_states(state, n)?);
-        self.grads = None; // the next step list has the new parameters
+        self.grads.forget_list(); // the next step list has the new parameters
         Ok(true)
     }
 
@@ -411,99 +400,17 @@ impl Kept {
         let t1 = Instant::now();
         self.timings[0] = (t1 - t0).as_nanos() as u64;
         let params = self.params.bind(py);
-        if !(self.layout.same_layout(params) && self.layout.same_addresses(params)) {
+        if !self.param_addresses.same(params) {
             return Ok(Err(Miss::Relayout));
         }
         let t2 = Instant::now();
         self.timings[1] = (t2 - t1).as_nanos() as u64;
-        let r = self.grads_list(py, planner, mask, &present);
+        let groups = &self.groups;
+        let r = self
+            .grads
+            .list(planner, self.place, local, mask, &present, |mask, grads| Self::list_of(groups, mask, grads))?;
         self.timings[2] = t2.elapsed().as_nanos() as u64;
-        r
-    }
-
-    /// The step list for this step's gradients (`present`, the parameters in `mask`): see
-    /// [`Kept::step_list`].
-    fn grads_list(
-        &mut self,
-        py: Python<'_>,
-        planner: &Planner,
-        mask: Vec<bool>,
-        present: &Bound<'_, PyList>,
-    ) -> PyResult<Result<StepList, Miss>> {
-        if let Some(k) = &mut self.grads
-            && k.mask == mask
-            && let Some(guard) = &mut k.guard
-            && guard.same_layout(present)
-        {
-            let same = present.iter().zip(&k.objs).all(|(a, b)| a.is(b));
-            if same && guard.same_addresses(present) {
-                return Ok(Ok(k.list.clone()));
-            }
-            let ptrs = data_ptrs(present)?;
-            let tensors: Vec<RawTensor> = k.tensors.iter().zip(&ptrs).map(|(t, &addr)| RawTensor { addr, ..*t }).collect();
-            return Ok(match Self::list_of(&self.groups, &mask, &tensors) {
-                Some(list) => {
-                    guard.moved_to(py, &ptrs)?;
-                    k.objs = present.iter().map(|t| t.unbind()).collect();
-                    k.tensors = tensors;
-                    k.list = list.clone();
-                    Ok(list)
-                }
-                None => {
-                    self.grads = None;
-                    Err(Miss::Torch)
-                }
-            });
-        }
-        // Gradient by gradient: by address where the slot's guard knows its layout, a full read
-        // otherwise (the first gradient of a parameter, a changed layout).
-        let mut place = Some(self.place);
-        let mut tensors = Vec::with_capacity(present.len());
-        let slots = mask.iter().enumerate().filter(|(_, m)| **m).map(|(i, _)| i);
-        for (g, slot) in present.iter().zip(slots) {
-            if let Some((guard, t)) = &self.slots[slot]
-                && guard.same_layout_one(&g)
-            {
-                let addr: u64 = g.call_method0(intern!(py, "data_ptr"))?.extract()?;
-                tensors.push(RawTensor { addr, ..*t });
-                continue;
-            }
-            // A gradient the engine does not read (sparse, strided, another device: torch's own
-            // reads may raise for it) is torch's step's, which reports it in torch's words.
-            match read_at(planner, &g, &mut place) {
-                Ok(Some(t)) => {
-                    let one = PyList::new(py, [&g])?;
-                    self.slots[slot] = planner.guard_fns().and_then(|f| f.guard(&one, &[t.addr])).map(|guard| (guard, t));
-                    tensors.push(t);
-                }
-                _ => {
-                    self.grads = None;
-                    return Ok(Err(Miss::Torch));
-                }
-            }
-        }
-        let Some(list) = Self::list_of(&self.groups, &mask, &tensors) else {
-            self.grads = None;
-            return Ok(Err(Miss::Torch));
-        };
-        // The whole list's guard (two calls next step) only once the set of gradients repeats:
-        // with a set that changes every step it would be made for nothing.
-        let repeated = self.grads.as_ref().is_some_and(|k| k.mask == mask);
-        let guard = if repeated {
-            planner
-                .guard_fns()
-                .and_then(|f| f.guard(present, &tensors.iter().map(|t| t.addr).collect::<Vec<_>>()))
-        } else {
-            None
-        };
-        self.grads = Some(Grads {
-            mask,
-            objs: present.iter().map(|t| t.unbind()).collect(),
-            tensors,
-            guard,
-            list: list.clone(),
-        });
-        Ok(Ok(list))
+        Ok(r.ok_or(Miss::Torch))
     }
 
     /// The step list of the parameters in `mask` with these gradients; None when it fails its

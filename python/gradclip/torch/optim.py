@@ -53,6 +53,16 @@ def _refuse_sparse(params, message="Adam does not support sparse gradients, plea
         raise RuntimeError(message)
 
 
+def _match_param_strides(groups) -> None:
+    """Gives every dense gradient whose strides differ from its parameter's the parameter's (a
+    copy of the same values): autograd does so itself, but ``p.grad = x`` accepts any strides."""
+    for group in groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and g.layout == torch.strided and g.stride() != p.stride() and not _is_dtensor(g):
+                p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a plain tensor as it is)."""
     return t._local_tensor if _is_dtensor(t) else t
@@ -169,7 +179,10 @@ class _ClippingStep:
 
     def _torch_step(self) -> None:
         """torch's fused step without its optimizer hooks: torch wraps each optimizer class's
-        ``step`` to run the step hooks, and this class's ``step`` already ran them once."""
+        ``step`` to run the step hooks, and this class's ``step`` already ran them once. A
+        gradient whose strides are not its parameter's is first given them (a copy): torch's
+        fused kernels read it as if it had them (a wrong update on the CPU, an error on CUDA)."""
+        _match_param_strides(self.param_groups)
         step = self._TORCH.step
         if getattr(step, "hooked", False):
             step = step.__wrapped__

@@ -1,0 +1,223 @@
+//! Each optimizer step's gradients, recognized without holding them.
+//!
+//! A training loop hands the step the same gradient tensors again (`zero_grad(set_to_none=False)`,
+//! accumulation), new tensors of the same shapes (`zero_grad()`, torch's default, often at the
+//! same addresses), or a set whose None gradients changed (experts that got no tokens). Each is
+//! recognized with the fewest calls into torch per gradient:
+//! - **the same objects** (known by weak references, made once the gradients' Python objects sit
+//!   where last step's did): one C++ call checks their addresses;
+//! - **new objects, the same set**: torch's guards over the list (layout) and its address check,
+//!   two C++ calls; at new addresses each gradient's address is read and the step list checked;
+//! - **a changed set**: each gradient whose parameter had a gradient read before is read by
+//!   contiguity and address only: torch gives a gradient its parameter's dtype, sizes and device
+//!   (the `.grad` setter and autograd check them), and the parameter's layout is the layout's
+//!   (its address is checked every step, its storage held). Any other gradient is read in full.
+//!
+//! No strong reference to a gradient is kept between steps: a gradient that `zero_grad()` drops
+//! is freed then, not after the next backward (which would hold a second set of gradients).
+
+use gradclip::optim::StepList;
+use gradclip::plan::RawTensor;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
+
+use crate::guards::{ListGuard, data_ptrs};
+use crate::scan::{Place, Planner};
+
+/// The gradients of the steps so far, as far as the next step needs them.
+pub(crate) struct StepGrads {
+    last: Option<Last>,
+    /// Per parameter (every group's, in order): the gradient last read in full for it (its
+    /// length and dtype are the parameter's), so a step whose set of None gradients changed
+    /// reads only each gradient's contiguity and address.
+    slots: Vec<Option<RawTensor>>,
+    /// The type of the gradients read in full (`torch.Tensor`): a gradient of another type is
+    /// read in full every time.
+    tensor_type: Option<Py<PyType>>,
+}
+
+/// The last step's gradients.
+struct Last {
+    /// Which parameters (every group's, in order) had a gradient.
+    mask: Vec<bool>,
+    tensors: Vec<RawTensor>,
+    list: StepList,
+    /// torch's guard of the whole list, made once the same set of gradients came twice (with a
+    /// set that changes every step it would be made for nothing).
+    guard: Option<ListGuard>,
+    objects: Objects,
+}
+
+/// Which Python objects the last step's gradients were.
+struct Objects {
+    /// Their addresses (never dereferenced): where they equal the last step's, weak references
+    /// are made, which the next step then checks.
+    addrs: Vec<usize>,
+    refs: Option<Vec<Py<PyWeakrefReference>>>,
+}
+
+/// True when `present` are the objects `refs` refer to.
+fn same_objects(refs: &[Py<PyWeakrefReference>], present: &Bound<'_, PyList>) -> bool {
+    let py = present.py();
+    refs.len() == present.len()
+        && refs
+            .iter()
+            .zip(present.iter())
+            .all(|(r, g)| r.bind(py).upgrade().is_some_and(|o| o.is(&g)))
+}
+
+impl Objects {
+    /// True when `present` are these objects (at `addrs`, their addresses).
+    fn are(&self, present: &Bound<'_, PyList>, addrs: &[usize]) -> bool {
+        self.addrs == addrs && self.refs.as_deref().is_some_and(|r| same_objects(r, present))
+    }
+
+    /// After a step whose gradients passed the guard, not known to be these objects: weak
+    /// references to them when their objects sit where the last step's did (the same objects
+    /// may come back next step).
+    fn note(&mut self, present: &Bound<'_, PyList>, addrs: Vec<usize>) {
+        self.refs = if addrs == self.addrs {
+            present
+                .iter()
+                .map(|g| PyWeakrefReference::new(&g).map(Bound::unbind))
+                .collect::<PyResult<Vec<_>>>()
+                .ok()
+        } else {
+            None
+        };
+        self.addrs = addrs;
+    }
+}
+
+impl StepGrads {
+    /// Nothing read yet, for a layout of `params` parameters.
+    pub(crate) fn new(params: usize) -> Self {
+        StepGrads {
+            last: None,
+            slots: vec![None; params],
+            tensor_type: None,
+        }
+    }
+
+    /// The layout gained parameters' states: the next step list is made anew.
+    pub(crate) fn forget_list(&mut self) {
+        self.last = None;
+    }
+
+    /// The checked step list for this step's gradients `present` (local shards when `local`),
+    /// the gradients of the parameters in `mask`; `list_of` makes and checks a step list of
+    /// gradients. None when a gradient is not the engine's to read (sparse, strided, another
+    /// type) or the list fails its checks: torch's step, which reports in torch's words.
+    pub(crate) fn list(
+        &mut self,
+        planner: &Planner,
+        place: Place,
+        local: bool,
+        mask: Vec<bool>,
+        present: &Bound<'_, PyList>,
+        list_of: impl Fn(&[bool], &[RawTensor]) -> Option<StepList>,
+    ) -> PyResult<Option<StepList>> {
+        let py = present.py();
+        let objects: Vec<usize> = present.iter().map(|g| g.as_ptr() as usize).collect();
+        if let Some(k) = &mut self.last
+            && k.mask == mask
+            && let Some(guard) = &mut k.guard
+        {
+            let same = k.objects.are(present, &objects);
+            if same && guard.same_addresses(present) {
+                return Ok(Some(k.list.clone()));
+            }
+            if guard.same_layout(present) {
+                if !same {
+                    k.objects.note(present, objects);
+                }
+                if !same && guard.same_addresses(present) {
+                    return Ok(Some(k.list.clone()));
+                }
+                let ptrs = data_ptrs(present)?;
+                let tensors: Vec<RawTensor> = k.tensors.iter().zip(&ptrs).map(|(t, &addr)| RawTensor { addr, ..*t }).collect();
+                let Some(list) = list_of(&mask, &tensors) else {
+                    self.last = None;
+                    return Ok(None);
+                };
+                guard.moved_to(py, &ptrs)?;
+                k.tensors = tensors;
+                k.list = list.clone();
+                return Ok(Some(list));
+            }
+        }
+        let Some(tensors) = self.read_each(planner, place, local, &mask, present)? else {
+            self.last = None;
+            return Ok(None);
+        };
+        let Some(list) = list_of(&mask, &tensors) else {
+            self.last = None;
+            return Ok(None);
+        };
+        let guard = if self.last.as_ref().is_some_and(|k| k.mask == mask) {
+            planner
+                .guard_fns()
+                .and_then(|f| f.guard(present, &tensors.iter().map(|t| t.addr).collect::<Vec<_>>()))
+        } else {
+            None
+        };
+        self.last = Some(Last {
+            mask,
+            tensors,
+            list: list.clone(),
+            guard,
+            objects: Objects { addrs: objects, refs: None },
+        });
+        Ok(Some(list))
+    }
+
+    /// Gradient by gradient: by contiguity and address where its parameter's gradient was read
+    /// in full before, in full otherwise. None when one is not the engine's.
+    fn read_each(
+        &mut self,
+        planner: &Planner,
+        place: Place,
+        local: bool,
+        mask: &[bool],
+        present: &Bound<'_, PyList>,
+    ) -> PyResult<Option<Vec<RawTensor>>> {
+        let mut at = Some(place);
+        let mut tensors = Vec::with_capacity(present.len());
+        let slots = mask.iter().enumerate().filter(|(_, m)| **m).map(|(i, _)| i);
+        for (g, slot) in present.iter().zip(slots) {
+            if let (Some(t), Some(ty)) = (self.slots[slot], &self.tensor_type)
+                && g.get_type().is(ty)
+                && let Some(addr) = quick_read(&g, t, local)
+            {
+                tensors.push(RawTensor { addr, ..t });
+                continue;
+            }
+            match planner.entry(&g) {
+                Ok(Some(e)) if *at.get_or_insert(e.place) == e.place => {
+                    self.tensor_type.get_or_insert_with(|| g.get_type().unbind());
+                    self.slots[slot] = Some(e.tensor);
+                    tensors.push(e.tensor);
+                }
+                _ => return Ok(None),
+            }
+        }
+        Ok(Some(tensors))
+    }
+}
+
+/// The address of gradient `g` of a parameter whose last gradient read was `t`, when `g` is
+/// contiguous (and, for a local shard, of `t`'s length: a DTensor gradient's placements may
+/// differ from its parameter's) at an address the kernels can read; None otherwise (any error
+/// included): `g` is then read in full.
+fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool) -> Option<u64> {
+    let py = g.py();
+    if !g.call_method0(intern!(py, "is_contiguous")).ok()?.is_truthy().ok()? {
+        return None;
+    }
+    if local && g.call_method0(intern!(py, "numel")).ok()?.extract::<u64>().ok()? != t.len {
+        return None;
+    }
+    let addr: u64 = g.call_method0(intern!(py, "data_ptr")).ok()?.extract().ok()?;
+    (addr.is_multiple_of(t.dtype.size()) && (addr != 0 || t.len == 0)).then_some(addr)
+}
