@@ -39,8 +39,10 @@ def moe_shapes():
     return shapes + [(d,), (32000, d)]
 
 
-def one_call(fn, setup, calls, cuda):
-    """(host us, GPU us) of fn(): medians over `calls` calls, `setup()` before each, untimed."""
+def one_call(fn, setup, calls, cuda, busy=0):
+    """(host us, GPU us) of fn(): medians over `calls` calls, `setup()` before each, untimed.
+    ``busy``: GPU cycles of a sleep kernel enqueued just before each call (the stream still busy
+    with the backward, as in training): a call that waits for the stream shows it in host time."""
     host, dev = [], []
     for _ in range(calls):
         setup()
@@ -48,6 +50,8 @@ def one_call(fn, setup, calls, cuda):
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
+            if busy:
+                torch.cuda._sleep(busy)
         t = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t) * 1e6)
@@ -82,6 +86,14 @@ class Grads:
     def same(self):
         pass
 
+    def fresh_reused(self):
+        """New gradient tensors as a training loop makes them: the old ones freed first
+        (``zero_grad()``), so torch's caching allocator mostly hands back their addresses."""
+        for p in self.params:
+            p.grad = None
+        for p, x in zip(self.params, self.pool):
+            p.grad = x.clone()
+
 
 def optimizers(params):
     return {
@@ -96,17 +108,19 @@ def moe_rows(device, calls):
     cuda = device == "cuda"
     rows = []
     params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02) for s in moe_shapes()]
-    for case, none_frac, fresh in [("same", 0.0, False), ("fresh", 0.0, True), ("fresh_some_none", 0.1, True)]:
+    for case, none_frac, fresh in [("same", 0.0, False), ("fresh", 0.0, True), ("fresh_reused", 0.0, "reused"),
+                                   ("fresh_some_none", 0.1, True)]:
         grads = Grads(params, none_frac)
+        setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused}[fresh]
         for name, (opt, torch_clip) in optimizers(params).items():
             def step(opt=opt, torch_clip=torch_clip):
                 if torch_clip is not None:
                     torch.nn.utils.clip_grad_norm_(params, torch_clip, foreach=True)
                 opt.step()
 
-            grads.fresh() if fresh else None
+            setup()
             step()  # first step: states made, layouts read
-            host, dev = one_call(step, grads.fresh if fresh else grads.same, calls, cuda)
+            host, dev = one_call(step, setup, calls, cuda)
             row = dict(list="moe-555-bf16", case=case, optimizer=name, host_us=host, gpu_us=dev,
                        host_us_per_param=host / len(params))
             layout = getattr(opt, "_layout", None)
@@ -125,13 +139,15 @@ def clip_rows(device, calls):
     cuda = device == "cuda"
     rows = []
     params = [torch.nn.Parameter(torch.randn(1024, device=device)) for _ in range(1000)]
-    for case, fresh in [("same", False), ("fresh", True)]:
+    for case, fresh, busy in [("same", False, 0), ("fresh", True, 0), ("fresh_reused", "reused", 0),
+                              ("fresh_busy_stream", True, 2_000_000 if cuda else 0)]:
         grads = Grads(params, 0.0)
+        setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused}[fresh]
         for name, fn in [("gradclip", lambda: gt.clip_grad_norm_(params, 1.0)),
                          ("gradclip_scan_only", lambda: gt._PLANNER.scan(params, True)),
                          ("torch_foreach", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))]:
             fn()
-            host, dev = one_call(fn, grads.fresh if fresh else grads.same, calls, cuda)
+            host, dev = one_call(fn, setup, calls, cuda, busy)
             row = dict(list="clip-1000x1024-f32", case=case, optimizer=name, host_us=host, gpu_us=dev)
             rows.append(row)
             print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
