@@ -29,13 +29,13 @@ impl RawTensor {
     }
 
     /// One past the last byte; None when that overflows the address space.
-    fn checked_end(&self) -> Option<u64> {
+    pub(crate) fn checked_end(&self) -> Option<u64> {
         self.len.checked_mul(self.dtype.size()).and_then(|b| self.addr.checked_add(b))
     }
 
     /// Rejects what no kernel may read: a null address with elements, a start that is not a
     /// multiple of the element size, a byte range past the end of the address space.
-    fn validate(&self, index: usize) -> Result<()> {
+    pub(crate) fn validate(&self, index: usize) -> Result<()> {
         let size = self.dtype.size();
         if self.len > 0 && self.addr == 0 {
             return Err(Error::NullPointer { index, len: self.len });

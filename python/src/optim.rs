@@ -406,9 +406,9 @@ impl Kept {
         let t2 = Instant::now();
         self.timings[1] = (t2 - t1).as_nanos() as u64;
         let groups = &self.groups;
-        let r = self
-            .grads
-            .list(planner, self.place, local, mask, &present, |mask, grads| Self::list_of(groups, mask, grads))?;
+        let r = self.grads.list(planner, self.place, local, mask, &present, |mask, grads| {
+            Self::list_of(groups, mask, grads)
+        })?;
         self.timings[2] = t2.elapsed().as_nanos() as u64;
         Ok(r.ok_or(Miss::Torch))
     }

@@ -137,7 +137,8 @@ impl StepGrads {
                 }
                 let ptrs = data_ptrs(present)?;
                 let tensors: Vec<RawTensor> = k.tensors.iter().zip(&ptrs).map(|(t, &addr)| RawTensor { addr, ..*t }).collect();
-                let Some(list) = list_of(&mask, &tensors) else {
+                // The kept list's checks hold but for the new gradients': only theirs run.
+                let Ok(list) = k.list.with_grads(&tensors) else {
                     self.last = None;
                     return Ok(None);
                 };
@@ -167,7 +168,10 @@ impl StepGrads {
             tensors,
             list: list.clone(),
             guard,
-            objects: Objects { addrs: objects, refs: None },
+            objects: Objects {
+                addrs: objects,
+                refs: None,
+            },
         });
         Ok(Some(list))
     }

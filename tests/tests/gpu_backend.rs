@@ -1401,6 +1401,68 @@ fn sgd_and_lion_equal_cpu_bits(gpu: &Gpu) -> TestResult {
     Ok(())
 }
 
+/// Gradients in new buffers every step (as `zero_grad(set_to_none=True)` leaves them), coming
+/// back to earlier buffers too: the update tables kept for the parameters follow them (only the
+/// tensor table is uploaded again) and every step equals the CPU's, bit for bit.
+fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
+    use gradclip::optim::{AdamConfig, ClipConfig, Parts, Rule, StepCount};
+    let rule = Rule::Adam(AdamConfig {
+        weight_decay: 0.01,
+        ..AdamConfig::adamw(1e-3)
+    });
+    let (mut host, dev) = adam_parts_on_both(gpu, 77);
+    // Three sets of gradients, each in its own buffers, the host twins at their phases.
+    let sets: Vec<(Vec<Grad>, Vec<DevGrad>)> = (0..3)
+        .map(|k| {
+            let grads: Vec<Grad> = adam_parts(900 + k).into_iter().map(|[_, g, ..]| g).collect();
+            let devs = gpu.upload(&grads);
+            (gpu.host_twins(&grads, &devs), devs)
+        })
+        .collect();
+    let (dev_count, dev_norm) = (gpu.stream.clone_htod(&[0u64, 0]).unwrap(), gpu.stream.alloc_zeros::<f64>(3).unwrap());
+    let mut count = StepCount::default();
+    let mut engine = gpu.engine();
+    let clip = Some(ClipConfig::new(0.05));
+    for (step, set) in [0usize, 1, 2, 0, 0, 1].into_iter().enumerate() {
+        let (host_grads, dev_grads) = &sets[set];
+        let host_parts: Vec<Parts> = host
+            .iter_mut()
+            .zip(host_grads)
+            .map(|([p, _, m, v, _], g)| Parts::adam(p.host_mut().raw(), g.host().raw(), m.host_mut().raw(), v.host_mut().raw(), None))
+            .collect();
+        let dev_parts: Vec<Parts> = dev
+            .iter()
+            .zip(dev_grads)
+            .map(|(d, g)| {
+                let s = &gpu.stream;
+                Parts::adam(d[0].raw(s), g.raw(s), d[2].raw(s), d[3].raw(s), None)
+            })
+            .collect();
+        // SAFETY: the host parts are the live vectors above, used by nothing else during the
+        // call; the device parts, count and output are live device memory of the stream's context.
+        let rep = unsafe {
+            let rep = Cpu::new().step_raw(&host_parts, &rule, &mut count, clip.as_ref(), 1.0, false).unwrap();
+            engine
+                .step_raw(
+                    &dev_parts,
+                    &rule,
+                    dev_count.device_ptr(&gpu.stream).0,
+                    clip.as_ref(),
+                    dev_norm.device_ptr(&gpu.stream).0,
+                    &gradclip::gpu::DeviceStepInputs::default(),
+                )
+                .unwrap();
+            rep
+        };
+        let what = format!("step {step} (gradient set {set})");
+        ensure_adam_parts_equal(gpu, &host, &dev, &what)?;
+        let g = gpu.stream.clone_dtoh(&dev_norm).unwrap();
+        let n = rep.norm.expect("a clipped step has a norm");
+        ensure(same_bits(g[0], n), || format!("{what}: norm {} vs {n}", g[0]))?;
+    }
+    Ok(())
+}
+
 fn main() {
     let args = Arguments::from_args();
     type Case = (&'static str, fn(&Gpu) -> TestResult);
@@ -1410,6 +1472,7 @@ fn main() {
         ("clip_bits_equal_cpu_and_torch_rule", clip_equals_cpu_bits),
         ("scale_by_device_coefficient_equals_cpu_bits", scale_by_device_coefficient),
         ("adam_step_equals_cpu_bits", adam_step_equals_cpu_bits),
+        ("update_follows_moving_gradients", update_follows_moving_gradients),
         ("sharded_keys_with_mirrored_ranks", sharded_keys_with_mirrors),
         ("error_if_nonfinite_leaves_gradients", error_if_nonfinite),
         ("one_million_tensors", million_tensors),

@@ -35,7 +35,6 @@ const KEPT_LISTS: usize = 8;
 
 /// The kernel's tables for `parts` (checked by the caller).
 fn plan(parts: &[Parts]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
-    let mut descs = Vec::with_capacity(parts.len());
     let mut tasks = Vec::new();
     for (i, p) in parts.iter().enumerate() {
         let n = p.param.len.div_ceil(update_chunk_elems(p.param.dtype.size()));
@@ -49,19 +48,30 @@ fn plan(parts: &[Parts]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
             tensor: i as u32,
             chunk: c as u32,
         }));
-        let states = p.states.map(|s| s.map_or(0, |s| s.addr));
-        let state_dtype = p.states[0].map_or(p.param.dtype, |s| s.dtype);
-        descs.push(UpdateTensorDesc {
+    }
+    Ok((descriptors(parts), tasks))
+}
+
+/// The tensor table of `parts`: every part's address, the length, the dtypes packed as the
+/// kernel unpacks them. The task table depends only on the lengths and dtypes.
+fn descriptors(parts: &[Parts]) -> Vec<UpdateTensorDesc> {
+    parts
+        .iter()
+        .map(|p| UpdateTensorDesc {
             param: p.param.addr,
             grad: p.grad.addr,
-            states,
+            states: p.states.map(|s| s.map_or(0, |s| s.addr)),
             len: p.param.len,
-            dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | state_dtype.code() << 8,
+            dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | p.states[0].map_or(p.param.dtype, |s| s.dtype).code() << 8,
             reserved: 0,
             step: p.step.map_or(0, |s| s.addr),
-        });
-    }
-    Ok((descs, tasks))
+        })
+        .collect()
+}
+
+/// True when `b` is `a` with other gradient addresses (the same tasks, new descriptors).
+fn same_but_grads(a: &[Parts], b: &[Parts]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| Parts { grad: b.grad, ..*a } == *b)
 }
 
 impl UpdateUpload {
@@ -89,13 +99,27 @@ impl UpdateUpload {
         }
         let key = (list.id(), group);
         let lists = &mut self.lists;
-        match lists.iter().position(|u| u.key == key || u.parts == parts) {
-            Some(i) => {
+        let same = lists.iter().position(|u| u.key == key || u.parts == parts);
+        // New gradients of the same parameters (a training loop's every step): only the tensor
+        // table is uploaded again, into the tables of the last such list (ordered after the
+        // launches that read them on this stream).
+        let moved = same.is_none().then(|| lists.iter().position(|u| same_but_grads(&u.parts, parts))).flatten();
+        match (same, moved) {
+            (Some(i), _) => {
                 let mut u = lists.remove(i);
                 u.key = key;
                 lists.insert(0, u);
             }
-            None => {
+            (None, Some(i)) => {
+                let mut u = lists.remove(i);
+                let descs = descriptors(parts);
+                let dw = as_words(&descs);
+                stream.memcpy_htod(dw, &mut u.buf.slice_mut(1..1 + dw.len()))?;
+                u.key = key;
+                u.parts = parts.to_vec();
+                lists.insert(0, u);
+            }
+            (None, None) => {
                 let (descs, tasks) = plan(parts)?;
                 let (dw, tw) = (as_words(&descs), as_words(&tasks));
                 let words = 1 + dw.len() + tw.len();

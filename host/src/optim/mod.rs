@@ -234,13 +234,11 @@ impl Parts {
         }
     }
 
-    /// Every part that the step reads or writes.
-    pub(crate) fn all(&self) -> impl Iterator<Item = RawTensor> + '_ {
-        [Some(self.param), Some(self.grad)]
-            .into_iter()
-            .chain(self.states)
-            .chain([self.step])
-            .flatten()
+    /// The parts that the step writes (parameter, step count, states), as slots.
+    pub(crate) fn written(&self) -> [Option<RawTensor>; MAX_STATES + 2] {
+        let mut w = [Some(self.param), self.step, None, None, None];
+        w[2..].copy_from_slice(&self.states);
+        w
     }
 }
 
@@ -270,14 +268,16 @@ impl HostStepTensor<'_> {
 pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, &'static [&'static str])>) -> Result<()> {
     for (index, (t, names)) in tensors.enumerate() {
         let p = t.param;
-        let mut parts = vec![("grad", t.grad)];
+        // No allocation per parameter: this runs whenever a step's gradients change.
+        let mut slots = [("grad", t.grad); MAX_STATES + 1];
         for (k, &state) in names.iter().enumerate() {
             match t.states.get(k).copied().flatten() {
-                Some(r) => parts.push((state, r)),
-                None => return Err(Error::MissingState { index, state }),
+                Some(r) if k < MAX_STATES => slots[k + 1] = (state, r),
+                _ => return Err(Error::MissingState { index, state }),
             }
         }
-        for &(role, r) in &parts {
+        let parts = &slots[..names.len().min(MAX_STATES) + 1];
+        for &(role, r) in parts {
             if r.len != p.len {
                 return Err(Error::OptimizerLength {
                     index,

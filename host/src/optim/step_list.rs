@@ -10,6 +10,7 @@ use super::{Parts, Rule, check_parts};
 use crate::error::{Error, Result};
 use crate::plan::RawTensor;
 use crate::tensor_list::TensorList;
+use gradclip_kernels::abi::MAX_STATES;
 
 /// Parameter groups of one step, checked as a whole ([`StepList::new`]); cheap to clone. Its
 /// [`StepList::id`] tells the GPU engine, in one comparison, that the tables it uploaded for a
@@ -37,6 +38,9 @@ struct Inner {
     id: u64,
     groups: Vec<(Vec<Parts>, &'static [&'static str])>,
     grads: TensorList,
+    /// The byte ranges of the written parts (parameters, states, step counts), sorted and
+    /// disjoint: what a list with new gradients ([`StepList::with_grads`]) checks them against.
+    written: Arc<[(u64, u64)]>,
 }
 
 /// Identities for step lists: never reused within a process.
@@ -67,13 +71,99 @@ impl StepList {
                 (parts, *names)
             })
             .collect();
-        let all: Vec<RawTensor> = groups.iter().flat_map(|(parts, _)| parts.iter()).flat_map(Parts::all).collect();
-        TensorList::new(&all)?.check_writable()?;
-        let grads: Vec<RawTensor> = groups.iter().flat_map(|(parts, _)| parts.iter().map(|p| p.grad)).collect();
+        // Plain loops into vectors of known size: this runs whenever the gradients change, and
+        // chained iterators over the parts' slots cost several times as much here.
+        let count: usize = groups.iter().map(|(parts, _)| parts.len()).sum();
+        let mut grads = Vec::with_capacity(count);
+        let mut written: Vec<(u64, u64)> = Vec::with_capacity(count * (MAX_STATES + 2));
+        let mut valid = true;
+        for p in groups.iter().flat_map(|(parts, _)| parts) {
+            grads.push(p.grad);
+            for t in p.written().into_iter().flatten() {
+                valid &= t.validate(0).is_ok();
+                if t.len > 0 {
+                    written.push((t.addr, t.checked_end().unwrap_or(u64::MAX)));
+                }
+            }
+        }
+        written.sort_unstable();
+        let grads_list = TensorList::new(&grads).ok().filter(|l| l.check_writable().is_ok());
+        let clear =
+            valid && written.windows(2).all(|w| w[0].1 <= w[1].0) && grads_list.as_ref().is_some_and(|_| clear_of(&written, &grads));
+        if !clear {
+            // Something is wrong: the whole list's check names it, by position, in the order
+            // parameter, gradient, states, step count of each parameter.
+            let mut all = Vec::with_capacity(count * (MAX_STATES + 3));
+            for p in groups.iter().flat_map(|(parts, _)| parts) {
+                all.extend([p.param, p.grad]);
+                all.extend(p.states.iter().flatten());
+                all.extend(p.step);
+            }
+            TensorList::new(&all)?.check_writable()?;
+        }
+        let grads = match grads_list {
+            Some(l) => l,
+            None => TensorList::new(&grads)?,
+        };
         Ok(StepList(Arc::new(Inner {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             groups,
-            grads: TensorList::new(&grads)?,
+            grads,
+            written: written.into(),
+        })))
+    }
+
+    /// This list with new gradients (`grads`, every group's in order, each of the length and
+    /// dtype of the gradient it replaces): what a training loop hands over each step after
+    /// `zero_grad(set_to_none=True)`. Only the new gradients are checked (valid memory, sharing
+    /// no byte with a written part or another gradient), in O(n log n) of the gradients, not of
+    /// every part; any
+    /// other difference, and any failed check, is decided (and reported) by [`StepList::new`].
+    pub fn with_grads(&self, grads: &[RawTensor]) -> Result<Self> {
+        let old = &self.0;
+        if grads.len() != old.grads.len() {
+            return Err(Error::LengthMismatch {
+                what: "the new gradients (one per parameter of the step list)",
+                expected: old.grads.len(),
+                found: grads.len(),
+            });
+        }
+        let same_shape = old
+            .grads
+            .tensors()
+            .iter()
+            .zip(grads)
+            .all(|(a, b)| a.len == b.len && a.dtype == b.dtype);
+        let fits = same_shape && grads.iter().enumerate().all(|(i, g)| g.validate(i).is_ok()) && clear_of(&old.written, grads);
+        let mut next = grads.iter();
+        let groups: Vec<(Vec<Parts>, &'static [&'static str])> = old
+            .groups
+            .iter()
+            .map(|(parts, names)| {
+                let parts = parts
+                    .iter()
+                    .map(|p| Parts {
+                        grad: next.next().copied().unwrap_or(p.grad),
+                        ..*p
+                    })
+                    .collect();
+                (parts, *names)
+            })
+            .collect();
+        // The gradients among themselves: disjoint too, as every part of a list is.
+        let list = if fits {
+            TensorList::new(grads).ok().filter(|l| l.check_writable().is_ok())
+        } else {
+            None
+        };
+        let Some(grads) = list else {
+            return Self::new(&groups);
+        };
+        Ok(StepList(Arc::new(Inner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            groups,
+            grads,
+            written: old.written.clone(),
         })))
     }
 
@@ -110,5 +200,89 @@ impl StepList {
     /// Every group's gradients, in order: the list whose norm a clipped step takes.
     pub fn grads(&self) -> &TensorList {
         &self.0.grads
+    }
+}
+
+/// True when no non-empty tensor of `grads` shares a byte with a range of `written` (sorted,
+/// disjoint; the tensors validated): O(n log m).
+fn clear_of(written: &[(u64, u64)], grads: &[RawTensor]) -> bool {
+    grads.iter().all(|g| {
+        let (start, end) = (g.addr, g.checked_end().unwrap_or(u64::MAX));
+        // Only the last written range starting before this gradient's end can reach into it.
+        let at = written.partition_point(|&(s, _)| s < end);
+        g.len == 0 || at == 0 || written[at - 1].1 <= start
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+    use crate::optim::{AdamConfig, Rule};
+    use proptest::prelude::*;
+
+    /// Parameter `i`'s parts, each in its own 1 MiB slot, `len` f32 elements.
+    fn parts(i: u64, len: u64) -> Parts {
+        let t = |k: u64| RawTensor {
+            addr: (8 * i + k + 1) << 20,
+            len,
+            dtype: DType::F32,
+        };
+        let mut p = Parts::adam(t(0), t(1), t(2), t(3), None);
+        p.step = Some(RawTensor {
+            addr: ((8 * i + 5) << 20) + 64,
+            len: 1,
+            dtype: DType::F32,
+        });
+        p
+    }
+
+    fn result(r: Result<StepList>) -> std::result::Result<Vec<Vec<Parts>>, String> {
+        r.map(|l| (0..l.groups()).map(|g| l.group(g).0.to_vec()).collect())
+            .map_err(|e| e.to_string())
+    }
+
+    proptest! {
+        /// New gradients anywhere (in free memory, on another gradient, inside a parameter or a
+        /// state or a step count, misaligned, null): the same list, or the same error, as
+        /// checking the whole list anew.
+        #[test]
+        fn with_grads_decides_as_new(lens in prop::collection::vec(0u64..64, 1..12), spots in prop::collection::vec((0u64..100, 0u64..6, 0u64..80), 12)) {
+            let adamw = Rule::from(AdamConfig::adamw(1e-3));
+            let groups: Vec<(Vec<Parts>, &'static [&'static str])> =
+                lens.chunks(5).enumerate().map(|(g, ls)| (ls.iter().enumerate().map(|(i, &l)| parts(5 * g as u64 + i as u64, l)).collect(), adamw.states())).collect();
+            let list = StepList::new(&groups).unwrap();
+            let olds: Vec<RawTensor> = list.grads().tensors().to_vec();
+            let grads: Vec<RawTensor> = olds.iter().zip(&spots).map(|(g, &(slot, k, off))| {
+                let addr = match k {
+                    0 => g.addr,                                  // where it was
+                    1 => (1000 + slot) << 20,                     // free memory
+                    2 => ((8 * (slot % 12) + 2) << 20) + 4 * off, // on another gradient
+                    3 => ((8 * (slot % 12) + 1) << 20) + 4 * off, // inside a parameter, maybe
+                    4 => ((8 * (slot % 12) + 5) << 20) + 4 * off, // around a step count
+                    _ => if off % 2 == 0 { 0 } else { (1000 << 20) + 2 }, // null or misaligned
+                };
+                RawTensor { addr, ..*g }
+            }).collect();
+            let mut next = grads.iter();
+            let with: Vec<(Vec<Parts>, &'static [&'static str])> = groups.iter().map(|(ps, n)| (ps.iter().map(|p| Parts { grad: *next.next().unwrap(), ..*p }).collect(), *n)).collect();
+            prop_assert_eq!(result(list.with_grads(&grads)), result(StepList::new(&with)));
+        }
+    }
+
+    #[test]
+    fn with_grads_refuses_another_count_or_shape() {
+        let adamw = Rule::from(AdamConfig::adamw(1e-3));
+        let list = StepList::new(&[(vec![parts(0, 8), parts(1, 8)], adamw.states())]).unwrap();
+        let g = list.grads().tensors().to_vec();
+        assert!(matches!(
+            list.with_grads(&g[..1]),
+            Err(Error::LengthMismatch { expected: 2, found: 1, .. })
+        ));
+        let mut longer = g.clone();
+        longer[1].len = 9;
+        assert!(matches!(list.with_grads(&longer), Err(Error::OptimizerLength { index: 1, .. })));
+        let same = list.with_grads(&g).unwrap();
+        assert_ne!(same.id(), list.id(), "a new list, a new identity");
     }
 }
