@@ -77,7 +77,21 @@ def _guard_functions():
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # the engine's, in its order
 
 
-_PLANNER = _native.Planner(_NATIVE_DTYPES, _guard_functions())
+def _native_pointers_work() -> bool:
+    """True when torch's native data-pointer reader (the function Inductor's generated launchers
+    call) reads what ``data_ptr()`` returns, on a tensor, a parameter, a view at an offset and an
+    empty tensor, and reports nothing (rather than failing) for a sparse tensor and non-tensors:
+    the planner then reads addresses without a Python call per tensor."""
+    try:
+        dense = [torch.zeros(4), torch.nn.Parameter(torch.zeros(3)), torch.zeros(8)[3:], torch.zeros(0)]
+        got = _native.read_data_ptrs(dense + [torch.zeros(2, 2).to_sparse(), "x", None])
+        return got == [t.data_ptr() for t in dense] + [None, None, None]
+    except Exception:
+        return False
+
+
+_GUARDS = _guard_functions()
+_PLANNER = _native.Planner(_NATIVE_DTYPES, _GUARDS, _GUARDS is not None and _native_pointers_work())
 
 
 try:  # the raw handle of the current stream and the current device, as torch's generated code reads them

@@ -11,16 +11,36 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-/// torch's two functions, checked by `gradclip.torch` at import (it hands them over only when
-/// they behave as relied on): `TensorGuards` and `_tensors_data_ptrs_at_indices_equal`.
+use crate::tensor_addresses::DataPtrReader;
+
+/// torch's functions, checked by `gradclip.torch` at import (it hands them over only when they
+/// behave as relied on): `TensorGuards` and `_tensors_data_ptrs_at_indices_equal`, and its
+/// native data-pointer reader when it has one ([`DataPtrReader`]: then addresses are read and
+/// compared in native code, without a Python call per tensor).
 pub(crate) struct GuardFns {
     guards: Py<PyAny>,
     ptrs_equal: Py<PyAny>,
+    reader: Option<DataPtrReader>,
 }
 
 impl GuardFns {
-    pub(crate) fn new(guards: Py<PyAny>, ptrs_equal: Py<PyAny>) -> Self {
-        GuardFns { guards, ptrs_equal }
+    pub(crate) fn new(guards: Py<PyAny>, ptrs_equal: Py<PyAny>, reader: Option<DataPtrReader>) -> Self {
+        GuardFns {
+            guards,
+            ptrs_equal,
+            reader,
+        }
+    }
+
+    /// torch's native data-pointer reader, when checked and handed over.
+    pub(crate) fn reader(&self) -> Option<&DataPtrReader> {
+        self.reader.as_ref()
+    }
+
+    /// The address of every tensor of `list`: read in native code with the reader, else one
+    /// `data_ptr()` call each (which also reports what has none in torch's words).
+    pub(crate) fn data_ptrs(&self, list: &Bound<'_, PyList>) -> PyResult<Vec<u64>> {
+        data_ptrs(list, self.reader.as_ref())
     }
 
     /// The guard of `list` as it is now, with `ptrs` its tensors' addresses; None when torch's
@@ -40,41 +60,74 @@ impl GuardFns {
 
     /// The address check of a list whose tensors are at `ptrs`.
     pub(crate) fn addresses(&self, py: Python<'_>, ptrs: &[u64]) -> Option<AddressCheck> {
-        Some(AddressCheck {
-            ptrs_equal: self.ptrs_equal.clone_ref(py),
-            ptrs: PyList::new(py, ptrs).ok()?.unbind(),
-            idx: PyList::new(py, 0..ptrs.len()).ok()?.unbind(),
-            len: ptrs.len(),
+        Some(match self.reader {
+            Some(reader) => AddressCheck::Native {
+                reader,
+                ptrs: ptrs.to_vec(),
+            },
+            None => AddressCheck::Torch {
+                ptrs_equal: self.ptrs_equal.clone_ref(py),
+                ptrs: PyList::new(py, ptrs).ok()?.unbind(),
+                idx: PyList::new(py, 0..ptrs.len()).ok()?.unbind(),
+                len: ptrs.len(),
+            },
         })
     }
 }
 
-/// Where a list's tensors were when read: one C++ call says whether each is still there.
-pub(crate) struct AddressCheck {
-    ptrs_equal: Py<PyAny>,
-    ptrs: Py<PyList>,
-    idx: Py<PyList>,
-    len: usize,
+/// Where a list's tensors were when read, and how to tell whether each is still there: read in
+/// native code, or one C++ call of torch's.
+pub(crate) enum AddressCheck {
+    Native {
+        reader: DataPtrReader,
+        ptrs: Vec<u64>,
+    },
+    Torch {
+        ptrs_equal: Py<PyAny>,
+        ptrs: Py<PyList>,
+        idx: Py<PyList>,
+        len: usize,
+    },
 }
 
 impl AddressCheck {
     /// Same length, and every tensor at the address it had (any error counts as no).
     pub(crate) fn same(&self, list: &Bound<'_, PyList>) -> bool {
         let py = list.py();
-        list.len() == self.len
-            && self
-                .ptrs_equal
-                .bind(py)
-                .call1((list, self.ptrs.bind(py), self.idx.bind(py)))
-                .and_then(|r| r.is_truthy())
-                .unwrap_or(false)
+        match self {
+            AddressCheck::Native { reader, ptrs } => {
+                list.len() == ptrs.len() && list.iter().zip(ptrs).all(|(t, &p)| reader.read(&t) == Some(p))
+            }
+            AddressCheck::Torch {
+                ptrs_equal,
+                ptrs,
+                idx,
+                len,
+            } => {
+                list.len() == *len
+                    && ptrs_equal
+                        .bind(py)
+                        .call1((list, ptrs.bind(py), idx.bind(py)))
+                        .and_then(|r| r.is_truthy())
+                        .unwrap_or(false)
+            }
+        }
     }
 
     /// The same check for tensors now at `ptrs` (as many as before).
-    pub(crate) fn moved_to(&mut self, py: Python<'_>, ptrs: &[u64]) -> PyResult<()> {
-        debug_assert_eq!(ptrs.len(), self.len);
-        self.ptrs = PyList::new(py, ptrs)?.unbind();
+    pub(crate) fn moved_to(&mut self, py: Python<'_>, new: &[u64]) -> PyResult<()> {
+        match self {
+            AddressCheck::Native { ptrs, .. } => ptrs.copy_from_slice(new),
+            AddressCheck::Torch { ptrs, .. } => *ptrs = PyList::new(py, new)?.unbind(),
+        }
         Ok(())
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            AddressCheck::Native { ptrs, .. } => ptrs.len(),
+            AddressCheck::Torch { len, .. } => *len,
+        }
     }
 }
 
@@ -89,7 +142,7 @@ impl ListGuard {
     /// requires_grad it had (any error counts as no).
     pub(crate) fn same_layout(&self, list: &Bound<'_, PyList>) -> bool {
         let py = list.py();
-        if list.len() != self.addresses.len {
+        if list.len() != self.addresses.len() {
             return false;
         }
         let Ok(args) = PyTuple::new(py, list.iter()) else {
@@ -113,8 +166,14 @@ impl ListGuard {
     }
 }
 
-/// The address of every tensor of `list` (one call each): for a list that kept its layout.
-pub(crate) fn data_ptrs(list: &Bound<'_, PyList>) -> PyResult<Vec<u64>> {
+/// The address of every tensor of `list`: with `reader` in native code, else (and for what the
+/// reader finds none) one `data_ptr()` call each, which reports the error in torch's words.
+pub(crate) fn data_ptrs(list: &Bound<'_, PyList>, reader: Option<&DataPtrReader>) -> PyResult<Vec<u64>> {
     let py = list.py();
-    list.iter().map(|t| t.call_method0(intern!(py, "data_ptr"))?.extract()).collect()
+    list.iter()
+        .map(|t| match reader.and_then(|r| r.read(&t)) {
+            Some(p) => Ok(p),
+            None => t.call_method0(intern!(py, "data_ptr"))?.extract(),
+        })
+        .collect()
 }

@@ -9,6 +9,7 @@ mod guards;
 mod optim;
 mod scan;
 mod step_grads;
+mod tensor_addresses;
 
 use gradclip::{ClipOptions, Error, NormType};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -61,6 +62,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_TORCH", optim::STEP_TORCH)?;
     m.add("STEP_NEW_STATES", optim::STEP_NEW_STATES)?;
     m.add_function(wrap_pyfunction!(check_max_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_addresses::read_data_ptrs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

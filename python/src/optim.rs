@@ -23,7 +23,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::cuda::with_engine;
-use crate::guards::{AddressCheck, data_ptrs};
+use crate::guards::AddressCheck;
 use crate::scan::{Place, Planner};
 use crate::step_grads::StepGrads;
 use crate::to_py;
@@ -73,7 +73,7 @@ struct Kept {
     /// the objects, so the addresses stay theirs).
     slot_of: HashMap<usize, (usize, usize)>,
     /// Nanoseconds of the stages of the last step (see `StepLayout::last_step_ns`).
-    timings: [u64; 4],
+    timings: [u64; 5],
 }
 
 /// What an optimizer's parameter groups look like to the engine, kept between steps (see the
@@ -99,14 +99,14 @@ fn shard<'py>(t: &Bound<'py, PyAny>, local: bool) -> PyResult<Bound<'py, PyAny>>
 
 #[pymethods]
 impl StepLayout {
-    /// Nanoseconds of the stages of the last step that reached them: `read` (the state dict
-    /// walked by identity, every parameter's `.grad` read), `params` (the parameters' layout and
-    /// addresses checked), `grads` (this step's gradients checked, the step list
-    /// made when they changed), `engine` (the norm and updates enqueued, or run on the CPU).
+    /// Nanoseconds of the stages of the last step that reached them: `states` (the state dict
+    /// walked by identity), `read` (every parameter's `.grad` read), `params` (the parameters'
+    /// addresses checked), `grads` (this step's gradients checked, the step list made when they
+    /// changed), `engine` (the norm and updates enqueued, or run on the CPU).
     #[getter]
     fn last_step_ns(&self) -> Vec<(&'static str, u64)> {
-        let t = self.kept.lock().map(|k| k.timings).unwrap_or([0; 4]);
-        ["read", "params", "grads", "engine"].into_iter().zip(t).collect()
+        let t = self.kept.lock().map(|k| k.timings).unwrap_or([0; 5]);
+        ["states", "read", "params", "grads", "engine"].into_iter().zip(t).collect()
     }
 }
 
@@ -185,7 +185,7 @@ pub fn step_layout(
     let Some(place) = place else {
         return Ok(None);
     };
-    let Some(param_addresses) = fns.addresses(py, &data_ptrs(&all_params)?) else {
+    let Some(param_addresses) = fns.addresses(py, &fns.data_ptrs(&all_params)?) else {
         return Ok(None);
     };
     let states = read_states(state, 0)?;
@@ -208,7 +208,7 @@ pub fn step_layout(
             param_addresses,
             grads,
             slot_of,
-            timings: [0; 4],
+            timings: [0; 5],
         }),
     }))
 }
@@ -370,6 +370,8 @@ impl Kept {
         if !same_states(state, &self.states) && !self.extend_states(planner, state, local)? {
             return Ok(Err(Miss::Relayout));
         }
+        let ts = Instant::now();
+        self.timings[0] = (ts - t0).as_nanos() as u64;
         let (mut mask, present, mut first) = (Vec::new(), PyList::empty(py), Vec::new());
         for (g, kept) in groups.iter().zip(&self.groups) {
             let params = g.get_item(intern!(py, "params"))?;
@@ -398,18 +400,18 @@ impl Kept {
             return Ok(Err(Miss::NewStates(first)));
         }
         let t1 = Instant::now();
-        self.timings[0] = (t1 - t0).as_nanos() as u64;
+        self.timings[1] = (t1 - ts).as_nanos() as u64;
         let params = self.params.bind(py);
         if !self.param_addresses.same(params) {
             return Ok(Err(Miss::Relayout));
         }
         let t2 = Instant::now();
-        self.timings[1] = (t2 - t1).as_nanos() as u64;
+        self.timings[2] = (t2 - t1).as_nanos() as u64;
         let groups = &self.groups;
         let r = self.grads.list(planner, self.place, local, mask, &present, |mask, grads| {
             Self::list_of(groups, mask, grads)
         })?;
-        self.timings[2] = t2.elapsed().as_nanos() as u64;
+        self.timings[3] = t2.elapsed().as_nanos() as u64;
         Ok(r.ok_or(Miss::Torch))
     }
 
@@ -575,7 +577,7 @@ pub fn optim_step(
     let place = kept.place;
     let started = Instant::now();
     let r = run_step(py, place, &list, &hypers, stream, clip, norm_out, norm_in, loss_scale, found_inf);
-    kept.timings[3] = started.elapsed().as_nanos() as u64;
+    kept.timings[4] = started.elapsed().as_nanos() as u64;
     let (verdict, norm) = r?;
     Ok((verdict, norm.map(|n| pyo3::types::PyFloat::new(py, n).into_any().unbind())))
 }

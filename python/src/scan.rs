@@ -21,7 +21,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::guards::{GuardFns, ListGuard, data_ptrs};
+use crate::guards::{GuardFns, ListGuard};
+use crate::tensor_addresses::DataPtrReader;
 use crate::to_py;
 
 /// The engine's dtypes in the order of the dtype objects given to [`Planner::new`].
@@ -310,17 +311,24 @@ fn promote(a: usize, b: usize) -> usize {
 impl Planner {
     /// `dtypes`: torch's bfloat16, float16, float32 and float64 objects, in that order.
     /// `guards`: optional `(TensorGuards, _tensors_data_ptrs_at_indices_equal)`, torch's, as
-    /// checked by `gradclip.torch` (None: every call reads every tensor).
+    /// checked by `gradclip.torch` (None: every call reads every tensor). `native_pointers`:
+    /// read data pointers with torch's native reader (checked by `gradclip.torch` through
+    /// `read_data_ptrs`), with the guards.
     #[new]
-    #[pyo3(signature = (dtypes, guards=None))]
-    fn new(dtypes: &Bound<'_, PyTuple>, guards: Option<(Py<PyAny>, Py<PyAny>)>) -> PyResult<Self> {
+    #[pyo3(signature = (dtypes, guards=None, native_pointers=false))]
+    fn new(dtypes: &Bound<'_, PyTuple>, guards: Option<(Py<PyAny>, Py<PyAny>)>, native_pointers: bool) -> PyResult<Self> {
+        let reader = if native_pointers {
+            DataPtrReader::of_torch(dtypes.py())
+        } else {
+            None
+        };
         let d: Vec<Py<PyAny>> = dtypes.iter().map(|d| d.unbind()).collect();
         let dtypes: [Py<PyAny>; 4] = d
             .try_into()
             .map_err(|_| PyValueError::new_err("Planner takes the dtypes (bfloat16, float16, float32, float64)"))?;
         Ok(Planner {
             dtypes,
-            guard_fns: guards.map(|(g, p)| GuardFns::new(g, p)),
+            guard_fns: guards.map(|(g, p)| GuardFns::new(g, p, reader)),
             cache: Mutex::new(Cache::default()),
         })
     }
@@ -360,7 +368,7 @@ impl Planner {
                     return Ok((Some(last.clone_ref(py)), tensors));
                 }
                 // The same layout at new addresses: only the addresses are read.
-                if let Ok(ptrs) = data_ptrs(&tensors) {
+                if let Some(ptrs) = self.guard_fns.as_ref().and_then(|f| f.data_ptrs(&tensors).ok()) {
                     entries.clear();
                     entries.extend(cache.key.iter().zip(&ptrs).map(|(e, &addr)| Entry {
                         tensor: RawTensor { addr, ..e.tensor },
@@ -442,5 +450,11 @@ impl Planner {
     #[getter]
     fn validates(&self) -> bool {
         self.guard_fns.is_some()
+    }
+
+    /// True when data pointers are read in native code (torch's native reader).
+    #[getter]
+    fn native_pointers(&self) -> bool {
+        self.guard_fns.as_ref().is_some_and(|f| f.reader().is_some())
     }
 }

@@ -24,6 +24,7 @@ use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 
 use crate::guards::{ListGuard, data_ptrs};
 use crate::scan::{Place, Planner};
+use crate::tensor_addresses::DataPtrReader;
 
 /// The gradients of the steps so far, as far as the next step needs them.
 pub(crate) struct StepGrads {
@@ -135,7 +136,7 @@ impl StepGrads {
                 if !same && guard.same_addresses(present) {
                     return Ok(Some(k.list.clone()));
                 }
-                let ptrs = data_ptrs(present)?;
+                let ptrs = data_ptrs(present, planner.guard_fns().and_then(|f| f.reader()))?;
                 let tensors: Vec<RawTensor> = k.tensors.iter().zip(&ptrs).map(|(t, &addr)| RawTensor { addr, ..*t }).collect();
                 // The kept list's checks hold but for the new gradients': only theirs run.
                 let Ok(list) = k.list.with_grads(&tensors) else {
@@ -187,12 +188,13 @@ impl StepGrads {
         present: &Bound<'_, PyList>,
     ) -> PyResult<Option<Vec<RawTensor>>> {
         let mut at = Some(place);
+        let reader = planner.guard_fns().and_then(|f| f.reader());
         let mut tensors = Vec::with_capacity(present.len());
         let slots = mask.iter().enumerate().filter(|(_, m)| **m).map(|(i, _)| i);
         for (g, slot) in present.iter().zip(slots) {
             if let (Some(t), Some(ty)) = (self.slots[slot], &self.tensor_type)
                 && g.get_type().is(ty)
-                && let Some(addr) = quick_read(&g, t, local)
+                && let Some(addr) = quick_read(&g, t, local, reader)
             {
                 tensors.push(RawTensor { addr, ..t });
                 continue;
@@ -214,7 +216,7 @@ impl StepGrads {
 /// contiguous (and, for a local shard, of `t`'s length: a DTensor gradient's placements may
 /// differ from its parameter's) at an address the kernels can read; None otherwise (any error
 /// included): `g` is then read in full.
-fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool) -> Option<u64> {
+fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool, reader: Option<&DataPtrReader>) -> Option<u64> {
     let py = g.py();
     if !g.call_method0(intern!(py, "is_contiguous")).ok()?.is_truthy().ok()? {
         return None;
@@ -222,6 +224,9 @@ fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool) -> Option<u64> {
     if local && g.call_method0(intern!(py, "numel")).ok()?.extract::<u64>().ok()? != t.len {
         return None;
     }
-    let addr: u64 = g.call_method0(intern!(py, "data_ptr")).ok()?.extract().ok()?;
+    let addr: u64 = match reader {
+        Some(r) => r.read(g)?,
+        None => g.call_method0(intern!(py, "data_ptr")).ok()?.extract().ok()?,
+    };
     (addr.is_multiple_of(t.dtype.size()) && (addr != 0 || t.len == 0)).then_some(addr)
 }

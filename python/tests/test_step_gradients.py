@@ -147,3 +147,18 @@ def test_a_moved_gradient_is_read_at_its_new_address(device):
     ps[0].grad.set_(torch.ones_like(ps[0]))
     opt.step()
     assert torch.equal(ps[0].detach(), before - 1), "the step read the gradient's old storage"
+
+
+def test_native_data_pointer_reader():
+    """torch's native data-pointer reader, as the binding calls it: what ``data_ptr()`` returns
+    for tensors (a view at an offset, an empty tensor, CUDA ones), nothing for what has none (a
+    sparse tensor, a wrapper subclass, non-tensors) without failing; and the planner uses it."""
+    from gradclip import _native
+    from gradclip._engine import _PLANNER
+
+    dense = [torch.randn(5), torch.nn.Parameter(torch.randn(2, 3)), torch.randn(9)[4:], torch.empty(0)]
+    if torch.cuda.is_available():
+        dense.append(torch.randn(7, device="cuda")[2:])
+    none = [torch.randn(3, 3).to_sparse(), "a string", None, 3]
+    assert _native.read_data_ptrs(dense + none) == [t.data_ptr() for t in dense] + [None] * len(none)
+    assert _PLANNER.native_pointers

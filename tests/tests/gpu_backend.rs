@@ -1419,7 +1419,10 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
             (gpu.host_twins(&grads, &devs), devs)
         })
         .collect();
-    let (dev_count, dev_norm) = (gpu.stream.clone_htod(&[0u64, 0]).unwrap(), gpu.stream.alloc_zeros::<f64>(3).unwrap());
+    let (dev_count, dev_norm) = (
+        gpu.stream.clone_htod(&[0u64, 0]).unwrap(),
+        gpu.stream.alloc_zeros::<f64>(3).unwrap(),
+    );
     let mut count = StepCount::default();
     let mut engine = gpu.engine();
     let clip = Some(ClipConfig::new(0.05));
@@ -1441,7 +1444,9 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
         // SAFETY: the host parts are the live vectors above, used by nothing else during the
         // call; the device parts, count and output are live device memory of the stream's context.
         let rep = unsafe {
-            let rep = Cpu::new().step_raw(&host_parts, &rule, &mut count, clip.as_ref(), 1.0, false).unwrap();
+            let rep = Cpu::new()
+                .step_raw(&host_parts, &rule, &mut count, clip.as_ref(), 1.0, false)
+                .unwrap();
             engine
                 .step_raw(
                     &dev_parts,

@@ -103,7 +103,10 @@ impl UpdateUpload {
         // New gradients of the same parameters (a training loop's every step): only the tensor
         // table is uploaded again, into the tables of the last such list (ordered after the
         // launches that read them on this stream).
-        let moved = same.is_none().then(|| lists.iter().position(|u| same_but_grads(&u.parts, parts))).flatten();
+        let moved = same
+            .is_none()
+            .then(|| lists.iter().position(|u| same_but_grads(&u.parts, parts)))
+            .flatten();
         match (same, moved) {
             (Some(i), _) => {
                 let mut u = lists.remove(i);
