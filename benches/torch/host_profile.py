@@ -47,13 +47,14 @@ def profile(n, elems, dtype):
     grads = [p.grad for p in params]
     gt.get_total_norm(grads)  # plans the list once
     plan, _ = gt._PLANNER.scan(grads, False)
-    out, stream = _engine._cuda_out(plan.device)
+    device, dtype = plan.info[:2]
+    out, stream = _engine._out(device), _engine._raw_stream(device)
     row = {"tensors": n, "elements": elems, "dtype": str(dtype).replace("torch.", "")}
     row["scan_us"] = per_call_us(lambda: gt._PLANNER.scan(grads, False))
     row["scan_params_us"] = per_call_us(lambda: gt._PLANNER.scan(params, True))
-    row["out_us"] = per_call_us(lambda: _engine._cuda_out(plan.device))
-    row["native_norm_us"] = per_call_us(lambda: _native.cuda_total_norm(plan, stream, 2.0, out.data_ptr()))
-    row["to_dtype_us"] = per_call_us(lambda: out[0].to(plan.result_dtype))
+    row["out_us"] = per_call_us(lambda: _engine._out(device))
+    row["native_norm_us"] = per_call_us(lambda: _native.total_norm(plan, stream, 2.0, out.data_ptr()))
+    row["to_dtype_us"] = per_call_us(lambda: out[0].to(dtype))
     row["gradclip_norm_us"] = per_call_us(lambda: gt.get_total_norm(grads))
     row["gradclip_clip_us"] = per_call_us(lambda: gt.clip_grad_norm_(params, 1e9))
     row["torch_foreach_norm_us"] = per_call_us(lambda: torch.nn.utils.get_total_norm(grads, foreach=True), 40)

@@ -138,17 +138,16 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def _with_workspace(plan):
-    """``plan``, with zeroed device memory from torch's caching allocator lent to it for the
-    engine's tables once, so torch's accounting sees it. Never under CUDA-graph capture: memory
-    allocated there would be the graph pool's, and captured calls keep their tables in memory
-    the graph itself owns (uploaded at capture time, freed with the graph). Nor inside the
+def _lend_workspace(plan, device: int) -> None:
+    """Lends ``plan`` zeroed device memory from torch's caching allocator for the engine's tables
+    (once: the plan keeps it), so torch's accounting sees it. Never under CUDA-graph capture:
+    memory allocated there would be the graph pool's, and captured calls keep their tables in
+    memory the graph itself owns (uploaded at capture time, freed with the graph). Nor inside the
     registered ops (``_ops``): a compiled graph runs them in its own memory pool (CUDA-graph
     trees warm up and record there), where a loan kept by the plan would be a live allocation
     the pool does not track; their tables go to the engine's own memory."""
-    if not plan.has_workspace and not _capturing() and not _OPS_RUNNING[0]:
-        plan.lend_workspace(torch.zeros(max(plan.workspace_bytes, 8), dtype=torch.uint8, device=plan.device))
-    return plan
+    if not _capturing() and not _OPS_RUNNING[0]:
+        plan.lend_workspace(torch.zeros(max(plan.workspace_bytes, 8), dtype=torch.uint8, device=device))
 
 
 def _refuse_host_read_under_capture(error_if_nonfinite: bool) -> None:
@@ -162,20 +161,27 @@ def _refuse_host_read_under_capture(error_if_nonfinite: bool) -> None:
         )
 
 
-def _cuda_out(index: int):
-    """A fresh 24-byte result buffer on CUDA device ``index`` (the engine's NormOutput: norm,
-    coefficient, flags) from torch's allocator, and the handle of torch's current stream there."""
-    return torch.empty(3, dtype=torch.float64, device=index), _raw_stream(index)
+def _out(device: int) -> torch.Tensor:
+    """A fresh result buffer for a plan on ``device`` (a CUDA ordinal, or -1 for the CPU): the
+    engine's NormOutput, three float64 (norm, coefficient, flags), from torch's allocator."""
+    return torch.empty(3, dtype=torch.float64, device=device if device >= 0 else "cpu")
 
 
-def _cuda_call(entry, plan, *args):
-    """Calls the native CUDA ``entry`` on ``plan`` (its workspace lent first) with torch's current
-    device set to the plan's: the engine binds that device's context, and torch must keep
-    knowing which device is current (it sets and restores it here, its own way)."""
-    if plan.device == _current_device():
-        return entry(_with_workspace(plan), *args)
-    with torch.cuda.device(plan.device):
-        return entry(_with_workspace(plan), *args)
+def _call(entry, plan, info, *args):
+    """Calls the native operation ``entry(plan, stream, *args)`` (the binding picks the backend
+    from the plan); ``info`` is the plan's ``info``, read once by the caller. On CUDA, on torch's
+    current stream there, the workspace lent first, with torch's current device set to the
+    plan's: the engine binds that device's context, and torch must keep knowing which device is
+    current (it sets and restores it here, its own way)."""
+    device, _, _, has_workspace = info
+    if device < 0:
+        return entry(plan, 0, *args)
+    if not has_workspace:
+        _lend_workspace(plan, device)
+    if device == _current_device():
+        return entry(plan, _raw_stream(device), *args)
+    with torch.cuda.device(device):
+        return entry(plan, _raw_stream(device), *args)
 
 
 def _check_p(norm_type: float) -> float:
@@ -185,24 +191,22 @@ def _check_p(norm_type: float) -> float:
     return p
 
 
-def _plan_norm(plan, p: float) -> torch.Tensor:
+def _plan_norm(plan, p: float, info=None) -> torch.Tensor:
     """The p-norm of a plan's tensors as a 0-dim f64 tensor on their device."""
-    if plan.device >= 0:
-        out, stream = _cuda_out(plan.device)
-        _cuda_call(_native.cuda_total_norm, plan, stream, p, out.data_ptr())
-        return out[0]
-    return torch.tensor(_native.cpu_total_norm(plan, p)[0], dtype=torch.float64)
+    info = plan.info if info is None else info
+    out = _out(info[0])
+    _call(_native.total_norm, plan, info, p, out.data_ptr())
+    return out[0]
 
 
 def _plan_tensor_norms(plan, p: float) -> torch.Tensor:
     """The p-norm of each of a plan's tensors, as an f64 vector on their device (the norm kernel
     and the per-tensor kernel: two launches on CUDA)."""
-    if plan.device >= 0:
-        out, stream = _cuda_out(plan.device)
-        per = torch.empty(len(plan), dtype=torch.float64, device=plan.device)
-        _cuda_call(_native.cuda_total_norm, plan, stream, p, out.data_ptr(), per.data_ptr())
-        return per
-    return torch.tensor(_native.cpu_total_norm(plan, p, True)[1], dtype=torch.float64)
+    info = plan.info
+    out = _out(info[0])
+    per = torch.empty(len(plan), dtype=torch.float64, device=out.device)
+    _call(_native.total_norm, plan, info, p, out.data_ptr(), per.data_ptr())
+    return per
 
 
 def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
@@ -230,7 +234,8 @@ def _total_norm64(plan, ts: List[torch.Tensor], p: float):
     """The p-norm of ``ts`` (read into ``plan`` when the engine takes the whole list) as a 0-dim
     f64 tensor on the first tensor's device, and the dtype torch returns it in."""
     if plan is not None:
-        return _plan_norm(plan, p), plan.result_dtype
+        info = plan.info
+        return _plan_norm(plan, p, info), info[1]
     groups = _by_device(ts)
     first = ts[0].device
     norms = [_device_norm(g, p).to(first) for g in groups.values()]
@@ -262,12 +267,16 @@ _INFERENCE_WRITE = (
 )
 
 
-def _check_writable(plan, ts: List[torch.Tensor]) -> None:
+def _check_writable(plan, ts: List[torch.Tensor], info=None) -> None:
     """Refuses, before anything is written, what torch's in-place ops refuse: an inference tensor
-    outside inference mode (the plan knows whether it holds one; a list torch handles is read)."""
+    outside inference mode (the plan knows whether it holds one, ``info`` its ``info`` when read;
+    a list torch handles is read)."""
     if torch.is_inference_mode_enabled():
         return
-    inference = plan.has_inference if plan is not None else any(t.is_inference() for t in ts)
+    if plan is not None:
+        inference = (plan.info if info is None else info)[2]
+    else:
+        inference = any(t.is_inference() for t in ts)
     if inference:
         raise RuntimeError(_INFERENCE_WRITE)
 
@@ -282,11 +291,9 @@ def _scale_plan(plan, coef: torch.Tensor) -> None:
     """Multiply every tensor of ``plan`` by ``coef`` (0-dim f64), in place: on CUDA one copy of
     the coefficient into the engine's result slot and one launch, which does nothing when the
     coefficient is 1 (decided on the device)."""
-    if plan.device >= 0:
-        coef = coef.to(device=plan.device, dtype=torch.float64).contiguous()
-        _cuda_call(_native.cuda_scale, plan, _raw_stream(plan.device), coef.data_ptr())
-    else:
-        _native.cpu_scale(plan, float(coef))
+    info = plan.info
+    coef = coef.to(device=info[0] if info[0] >= 0 else "cpu", dtype=torch.float64).contiguous()
+    _call(_native.scale, plan, info, coef.data_ptr())
 
 
 def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
@@ -325,5 +332,5 @@ def _clip_grads(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Te
         _scale_group(ts, coef)
 
 
-#: Nonzero while a registered op's implementation runs (see ``_with_workspace``).
+#: Nonzero while a registered op's implementation runs (see ``_lend_workspace``).
 _OPS_RUNNING = [0]

@@ -399,19 +399,22 @@ def global_norm(layout: Layout, p: float, pipeline_group=None) -> torch.Tensor:
 
 
 def _one_key(layout: Layout, pipeline_group):
-    """``(plan, tensors, groups)`` for the one-key paths: the kept plan of the local tensors
+    """``(plan, info, tensors, groups)`` for the one-key paths: the kept plan of the local tensors
     (the engine takes them all, on one GPU) and the groups of more than one rank to combine over,
     the pipeline group last; None when the case does not apply."""
     key = layout.one_key
     if key is None:
         return None
     plan, ts = _engine._PLANNER.scan(layout.local_tensors(), False)
-    if plan is None or plan.device < 0:
+    if plan is None:
+        return None
+    info = plan.info
+    if info[0] < 0:
         return None
     groups = layout.combining_groups(key)
     if pipeline_group is not None and pipeline_group.size() > 1:
         groups = groups + [pipeline_group]  # a new list: the cached one stays as it is
-    return plan, ts, groups
+    return plan, info, ts, groups
 
 
 def _combined(local_norm: torch.Tensor, p: float, groups: Sequence[Any]) -> torch.Tensor:
@@ -434,14 +437,14 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
     found = _one_key(layout, pipeline_group)
     if found is None:
         return None
-    plan, ts, groups = found
-    _engine._check_writable(plan, ts)
-    out, stream = _engine._cuda_out(plan.device)
+    plan, info, ts, groups = found
+    _engine._check_writable(plan, ts, info)
+    out = _engine._out(info[0])
     if not groups:
-        _engine._cuda_call(_engine._native.cuda_clip_grad_norm, plan, stream, max_norm, p, out.data_ptr())
+        _engine._call(_engine._native.clip_grad_norm, plan, info, max_norm, p, out.data_ptr())
         _engine._written(ts)
         return out[0]
-    _engine._cuda_call(_engine._native.cuda_total_norm, plan, stream, p, out.data_ptr())
+    _engine._call(_engine._native.total_norm, plan, info, p, out.data_ptr())
     norm = _combined(out[:1], p, groups)
     # The clip rule on the combined norm; the engine copies the coefficient into its own result
     # slot for the scale kernel.
@@ -456,8 +459,8 @@ def norm_one_key(layout: Layout, p: float, pipeline_group=None) -> Optional[torc
     found = _one_key(layout, pipeline_group)
     if found is None:
         return None
-    plan, _, groups = found
-    norm = _engine._plan_norm(plan, p)
+    plan, info, _, groups = found
+    norm = _engine._plan_norm(plan, p, info)
     return _combined(norm.reshape(1), p, groups)[0] if groups else norm
 
 

@@ -8,11 +8,9 @@ use crate::scan::Plan;
 use crate::{clip_options, to_py};
 
 /// Total norm of a plan's host tensors, and with `per_tensor` each tensor's norm (else None).
-#[pyfunction]
-#[pyo3(signature = (plan, p, per_tensor=false))]
-pub fn cpu_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, p: f64, per_tensor: bool) -> PyResult<(f64, Option<Vec<f64>>)> {
+pub(crate) fn total_norm(py: Python<'_>, plan: &Plan, p: f64, per_tensor: bool) -> PyResult<(f64, Option<Vec<f64>>)> {
     let norm_type = NormType::from_p(p).map_err(to_py)?;
-    let t = plan.get().list();
+    let t = plan.list();
     // SAFETY: the plan holds live, contiguous CPU tensors that the Python caller keeps alive
     // for the call.
     py.detach(|| unsafe { Cpu::new().total_norm_raw(&t, norm_type, per_tensor) })
@@ -21,10 +19,9 @@ pub fn cpu_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, p: f64, per_tensor
 }
 
 /// Norm and in-place clip of a plan's host tensors; returns (norm, coefficient).
-#[pyfunction]
-pub fn cpu_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, max_norm: f64, p: f64) -> PyResult<(f64, f64)> {
+pub(crate) fn clip_grad_norm(py: Python<'_>, plan: &Plan, max_norm: f64, p: f64) -> PyResult<(f64, f64)> {
     let opts = clip_options(p)?;
-    let t = plan.get().list();
+    let t = plan.list();
     // SAFETY: as cpu_total_norm; the tensors are the caller's gradients, written by nobody else.
     let r = py
         .detach(|| unsafe { Cpu::new().clip_grad_norm_raw(&t, max_norm, &opts) })
@@ -33,9 +30,8 @@ pub fn cpu_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, max_norm: f64,
 }
 
 /// In-place scale of a plan's host tensors by `coef`.
-#[pyfunction]
-pub fn cpu_scale(py: Python<'_>, plan: &Bound<'_, Plan>, coef: f64) -> PyResult<()> {
-    let t = plan.get().list();
+pub(crate) fn scale(py: Python<'_>, plan: &Plan, coef: f64) -> PyResult<()> {
+    let t = plan.list();
     // SAFETY: as cpu_clip_grad_norm.
     py.detach(|| unsafe { Cpu::new().scale_raw(&t, coef) }).map_err(to_py)
 }

@@ -19,7 +19,7 @@ static ENGINES: Mutex<Option<HashMap<(usize, usize), GpuEngine>>> = Mutex::new(N
 /// The device ordinal of a CUDA plan.
 fn ordinal(plan: &Plan) -> PyResult<usize> {
     plan.cuda_ordinal()
-        .ok_or_else(|| PyValueError::new_err("this plan holds CPU tensors: use the cpu_* functions"))
+        .ok_or_else(|| PyValueError::new_err("this plan holds CPU tensors"))
 }
 
 /// Runs `f` on the engine of (device, stream), its tables in the lent workspace `ws` (none: the
@@ -52,11 +52,9 @@ pub(crate) fn with_engine<R>(
 
 /// Total norm of a plan's CUDA tensors on `stream`; writes the 24-byte NormOutput at `out` and,
 /// when `per_tensor` is not 0, one f64 norm per tensor at that address.
-#[pyfunction]
-#[pyo3(signature = (plan, stream, p, out, per_tensor=0))]
-pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p: f64, out: u64, per_tensor: u64) -> PyResult<()> {
+pub(crate) fn total_norm(py: Python<'_>, plan: &Plan, stream: usize, p: f64, out: u64, per_tensor: u64) -> PyResult<()> {
     let norm_type = NormType::from_p(p).map_err(to_py)?;
-    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().list());
+    let (device, ws, t) = (ordinal(plan)?, plan.workspace(), plan.list());
     let per = (per_tensor != 0).then_some(per_tensor);
     py.detach(|| {
         // SAFETY: the tensors, `out` and `per_tensor` (room for one f64 per tensor) are live
@@ -69,10 +67,9 @@ pub fn cuda_total_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, p:
 }
 
 /// Norm and in-place clip of a plan's CUDA tensors on `stream`; the NormOutput goes to `out`.
-#[pyfunction]
-pub fn cuda_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, max_norm: f64, p: f64, out: u64) -> PyResult<()> {
+pub(crate) fn clip_grad_norm(py: Python<'_>, plan: &Plan, stream: usize, max_norm: f64, p: f64, out: u64) -> PyResult<()> {
     let opts = clip_options(p)?;
-    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().list());
+    let (device, ws, t) = (ordinal(plan)?, plan.workspace(), plan.list());
     py.detach(|| {
         // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
         with_engine(device, stream, ws, |e| unsafe {
@@ -83,9 +80,8 @@ pub fn cuda_clip_grad_norm(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize
 
 /// In-place scale of a plan's CUDA tensors by the f64 coefficient at `coef` (a 0-dim float64
 /// CUDA tensor): the engine copies it into its own NormOutput and launches the scale.
-#[pyfunction]
-pub fn cuda_scale(py: Python<'_>, plan: &Bound<'_, Plan>, stream: usize, coef: u64) -> PyResult<()> {
-    let (device, ws, t) = (ordinal(plan.get())?, plan.get().workspace(), plan.get().list());
+pub(crate) fn scale(py: Python<'_>, plan: &Plan, stream: usize, coef: u64) -> PyResult<()> {
+    let (device, ws, t) = (ordinal(plan)?, plan.workspace(), plan.list());
     // SAFETY: as cuda_clip_grad_norm; `coef` was written on this stream before the call, and
     // the caller's tensor stays allocated (torch's allocator orders its reuse on this stream).
     py.detach(|| with_engine(device, stream, ws, |e| unsafe { e.scale_raw(&t, Coefficient::F64At(coef)) }))

@@ -1,12 +1,14 @@
 //! `gradclip._native`: the engine behind `gradclip.torch`. Python hands it `torch.Tensor` lists;
-//! [`scan`] reads them into plans (addresses, sizes, dtypes) and keeps the last one, and the
-//! [`cpu`] and [`cuda`] entry points run a plan on PyTorch's own memory and stream. Never
+//! [`scan`] reads them into plans (addresses, sizes, dtypes) and keeps the last one, and
+//! [`plan_ops`] runs a plan on PyTorch's own memory and stream, through the [`cpu`] or [`cuda`]
+//! backend as the plan's device says. Never
 //! called directly by users. Work runs without the GIL.
 
 mod cpu;
 mod cuda;
 mod guards;
 mod optim;
+mod plan_ops;
 mod scan;
 mod step_grads;
 mod tensor_addresses;
@@ -47,12 +49,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scan::Planner>()?;
     m.add_class::<scan::Plan>()?;
     m.add_class::<optim::StepLayout>()?;
-    m.add_function(wrap_pyfunction!(cpu::cpu_total_norm, m)?)?;
-    m.add_function(wrap_pyfunction!(cpu::cpu_clip_grad_norm, m)?)?;
-    m.add_function(wrap_pyfunction!(cpu::cpu_scale, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda::cuda_total_norm, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda::cuda_clip_grad_norm, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda::cuda_scale, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_ops::total_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_ops::clip_grad_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_ops::scale, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;
     m.add_function(wrap_pyfunction!(optim::optim_step, m)?)?;

@@ -114,6 +114,14 @@ impl Plan {
         self.has_inference
     }
 
+    /// `(device, result_dtype, has_inference, has_workspace)` in one call: what a clip needs to
+    /// know of its plan (the CUDA ordinal or -1, the dtype of the returned norm, whether writing
+    /// needs inference mode, whether a workspace is still to be lent).
+    #[getter]
+    fn info(&self, py: Python<'_>) -> (i64, Py<PyAny>, bool, bool) {
+        (self.device(), self.result_dtype(py), self.has_inference, self.has_workspace())
+    }
+
     /// Number of tensors.
     fn __len__(&self) -> usize {
         self.list.len()

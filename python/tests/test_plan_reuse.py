@@ -206,3 +206,81 @@ def test_new_tensors_of_the_same_layout_are_read_by_address(device):
     gs = [torch.randn(n, device=device, dtype=torch.float64) for n in (64, 3, 1000)]
     want = float(torch.linalg.vector_norm(torch.cat(gs)))
     assert abs(float(gt.get_total_norm(gs)) - want) <= 1e-12 * want
+
+
+class _Crossings:
+    """Counts the calls from Python into gradclip's native code (functions of ``_native``, the
+    planner's methods, a plan's attributes), unwrapping the counted plans where native code takes
+    them."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        crossings = self
+
+        class PlanProxy:
+            def __init__(self, plan):
+                self._plan = plan
+
+            def __getattr__(self, name):
+                crossings.n += 1
+                return getattr(self._plan, name)
+
+            def __len__(self):
+                crossings.n += 1
+                return len(self._plan)
+
+        def unwrap(a):
+            return a._plan if isinstance(a, PlanProxy) else a
+
+        class Native:
+            def __getattr__(self, name):
+                f = getattr(_native, name)
+                if not callable(f) or isinstance(f, type):
+                    return f
+
+                def counted(*args, **kwargs):
+                    crossings.n += 1
+                    return f(*[unwrap(a) for a in args], **kwargs)
+
+                return counted
+
+        real = _engine._PLANNER
+
+        class Planner:
+            def __getattr__(self, name):
+                f = getattr(real, name)
+                if not callable(f):
+                    crossings.n += 1
+                    return f
+
+                def counted(*args, **kwargs):
+                    crossings.n += 1
+                    plan, rest = f(*args, **kwargs)
+                    return (None if plan is None else PlanProxy(plan)), rest
+
+                return counted
+
+        import gradclip.torch as face
+
+        for module in (_engine, face):
+            monkeypatch.setattr(module, "_native", Native())
+            monkeypatch.setattr(module, "_PLANNER", Planner())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("call", ["clip_grad_norm_", "get_total_norm"])
+def test_a_repeated_call_crosses_into_native_code_three_times(device, call, monkeypatch):
+    """A repeated clip (or norm) of one device's plain gradients: the scan, the plan's info and
+    the operation, three calls into native code (the device chosen there, from the plan)."""
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in (5, 300, 7)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    fn = {"clip_grad_norm_": lambda: gt.clip_grad_norm_(params, 1.0),
+          "get_total_norm": lambda: gt.get_total_norm([p.grad for p in params])}[call]
+    want = fn()  # plans the list (and lends the workspace) before counting
+    counter = _Crossings(monkeypatch)
+    got = fn()
+    assert counter.n <= 3, f"{counter.n} crossings"
+    assert counter.n >= 3, "the counter did not see the calls"
+    if call == "get_total_norm":
+        assert torch.equal(got, want)

@@ -35,9 +35,9 @@ from .._engine import (  # the engine layer this face stands on
     _check_p,
     _check_writable,
     _clip_coef,
+    _call,
     _clip_grads,
-    _cuda_call,
-    _cuda_out,
+    _out,
     _refuse_host_read_under_capture,
     _result_dtype,
     _returned_norm,
@@ -274,13 +274,18 @@ def _compilable(items, grads: bool):
 def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group) -> torch.Tensor:
     """``clip_grad_norm_`` outside a compiled graph (and for what the graph does not take)."""
     _refuse_host_read_under_capture(error_if_nonfinite)
-    max_norm = _check_max_norm(max_norm)
+    max_norm = float(max_norm)
     # `parameters` may be a generator: it is read once, here, into the list of gradients.
     generator = isinstance(parameters, types.GeneratorType)
     items = _as_list(parameters)
+    plan, grads, sharded = _scan(items, True)
+    if plan is not None and not (sharded or error_if_nonfinite or pipeline_group is not None):
+        # The common case in three calls into native code (the scan, the plan's info, the clip,
+        # which checks max_norm before it reads anything).
+        return _clip_plan(plan, grads, max_norm, _check_p(norm_type))
+    _check_max_norm(max_norm)
     if generator and not items:
         warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
-    plan, grads, sharded = _scan(items, True)
     if sharded or pipeline_group is not None:
         distributed = _distributed()
         layout = distributed.collect(items, True)
@@ -299,21 +304,23 @@ def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeli
     return _clip_scanned(plan, grads, max_norm, p, error_if_nonfinite, norm_type)
 
 
+def _clip_plan(plan, grads: List[torch.Tensor], max_norm: float, p: float) -> torch.Tensor:
+    """The whole clip of a planned list in one native call (norm and scale, no host
+    synchronization on CUDA), the plan's info read once: returns the norm as torch does."""
+    info = plan.info
+    _check_writable(plan, grads, info)
+    out = _out(info[0])
+    _call(_native.clip_grad_norm, plan, info, max_norm, p, out.data_ptr())
+    _written(grads)
+    return out[0].to(info[1])
+
+
 def _clip_scanned(plan, grads: List[torch.Tensor], max_norm: float, p: float, error_if_nonfinite: bool, norm_type: float) -> torch.Tensor:
     """The clip of one device's plain gradients as the planner read them (``plan``, or None for
     the ones it does not take), returning the norm as torch does."""
-    _check_writable(plan, grads)
     if plan is not None and not error_if_nonfinite:
-        # The whole clip in one native call: norm and scale, no host synchronization on CUDA.
-        if plan.device >= 0:
-            out, stream = _cuda_out(plan.device)
-            _cuda_call(_native.cuda_clip_grad_norm, plan, stream, max_norm, p, out.data_ptr())
-            total = out[0].to(plan.result_dtype)
-        else:
-            norm, _ = _native.cpu_clip_grad_norm(plan, max_norm, p)
-            total = torch.tensor(norm, dtype=plan.result_dtype)
-        _written(grads)
-        return total
+        return _clip_plan(plan, grads, max_norm, p)
+    _check_writable(plan, grads)
     # The norm, the decision on the value returned (error_if_nonfinite), then the scale with the
     # coefficient of the f64 norm: the same bits as the one-call path when nothing is raised.
     total64, dtype = _total_norm64(plan, grads, p)
