@@ -25,7 +25,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::cuda::with_engine;
 use crate::guards::AddressCheck;
 use crate::scan::{Place, Planner};
-use crate::step_grads::StepGrads;
+use crate::step_grads::{ListMaker, StepGrads};
 use crate::to_py;
 
 /// [`optim_step`]'s verdicts: the step ran; the layout no longer fits (make a new one and call
@@ -408,33 +408,70 @@ impl Kept {
         let t2 = Instant::now();
         self.timings[2] = (t2 - t1).as_nanos() as u64;
         let groups = &self.groups;
-        let r = self.grads.list(planner, self.place, local, mask, &present, |mask, grads| {
-            Self::list_of(groups, mask, grads)
-        })?;
+        let r = self.grads.list(planner, self.place, local, mask, &present, &LayoutLists(groups))?;
         self.timings[3] = t2.elapsed().as_nanos() as u64;
         Ok(r.ok_or(Miss::Torch))
     }
+}
 
-    /// The step list of the parameters in `mask` with these gradients; None when it fails its
-    /// checks (a gradient that shares memory with a parameter or state, say): torch's step.
-    fn list_of(groups: &[Group], mask: &[bool], grads: &[RawTensor]) -> Option<StepList> {
-        let (mut at, mut next) = (0, grads.iter());
-        let groups: Vec<(Vec<Parts>, &'static [&'static str])> = groups
+/// The step lists of a layout's groups ([`ListMaker`]): every parameter that has its states, a
+/// parameter whose gradient is None kept with an absent one, so that every set of None gradients
+/// makes a list of the same parts; only when some such parameter is empty (its absent gradient
+/// would read as an empty one, whose step count advances) do the lists hold the parameters with
+/// a gradient alone.
+struct LayoutLists<'a>(&'a [Group]);
+
+impl LayoutLists<'_> {
+    /// Each parameter with its states, in order, and its place in the mask (every parameter's).
+    fn stated(&self) -> impl Iterator<Item = (usize, &Parts)> + '_ {
+        self.0
+            .iter()
+            .flat_map(|g| g.states.iter())
+            .enumerate()
+            .filter_map(|(i, st)| st.as_ref().map(|st| (i, st)))
+    }
+}
+
+impl ListMaker for LayoutLists<'_> {
+    fn full(&self, mask: &[bool], present: &[RawTensor]) -> (Vec<RawTensor>, Vec<usize>) {
+        if !self.keeps_absent() {
+            return (present.to_vec(), (0..present.len()).collect());
+        }
+        let (mut full, mut at, mut next) = (Vec::with_capacity(mask.len()), Vec::with_capacity(present.len()), present.iter());
+        for (i, st) in self.stated() {
+            match mask[i].then(|| next.next()).flatten() {
+                Some(&g) => {
+                    at.push(full.len());
+                    full.push(g);
+                }
+                None => full.push(st.without_grad().grad),
+            }
+        }
+        (full, at)
+    }
+
+    fn keeps_absent(&self) -> bool {
+        self.stated().all(|(_, st)| st.param.len > 0)
+    }
+
+    fn make(&self, mask: &[bool], full: &[RawTensor]) -> Option<StepList> {
+        let keep = self.keeps_absent();
+        let (mut i, mut next) = (0, full.iter());
+        let groups: Vec<(Vec<Parts>, &'static [&'static str])> = self
+            .0
             .iter()
             .map(|g| {
                 let parts = g
                     .states
                     .iter()
                     .filter_map(|st| {
-                        let has = mask[at];
-                        at += 1;
-                        has.then(|| {
-                            st.map(|st| Parts {
-                                grad: *next.next().expect("one gradient per set mask bit"),
-                                ..st
-                            })
+                        let has = mask[i];
+                        i += 1;
+                        let st = st.as_ref()?;
+                        (has || keep).then(|| Parts {
+                            grad: *next.next().expect("one gradient per listed parameter"),
+                            ..*st
                         })
-                        .flatten()
                     })
                     .collect();
                 (parts, g.names)

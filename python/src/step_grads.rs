@@ -12,6 +12,8 @@
 //!   contiguity and address only: torch gives a gradient its parameter's dtype, sizes and device
 //!   (the `.grad` setter and autograd check them), and the parameter's layout is the layout's
 //!   (its address is checked every step, its storage held). Any other gradient is read in full.
+//!   The step list keeps the parameters whose gradient is None, marked absent, so the list and
+//!   the kernels' tables stay those of the layout, and only the new gradients are checked.
 //!
 //! No strong reference to a gradient is kept between steps: a gradient that `zero_grad()` drops
 //! is freed then, not after the next backward (which would hold a second set of gradients).
@@ -25,6 +27,19 @@ use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 use crate::guards::{ListGuard, data_ptrs};
 use crate::scan::{Place, Planner};
 use crate::tensor_addresses::DataPtrReader;
+
+/// How the optimizer's layout turns a step's gradients into a step list.
+pub(crate) trait ListMaker {
+    /// The step list's gradients, `present` (those of the parameters set in `mask`, in order)
+    /// in the list's order with the absent ones the layout keeps
+    /// ([`gradclip::optim::Parts::without_grad`]), and each present gradient's position there.
+    fn full(&self, mask: &[bool], present: &[RawTensor]) -> (Vec<RawTensor>, Vec<usize>);
+    /// True when lists of every mask have the same parts (absent gradients kept): a list then
+    /// takes another mask's gradients ([`StepList::with_grads`]).
+    fn keeps_absent(&self) -> bool;
+    /// A new checked list of the gradients `full` for `mask`; None when it fails its checks.
+    fn make(&self, mask: &[bool], full: &[RawTensor]) -> Option<StepList>;
+}
 
 /// The gradients of the steps so far, as far as the next step needs them.
 pub(crate) struct StepGrads {
@@ -42,7 +57,9 @@ pub(crate) struct StepGrads {
 struct Last {
     /// Which parameters (every group's, in order) had a gradient.
     mask: Vec<bool>,
-    tensors: Vec<RawTensor>,
+    /// The list's gradients (absent ones included) and the position there of each present one.
+    full: Vec<RawTensor>,
+    at: Vec<usize>,
     list: StepList,
     /// torch's guard of the whole list, made once the same set of gradients came twice (with a
     /// set that changes every step it would be made for nothing).
@@ -107,9 +124,9 @@ impl StepGrads {
     }
 
     /// The checked step list for this step's gradients `present` (local shards when `local`),
-    /// the gradients of the parameters in `mask`; `list_of` makes and checks a step list of
-    /// gradients. None when a gradient is not the engine's to read (sparse, strided, another
-    /// type) or the list fails its checks: torch's step, which reports in torch's words.
+    /// the gradients of the parameters in `mask`; `lists` places them in the layout's list.
+    /// None when a gradient is not the engine's to read (sparse, strided, another type) or the
+    /// list fails its checks: torch's step, which reports in torch's words.
     pub(crate) fn list(
         &mut self,
         planner: &Planner,
@@ -117,7 +134,7 @@ impl StepGrads {
         local: bool,
         mask: Vec<bool>,
         present: &Bound<'_, PyList>,
-        list_of: impl Fn(&[bool], &[RawTensor]) -> Option<StepList>,
+        lists: &impl ListMaker,
     ) -> PyResult<Option<StepList>> {
         let py = present.py();
         let objects: Vec<usize> = present.iter().map(|g| g.as_ptr() as usize).collect();
@@ -137,14 +154,17 @@ impl StepGrads {
                     return Ok(Some(k.list.clone()));
                 }
                 let ptrs = data_ptrs(present, planner.guard_fns().and_then(|f| f.reader()))?;
-                let tensors: Vec<RawTensor> = k.tensors.iter().zip(&ptrs).map(|(t, &addr)| RawTensor { addr, ..*t }).collect();
+                let mut full = k.full.clone();
+                for (&at, &addr) in k.at.iter().zip(&ptrs) {
+                    full[at].addr = addr;
+                }
                 // The kept list's checks hold but for the new gradients': only theirs run.
-                let Ok(list) = k.list.with_grads(&tensors) else {
+                let Ok(list) = k.list.with_grads(&full) else {
                     self.last = None;
                     return Ok(None);
                 };
                 guard.moved_to(py, &ptrs)?;
-                k.tensors = tensors;
+                k.full = full;
                 k.list = list.clone();
                 return Ok(Some(list));
             }
@@ -153,7 +173,13 @@ impl StepGrads {
             self.last = None;
             return Ok(None);
         };
-        let Some(list) = list_of(&mask, &tensors) else {
+        let (full, at) = lists.full(&mask, &tensors);
+        // Another set of None gradients: the last list takes them when it keeps absent ones.
+        let list = match &self.last {
+            Some(k) if lists.keeps_absent() && k.full.len() == full.len() => k.list.with_grads(&full).ok(),
+            _ => lists.make(&mask, &full),
+        };
+        let Some(list) = list else {
             self.last = None;
             return Ok(None);
         };
@@ -166,7 +192,8 @@ impl StepGrads {
         };
         self.last = Some(Last {
             mask,
-            tensors,
+            full,
+            at,
             list: list.clone(),
             guard,
             objects: Objects {

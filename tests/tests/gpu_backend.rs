@@ -1402,10 +1402,13 @@ fn sgd_and_lion_equal_cpu_bits(gpu: &Gpu) -> TestResult {
 }
 
 /// Gradients in new buffers every step (as `zero_grad(set_to_none=True)` leaves them), coming
-/// back to earlier buffers too: the update tables kept for the parameters follow them (only the
-/// tensor table is uploaded again) and every step equals the CPU's, bit for bit.
+/// back to earlier buffers too, and absent for some parameters at some steps (experts without
+/// tokens, kept in the list): the update tables kept for the parameters follow them (only the
+/// tensor table is uploaded again) and every step equals the CPU's, bit for bit, own step
+/// counts included (an absent parameter's stays).
 fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
     use gradclip::optim::{AdamConfig, ClipConfig, Parts, Rule, StepCount};
+    use gradclip::plan::RawTensor;
     let rule = Rule::Adam(AdamConfig {
         weight_decay: 0.01,
         ..AdamConfig::adamw(1e-3)
@@ -1419,6 +1422,8 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
             (gpu.host_twins(&grads, &devs), devs)
         })
         .collect();
+    let mut host_steps: Vec<f32> = (0..host.len()).map(|i| (i % 3) as f32).collect();
+    let dev_steps = gpu.stream.clone_htod(&host_steps).unwrap();
     let (dev_count, dev_norm) = (
         gpu.stream.clone_htod(&[0u64, 0]).unwrap(),
         gpu.stream.alloc_zeros::<f64>(3).unwrap(),
@@ -1426,23 +1431,40 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
     let mut count = StepCount::default();
     let mut engine = gpu.engine();
     let clip = Some(ClipConfig::new(0.05));
+    let absent_at: [&[usize]; 6] = [&[], &[], &[1, 3], &[], &[0, 4, 8], &[1, 3]];
     for (step, set) in [0usize, 1, 2, 0, 0, 1].into_iter().enumerate() {
         let (host_grads, dev_grads) = &sets[set];
+        let absent = absent_at[step];
+        let mark = |i: usize, p: Parts| if absent.contains(&i) { p.without_grad() } else { p };
         let host_parts: Vec<Parts> = host
             .iter_mut()
             .zip(host_grads)
-            .map(|([p, _, m, v, _], g)| Parts::adam(p.host_mut().raw(), g.host().raw(), m.host_mut().raw(), v.host_mut().raw(), None))
+            .zip(host_steps.iter_mut())
+            .enumerate()
+            .map(|(i, (([p, _, m, v, _], g), c))| {
+                let parts = Parts {
+                    step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+                    ..Parts::adam(p.host_mut().raw(), g.host().raw(), m.host_mut().raw(), v.host_mut().raw(), None)
+                };
+                mark(i, parts)
+            })
             .collect();
+        let steps_at = dev_steps.device_ptr(&gpu.stream).0;
         let dev_parts: Vec<Parts> = dev
             .iter()
             .zip(dev_grads)
-            .map(|(d, g)| {
+            .enumerate()
+            .map(|(i, (d, g))| {
                 let s = &gpu.stream;
-                Parts::adam(d[0].raw(s), g.raw(s), d[2].raw(s), d[3].raw(s), None)
+                let parts = Parts {
+                    step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
+                    ..Parts::adam(d[0].raw(s), g.raw(s), d[2].raw(s), d[3].raw(s), None)
+                };
+                mark(i, parts)
             })
             .collect();
         // SAFETY: the host parts are the live vectors above, used by nothing else during the
-        // call; the device parts, count and output are live device memory of the stream's context.
+        // call; the device parts, counts and output are live device memory of the stream's context.
         let rep = unsafe {
             let rep = Cpu::new()
                 .step_raw(&host_parts, &rule, &mut count, clip.as_ref(), 1.0, false)
@@ -1459,12 +1481,19 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
                 .unwrap();
             rep
         };
-        let what = format!("step {step} (gradient set {set})");
+        let what = format!("step {step} (gradient set {set}, absent {absent:?})");
         ensure_adam_parts_equal(gpu, &host, &dev, &what)?;
+        let got = gpu.stream.clone_dtoh(&dev_steps).unwrap();
+        ensure(got == host_steps, || {
+            format!("{what}: own counts {got:?} vs the CPU's {host_steps:?}")
+        })?;
         let g = gpu.stream.clone_dtoh(&dev_norm).unwrap();
         let n = rep.norm.expect("a clipped step has a norm");
         ensure(same_bits(g[0], n), || format!("{what}: norm {} vs {n}", g[0]))?;
     }
+    ensure(host_steps[1] == 1.0 + 4.0, || {
+        format!("parameter 1 absent twice: own count {}", host_steps[1])
+    })?;
     Ok(())
 }
 

@@ -436,6 +436,49 @@ fn own_step_counts_keep_each_parameters_bias_correction() {
     assert_eq!((own_a, own_b, count.skipped), (5.0, 2.0, 1));
 }
 
+/// A parameter whose gradient is absent (torch's `grad is None`, kept in the list with
+/// `Parts::without_grad`) is left as it is, its own step count too, while the others step
+/// exactly as a list without it; the norm of the list counts only the present gradients.
+#[test]
+fn absent_gradients_leave_their_parameters() {
+    let cfg = gradclip::optim::Rule::Adam(AdamConfig::adamw(1e-2));
+    let cpu = Cpu::new();
+    let clip = ClipConfig::new(0.05);
+    let (mut with, mut without) = (slots::<f32, f32>(11, &[1000, 300, 17]), slots::<f32, f32>(11, &[1000, 300, 17]));
+    let before: Vec<Vec<u32>> = [&with[1].param, &with[1].m, &with[1].v]
+        .iter()
+        .map(|x| x.iter().map(|v| v.to_bits()).collect())
+        .collect();
+    let (mut a, mut b, mut c) = (3.0f32, 7.0f32, 1.0f32);
+    let (mut a2, mut c2) = (3.0f32, 1.0f32);
+    let parts = [
+        raw_parts(&mut with[0], Some(&mut a)),
+        raw_parts(&mut with[1], Some(&mut b)).without_grad(),
+        raw_parts(&mut with[2], Some(&mut c)),
+    ];
+    assert!(parts[1].grad_absent() && !parts[0].grad_absent());
+    let (left, right) = without.split_at_mut(1);
+    let reference = [raw_parts(&mut left[0], Some(&mut a2)), raw_parts(&mut right[1], Some(&mut c2))];
+    let (mut count, mut count2) = (StepCount::default(), StepCount::default());
+    // SAFETY: the slots and counts are live and used by nothing else during the calls.
+    let (r, r2) = unsafe {
+        (
+            cpu.step_raw(&parts, &cfg, &mut count, Some(&clip), 1.0, false).unwrap(),
+            cpu.step_raw(&reference, &cfg, &mut count2, Some(&clip), 1.0, false).unwrap(),
+        )
+    };
+    assert_eq!(
+        r.norm.map(f64::to_bits),
+        r2.norm.map(f64::to_bits),
+        "the norm counts the present gradients"
+    );
+    assert_eq!((a, b, c), (4.0, 7.0, 2.0), "own counts: the absent parameter's stays");
+    let bits = |s: &Slot<f32, f32>| [&s.param, &s.m, &s.v].map(|x| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    assert_eq!(bits(&with[0]), bits(&without[0]));
+    assert_eq!(bits(&with[2]), bits(&without[2]));
+    assert_eq!(bits(&with[1]).to_vec(), before, "the absent parameter and its states were written");
+}
+
 /// An own step count that is not one f32, and a state of the wrong dtype, are refused naming
 /// the part that is wrong (an f64 exp_avg on an f32 parameter was reported as an exp_avg_sq
 /// problem).

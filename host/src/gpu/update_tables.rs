@@ -53,7 +53,9 @@ fn plan(parts: &[Parts]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
 }
 
 /// The tensor table of `parts`: every part's address, the length, the dtypes packed as the
-/// kernel unpacks them. The task table depends only on the lengths and dtypes.
+/// kernel unpacks them. The task table depends only on the parameters' lengths and dtypes: a
+/// parameter whose gradient is absent keeps its tasks, with a length of 0 (they do nothing)
+/// and no step count to advance.
 fn descriptors(parts: &[Parts]) -> Vec<UpdateTensorDesc> {
     parts
         .iter()
@@ -61,10 +63,10 @@ fn descriptors(parts: &[Parts]) -> Vec<UpdateTensorDesc> {
             param: p.param.addr,
             grad: p.grad.addr,
             states: p.states.map(|s| s.map_or(0, |s| s.addr)),
-            len: p.param.len,
+            len: p.grad.len, // the parameter's (checked), or 0 for an absent gradient
             dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | p.states[0].map_or(p.param.dtype, |s| s.dtype).code() << 8,
             reserved: 0,
-            step: p.step.map_or(0, |s| s.addr),
+            step: if p.grad_absent() { 0 } else { p.step.map_or(0, |s| s.addr) },
         })
         .collect()
 }

@@ -280,7 +280,7 @@ fn check_loss_scale(loss_scale: f64) -> Result<()> {
 
 /// The update of parts that passed [`super::check`]: every gradient multiplied by `coef` as it is read,
 /// `count.steps` advanced, and each parameter's own step count (when it has one) stepped from and
-/// advanced, as the GPU kernel does.
+/// advanced, as the GPU kernel does; parameters whose gradient is absent left as they are.
 ///
 /// # Safety
 /// As [`Cpu::step_raw`], and `parts` passed [`super::check`] for the rule of `h`.
@@ -294,7 +294,7 @@ unsafe fn update_checked(parts: &[Parts], h: Checked, count: &mut StepCount, coe
     let pieces: Vec<Piece> = parts
         .iter()
         .flat_map(|&parts| {
-            let len = parts.param.len;
+            let len = parts.grad.len; // the parameter's, or 0 for an absent gradient
             let step = step_of(&parts);
             (0..len.div_ceil(PIECE)).map(move |i| Piece {
                 parts,
@@ -321,7 +321,7 @@ unsafe fn update_checked(parts: &[Parts], h: Checked, count: &mut StepCount, coe
         }
     });
     count.steps += 1;
-    for s in parts.iter().filter_map(|p| p.step) {
+    for s in parts.iter().filter(|p| !p.grad_absent()).filter_map(|p| p.step) {
         // SAFETY: as above; the pieces that read it have finished (par_iter returned).
         unsafe { *(s.addr as *mut f32) += 1.0 };
     }

@@ -195,7 +195,11 @@ pub struct HostStepTensor<'a> {
 pub struct Parts {
     /// The parameter (written).
     pub param: RawTensor,
-    /// Its gradient (read).
+    /// Its gradient (read). A gradient of no elements on a parameter that has some
+    /// ([`Parts::without_grad`]) is an absent one (torch's `grad is None`): nothing of the
+    /// parameter is read or written by the update, its own step count included, as torch's step
+    /// skips it. A step list keeps such parameters, so a training loop whose set of None
+    /// gradients changes every step (experts without tokens) keeps its list and tables.
     pub grad: RawTensor,
     /// Its optimizer states (written), in the order of [`Rule::states`] (Adam: `exp_avg`,
     /// `exp_avg_sq`, amsgrad's `max_exp_avg_sq`; SGD: `momentum_buffer`; Lion: `exp_avg`); None
@@ -232,6 +236,24 @@ impl Parts {
             states: s,
             step: None,
         }
+    }
+
+    /// These parts with an absent gradient (see [`Parts::grad`]).
+    pub fn without_grad(self) -> Self {
+        Parts {
+            grad: RawTensor {
+                addr: 0,
+                len: 0,
+                dtype: self.param.dtype,
+            },
+            ..self
+        }
+    }
+
+    /// True when the gradient is absent ([`Parts::without_grad`]): a parameter with elements and
+    /// a gradient without.
+    pub fn grad_absent(&self) -> bool {
+        self.grad.len == 0 && self.param.len > 0
     }
 
     /// The parts that the step writes (parameter, step count, states), as slots.
@@ -278,7 +300,7 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, &'static [&'stat
         }
         let parts = &slots[..names.len().min(MAX_STATES) + 1];
         for &(role, r) in parts {
-            if r.len != p.len {
+            if r.len != p.len && !(role == "grad" && t.grad_absent()) {
                 return Err(Error::OptimizerLength {
                     index,
                     role,

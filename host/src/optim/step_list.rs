@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Parts, Rule, check_parts};
+use crate::DType;
 use crate::error::{Error, Result};
 use crate::plan::RawTensor;
 use crate::tensor_list::TensorList;
@@ -113,9 +114,9 @@ impl StepList {
         })))
     }
 
-    /// This list with new gradients (`grads`, every group's in order, each of the length and
-    /// dtype of the gradient it replaces): what a training loop hands over each step after
-    /// `zero_grad(set_to_none=True)`. Only the new gradients are checked (valid memory, sharing
+    /// This list with new gradients (`grads`, every group's in order, each of its parameter's
+    /// length, or absent: [`Parts::without_grad`]):
+    /// what a training loop hands over each step after `zero_grad(set_to_none=True)`. Only the new gradients are checked (valid memory, sharing
     /// no byte with a written part or another gradient), in O(n log n) of the gradients, not of
     /// every part; any
     /// other difference, and any failed check, is decided (and reported) by [`StepList::new`].
@@ -128,12 +129,13 @@ impl StepList {
                 found: grads.len(),
             });
         }
-        let same_shape = old
-            .grads
-            .tensors()
-            .iter()
-            .zip(grads)
-            .all(|(a, b)| a.len == b.len && a.dtype == b.dtype);
+        // Each gradient of its parameter's length or absent (a set of None gradients that
+        // changes keeps the list: [`Parts::grad`]), of a dtype the update reads with it.
+        let params = old.groups.iter().flat_map(|(parts, _)| parts.iter().map(|p| p.param));
+        let same_shape = old.grads.tensors().iter().zip(grads).zip(params).all(|((_, b), p)| {
+            // check_parts' rule for a gradient, which StepList::new applies.
+            (b.len == p.len || (b.len == 0 && p.len > 0)) && (b.dtype == p.dtype || (b.dtype == DType::F32 && p.dtype != DType::F64))
+        });
         let fits = same_shape && grads.iter().enumerate().all(|(i, g)| g.validate(i).is_ok()) && clear_of(&old.written, grads);
         let mut next = grads.iter();
         let groups: Vec<(Vec<Parts>, &'static [&'static str])> = old
@@ -244,10 +246,10 @@ mod tests {
 
     proptest! {
         /// New gradients anywhere (in free memory, on another gradient, inside a parameter or a
-        /// state or a step count, misaligned, null): the same list, or the same error, as
-        /// checking the whole list anew.
+        /// state or a step count, misaligned, null), absent, of another dtype: the same list, or
+        /// the same error, as checking the whole list anew.
         #[test]
-        fn with_grads_decides_as_new(lens in prop::collection::vec(0u64..64, 1..12), spots in prop::collection::vec((0u64..100, 0u64..6, 0u64..80), 12)) {
+        fn with_grads_decides_as_new(lens in prop::collection::vec(0u64..64, 1..12), spots in prop::collection::vec((0u64..100, 0u64..8, 0u64..80), 12)) {
             let adamw = Rule::from(AdamConfig::adamw(1e-3));
             let groups: Vec<(Vec<Parts>, &'static [&'static str])> =
                 lens.chunks(5).enumerate().map(|(g, ls)| (ls.iter().enumerate().map(|(i, &l)| parts(5 * g as u64 + i as u64, l)).collect(), adamw.states())).collect();
@@ -260,9 +262,14 @@ mod tests {
                     2 => ((8 * (slot % 12) + 2) << 20) + 4 * off, // on another gradient
                     3 => ((8 * (slot % 12) + 1) << 20) + 4 * off, // inside a parameter, maybe
                     4 => ((8 * (slot % 12) + 5) << 20) + 4 * off, // around a step count
-                    _ => if off % 2 == 0 { 0 } else { (1000 << 20) + 2 }, // null or misaligned
+                    5 => if off % 2 == 0 { 0 } else { (1000 << 20) + 2 }, // null or misaligned
+                    _ => 0,
                 };
-                RawTensor { addr, ..*g }
+                match k {
+                    6 => RawTensor { addr: 0, len: 0, ..*g },                     // absent
+                    7 => RawTensor { addr: (2000 + slot) << 20, dtype: [DType::F16, DType::F64, DType::Bf16][off as usize % 3], ..*g }, // another dtype
+                    _ => RawTensor { addr, ..*g },
+                }
             }).collect();
             let mut next = grads.iter();
             let with: Vec<(Vec<Parts>, &'static [&'static str])> = groups.iter().map(|(ps, n)| (ps.iter().map(|p| Parts { grad: *next.next().unwrap(), ..*p }).collect(), *n)).collect();
