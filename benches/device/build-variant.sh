@@ -9,9 +9,11 @@ what=${2:?one line saying what the variant changes}
 cd "$(dirname "$0")/../.."
 out=.devbin/variants/$name
 rm -rf "$out" && mkdir -p "$out"
-test_bin=$(bash benches/device/gpu-test-binary.sh)
-cp "$test_bin" "$out/gpu_backend"
-strip "$out/gpu_backend"
+test_bins=$(bash benches/device/gpu-test-binary.sh)
+mkdir -p "$out/gpu-tests"
+for b in $test_bins; do cp "$b" "$out/gpu-tests/$(basename "$b" | sed 's/-[0-9a-f]*$//')"; done
+cp benches/device/gpu-suites.sh "$out/gpu_backend"
+strip "$out"/gpu-tests/*
 (cd python && "${MATURIN:-maturin}" build --release -q -o "../$out")
 { git rev-parse --short HEAD; git diff --stat HEAD | tail -1; } > "$out/commit"
 echo "$what" > "$out/what"

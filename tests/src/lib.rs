@@ -2,6 +2,8 @@
 //! 16-byte phase, the exact reference norm, and the clip rule written independently of the
 //! library (through the `half` crate).
 
+pub mod gpu;
+
 use gradclip::DType;
 use gradclip::cpu::{HostGrad, HostGradMut};
 use half::{bf16, f16};

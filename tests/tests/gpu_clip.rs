@@ -1,0 +1,162 @@
+//! The clip and the scale on a real device: the CPU model's bits, torch's rule, a coefficient read
+//! on the device, a refused non-finite norm that leaves the gradients.
+//! Without a CUDA GPU every test is reported as ignored, never as passed.
+
+use cudarc::driver::DevicePtr;
+use gradclip::cpu::{Cpu, HostGradMut};
+use gradclip::gpu::{Coefficient, DeviceGradMut, NewNorm};
+use gradclip::plan::RawTensor;
+use gradclip::{ClipOptions, DType, Error, NormType};
+use gradclip_tests::gpu::*;
+use gradclip_tests::*;
+
+fn clip_equals_cpu_bits(gpu: &Gpu) -> TestResult {
+    for seed in 0..5u64 {
+        let grads = random_grads(2000 + seed, 4 + 5 * seed as usize, 200_000);
+        for (max_norm, p) in [(0.5, 2.0), (1e9, 2.0), (0.0, 1.0), (3.0, f64::INFINITY), (2.0, 3.0)] {
+            let mut devs = gpu.upload(&grads);
+            let mut twins = gpu.host_twins(&grads, &devs);
+            let opts = ClipOptions {
+                norm_type: NormType::from_p(p).unwrap(),
+                per_tensor_norms: true,
+                ..Default::default()
+            };
+            let g = {
+                let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
+                let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+                gpu.engine()
+                    .clip_grad_norm(&mut refs, max_norm, &opts, NewNorm::default())
+                    .unwrap()
+                    .read()
+                    .unwrap()
+            };
+            let c = {
+                let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+                Cpu::new().clip_grad_norm(&mut views, max_norm, &opts).unwrap()
+            };
+            ensure(same_bits(g.norm, c.norm) && same_bits(g.coef, c.coef), || {
+                format!("seed {seed} p={p}: GPU {g:?} vs CPU {c:?}")
+            })?;
+            for (i, (d, t)) in devs.iter().zip(&twins).enumerate() {
+                let got = d.download(&gpu.stream).bits();
+                ensure(got == t.bits(), || {
+                    format!("seed {seed} p={p} max_norm={max_norm}: tensor {i} differs from the CPU clip")
+                })?;
+                let want: Vec<u64> = grads[i]
+                    .bits()
+                    .iter()
+                    .map(|&b| torch_scaled_bits(grads[i].dtype(), b, c.coef))
+                    .collect();
+                ensure(got == want, || format!("tensor {i} differs from torch's rule"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The safe `scale`: a coefficient left on the device by one clip scales another list, with
+/// the CPU's bits for that coefficient; a coefficient of 1 leaves it untouched.
+fn scale_by_device_coefficient(gpu: &Gpu) -> TestResult {
+    for (seed, max_norm) in [(31u64, 0.25), (32, 1e12)] {
+        let (first, second) = (random_grads(seed, 6, 100_000), random_grads(seed + 100, 9, 150_000));
+        let mut engine = gpu.engine();
+        let mut out = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+        let mut a = gpu.upload(&first);
+        {
+            let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = a.iter_mut().map(|d| d.view_mut()).collect();
+            let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+            engine
+                .clip_grad_norm(&mut refs, max_norm, &ClipOptions::default(), &mut out)
+                .unwrap();
+        }
+        let mut b = gpu.upload(&second);
+        let mut twins = gpu.host_twins(&second, &b);
+        {
+            let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = b.iter_mut().map(|d| d.view_mut()).collect();
+            let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+            engine.scale(&mut refs, &out).unwrap();
+        }
+        let r = out.read().unwrap();
+        let coef = r.coef;
+        ensure((max_norm < 1.0) == (coef < 1.0), || {
+            format!("seed {seed}: coefficient {coef} for max_norm {max_norm}")
+        })?;
+        let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+        let cpu_coef = Cpu::new().clip_grads_with_norm(&mut views, max_norm, r.norm).unwrap();
+        ensure(same_bits(cpu_coef, coef), || {
+            format!("seed {seed}: coefficient {coef} vs the CPU's {cpu_coef}")
+        })?;
+        drop(views);
+        for (i, (d, t)) in b.iter().zip(&twins).enumerate() {
+            ensure(d.download(&gpu.stream).bits() == t.bits(), || {
+                format!("seed {seed}: tensor {i} differs from the CPU scale by {coef}")
+            })?;
+            if coef == 1.0 {
+                ensure(t.bits() == second[i].bits(), || format!("tensor {i} changed by a coefficient of 1"))?;
+            }
+        }
+        // The raw form with a plain f64 coefficient in device memory (what the Python binding
+        // passes): the same bits as the CPU's scale by that coefficient.
+        let third = random_grads(seed + 200, 5, 90_000);
+        let mut c = gpu.upload(&third);
+        let mut twins = gpu.host_twins(&third, &c);
+        let coef_dev = gpu.stream.clone_htod(&[coef]).unwrap();
+        {
+            let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = c.iter_mut().map(|d| d.view_mut()).collect();
+            let (raws, _guards): (Vec<RawTensor>, Vec<_>) = boxes.iter_mut().map(|b| b.as_raw_mut(&gpu.stream)).unzip();
+            let (addr, _g) = coef_dev.device_ptr(&gpu.stream);
+            // SAFETY: the raws are the live buffers of `c`, borrowed by the guards; `addr` holds
+            // one f64 written before on this stream.
+            unsafe { engine.scale_raw(&list(&raws), Coefficient::F64At(addr)) }.unwrap();
+            // SAFETY: refused before anything is enqueued (a misaligned coefficient address).
+            let refused = unsafe { engine.scale_raw(&list(&raws), Coefficient::F64At(addr + 4)) };
+            ensure(matches!(refused, Err(Error::BadOutputAddress { .. })), || {
+                format!("misaligned coefficient: {refused:?}")
+            })?;
+        }
+        let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+        Cpu::new().clip_grads_with_norm(&mut views, max_norm, r.norm).unwrap();
+        drop(views);
+        for (i, (d, t)) in c.iter().zip(&twins).enumerate() {
+            ensure(d.download(&gpu.stream).bits() == t.bits(), || {
+                format!("seed {seed}: tensor {i} of the f64-coefficient scale differs from the CPU's")
+            })?;
+        }
+    }
+    Ok(())
+}
+
+fn error_if_nonfinite(gpu: &Gpu) -> TestResult {
+    let grads = vec![
+        Grad::from_f64(DType::F32, &vec![3.0; 1000], 0),
+        Grad::from_f64(DType::Bf16, &[1.0, f64::NAN, 2.0], 1),
+    ];
+    let mut devs = gpu.upload(&grads);
+    let opts = ClipOptions {
+        error_if_nonfinite: true,
+        ..Default::default()
+    };
+    let r = {
+        let mut boxes: Vec<Box<dyn DeviceGradMut + '_>> = devs.iter_mut().map(|d| d.view_mut()).collect();
+        let mut refs: Vec<&mut (dyn DeviceGradMut + '_)> = boxes.iter_mut().map(|b| b.as_mut()).collect();
+        gpu.engine().clip_grad_norm(&mut refs, 1.0, &opts, NewNorm::default())
+    };
+    ensure(matches!(r, Err(Error::NonFiniteNorm { .. })), || {
+        format!("expected NonFiniteNorm, got {r:?}")
+    })?;
+    for (d, g) in devs.iter().zip(&grads) {
+        ensure(d.download(&gpu.stream).bits() == g.bits(), || "a gradient changed".into())?;
+    }
+    Ok(())
+}
+
+fn main() {
+    run(
+        vec![
+            ("clip_bits_equal_cpu_and_torch_rule", clip_equals_cpu_bits),
+            ("scale_by_device_coefficient_equals_cpu_bits", scale_by_device_coefficient),
+            ("error_if_nonfinite_leaves_gradients", error_if_nonfinite),
+        ],
+        vec![],
+    )
+}

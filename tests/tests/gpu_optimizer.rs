@@ -1,0 +1,428 @@
+//! The optimizer updates on a real device (Adam/AdamW, SGD, Lion, with the clip inside): the CPU
+//! backend's bits for every dtype mix, device inputs, own step counts, moving and absent gradients.
+//! Without a CUDA GPU every test is reported as ignored, never as passed.
+
+use cudarc::driver::DevicePtr;
+use gradclip::cpu::Cpu;
+use gradclip_tests::gpu::*;
+use gradclip_tests::*;
+use half::bf16;
+
+/// The GPU's Adam / AdamW step (norm kernel + Adam kernel) equals the CPU backend's bit for bit,
+/// for every dtype combination and option, with and without an active clip, over three steps;
+/// a non-finite norm skips the step on the device.
+fn adam_step_equals_cpu_bits(gpu: &Gpu) -> TestResult {
+    use gradclip::gpu::DeviceStepCount;
+    use gradclip::optim::{AdamConfig, ClipConfig, StepCount};
+    let configs = adam_configs();
+    for (ci, cfg) in configs.iter().enumerate() {
+        for clip in [None, Some(ClipConfig::new(0.05))] {
+            let (mut host, mut dev) = adam_parts_on_both(gpu, 40 + ci as u64);
+            let mut engine = gpu.engine();
+            let mut count = DeviceStepCount::new(&gpu.stream, StepCount::default()).unwrap();
+            let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+            let mut cpu_count = StepCount::default();
+            for step in 1..=3u64 {
+                let rep = gradclip::cpu::Cpu::new()
+                    .adam_step(&mut host_adam_views(&mut host, cfg.amsgrad), cfg, &mut cpu_count, clip.as_ref())
+                    .unwrap();
+                {
+                    let mut views = AdamViews::of(&mut dev);
+                    let mut tensors = AdamViews::tensors(&mut views, cfg.amsgrad);
+                    engine.adam_step(&mut tensors, cfg, &mut count, clip.as_ref(), &mut norm).unwrap();
+                }
+                let c = count.read().unwrap();
+                ensure(c == cpu_count && c.steps == step, || {
+                    format!("config {ci} step {step}: count {c:?} vs {cpu_count:?}")
+                })?;
+                if let Some(n) = rep.norm {
+                    let g = norm.read().unwrap();
+                    ensure(same_bits(g.norm, n) && same_bits(g.coef, rep.coef), || {
+                        format!("config {ci} step {step}: norm/coef {g:?} vs {n} {}", rep.coef)
+                    })?;
+                }
+                ensure_adam_parts_equal(gpu, &host, &dev, &format!("config {ci} clip {} step {step}", clip.is_some()))?;
+            }
+        }
+    }
+    // A non-finite norm: nothing written, the skip counted on the device.
+    let mut host = adam_parts(77);
+    if let Grad::Bf16(v, s) = &mut host[1][1] {
+        v[*s] = bf16::NAN;
+    }
+    let mut dev: Vec<Vec<DevGrad>> = host.iter().map(|parts| gpu.upload(parts)).collect();
+    let mut engine = gpu.engine();
+    let mut count = DeviceStepCount::new(&gpu.stream, StepCount { steps: 9, skipped: 0 }).unwrap();
+    let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+    {
+        let mut views = AdamViews::of(&mut dev);
+        let mut tensors = AdamViews::tensors(&mut views, false);
+        engine
+            .adam_step(
+                &mut tensors,
+                &AdamConfig::adamw(1e-2),
+                &mut count,
+                Some(&ClipConfig::new(1.0)),
+                &mut norm,
+            )
+            .unwrap();
+    }
+    ensure(count.read().unwrap() == StepCount { steps: 9, skipped: 1 }, || {
+        format!("{:?}", count.read())
+    })?;
+    for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
+        for (x, y) in h.iter().zip(d) {
+            ensure(y.download(&gpu.stream).bits() == x.bits(), || {
+                format!("skipped step wrote tensor {i}")
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// A learning rate, loss scale and overflow flag in device memory (`adam_step_with`): the same
+/// bits as the CPU's loss-scaled step with those values on the host, for every config with and
+/// without the clip; the host learning rate is ignored when one is on the device; an overflow
+/// flag skips the step on the device (nothing written, the skip counted).
+fn adam_device_inputs_equal_cpu_bits(gpu: &Gpu) -> TestResult {
+    use gradclip::gpu::{DeviceInputs, DeviceStepCount};
+    use gradclip::optim::{AdamConfig, ClipConfig, StepCount};
+    const SCALE: f32 = 1000.0;
+    let lr = 2e-3f64;
+    let lr_dev = gpu.stream.clone_htod(&[lr]).unwrap();
+    let scale_dev = gpu.stream.clone_htod(&[SCALE]).unwrap();
+    let mut found_dev = gpu.stream.clone_htod(&[0.0f32]).unwrap();
+    for (ci, cfg) in adam_configs().iter().enumerate() {
+        for clip in [None, Some(ClipConfig::new(0.05))] {
+            let (mut host, mut dev) = adam_parts_on_both(gpu, 90 + ci as u64);
+            let mut engine = gpu.engine();
+            let mut count = DeviceStepCount::new(&gpu.stream, StepCount::default()).unwrap();
+            let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+            let mut cpu_count = StepCount::default();
+            let host_cfg = AdamConfig { lr, ..*cfg };
+            // The host value the kernel must not use.
+            let dev_cfg = AdamConfig { lr: 0.5, ..*cfg };
+            for step in 1..=4u64 {
+                let overflow = step == 3;
+                gpu.stream
+                    .memcpy_htod(&[if overflow { 1.0f32 } else { 0.0 }], &mut found_dev)
+                    .unwrap();
+                gradclip::cpu::Cpu::new()
+                    .adam_step_loss_scaled(
+                        &mut host_adam_views(&mut host, cfg.amsgrad),
+                        &host_cfg,
+                        &mut cpu_count,
+                        clip.as_ref(),
+                        SCALE as f64,
+                        overflow,
+                    )
+                    .unwrap();
+                {
+                    let mut views = AdamViews::of(&mut dev);
+                    let mut tensors = AdamViews::tensors(&mut views, cfg.amsgrad);
+                    let inputs = DeviceInputs {
+                        lr: Some(&lr_dev),
+                        loss_scale: Some(&scale_dev),
+                        found_inf: Some(&found_dev),
+                    };
+                    engine
+                        .adam_step_with(&mut tensors, &dev_cfg, &mut count, clip.as_ref(), &mut norm, &inputs)
+                        .unwrap();
+                }
+                let c = count.read().unwrap();
+                ensure(c == cpu_count && c.skipped == u64::from(step >= 3), || {
+                    format!("config {ci} step {step}: count {c:?} vs {cpu_count:?}")
+                })?;
+                ensure_adam_parts_equal(gpu, &host, &dev, &format!("config {ci} clip {} step {step}", clip.is_some()))?;
+            }
+        }
+    }
+    // An input of another length is refused before anything is enqueued.
+    let two = gpu.stream.clone_htod(&[1.0f64, 2.0]).unwrap();
+    let mut host = adam_parts(99);
+    let mut dev: Vec<Vec<DevGrad>> = host.iter_mut().map(|parts| gpu.upload(parts)).collect();
+    let mut count = DeviceStepCount::new(&gpu.stream, StepCount::default()).unwrap();
+    let mut norm = gradclip::gpu::DeviceNorm::new(&gpu.stream, 0).unwrap();
+    let mut views = AdamViews::of(&mut dev);
+    let mut tensors = AdamViews::tensors(&mut views, false);
+    let inputs = DeviceInputs {
+        lr: Some(&two),
+        ..DeviceInputs::default()
+    };
+    let e = gpu
+        .engine()
+        .adam_step_with(&mut tensors, &AdamConfig::adamw(1e-3), &mut count, None, &mut norm, &inputs);
+    ensure(matches!(e, Err(gradclip::Error::LengthMismatch { .. })), || format!("{e:?}"))?;
+    ensure(count.read().unwrap() == StepCount::default(), || "a refused step counted".into())
+}
+
+/// Per-parameter step counts (torch's `state["step"]`, f32, which differ once some parameters
+/// had no gradient at some steps): the GPU's step equals the CPU's bit for bit, each parameter
+/// stepping from its own count, and both advance every own count by one per taken step.
+fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
+    use gradclip::optim::{AdamConfig, ClipConfig, Parts, StepCount};
+    use gradclip::plan::RawTensor;
+    let cfg = gradclip::optim::Rule::Adam(AdamConfig::adamw(1e-2));
+    let clip = ClipConfig::new(0.05);
+    let (mut host, dev) = adam_parts_on_both(gpu, 123);
+    let mut host_steps: Vec<f32> = (0..host.len()).map(|i| (i * 3 % 7) as f32).collect();
+    let dev_steps = gpu.stream.clone_htod(&host_steps).unwrap();
+    let dev_count = gpu.stream.clone_htod(&[5u64, 0]).unwrap();
+    let dev_norm = gpu.stream.alloc_zeros::<f64>(3).unwrap();
+    let mut count = StepCount { steps: 5, skipped: 0 };
+    let mut engine = gpu.engine();
+    for step in 1..=2 {
+        let host_parts: Vec<Parts> = host
+            .iter_mut()
+            .zip(host_steps.iter_mut())
+            .map(|([p, g, m, v, _], c)| Parts {
+                step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+                ..Parts::adam(p.host_mut().raw(), g.host().raw(), m.host_mut().raw(), v.host_mut().raw(), None)
+            })
+            .collect();
+        let steps_at = dev_steps.device_ptr(&gpu.stream).0;
+        let dev_parts: Vec<Parts> = dev
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Parts {
+                step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
+                ..Parts::adam(
+                    d[0].raw(&gpu.stream),
+                    d[1].raw(&gpu.stream),
+                    d[2].raw(&gpu.stream),
+                    d[3].raw(&gpu.stream),
+                    None,
+                )
+            })
+            .collect();
+        // SAFETY: the host parts are the live vectors above, used by nothing else during the call;
+        // the device parts, counts and output live device memory of the stream's context.
+        unsafe {
+            Cpu::new().step_raw(&host_parts, &cfg, &mut count, Some(&clip), 1.0, false).unwrap();
+            engine
+                .step_raw(
+                    &dev_parts,
+                    &cfg,
+                    dev_count.device_ptr(&gpu.stream).0,
+                    Some(&clip),
+                    dev_norm.device_ptr(&gpu.stream).0,
+                    &gradclip::gpu::DeviceStepInputs::default(),
+                )
+                .unwrap();
+        }
+        ensure_adam_parts_equal(gpu, &host, &dev, &format!("own step counts, step {step}"))?;
+        let got = gpu.stream.clone_dtoh(&dev_steps).unwrap();
+        ensure(got == host_steps, || {
+            format!("step {step}: own counts {got:?} vs the CPU's {host_steps:?}")
+        })?;
+        ensure(host_steps[1] == (3 + step) as f32, || {
+            format!("step {step}: {host_steps:?} not advanced")
+        })?;
+    }
+    Ok(())
+}
+
+/// SGD and Lion on the one spine: the GPU's step (norm kernel + the rule's update kernel) equals
+/// the CPU backend's bit for bit over three steps, for every dtype mix and each option, with and
+/// without an active clip; SGD's parameters step from their own counts (the first momentum step
+/// takes the gradient as the buffer), which both backends advance.
+fn sgd_and_lion_equal_cpu_bits(gpu: &Gpu) -> TestResult {
+    use gradclip::optim::{ClipConfig, LionConfig, Parts, Rule, SgdConfig, StepCount};
+    use gradclip::plan::RawTensor;
+    let sgd = SgdConfig::new(0.1);
+    let rules = [
+        Rule::Sgd(sgd),
+        Rule::Sgd(SgdConfig { momentum: 0.9, ..sgd }),
+        Rule::Sgd(SgdConfig {
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 1e-2,
+            ..sgd
+        }),
+        Rule::Sgd(SgdConfig {
+            momentum: 0.5,
+            nesterov: true,
+            weight_decay: 1e-2,
+            maximize: true,
+            ..sgd
+        }),
+        Rule::Lion(LionConfig {
+            weight_decay: 0.1,
+            ..LionConfig::new(1e-3)
+        }),
+        Rule::Lion(LionConfig {
+            maximize: true,
+            ..LionConfig::new(1e-3)
+        }),
+    ];
+    for (ri, rule) in rules.iter().enumerate() {
+        for clip in [None, Some(ClipConfig::new(0.05))] {
+            let (mut host, dev) = adam_parts_on_both(gpu, 300 + ri as u64);
+            let mut host_steps: Vec<f32> = (0..host.len()).map(|i| (i % 2) as f32).collect();
+            let dev_steps = gpu.stream.clone_htod(&host_steps).unwrap();
+            let dev_count = gpu.stream.clone_htod(&[0u64, 0]).unwrap();
+            let dev_norm = gpu.stream.alloc_zeros::<f64>(3).unwrap();
+            let mut count = StepCount::default();
+            let mut engine = gpu.engine();
+            let n_states = rule.states().len();
+            for step in 1..=3 {
+                let host_parts: Vec<Parts> = host
+                    .iter_mut()
+                    .zip(host_steps.iter_mut())
+                    .map(|([p, g, m, _, _], c)| Parts {
+                        step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+                        ..Parts::new(p.host_mut().raw(), g.host().raw(), &[m.host_mut().raw()][..n_states])
+                    })
+                    .collect();
+                let steps_at = dev_steps.device_ptr(&gpu.stream).0;
+                let dev_parts: Vec<Parts> = dev
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| Parts {
+                        step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
+                        ..Parts::new(d[0].raw(&gpu.stream), d[1].raw(&gpu.stream), &[d[2].raw(&gpu.stream)][..n_states])
+                    })
+                    .collect();
+                // SAFETY: the host parts are the live vectors above, used by nothing else during
+                // the call; the device parts, counts and output live device memory of the stream's
+                // context.
+                let rep = unsafe {
+                    let rep = Cpu::new()
+                        .step_raw(&host_parts, rule, &mut count, clip.as_ref(), 1.0, false)
+                        .unwrap();
+                    engine
+                        .step_raw(
+                            &dev_parts,
+                            rule,
+                            dev_count.device_ptr(&gpu.stream).0,
+                            clip.as_ref(),
+                            dev_norm.device_ptr(&gpu.stream).0,
+                            &gradclip::gpu::DeviceStepInputs::default(),
+                        )
+                        .unwrap();
+                    rep
+                };
+                let what = format!("rule {ri} ({rule:?}) clip {} step {step}", clip.is_some());
+                ensure_adam_parts_equal(gpu, &host, &dev, &what)?;
+                let got = gpu.stream.clone_dtoh(&dev_steps).unwrap();
+                ensure(got == host_steps && host_steps[0] == step as f32, || {
+                    format!("{what}: own counts {got:?} vs the CPU's {host_steps:?}")
+                })?;
+                if let Some(n) = rep.norm {
+                    let g = gpu.stream.clone_dtoh(&dev_norm).unwrap();
+                    ensure(same_bits(g[0], n), || format!("{what}: norm {} vs {n}", g[0]))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Gradients in new buffers every step (as `zero_grad(set_to_none=True)` leaves them), coming
+/// back to earlier buffers too, and absent for some parameters at some steps (experts without
+/// tokens, kept in the list): the update tables kept for the parameters follow them (only the
+/// tensor table is uploaded again) and every step equals the CPU's, bit for bit, own step
+/// counts included (an absent parameter's stays).
+fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
+    use gradclip::optim::{AdamConfig, ClipConfig, Parts, Rule, StepCount};
+    use gradclip::plan::RawTensor;
+    let rule = Rule::Adam(AdamConfig {
+        weight_decay: 0.01,
+        ..AdamConfig::adamw(1e-3)
+    });
+    let (mut host, dev) = adam_parts_on_both(gpu, 77);
+    // Three sets of gradients, each in its own buffers, the host twins at their phases.
+    let sets: Vec<(Vec<Grad>, Vec<DevGrad>)> = (0..3)
+        .map(|k| {
+            let grads: Vec<Grad> = adam_parts(900 + k).into_iter().map(|[_, g, ..]| g).collect();
+            let devs = gpu.upload(&grads);
+            (gpu.host_twins(&grads, &devs), devs)
+        })
+        .collect();
+    let mut host_steps: Vec<f32> = (0..host.len()).map(|i| (i % 3) as f32).collect();
+    let dev_steps = gpu.stream.clone_htod(&host_steps).unwrap();
+    let (dev_count, dev_norm) = (
+        gpu.stream.clone_htod(&[0u64, 0]).unwrap(),
+        gpu.stream.alloc_zeros::<f64>(3).unwrap(),
+    );
+    let mut count = StepCount::default();
+    let mut engine = gpu.engine();
+    let clip = Some(ClipConfig::new(0.05));
+    let absent_at: [&[usize]; 6] = [&[], &[], &[1, 3], &[], &[0, 4, 8], &[1, 3]];
+    for (step, set) in [0usize, 1, 2, 0, 0, 1].into_iter().enumerate() {
+        let (host_grads, dev_grads) = &sets[set];
+        let absent = absent_at[step];
+        let mark = |i: usize, p: Parts| if absent.contains(&i) { p.without_grad() } else { p };
+        let host_parts: Vec<Parts> = host
+            .iter_mut()
+            .zip(host_grads)
+            .zip(host_steps.iter_mut())
+            .enumerate()
+            .map(|(i, (([p, _, m, v, _], g), c))| {
+                let parts = Parts {
+                    step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+                    ..Parts::adam(p.host_mut().raw(), g.host().raw(), m.host_mut().raw(), v.host_mut().raw(), None)
+                };
+                mark(i, parts)
+            })
+            .collect();
+        let steps_at = dev_steps.device_ptr(&gpu.stream).0;
+        let dev_parts: Vec<Parts> = dev
+            .iter()
+            .zip(dev_grads)
+            .enumerate()
+            .map(|(i, (d, g))| {
+                let s = &gpu.stream;
+                let parts = Parts {
+                    step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
+                    ..Parts::adam(d[0].raw(s), g.raw(s), d[2].raw(s), d[3].raw(s), None)
+                };
+                mark(i, parts)
+            })
+            .collect();
+        // SAFETY: the host parts are the live vectors above, used by nothing else during the
+        // call; the device parts, counts and output are live device memory of the stream's context.
+        let rep = unsafe {
+            let rep = Cpu::new()
+                .step_raw(&host_parts, &rule, &mut count, clip.as_ref(), 1.0, false)
+                .unwrap();
+            engine
+                .step_raw(
+                    &dev_parts,
+                    &rule,
+                    dev_count.device_ptr(&gpu.stream).0,
+                    clip.as_ref(),
+                    dev_norm.device_ptr(&gpu.stream).0,
+                    &gradclip::gpu::DeviceStepInputs::default(),
+                )
+                .unwrap();
+            rep
+        };
+        let what = format!("step {step} (gradient set {set}, absent {absent:?})");
+        ensure_adam_parts_equal(gpu, &host, &dev, &what)?;
+        let got = gpu.stream.clone_dtoh(&dev_steps).unwrap();
+        ensure(got == host_steps, || {
+            format!("{what}: own counts {got:?} vs the CPU's {host_steps:?}")
+        })?;
+        let g = gpu.stream.clone_dtoh(&dev_norm).unwrap();
+        let n = rep.norm.expect("a clipped step has a norm");
+        ensure(same_bits(g[0], n), || format!("{what}: norm {} vs {n}", g[0]))?;
+    }
+    ensure(host_steps[1] == 1.0 + 4.0, || {
+        format!("parameter 1 absent twice: own count {}", host_steps[1])
+    })?;
+    Ok(())
+}
+
+fn main() {
+    run(
+        vec![
+            ("adam_step_equals_cpu_bits", adam_step_equals_cpu_bits),
+            ("update_follows_moving_gradients", update_follows_moving_gradients),
+            ("adam_device_inputs_equal_cpu_bits", adam_device_inputs_equal_cpu_bits),
+            ("adam_own_step_counts_equal_cpu_bits", adam_own_step_counts_equal_cpu_bits),
+            ("sgd_and_lion_equal_cpu_bits", sgd_and_lion_equal_cpu_bits),
+        ],
+        vec![],
+    )
+}
