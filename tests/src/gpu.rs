@@ -287,7 +287,7 @@ pub fn run(tests: Vec<Case>, two_gpu_tests: Vec<Case>) -> ! {
     } else {
         0
     };
-    if gpu.is_some() && devices < 2 {
+    if gpu.is_some() && devices < 2 && !two_gpu_tests.is_empty() {
         eprintln!(
             "one CUDA GPU: the {} two-GPU tests are reported as ignored (skipped)",
             two_gpu_tests.len()
