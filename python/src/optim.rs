@@ -246,13 +246,49 @@ fn same_states(state: &Bound<'_, PyDict>, kept: &[StateEntry]) -> bool {
 }
 
 /// True when the state dict starts with exactly the entries read (same objects, same order).
+/// Walked with borrowed pointers (no reference counting, no Python call): this runs every step
+/// over every parameter's state.
 fn same_states_prefix(state: &Bound<'_, PyDict>, kept: &[StateEntry]) -> bool {
-    state.iter().zip(kept).all(|((k, d), e)| {
-        k.is(&e.key)
-            && d.is(&e.dict)
-            && d.cast::<PyDict>()
-                .is_ok_and(|d| d.len() == e.values.len() && d.iter().zip(&e.values).all(|((_, v), kv)| v.is(kv)))
-    })
+    if state.len() < kept.len() {
+        return false;
+    }
+    let (mut next, mut same) = (kept.iter(), true);
+    each_item(state.as_ptr(), |k, d| {
+        let Some(e) = next.next() else {
+            return false; // every kept entry matched: the rest is past the prefix
+        };
+        // SAFETY: `d` is a live object (a borrowed value of the state dict, which nothing
+        // modifies during the walk); the GIL is held (`state` is bound).
+        let sized = unsafe { pyo3::ffi::PyDict_Check(d) != 0 && pyo3::ffi::PyDict_Size(d) == e.values.len() as pyo3::ffi::Py_ssize_t };
+        let mut values = e.values.iter().map(|v| v.as_ptr());
+        same = k == e.key.as_ptr() && d == e.dict.as_ptr() && sized && each_item(d, |_, v| values.next() == Some(v)) == Walk::Done;
+        same
+    });
+    same && next.len() == 0
+}
+
+/// How a walk over a dict ended.
+#[derive(PartialEq, Eq)]
+enum Walk {
+    /// Every entry seen.
+    Done,
+    /// `f` said no for an entry.
+    Stopped,
+}
+
+/// Calls `f(key, value)` on each entry of the dict `d` in order, with borrowed pointers, until it
+/// returns false. `f` must not run Python code (nor modify `d`): it compares pointers.
+fn each_item(d: *mut pyo3::ffi::PyObject, mut f: impl FnMut(*mut pyo3::ffi::PyObject, *mut pyo3::ffi::PyObject) -> bool) -> Walk {
+    let (mut pos, mut k, mut v): (pyo3::ffi::Py_ssize_t, _, _) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: `d` is a live dict and the GIL is held (the callers' bound objects); PyDict_Next
+    // hands out borrowed references that stay valid while the dict is not modified, which `f`
+    // does not do.
+    while unsafe { pyo3::ffi::PyDict_Next(d, &mut pos, &mut k, &mut v) } != 0 {
+        if !f(k, v) {
+            return Walk::Stopped;
+        }
+    }
+    Walk::Done
 }
 
 /// One parameter's state as `group`'s update reads it (its dict `d`: the states its rule keeps,
