@@ -261,6 +261,82 @@ pub fn ensure_adam_parts_equal(gpu: &Gpu, host: &[[Grad; 5]], dev: &[Vec<DevGrad
     Ok(())
 }
 
+/// Host and device parts of the optimizer tests' parameters ([`adam_parts_on_both`]) for a rule
+/// keeping `states` states (`exp_avg`, then `exp_avg_sq`), each with its own step count (the
+/// host's in `host_steps`, the device's at `dev_steps[i]`), and the gradients `grads` (host twins
+/// and their device copies) when given, else the parameters' own.
+pub fn stepped_parts(
+    gpu: &Gpu,
+    host: &mut [[Grad; 5]],
+    host_steps: &mut [f32],
+    dev: &[Vec<DevGrad>],
+    dev_steps: &CudaSlice<f32>,
+    states: usize,
+    grads: Option<(&[Grad], &[DevGrad])>,
+) -> (Vec<gradclip::optim::Parts>, Vec<gradclip::optim::Parts>) {
+    use gradclip::optim::Parts;
+    let host_parts = host
+        .iter_mut()
+        .zip(host_steps.iter_mut())
+        .enumerate()
+        .map(|(i, ([p, g, m, v, _], c))| {
+            let grad = grads.map_or_else(|| g.host().raw(), |(h, _)| h[i].host().raw());
+            Parts {
+                step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
+                ..Parts::new(p.host_mut().raw(), grad, &[m.host_mut().raw(), v.host_mut().raw()][..states])
+            }
+        })
+        .collect();
+    let (s, steps_at) = (&gpu.stream, dev_steps.device_ptr(&gpu.stream).0);
+    let dev_parts = dev
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let grad = grads.map_or_else(|| d[1].raw(s), |(_, g)| g[i].raw(s));
+            Parts {
+                step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
+                ..Parts::new(d[0].raw(s), grad, &[d[2].raw(s), d[3].raw(s)][..states])
+            }
+        })
+        .collect();
+    (host_parts, dev_parts)
+}
+
+/// One step of `rule` on both backends: the CPU's on `host_parts` (group count `count`), the
+/// GPU's on `dev_parts` (its count of two int64 at `dev_count`, its norm to the three f64 at
+/// `dev_norm`); the CPU's report.
+///
+/// # Safety
+/// The host parts are live host memory used by nothing else during the call; the device parts,
+/// `dev_count` and `dev_norm` live device memory of `engine`'s context.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn step_both(
+    gpu: &Gpu,
+    engine: &mut GpuEngine,
+    rule: &gradclip::optim::Rule,
+    clip: Option<&gradclip::optim::ClipConfig>,
+    host_parts: &[gradclip::optim::Parts],
+    count: &mut gradclip::optim::StepCount,
+    dev_parts: &[gradclip::optim::Parts],
+    (dev_count, dev_norm): (&CudaSlice<u64>, &CudaSlice<f64>),
+) -> gradclip::optim::StepReport {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let rep = Cpu::new().step_raw(host_parts, rule, count, clip, 1.0, false).unwrap();
+        engine
+            .step_raw(
+                dev_parts,
+                rule,
+                dev_count.device_ptr(&gpu.stream).0,
+                clip,
+                dev_norm.device_ptr(&gpu.stream).0,
+                &gradclip::gpu::DeviceStepInputs::default(),
+            )
+            .unwrap();
+        rep
+    }
+}
+
 /// One GPU test: its name and body.
 pub type Case = (&'static str, fn(&Gpu) -> TestResult);
 

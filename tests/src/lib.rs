@@ -287,3 +287,42 @@ pub fn adam_configs() -> Vec<gradclip::optim::AdamConfig> {
         },
     ]
 }
+
+/// The SGD and Lion settings both backends' tests step through (plain SGD, momentum, dampening
+/// with weight decay, Nesterov with maximize with and without weight decay; Lion with decoupled
+/// weight decay, and maximizing), SGD at learning rate `lr`.
+pub fn sgd_and_lion_rules(lr: f64) -> Vec<gradclip::optim::Rule> {
+    use gradclip::optim::{LionConfig, Rule, SgdConfig};
+    let sgd = SgdConfig::new(lr);
+    vec![
+        Rule::Sgd(sgd),
+        Rule::Sgd(SgdConfig { momentum: 0.9, ..sgd }),
+        Rule::Sgd(SgdConfig {
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 1e-2,
+            ..sgd
+        }),
+        Rule::Sgd(SgdConfig {
+            momentum: 0.5,
+            nesterov: true,
+            weight_decay: 1e-2,
+            maximize: true,
+            ..sgd
+        }),
+        Rule::Sgd(SgdConfig {
+            momentum: 0.5,
+            nesterov: true,
+            maximize: true,
+            ..sgd
+        }),
+        Rule::Lion(LionConfig {
+            weight_decay: 0.1,
+            ..LionConfig::new(1e-3)
+        }),
+        Rule::Lion(LionConfig {
+            maximize: true,
+            ..LionConfig::new(1e-3)
+        }),
+    ]
+}

@@ -2,8 +2,6 @@
 //! backend's bits for every dtype mix, device inputs, own step counts, moving and absent gradients.
 //! Without a CUDA GPU every test is reported as ignored, never as passed.
 
-use cudarc::driver::DevicePtr;
-use gradclip::cpu::Cpu;
 use gradclip_tests::gpu::*;
 use gradclip_tests::*;
 use half::bf16;
@@ -160,8 +158,8 @@ fn adam_device_inputs_equal_cpu_bits(gpu: &Gpu) -> TestResult {
 /// had no gradient at some steps): the GPU's step equals the CPU's bit for bit, each parameter
 /// stepping from its own count, and both advance every own count by one per taken step.
 fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
-    use gradclip::optim::{AdamConfig, ClipConfig, Parts, StepCount};
-    use gradclip::plan::RawTensor;
+    use gradclip::optim::{AdamConfig, ClipConfig, StepCount};
+
     let cfg = gradclip::optim::Rule::Adam(AdamConfig::adamw(1e-2));
     let clip = ClipConfig::new(0.05);
     let (mut host, dev) = adam_parts_on_both(gpu, 123);
@@ -172,44 +170,21 @@ fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
     let mut count = StepCount { steps: 5, skipped: 0 };
     let mut engine = gpu.engine();
     for step in 1..=2 {
-        let host_parts: Vec<Parts> = host
-            .iter_mut()
-            .zip(host_steps.iter_mut())
-            .map(|([p, g, m, v, _], c)| Parts {
-                step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
-                ..Parts::adam(p.host_mut().raw(), g.host().raw(), m.host_mut().raw(), v.host_mut().raw(), None)
-            })
-            .collect();
-        let steps_at = dev_steps.device_ptr(&gpu.stream).0;
-        let dev_parts: Vec<Parts> = dev
-            .iter()
-            .enumerate()
-            .map(|(i, d)| Parts {
-                step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
-                ..Parts::adam(
-                    d[0].raw(&gpu.stream),
-                    d[1].raw(&gpu.stream),
-                    d[2].raw(&gpu.stream),
-                    d[3].raw(&gpu.stream),
-                    None,
-                )
-            })
-            .collect();
+        let (host_parts, dev_parts) = stepped_parts(gpu, &mut host, &mut host_steps, &dev, &dev_steps, 2, None);
         // SAFETY: the host parts are the live vectors above, used by nothing else during the call;
         // the device parts, counts and output live device memory of the stream's context.
         unsafe {
-            Cpu::new().step_raw(&host_parts, &cfg, &mut count, Some(&clip), 1.0, false).unwrap();
-            engine
-                .step_raw(
-                    &dev_parts,
-                    &cfg,
-                    dev_count.device_ptr(&gpu.stream).0,
-                    Some(&clip),
-                    dev_norm.device_ptr(&gpu.stream).0,
-                    &gradclip::gpu::DeviceStepInputs::default(),
-                )
-                .unwrap();
-        }
+            step_both(
+                gpu,
+                &mut engine,
+                &cfg,
+                Some(&clip),
+                &host_parts,
+                &mut count,
+                &dev_parts,
+                (&dev_count, &dev_norm),
+            )
+        };
         ensure_adam_parts_equal(gpu, &host, &dev, &format!("own step counts, step {step}"))?;
         let got = gpu.stream.clone_dtoh(&dev_steps).unwrap();
         ensure(got == host_steps, || {
@@ -227,34 +202,9 @@ fn adam_own_step_counts_equal_cpu_bits(gpu: &Gpu) -> TestResult {
 /// without an active clip; SGD's parameters step from their own counts (the first momentum step
 /// takes the gradient as the buffer), which both backends advance.
 fn sgd_and_lion_equal_cpu_bits(gpu: &Gpu) -> TestResult {
-    use gradclip::optim::{ClipConfig, LionConfig, Parts, Rule, SgdConfig, StepCount};
-    use gradclip::plan::RawTensor;
-    let sgd = SgdConfig::new(0.1);
-    let rules = [
-        Rule::Sgd(sgd),
-        Rule::Sgd(SgdConfig { momentum: 0.9, ..sgd }),
-        Rule::Sgd(SgdConfig {
-            momentum: 0.9,
-            dampening: 0.1,
-            weight_decay: 1e-2,
-            ..sgd
-        }),
-        Rule::Sgd(SgdConfig {
-            momentum: 0.5,
-            nesterov: true,
-            weight_decay: 1e-2,
-            maximize: true,
-            ..sgd
-        }),
-        Rule::Lion(LionConfig {
-            weight_decay: 0.1,
-            ..LionConfig::new(1e-3)
-        }),
-        Rule::Lion(LionConfig {
-            maximize: true,
-            ..LionConfig::new(1e-3)
-        }),
-    ];
+    use gradclip::optim::{ClipConfig, StepCount};
+
+    let rules = sgd_and_lion_rules(0.1);
     for (ri, rule) in rules.iter().enumerate() {
         for clip in [None, Some(ClipConfig::new(0.05))] {
             let (mut host, dev) = adam_parts_on_both(gpu, 300 + ri as u64);
@@ -266,41 +216,21 @@ fn sgd_and_lion_equal_cpu_bits(gpu: &Gpu) -> TestResult {
             let mut engine = gpu.engine();
             let n_states = rule.states().len();
             for step in 1..=3 {
-                let host_parts: Vec<Parts> = host
-                    .iter_mut()
-                    .zip(host_steps.iter_mut())
-                    .map(|([p, g, m, _, _], c)| Parts {
-                        step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
-                        ..Parts::new(p.host_mut().raw(), g.host().raw(), &[m.host_mut().raw()][..n_states])
-                    })
-                    .collect();
-                let steps_at = dev_steps.device_ptr(&gpu.stream).0;
-                let dev_parts: Vec<Parts> = dev
-                    .iter()
-                    .enumerate()
-                    .map(|(i, d)| Parts {
-                        step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
-                        ..Parts::new(d[0].raw(&gpu.stream), d[1].raw(&gpu.stream), &[d[2].raw(&gpu.stream)][..n_states])
-                    })
-                    .collect();
+                let (host_parts, dev_parts) = stepped_parts(gpu, &mut host, &mut host_steps, &dev, &dev_steps, n_states, None);
                 // SAFETY: the host parts are the live vectors above, used by nothing else during
                 // the call; the device parts, counts and output live device memory of the stream's
                 // context.
                 let rep = unsafe {
-                    let rep = Cpu::new()
-                        .step_raw(&host_parts, rule, &mut count, clip.as_ref(), 1.0, false)
-                        .unwrap();
-                    engine
-                        .step_raw(
-                            &dev_parts,
-                            rule,
-                            dev_count.device_ptr(&gpu.stream).0,
-                            clip.as_ref(),
-                            dev_norm.device_ptr(&gpu.stream).0,
-                            &gradclip::gpu::DeviceStepInputs::default(),
-                        )
-                        .unwrap();
-                    rep
+                    step_both(
+                        gpu,
+                        &mut engine,
+                        rule,
+                        clip.as_ref(),
+                        &host_parts,
+                        &mut count,
+                        &dev_parts,
+                        (&dev_count, &dev_norm),
+                    )
                 };
                 let what = format!("rule {ri} ({rule:?}) clip {} step {step}", clip.is_some());
                 ensure_adam_parts_equal(gpu, &host, &dev, &what)?;
@@ -325,7 +255,7 @@ fn sgd_and_lion_equal_cpu_bits(gpu: &Gpu) -> TestResult {
 /// counts included (an absent parameter's stays).
 fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
     use gradclip::optim::{AdamConfig, ClipConfig, Parts, Rule, StepCount};
-    use gradclip::plan::RawTensor;
+
     let rule = Rule::Adam(AdamConfig {
         weight_decay: 0.01,
         ..AdamConfig::adamw(1e-3)
@@ -352,51 +282,28 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
     for (step, set) in [0usize, 1, 2, 0, 0, 1].into_iter().enumerate() {
         let (host_grads, dev_grads) = &sets[set];
         let absent = absent_at[step];
-        let mark = |i: usize, p: Parts| if absent.contains(&i) { p.without_grad() } else { p };
-        let host_parts: Vec<Parts> = host
-            .iter_mut()
-            .zip(host_grads)
-            .zip(host_steps.iter_mut())
-            .enumerate()
-            .map(|(i, (([p, _, m, v, _], g), c))| {
-                let parts = Parts {
-                    step: Some(RawTensor::of::<f32>(c as *mut f32 as u64, 1)),
-                    ..Parts::adam(p.host_mut().raw(), g.host().raw(), m.host_mut().raw(), v.host_mut().raw(), None)
-                };
-                mark(i, parts)
-            })
-            .collect();
-        let steps_at = dev_steps.device_ptr(&gpu.stream).0;
-        let dev_parts: Vec<Parts> = dev
-            .iter()
-            .zip(dev_grads)
-            .enumerate()
-            .map(|(i, (d, g))| {
-                let s = &gpu.stream;
-                let parts = Parts {
-                    step: Some(RawTensor::of::<f32>(steps_at + 4 * i as u64, 1)),
-                    ..Parts::adam(d[0].raw(s), g.raw(s), d[2].raw(s), d[3].raw(s), None)
-                };
-                mark(i, parts)
-            })
-            .collect();
+        let (host_parts, dev_parts) = stepped_parts(gpu, &mut host, &mut host_steps, &dev, &dev_steps, 2, Some((host_grads, dev_grads)));
+        let mark = |parts: Vec<Parts>| -> Vec<Parts> {
+            parts
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| if absent.contains(&i) { p.without_grad() } else { p })
+                .collect()
+        };
+        let (host_parts, dev_parts) = (mark(host_parts), mark(dev_parts));
         // SAFETY: the host parts are the live vectors above, used by nothing else during the
         // call; the device parts, counts and output are live device memory of the stream's context.
         let rep = unsafe {
-            let rep = Cpu::new()
-                .step_raw(&host_parts, &rule, &mut count, clip.as_ref(), 1.0, false)
-                .unwrap();
-            engine
-                .step_raw(
-                    &dev_parts,
-                    &rule,
-                    dev_count.device_ptr(&gpu.stream).0,
-                    clip.as_ref(),
-                    dev_norm.device_ptr(&gpu.stream).0,
-                    &gradclip::gpu::DeviceStepInputs::default(),
-                )
-                .unwrap();
-            rep
+            step_both(
+                gpu,
+                &mut engine,
+                &rule,
+                clip.as_ref(),
+                &host_parts,
+                &mut count,
+                &dev_parts,
+                (&dev_count, &dev_norm),
+            )
         };
         let what = format!("step {step} (gradient set {set}, absent {absent:?})");
         ensure_adam_parts_equal(gpu, &host, &dev, &what)?;

@@ -547,31 +547,8 @@ fn rule_reference(rule: &gradclip::optim::Rule, p: &mut [f64], state: &mut [f64]
 /// is the list's.
 #[test]
 fn sgd_and_lion_follow_their_f64_references() {
-    use gradclip::optim::{HostStepTensor, LionConfig, Rule, SgdConfig};
-    let sgd = SgdConfig::new(0.05);
-    let rules = [
-        Rule::Sgd(sgd),
-        Rule::Sgd(SgdConfig {
-            momentum: 0.9,
-            dampening: 0.1,
-            weight_decay: 1e-2,
-            ..sgd
-        }),
-        Rule::Sgd(SgdConfig {
-            momentum: 0.5,
-            nesterov: true,
-            maximize: true,
-            ..sgd
-        }),
-        Rule::Lion(LionConfig {
-            weight_decay: 0.1,
-            ..LionConfig::new(1e-3)
-        }),
-        Rule::Lion(LionConfig {
-            maximize: true,
-            ..LionConfig::new(1e-3)
-        }),
-    ];
+    use gradclip::optim::{HostStepTensor, Rule};
+    let rules = gradclip_tests::sgd_and_lion_rules(0.05);
     fn run<P: Num, S: Num>(rule: &Rule, tol: f64)
     where
         for<'a> &'a mut [P]: Into<HostGradMut<'a>>,
