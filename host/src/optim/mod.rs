@@ -287,6 +287,18 @@ impl HostStepTensor<'_> {
 /// rule's state names): lengths, dtypes, every state present, the own step count's shape; each
 /// part against its parameter first, so the error names the part that is wrong, then the states
 /// against each other.
+/// A part `r` of parameter `p` has its length (a gradient, `grad`, may also be absent:
+/// [`Parts::grad`]).
+pub(crate) fn length_fits(r: RawTensor, p: RawTensor, grad: bool) -> bool {
+    r.len == p.len || (grad && r.len == 0 && p.len > 0)
+}
+
+/// A part `r` of parameter `p` is of a dtype the update reads with it: the parameter's, or
+/// float32 beside a 16- or 32-bit parameter (torch's mixed precision).
+pub(crate) fn dtype_fits(r: RawTensor, p: RawTensor) -> bool {
+    r.dtype == p.dtype || (r.dtype == DType::F32 && p.dtype != DType::F64)
+}
+
 pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, &'static [&'static str])>) -> Result<()> {
     for (index, (t, names)) in tensors.enumerate() {
         let p = t.param;
@@ -299,8 +311,8 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, &'static [&'stat
             }
         }
         let parts = &slots[..names.len().min(MAX_STATES) + 1];
-        for &(role, r) in parts {
-            if r.len != p.len && !(role == "grad" && t.grad_absent()) {
+        for (k, &(role, r)) in parts.iter().enumerate() {
+            if !length_fits(r, p, k == 0) {
                 return Err(Error::OptimizerLength {
                     index,
                     role,
@@ -308,8 +320,7 @@ pub(crate) fn check_parts(tensors: impl Iterator<Item = (Parts, &'static [&'stat
                     found: r.len,
                 });
             }
-            let ok = r.dtype == p.dtype || (r.dtype == DType::F32 && p.dtype != DType::F64);
-            if !ok {
+            if !dtype_fits(r, p) {
                 return Err(Error::OptimizerDtype {
                     index,
                     role,

@@ -6,8 +6,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Parts, Rule, check_parts};
-use crate::DType;
+use super::{Parts, Rule, check_parts, dtype_fits, length_fits};
 use crate::error::{Error, Result};
 use crate::plan::RawTensor;
 use crate::tensor_list::TensorList;
@@ -88,10 +87,8 @@ impl StepList {
             }
         }
         written.sort_unstable();
-        let grads_list = TensorList::new(&grads).ok().filter(|l| l.check_writable().is_ok());
-        let clear =
-            valid && written.windows(2).all(|w| w[0].1 <= w[1].0) && grads_list.as_ref().is_some_and(|_| clear_of(&written, &grads));
-        if !clear {
+        let grads_list = grads_clear_of(&written, &grads);
+        if !(valid && written.windows(2).all(|w| w[0].1 <= w[1].0) && grads_list.is_some()) {
             // Something is wrong: the whole list's check names it, by position, in the order
             // parameter, gradient, states, step count of each parameter.
             let mut all = Vec::with_capacity(count * (MAX_STATES + 3));
@@ -115,11 +112,11 @@ impl StepList {
     }
 
     /// This list with new gradients (`grads`, every group's in order, each of its parameter's
-    /// length, or absent: [`Parts::without_grad`]):
-    /// what a training loop hands over each step after `zero_grad(set_to_none=True)`. Only the new gradients are checked (valid memory, sharing
-    /// no byte with a written part or another gradient), in O(n log n) of the gradients, not of
-    /// every part; any
-    /// other difference, and any failed check, is decided (and reported) by [`StepList::new`].
+    /// length, or absent: [`Parts::without_grad`]): what a training loop hands over each step
+    /// after `zero_grad(set_to_none=True)`. Only the new gradients are checked (valid memory,
+    /// sharing no byte with a written part or another gradient), in O(n log n) of the gradients,
+    /// not of every part; any other difference, and any failed check, is decided (and reported)
+    /// by [`StepList::new`].
     pub fn with_grads(&self, grads: &[RawTensor]) -> Result<Self> {
         let old = &self.0;
         if grads.len() != old.grads.len() {
@@ -129,14 +126,9 @@ impl StepList {
                 found: grads.len(),
             });
         }
-        // Each gradient of its parameter's length or absent (a set of None gradients that
-        // changes keeps the list: [`Parts::grad`]), of a dtype the update reads with it.
+        // Each gradient as check_parts (StepList::new) takes it beside its parameter.
         let params = old.groups.iter().flat_map(|(parts, _)| parts.iter().map(|p| p.param));
-        let same_shape = old.grads.tensors().iter().zip(grads).zip(params).all(|((_, b), p)| {
-            // check_parts' rule for a gradient, which StepList::new applies.
-            (b.len == p.len || (b.len == 0 && p.len > 0)) && (b.dtype == p.dtype || (b.dtype == DType::F32 && p.dtype != DType::F64))
-        });
-        let fits = same_shape && grads.iter().enumerate().all(|(i, g)| g.validate(i).is_ok()) && clear_of(&old.written, grads);
+        let shapes_fit = grads.iter().zip(params).all(|(&g, p)| length_fits(g, p, true) && dtype_fits(g, p));
         let mut next = grads.iter();
         let groups: Vec<(Vec<Parts>, &'static [&'static str])> = old
             .groups
@@ -152,12 +144,7 @@ impl StepList {
                 (parts, *names)
             })
             .collect();
-        // The gradients among themselves: disjoint too, as every part of a list is.
-        let list = if fits {
-            TensorList::new(grads).ok().filter(|l| l.check_writable().is_ok())
-        } else {
-            None
-        };
+        let list = if shapes_fit { grads_clear_of(&old.written, grads) } else { None };
         let Some(grads) = list else {
             return Self::new(&groups);
         };
@@ -203,6 +190,15 @@ impl StepList {
     pub fn grads(&self) -> &TensorList {
         &self.0.grads
     }
+}
+
+/// The list of `grads` when they are valid memory and no non-empty one shares a byte with
+/// another or with a range of `written` (sorted, disjoint); None otherwise.
+fn grads_clear_of(written: &[(u64, u64)], grads: &[RawTensor]) -> Option<TensorList> {
+    // TensorList::new validates every gradient before clear_of reads its end.
+    TensorList::new(grads)
+        .ok()
+        .filter(|l| l.check_writable().is_ok() && clear_of(written, grads))
 }
 
 /// True when no non-empty tensor of `grads` shares a byte with a range of `written` (sorted,
