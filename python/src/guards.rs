@@ -169,11 +169,14 @@ impl ListGuard {
 /// The address of every tensor of `list`: with `reader` in native code, else (and for what the
 /// reader finds none) one `data_ptr()` call each, which reports the error in torch's words.
 pub(crate) fn data_ptrs(list: &Bound<'_, PyList>, reader: Option<&DataPtrReader>) -> PyResult<Vec<u64>> {
-    let py = list.py();
-    list.iter()
-        .map(|t| match reader.and_then(|r| r.read(&t)) {
-            Some(p) => Ok(p),
-            None => t.call_method0(intern!(py, "data_ptr"))?.extract(),
-        })
-        .collect()
+    list.iter().map(|t| data_ptr(&t, reader)).collect()
+}
+
+/// `t.data_ptr()`: with `reader` in native code, else (and when the reader finds none) by the
+/// call, which reports the error in torch's words.
+pub(crate) fn data_ptr(t: &Bound<'_, PyAny>, reader: Option<&DataPtrReader>) -> PyResult<u64> {
+    match reader.and_then(|r| r.read(t)) {
+        Some(p) => Ok(p),
+        None => t.call_method0(intern!(t.py(), "data_ptr"))?.extract(),
+    }
 }

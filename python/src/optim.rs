@@ -1,10 +1,10 @@
 //! The optimizer step on PyTorch's parameter groups, in one crossing per step. A [`StepLayout`]
 //! keeps what depends only on the parameters and their states (read and checked once: places,
-//! addresses, dtypes, lengths); each step then reads every parameter's `.grad` here (None
-//! gradients skipped: those parameters are left as torch's step leaves them, their own step
-//! counts included), recognizes the gradients with torch's guards (two C++ calls) or, when they
-//! are new tensors of the same shapes (`zero_grad(set_to_none=True)`), reads only their
-//! addresses, and runs the norm (with a clip) and one update per group: on CUDA the norm kernel
+//! addresses, dtypes, lengths); each step then walks the state dict by identity, checks the
+//! parameters' addresses, reads every parameter's `.grad` here (a None gradient leaves its
+//! parameter as torch's step leaves it, its own step count included), recognizes the gradients
+//! without holding them ([`crate::step_grads`]), and runs the norm (with a clip) and one update
+//! per group: on CUDA the norm kernel
 //! and one update launch per group on torch's stream, on the CPU the CPU backend. The checks of a
 //! step's tensors (lengths, dtypes, no written part sharing a byte with another) run when its
 //! gradients' addresses change, once ([`StepList`]).
@@ -444,7 +444,9 @@ impl Kept {
         let t2 = Instant::now();
         self.timings[2] = (t2 - t1).as_nanos() as u64;
         let groups = &self.groups;
-        let r = self.grads.list(planner, self.place, local, mask, &present, &LayoutLists(groups))?;
+        let r = self
+            .grads
+            .list(planner, self.place, local, mask, &present, &LayoutLists::new(groups))?;
         self.timings[3] = t2.elapsed().as_nanos() as u64;
         Ok(r.ok_or(Miss::Torch))
     }
@@ -455,17 +457,30 @@ impl Kept {
 /// makes a list of the same parts; only when some such parameter is empty (its absent gradient
 /// would read as an empty one, whose step count advances) do the lists hold the parameters with
 /// a gradient alone.
-struct LayoutLists<'a>(&'a [Group]);
+struct LayoutLists<'a> {
+    groups: &'a [Group],
+    /// Whether every parameter with states has elements: decided once, when first asked (only a
+    /// step whose set of gradients changed asks).
+    keep_absent: std::cell::OnceCell<bool>,
+}
 
-impl LayoutLists<'_> {
-    /// Each parameter with its states, in order, and its place in the mask (every parameter's).
-    fn stated(&self) -> impl Iterator<Item = (usize, &Parts)> + '_ {
-        self.0
-            .iter()
-            .flat_map(|g| g.states.iter())
-            .enumerate()
-            .filter_map(|(i, st)| st.as_ref().map(|st| (i, st)))
+impl<'a> LayoutLists<'a> {
+    fn new(groups: &'a [Group]) -> Self {
+        LayoutLists {
+            groups,
+            keep_absent: std::cell::OnceCell::new(),
+        }
     }
+}
+
+/// Each parameter of `groups` with its states, in order, and its place in the mask (every
+/// parameter's).
+fn stated(groups: &[Group]) -> impl Iterator<Item = (usize, &Parts)> + '_ {
+    groups
+        .iter()
+        .flat_map(|g| g.states.iter())
+        .enumerate()
+        .filter_map(|(i, st)| st.as_ref().map(|st| (i, st)))
 }
 
 impl ListMaker for LayoutLists<'_> {
@@ -474,7 +489,7 @@ impl ListMaker for LayoutLists<'_> {
             return (present.to_vec(), (0..present.len()).collect());
         }
         let (mut full, mut at, mut next) = (Vec::with_capacity(mask.len()), Vec::with_capacity(present.len()), present.iter());
-        for (i, st) in self.stated() {
+        for (i, st) in stated(self.groups) {
             match mask[i].then(|| next.next()).flatten() {
                 Some(&g) => {
                     at.push(full.len());
@@ -487,14 +502,14 @@ impl ListMaker for LayoutLists<'_> {
     }
 
     fn keeps_absent(&self) -> bool {
-        self.stated().all(|(_, st)| st.param.len > 0)
+        *self.keep_absent.get_or_init(|| stated(self.groups).all(|(_, st)| st.param.len > 0))
     }
 
     fn make(&self, mask: &[bool], full: &[RawTensor]) -> Option<StepList> {
         let keep = self.keeps_absent();
         let (mut i, mut next) = (0, full.iter());
         let groups: Vec<(Vec<Parts>, &'static [&'static str])> = self
-            .0
+            .groups
             .iter()
             .map(|g| {
                 let parts = g

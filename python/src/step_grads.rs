@@ -24,7 +24,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 
-use crate::guards::{ListGuard, data_ptrs};
+use crate::guards::{ListGuard, data_ptr, data_ptrs};
 use crate::scan::{Place, Planner};
 use crate::tensor_addresses::DataPtrReader;
 
@@ -251,9 +251,6 @@ fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool, reader: Option<&D
     if local && g.call_method0(intern!(py, "numel")).ok()?.extract::<u64>().ok()? != t.len {
         return None;
     }
-    let addr: u64 = match reader {
-        Some(r) => r.read(g)?,
-        None => g.call_method0(intern!(py, "data_ptr")).ok()?.extract().ok()?,
-    };
+    let addr = data_ptr(g, reader).ok()?;
     (addr.is_multiple_of(t.dtype.size()) && (addr != 0 || t.len == 0)).then_some(addr)
 }
