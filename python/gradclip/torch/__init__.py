@@ -190,8 +190,14 @@ def _clip_grads_with_norm_(parameters, max_norm, total_norm) -> None:
         distributed.scale(distributed.collect(items, True), _clip_coef(max_norm, total_norm))
         return
     _check_writable(plan, grads)
+    _scale_by_norm(plan, grads, max_norm, total_norm)
+
+
+def _scale_by_norm(plan, grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Multiplies one device's plain gradients, as the planner read them (``plan``, or None for
+    the ones it does not take), by the clip coefficient of ``total_norm``: with a plan, the kept
+    plan (and its tables) of a repeated list, one launch and no per-call planning."""
     if plan is not None:
-        # The kept plan (and its tables) of a repeated list: one launch, no per-call planning.
         _scale_plan(plan, _clip_coef(max_norm, total_norm))
         _written(grads)
     else:
@@ -325,11 +331,7 @@ def _clip_scanned(plan, grads: List[torch.Tensor], max_norm: float, p: float, er
     # coefficient of the f64 norm: the same bits as the one-call path when nothing is raised.
     total64, dtype = _total_norm64(plan, grads, p)
     total = _returned_norm(total64, dtype, error_if_nonfinite, norm_type)
-    if plan is not None:
-        _scale_plan(plan, _clip_coef(max_norm, total64))
-        _written(grads)
-    else:
-        _clip_grads(grads, max_norm, total64)
+    _scale_by_norm(plan, grads, max_norm, total64)
     return total
 
 
@@ -368,11 +370,7 @@ def _scale_list(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Te
     max_norm = _check_max_norm(max_norm)
     plan, ts, _ = _scan(grads, False)
     _check_writable(plan, ts)
-    if plan is not None:
-        _scale_plan(plan, _clip_coef(max_norm, total_norm))
-        _written(ts)
-    else:
-        _clip_grads(ts, max_norm, total_norm)
+    _scale_by_norm(plan, ts, max_norm, total_norm)
 
 
 _ops.register(_norm_of_list, _clip_list, _scale_list, _result_dtype)
