@@ -1,5 +1,7 @@
-"""Sharded gradients: the norm of gradients spread over processes, with one all-reduce of a small
-f64 vector per process group involved, and the clip of every local shard.
+"""Sharded gradients: the norm of gradients spread over processes, with one all-reduce of one
+f64 where ``replicas`` can tell which rank counts each key (``one_collective_norm``), else one
+all-reduce of a small f64 vector per process group involved; and the clip of every local shard.
+The per-group path is described below.
 
 Every local gradient (a plain tensor, the local shard of a DTensor, or a tensor of a ``Shards``
 group) contributes a partial (its p-th power sum, or its max for p = inf) that must be reduced over
@@ -30,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _engine
+from . import _engine, replicas
 from .shards import Shards
 
 try:
@@ -45,6 +47,14 @@ except ImportError:  # pragma: no cover - other torch versions
 
 def is_dtensor(t: Any) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
+
+
+def root_mesh(mesh):
+    """The mesh ``mesh`` was sliced from (itself when it is a root)."""
+    try:
+        return mesh._get_root_mesh()
+    except Exception:  # pragma: no cover - other torch versions: the mesh itself
+        return mesh
 
 
 def _mesh_level(mesh, d: int) -> int:
@@ -82,6 +92,7 @@ class Layout:
         self.groups: Dict[str, Any] = {}  # group name -> ProcessGroup
         self.levels: Dict[str, int] = {}  # group name -> its position in the keys it is part of
         self.mesh = None  # the mesh of the first DTensor gradient: torch returns its norm as a DTensor there
+        self.roots: Dict[int, Any] = {}  # the root meshes the gradients (and Shards' mesh dimensions) live on
         self.partial = False  # some gradient's norm needed a redistribution (not reusable)
         self._dtype: Optional[torch.dtype] = None
         # Index tensors on devices, made once per layout (a host-to-device copy each would
@@ -129,11 +140,12 @@ class Layout:
         global order, so no two ranks wait on each other in opposite orders."""
         return sorted(self.groups, key=lambda n: (self.levels[n], n))
 
-    def add(self, g: torch.Tensor, over: Sequence[Any], counted: bool) -> None:
+    def add(self, g: torch.Tensor, over: Sequence[Tuple[int, Any]], counted: bool) -> None:
+        """Adds gradient ``g``, reduced over the groups ``over`` (each with its level)."""
         if is_dtensor(g):
             self._add_dtensor(g, over, counted)
         else:
-            self.pieces.append(_Piece(g, g, self.key(over) if counted else None))
+            self.pieces.append(_Piece(g, g, self.key_at(over) if counted else None))
 
     def _add_dtensor(self, g, over: Sequence[Any], counted: bool) -> None:
         mesh, placements = g.device_mesh, tuple(g.placements)
@@ -141,6 +153,8 @@ class Layout:
             self.mesh = mesh
         cached = self._mesh_keys.get((id(mesh), placements))
         if cached is None:
+            root = root_mesh(mesh)
+            self.roots[id(root)] = root
             # Sharded dimensions are summed over; replicated ones are not; partial ones are made
             # replicated for the norm (they hold addends of the value, not pieces of it).
             # Each mesh dimension keeps its place (the groups of dimensions that are not reduced
@@ -156,7 +170,7 @@ class Layout:
             target = [Replicate() if pl.is_partial() else pl for pl in placements]
             source = g.redistribute(mesh, target)._local_tensor
             self.partial = True
-        key = self.key_at([(i, g) for i, g in enumerate(over)] + [(len(over) + lv, g) for lv, g in dims]) if counted else None
+        key = self.key_at(list(over) + [(len(over) + lv, g) for lv, g in dims]) if counted else None
         self.pieces.append(_Piece(local, source, key, True))
 
     def indices(self, what: Any, values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -283,12 +297,20 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
     layout = Layout()
     for item in items:
         over, counted, xs = (item.over, item.counted, item.params) if isinstance(item, Shards) else ((), True, (item,))
+        leveled = list(enumerate(over))
+        if isinstance(item, Shards):
+            # A group given as a mesh dimension sits at its dimension's level, as DTensors' do.
+            for i, mesh in enumerate(item.meshes):
+                if mesh is not None:
+                    root = root_mesh(mesh)
+                    layout.roots[id(root)] = root
+                    leveled[i] = (_mesh_level(mesh, 0), over[i])
         if counted:
-            layout.key(over)  # the key exists even when this rank holds none of its tensors
+            layout.key_at(leveled)  # the key exists even when this rank holds none of its tensors
         for x in xs:
             g = x.grad if grads else x
             if g is not None:
-                layout.add(g, over, counted)
+                layout.add(g, leveled, counted)
     return layout.seal()
 
 
@@ -369,9 +391,26 @@ def _collective_device(groups: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def global_norm(layout: Layout, p: float, pipeline_group=None) -> torch.Tensor:
+def counting(layout: Layout, pipeline_group=None, norm_group=None) -> Optional[replicas.Counting]:
+    """The layout's one-collective plan (``replicas.plan``), made once per layout and groups."""
+    key = ("counting", replicas.ENABLED, _group_name(pipeline_group), _group_name(norm_group))
+    cache = layout._indices
+    if key not in cache:
+        cache[key] = replicas.plan(layout, pipeline_group, norm_group)
+    return cache[key]
+
+
+def _group_name(group) -> Optional[str]:
+    return None if group is None else group.group_name
+
+
+def global_norm(layout: Layout, p: float, pipeline_group=None, norm_group=None) -> torch.Tensor:
     """The norm of every counted gradient on every rank, as a 0-dim f64 tensor on this rank's
-    device: one all-reduce per process group (plus one over ``pipeline_group``), no host sync."""
+    device, with no host sync: one all-reduce when ``replicas`` can tell which rank counts each
+    key (``one_collective_norm``), else one per process group (plus one over ``pipeline_group``)."""
+    plan = counting(layout, pipeline_group, norm_group)
+    if plan is not None:
+        return one_collective_norm(layout, p, plan)
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
     order = layout.order()
     v = _partials(layout, p)
@@ -398,10 +437,37 @@ def global_norm(layout: Layout, p: float, pipeline_group=None) -> torch.Tensor:
     return _root(total[0], p)
 
 
-def _one_key(layout: Layout, pipeline_group):
-    """``(plan, info, tensors, groups)`` for the one-key paths: the kept plan of the local tensors
-    (the engine takes them all, on one GPU) and the groups of more than one rank to combine over,
-    the pipeline group last; None when the case does not apply."""
+def one_collective_norm(layout: Layout, p: float, plan: replicas.Counting) -> torch.Tensor:
+    """The global norm from this rank's share: the p-th power sum (max for inf) of the gradients
+    of the keys it counts, in one engine norm per device (a replica reads nothing), one
+    all-reduce of that one f64 over the plan's group, the root."""
+    by_device: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
+    for pc in layout.pieces:
+        if pc.key is not None and plan.counts[pc.key]:
+            by_device[pc.source.device].append(pc.source)
+    part = None
+    for ts in by_device.values():
+        # (The engine's norm is a view of its result slot: powered into a new tensor, or copied.)
+        n = _device_norm(ts, p).reshape(1)
+        n = n.clone() if math.isinf(p) or p == 1.0 else _power(n, p)
+        if part is None:
+            part = n
+        else:
+            n = n.to(part.device)
+            part = torch.maximum(part, n) if math.isinf(p) else part + n
+    if part is None:
+        part = torch.zeros(1, dtype=torch.float64, device=_collective_device([plan.group]))
+    if plan.size > 1:
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=plan.group)
+    return _root(part[0], p)
+
+
+def _one_key(layout: Layout, pipeline_group, norm_group):
+    """``(plan, info, tensors, groups, counted)`` for the one-key paths: the kept plan of the
+    local tensors (the engine takes them all, on one GPU), the groups of more than one rank to
+    combine over (the one-collective plan's group; else the key's, the pipeline group last) and
+    whether this rank counts its key (False on a replica of the one-collective plan); None when
+    the case does not apply."""
     key = layout.one_key
     if key is None:
         return None
@@ -411,10 +477,13 @@ def _one_key(layout: Layout, pipeline_group):
     info = plan.info
     if info[0] < 0:
         return None
+    one = counting(layout, pipeline_group, norm_group)
+    if one is not None:
+        return plan, info, ts, [one.group] if one.size > 1 else [], one.counts[key]
     groups = layout.combining_groups(key)
     if pipeline_group is not None and pipeline_group.size() > 1:
         groups = groups + [pipeline_group]  # a new list: the cached one stays as it is
-    return plan, info, ts, groups
+    return plan, info, ts, groups, True
 
 
 def _combined(local_norm: torch.Tensor, p: float, groups: Sequence[Any]) -> torch.Tensor:
@@ -427,24 +496,27 @@ def _combined(local_norm: torch.Tensor, p: float, groups: Sequence[Any]) -> torc
     return _root(part, p)
 
 
-def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None) -> Optional[torch.Tensor]:
+def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None, norm_group=None) -> Optional[torch.Tensor]:
     """The whole clip with the fewest launches, when every local gradient is counted under one key
     (FSDP2's Shard(0) on one mesh, HSDP, a 1-rank mesh) and the engine takes them all on one
     GPU: the norm kernel, the p-th power, one all-reduce per group of more than one rank, the root
     and the coefficient, the scale kernel. With nothing
     to combine (a 1-rank mesh) it is the plain one-call clip. None when the case does not apply
     (the general path then runs). Returns the f64 norm (0-dim, on the device)."""
-    found = _one_key(layout, pipeline_group)
+    found = _one_key(layout, pipeline_group, norm_group)
     if found is None:
         return None
-    plan, info, ts, groups = found
+    plan, info, ts, groups, counted = found
     _engine._check_writable(plan, ts, info)
     out = _engine._out(info[0])
     if not groups:
         _engine._call(_engine._native.clip_grad_norm, plan, info, max_norm, p, out.data_ptr())
         _engine._written(ts)
         return out[0]
-    _engine._call(_engine._native.total_norm, plan, info, p, out.data_ptr())
+    if counted:
+        _engine._call(_engine._native.total_norm, plan, info, p, out.data_ptr())
+    else:  # a replica: another rank counts these gradients, this one reads nothing for the norm
+        out[:1].zero_()
     norm = _combined(out[:1], p, groups)
     # The clip rule on the combined norm; the engine copies the coefficient into its own result
     # slot for the scale kernel.
@@ -453,14 +525,14 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None)
     return norm[0]
 
 
-def norm_one_key(layout: Layout, p: float, pipeline_group=None) -> Optional[torch.Tensor]:
+def norm_one_key(layout: Layout, p: float, pipeline_group=None, norm_group=None) -> Optional[torch.Tensor]:
     """``get_total_norm``'s shortest path, under the conditions of ``clip_one_key``: the norm
     kernel, and the p-th power, all-reduces and root only when some group has several ranks."""
-    found = _one_key(layout, pipeline_group)
+    found = _one_key(layout, pipeline_group, norm_group)
     if found is None:
         return None
-    plan, info, _, groups = found
-    norm = _engine._plan_norm(plan, p, info)
+    plan, info, _, groups, counted = found
+    norm = _engine._plan_norm(plan, p, info) if counted else torch.zeros((), dtype=torch.float64, device=info[0])
     return _combined(norm.reshape(1), p, groups)[0] if groups else norm
 
 

@@ -19,26 +19,48 @@ class Shards:
       same collectives and none waits forever.
     - ``over``: the process groups the gradients are split over, e.g. ``[tp_group]`` for
       tensor-parallel weights, ``[ep_group, dp_group]`` for experts sharded ZeRO-style too.
-      Groups they are replicated over are left out: nothing is counted twice.
+      Groups they are replicated over are left out: nothing is counted twice. A 1-D
+      ``DeviceMesh`` (``mesh["ep"]``) stands for its dimension's group and tells gradclip the
+      mesh, so that it can pick one replica to count and combine everything in one all-reduce
+      (see ``clip_grad_norm_``'s ``norm_group``).
     - ``counted``: False for copies that another rank counts already (a tied embedding on the
       last pipeline stage when the first stage counts it): clipped, not counted.
     """
 
-    __slots__ = ("params", "over", "counted")
+    __slots__ = ("params", "over", "counted", "meshes")
 
     def __init__(self, params: Iterable[Any], over: Sequence[Any] = (), counted: bool = True):
         self.params: Tuple[Any, ...] = tuple(params)
         if isinstance(over, (str, bytes)) or not isinstance(over, Iterable):
             raise TypeError(f"Shards(over=...) takes a sequence of process groups; got {type(over).__name__} {over!r}")
-        self.over: Tuple[Any, ...] = tuple(over)
-        for i, g in enumerate(self.over):
-            if not _is_process_group(g):
+        groups, meshes = [], []
+        for i, g in enumerate(over):
+            mesh = None
+            if _is_mesh(g):
+                if g.ndim != 1:
+                    raise TypeError(f"Shards(over=...): over[{i}] is a {g.ndim}-D DeviceMesh; give one dimension (mesh['tp'])")
+                mesh, g = g, g.get_group()
+            elif not _is_process_group(g):
                 raise TypeError(f"Shards(over=...): over[{i}] is {type(g).__name__} {g!r}, not a process group")
+            groups.append(g)
+            meshes.append(mesh)
+        self.over: Tuple[Any, ...] = tuple(groups)
+        #: Beside each group, the 1-D mesh it was given as (None for a process group): the mesh's
+        #: root places the group (its level, and which replica counts: ``gradclip.replicas``).
+        self.meshes: Tuple[Any, ...] = tuple(meshes)
         self.counted = bool(counted)
 
     def __repr__(self) -> str:
         names = [getattr(g, "group_name", repr(g)) for g in self.over]
         return f"Shards({len(self.params)} tensors, over={names}, counted={self.counted})"
+
+
+def _is_mesh(g: Any) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - a torch without distributed
+        return False
+    return isinstance(g, DeviceMesh)
 
 
 def _is_process_group(g: Any) -> bool:

@@ -5,7 +5,9 @@ scenario places it (DTensor placements on one or several meshes, ``Shards`` of p
 groups, pipeline stages, expert-parallel ranks holding different numbers of tensors), clips with
 gradclip.torch, and checks, against one process's f64 computation on the unsharded gradients:
 the norm (relative 1e-12), every local shard after the clip, and how many all-reduces each
-process group saw (at most one per call). Exits non-zero on the first failure.
+process group saw: exactly one per call over the default group where every mesh spans it (or
+over ``norm_group``), else at most one per process group (the per-group path, which
+``GRADCLIP_MESH_PER_GROUP=1`` forces on every scenario). Exits non-zero on the first failure.
 
 Usage: python mesh_worker.py PORT RANK WORLD OUT SCENARIO[,SCENARIO...]"""
 
@@ -21,11 +23,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import gradclip.torch as gt
+from gradclip import replicas
 
 NORMS = [2.0, 1.0, math.inf, 3.0]
 MAX_NORM = 0.5
 # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
 DEVICE = os.environ.get("GRADCLIP_MESH_DEVICE", "cpu")
+# The per-group path on the scenarios the one-collective path takes (its coverage).
+replicas.ENABLED = os.environ.get("GRADCLIP_MESH_PER_GROUP") != "1"
 
 
 def dev(t):
@@ -87,6 +92,21 @@ def check_calls(calls, allowed, what):
     assert set(calls) <= set(allowed), f"{what}: all-reduce on unexpected groups {dict(calls)} (allowed {allowed})"
 
 
+def check_one(calls, what, group=None):
+    """Exactly one all-reduce, over ``group`` (the default group), none in a world of one."""
+    g = group if group is not None else dist.group.WORLD
+    want = {g.group_name: 1} if g.size() > 1 else {}
+    assert dict(calls) == want, f"{what}: all-reduces {dict(calls)}, wanted exactly {want}"
+
+
+def check_collectives(calls, allowed, what):
+    """One all-reduce over the default group on the one-collective path, else per group."""
+    if replicas.ENABLED:
+        check_one(calls, what)
+    else:
+        check_calls(calls, allowed, what)
+
+
 def param(local_or_dtensor):
     p = torch.nn.Parameter(torch.zeros_like(local_or_dtensor))
     p.grad = local_or_dtensor
@@ -105,7 +125,7 @@ def fsdp(rank, world, p):
     with CountingAllReduce() as c:
         got = gt.clip_grad_norm_(params, MAX_NORM, p)
     check_norm(got, want, f"fsdp p={p}")
-    check_calls(c.calls, [mesh.get_group(0).group_name], "fsdp")
+    check_collectives(c.calls, [mesh.get_group(0).group_name], "fsdp")
     assert sum(c.calls.values()) == (1 if world > 1 else 0), dict(c.calls)
     for i, (q, f) in enumerate(zip(params, fulls)):
         check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, [Shard(0)])._local_tensor, f"fsdp tensor {i}")
@@ -154,9 +174,13 @@ def dp_tp(rank, world, p):
     with CountingAllReduce() as c:
         got = gt.clip_grad_norm_(params + [sub], MAX_NORM, p)
     check_norm(got, want, f"dp x tp p={p}")
-    # One all-reduce per group of more than one rank; a group of one rank (tp at world 2) has none.
-    wanted = {g.group_name for g in (mesh.get_group(0), mesh.get_group(1)) if g.size() > 1}
-    assert set(c.calls) == wanted and all(n == 1 for n in c.calls.values()), (dict(c.calls), wanted)
+    # One all-reduce over the world; per group: one per group of more than one rank (a group of
+    # one rank, tp at world 2, has none).
+    if replicas.ENABLED:
+        check_one(c.calls, "dp x tp")
+    else:
+        wanted = {g.group_name for g in (mesh.get_group(0), mesh.get_group(1)) if g.size() > 1}
+        assert set(c.calls) == wanted and all(n == 1 for n in c.calls.values()), (dict(c.calls), wanted)
     for i, (q, f, (_, pl)) in enumerate(zip(params, fulls, cases)):
         check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, pl)._local_tensor, f"dp x tp tensor {i}")
     check_local(sub.grad._local_tensor, distribute_tensor(sub_full * coef, mesh["tp"], [Shard(0)])._local_tensor, "tp sub-mesh")
@@ -181,7 +205,10 @@ def hsdp(rank, world, p):
     with CountingAllReduce() as c:
         got = gt.clip_grad_norm_(params, MAX_NORM, p)
     check_norm(got, want, f"hsdp p={p}")
-    assert dict(c.calls) == {mesh.get_group(1).group_name: 1}, f"hsdp: {dict(c.calls)}"
+    if replicas.ENABLED:
+        check_one(c.calls, "hsdp")
+    else:
+        assert dict(c.calls) == {mesh.get_group(1).group_name: 1}, f"hsdp: {dict(c.calls)}"
     for i, (q, f) in enumerate(zip(params, fulls)):
         check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh, pl)._local_tensor, f"hsdp tensor {i}")
 
@@ -205,7 +232,7 @@ def moe(rank, world, p):
     with CountingAllReduce() as c:
         got = gt.clip_grad_norm_(dense_params + [gt.Shards(mine, over=[ep_group])], MAX_NORM, p)
     check_norm(got, want, f"moe p={p}")
-    check_calls(c.calls, [dense_mesh.get_group(0).group_name, ep_group.group_name], "moe")
+    check_collectives(c.calls, [dense_mesh.get_group(0).group_name, ep_group.group_name], "moe")
     for q, i in zip(mine, split[ep_rank]):
         check_local(q.grad, experts[i] * coef, f"moe expert {i}")
     for q, f in zip(dense_params, dense):
@@ -247,10 +274,79 @@ def pipeline_dtensor(rank, world, p):
     for call in range(2):
         for q, f in zip(params, layers[stage]):
             q.grad._local_tensor.copy_(distribute_tensor(f, mesh["dp"], [Shard(0)])._local_tensor)
-        got = gt.clip_grad_norm_(params, MAX_NORM, p, pipeline_group=mesh.get_group("pp"))
+        with CountingAllReduce() as c:
+            got = gt.clip_grad_norm_(params, MAX_NORM, p, pipeline_group=mesh.get_group("pp"))
         check_norm(got, want, f"pipeline_dtensor call {call} p={p}")
+        check_collectives(c.calls, [mesh.get_group("dp").group_name, mesh.get_group("pp").group_name], "pipeline_dtensor")
         for q, f in zip(params, layers[stage]):
             check_local(q.grad._local_tensor, distribute_tensor(f * coef, mesh["dp"], [Shard(0)])._local_tensor, "pipeline_dtensor")
+
+
+def dp_tp_pp(rank, world, p):
+    """2 x 2 x world/4 pipeline x data x tensor parallel: each stage's layers as DTensors on its
+    (dp, tp) sub-mesh (2-D sharded, sharded on one dimension and replicated on the other,
+    replicated), a plain tensor split over dp and tp through a ``Shards`` over the mesh's
+    dimensions, and a tied embedding (a replicated DTensor) on both stages counted by the first
+    only: one all-reduce over the world for the norm."""
+    tp = world // 4
+    mesh = init_device_mesh(DEVICE, (2, 2, tp), mesh_dim_names=("pp", "dp", "tp"))
+    stage, dp_rank, tp_rank = (mesh.get_local_rank(n) for n in ("pp", "dp", "tp"))
+    sub = mesh["dp", "tp"]
+    cases = [((8, 6), [Shard(0), Shard(1)]), ((10,), [Replicate(), Shard(0)]), ((4,), [Replicate(), Replicate()]), ((6, 4), [Shard(0), Replicate()])]
+    layers = [full_grads(91 + s, [shape for shape, _ in cases]) for s in range(2)]
+    flats = [full_grads(97 + s, [(2 * tp * 3, 2)])[0] for s in range(2)]
+    tied = full_grads(99, [(5, 3)])[0]
+    params = [param(distribute_tensor(f.clone(), sub, pl)) for f, (_, pl) in zip(layers[stage], cases)]
+    piece = flats[stage].chunk(2 * tp)[dp_rank * tp + tp_rank]
+    mine = param(dev(piece.clone()))
+    emb = param(distribute_tensor(tied.clone(), sub, [Replicate(), Replicate()]))
+    items = params + [gt.Shards([mine], over=[mesh["dp"], mesh["tp"]]), gt.Shards([emb], counted=(stage == 0))]
+    want, coef = reference(layers[0] + layers[1] + flats + [tied], p)
+    pp = mesh.get_group("pp")
+    with CountingAllReduce() as c:
+        got = gt.clip_grad_norm_(items, MAX_NORM, p, pipeline_group=pp)
+    check_norm(got, want, f"dp x tp x pp p={p}")
+    check_collectives(c.calls, [mesh.get_group(n).group_name for n in ("pp", "dp", "tp")], "dp x tp x pp")
+    for i, (q, f, (_, pl)) in enumerate(zip(params, layers[stage], cases)):
+        check_local(q.grad._local_tensor, distribute_tensor(f * coef, sub, pl)._local_tensor, f"dp x tp x pp tensor {i}")
+    check_local(mine.grad, piece * coef, "dp x tp x pp Shards over mesh dimensions")
+    check_local(emb.grad._local_tensor, tied * coef, "dp x tp x pp tied embedding")
+    # The norm alone, of the clipped gradients: the same one collective.
+    with CountingAllReduce() as c:
+        again = gt.get_total_norm([q.grad for q in params] + [gt.Shards([mine.grad], over=[mesh["dp"], mesh["tp"]]), gt.Shards([emb.grad], counted=(stage == 0))], p, pipeline_group=pp)
+    check_norm(again, reference([f * coef for f in layers[0] + layers[1] + flats + [tied]], p)[0], f"dp x tp x pp norm p={p}")
+    check_collectives(c.calls, [mesh.get_group(n).group_name for n in ("pp", "dp", "tp")], "dp x tp x pp norm")
+
+
+def megatron(rank, world, p):
+    """Megatron-style plain process groups (no DTensor, no mesh): tensor-parallel weights in a
+    ``Shards`` over the tp group, replicated over dp; layer norms' weights as plain tensors. By
+    default one all-reduce per group (nothing says every rank takes part); with
+    ``norm_group=WORLD`` exactly one all-reduce, the same norm."""
+    tp, dp = 2, world // 2
+    tp_groups = [dist.new_group([d * tp + t for t in range(tp)]) for d in range(dp)]
+    d, t = rank // tp, rank % tp
+    weights = full_grads(101, [(tp * 4, 3), (tp * 2,)])
+    norms = full_grads(102, [(7,)])
+    local = [param(dev(w.chunk(tp)[t].clone())) for w in weights]
+    plain = [param(dev(n.clone())) for n in norms]
+    want, coef = reference(weights + norms, p)
+    for group in (None, dist.group.WORLD):
+        for q, w in zip(local, weights):
+            q.grad = dev(w.chunk(tp)[t].clone())
+        for q, n in zip(plain, norms):
+            q.grad = dev(n.clone())
+        with CountingAllReduce() as c:
+            got = gt.clip_grad_norm_([gt.Shards(local, over=[tp_groups[d]])] + plain, MAX_NORM, p, norm_group=group)
+        check_norm(got, want, f"megatron norm_group={group} p={p}")
+        if group is not None and replicas.ENABLED:
+            check_one(c.calls, "megatron with norm_group", group)
+        else:
+            assert dict(c.calls) == {tp_groups[d].group_name: 1}, f"megatron per group: {dict(c.calls)}"
+        for q, w in zip(local, weights):
+            check_local(q.grad, w.chunk(tp)[t] * coef, "megatron tp shard")
+        for q, n in zip(plain, norms):
+            check_local(q.grad, n * coef, "megatron replicated")
 
 
 def errors(rank, world, p):
@@ -267,6 +363,22 @@ def errors(rank, world, p):
     else:
         raise AssertionError("a group at two levels was accepted")
     assert torch.equal(g1, before[0]) and torch.equal(g2, before[1])
+    if world > 1 and replicas.ENABLED:
+        # norm_group= where no rank can tell which replica counts: refused on every rank, before
+        # anything is read or written (a pipeline group that is no mesh dimension; a Shards over
+        # two plain groups).
+        pp = dist.new_group(list(range(world)))
+        for items, kw, says in (
+            ([param(g1)], dict(pipeline_group=pp), "pipeline_group as a DeviceMesh"),
+            ([gt.Shards([param(g1)], over=[a]), gt.Shards([param(g2)], over=[a, b])], {}, "DeviceMesh dimensions"),
+        ):
+            try:
+                gt.clip_grad_norm_(items, MAX_NORM, p, norm_group=dist.group.WORLD, **kw)
+            except ValueError as e:
+                assert says in str(e), e
+            else:
+                raise AssertionError(f"norm_group with {kw or items} was accepted")
+            assert torch.equal(g1, before[0]) and torch.equal(g2, before[1])
 
 
 def torch_parity(rank, world, p):
@@ -397,7 +509,7 @@ def fresh_gradients(rank, world, p):
     assert all(r() is None for r in freed), "a gradient outlived zero_grad(set_to_none=True)"
 
 
-SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity, "fsdp_optimizer": fsdp_optimizer, "fresh_gradients": fresh_gradients}
+SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity, "fsdp_optimizer": fsdp_optimizer, "fresh_gradients": fresh_gradients, "dp_tp_pp": dp_tp_pp, "megatron": megatron}
 
 
 def main():

@@ -1,8 +1,9 @@
 """gradclip.torch on sharded gradients across processes (gloo on CPU): FSDP2's Shard(0), a 2 x 2
 data x tensor parallel mesh with Partial, HSDP, a mixture-of-experts layout on two meshes with
 ranks holding different numbers of experts, and pipeline stages with a tied embedding, each against
-one process's f64 computation on the unsharded gradients, with at most one all-reduce per process
-group per call. Ranks are separate processes running ``mesh_worker.py``; a rank that hangs fails
+one process's f64 computation on the unsharded gradients, with exactly one all-reduce per call
+where every mesh spans the world (or ``norm_group`` is given), else at most one per process
+group. Ranks are separate processes running ``mesh_worker.py``; a rank that hangs fails
 the test at its timeout instead of hanging the suite."""
 
 import os
@@ -36,10 +37,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_world(tmp_path, world, scenarios, device="cpu"):
+def run_world(tmp_path, world, scenarios, device="cpu", per_group=False):
     port = str(free_port())
     outs = [tmp_path / f"rank{r}.txt" for r in range(world)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", GRADCLIP_MESH_DEVICE=device)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GRADCLIP_MESH_DEVICE=device, GRADCLIP_MESH_PER_GROUP="1" if per_group else "0")
     procs = [
         subprocess.Popen([sys.executable, WORKER, port, str(r), str(world), str(outs[r]), ",".join(scenarios)], env=env)
         for r in range(world)
@@ -68,12 +69,25 @@ def test_world_of_one(tmp_path):
 
 @GLOO
 def test_world_of_two(tmp_path):
-    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients"])
+    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "megatron", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients"])
 
 
 @GLOO
 def test_world_of_four(tmp_path):
-    run_world(tmp_path, 4, ["fsdp", "fsdp_pure", "dp_tp", "hsdp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer", "fresh_gradients"])
+    run_world(tmp_path, 4, ["fsdp", "fsdp_pure", "dp_tp", "hsdp", "moe", "pipeline", "pipeline_dtensor", "dp_tp_pp", "megatron", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients"])
+
+
+@GLOO
+def test_world_of_four_per_group(tmp_path):
+    # The per-group path (one all-reduce per process group) on the layouts the one-collective
+    # path takes by default: it stays what runs where no rank can tell which replica counts.
+    run_world(tmp_path, 4, ["fsdp", "dp_tp", "hsdp", "moe", "pipeline_dtensor", "dp_tp_pp", "megatron"], per_group=True)
+
+
+@GLOO
+def test_world_of_eight(tmp_path):
+    # 2 x 2 x 2 pipeline x data x tensor parallel, 2 x 4 meshes, MoE over four pairs.
+    run_world(tmp_path, 8, ["fsdp", "dp_tp", "hsdp", "moe", "dp_tp_pp", "megatron", "errors"])
 
 
 @TWO_GPUS

@@ -131,28 +131,30 @@ def get_total_norm(
     foreach: Optional[bool] = None,
     *,
     pipeline_group=None,
+    norm_group=None,
 ) -> torch.Tensor:
     """The norm of all ``tensors`` together, as ``torch.nn.utils.get_total_norm``. DTensors and
     ``Shards`` groups give the global norm over their process groups (a DTensor norm for DTensor
-    inputs); ``pipeline_group`` combines the norms of pipeline stages. Under ``torch.compile`` a
-    plain list of one device's tensors is one registered op in the graph (``gradclip::total_norm``)."""
-    if torch.compiler.is_compiling() and not error_if_nonfinite and pipeline_group is None:
+    inputs); ``pipeline_group`` combines the norms of pipeline stages; ``norm_group`` as in
+    ``clip_grad_norm_``. Under ``torch.compile`` a plain list of one device's tensors is one
+    registered op in the graph (``gradclip::total_norm``)."""
+    if torch.compiler.is_compiling() and not error_if_nonfinite and pipeline_group is None and norm_group is None:
         ts = _compilable(tensors, False)
         if ts is not None:
             return _ops.OPS.total_norm(ts, float(norm_type))
-    return _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group)
+    return _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
 
 @_opaque_to_compile
 @torch.no_grad()
-def _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group) -> torch.Tensor:
+def _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group, norm_group=None) -> torch.Tensor:
     """``get_total_norm`` outside a compiled graph (and for what the graph does not take)."""
     _refuse_host_read_under_capture(error_if_nonfinite)
     items = _as_list(tensors)
     plan, ts, sharded = _scan(items, False)
-    if sharded or pipeline_group is not None:
+    if sharded or pipeline_group is not None or norm_group is not None:
         distributed = _distributed()
-        norm64, layout = _sharded_norm64(items, False, _check_p(norm_type), pipeline_group)
+        norm64, layout = _sharded_norm64(items, False, _check_p(norm_type), pipeline_group, norm_group)
         return distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
     if len(ts) == 0:
         return torch.tensor(0.0)
@@ -204,18 +206,18 @@ def _scale_by_norm(plan, grads: List[torch.Tensor], max_norm: float, total_norm:
         _clip_grads(grads, max_norm, total_norm)
 
 
-def _sharded_norm64(items: list, grads: bool, p: float, pipeline_group=None):
+def _sharded_norm64(items: list, grads: bool, p: float, pipeline_group=None, norm_group=None):
     """The global p-norm of sharded ``items`` (tensors, or parameters' gradients when ``grads``)
     as a 0-dim f64 tensor, with their layout: the shortest path when it applies."""
     distributed = _distributed()
     layout = distributed.collect(items, grads)
-    norm64 = distributed.norm_one_key(layout, p, pipeline_group)
+    norm64 = distributed.norm_one_key(layout, p, pipeline_group, norm_group)
     if norm64 is None:
-        norm64 = distributed.global_norm(layout, p, pipeline_group)
+        norm64 = distributed.global_norm(layout, p, pipeline_group, norm_group)
     return norm64, layout
 
 
-def _grads_norm64(params: list, norm_type: float, pipeline_group=None):
+def _grads_norm64(params: list, norm_type: float, pipeline_group=None, norm_group=None):
     """The global p-norm of the gradients of ``params`` (None grads skipped; DTensor and
     ``Shards`` gradients over their process groups) as a 0-dim f64 tensor on the first
     gradient's device, with the dtype torch would return it in; None when no parameter has a
@@ -223,8 +225,8 @@ def _grads_norm64(params: list, norm_type: float, pipeline_group=None):
     coefficient themselves (``gradclip.torch.optim``)."""
     p = _check_p(norm_type)
     plan, grads, sharded = _scan(params, True)
-    if sharded or pipeline_group is not None:
-        norm64, layout = _sharded_norm64(params, True, p, pipeline_group)
+    if sharded or pipeline_group is not None or norm_group is not None:
+        norm64, layout = _sharded_norm64(params, True, p, pipeline_group, norm_group)
         return norm64, layout.result_dtype()
     if len(grads) == 0:
         return None
@@ -239,20 +241,25 @@ def clip_grad_norm_(
     foreach: Optional[bool] = None,
     *,
     pipeline_group=None,
+    norm_group=None,
 ) -> torch.Tensor:
     """Clip the gradients' global norm in place and return it, as ``torch.nn.utils.clip_grad_norm_``.
 
     DTensor gradients (FSDP2, TP, HSDP, several meshes at once) and ``Shards`` groups (plain
-    process groups) are clipped by their global norm, combined with one all-reduce per process
-    group; ``pipeline_group`` (a process group) combines the norms of pipeline stages. Under
+    process groups) are clipped by their global norm; ``pipeline_group`` (a process group)
+    combines the norms of pipeline stages. The norm takes **one all-reduce** of one f64 over
+    ``norm_group`` (a process group of every rank that clips) when gradclip can tell which rank
+    counts each gradient (one replica of each copy, see ``gradclip.replicas``): by default over
+    the default group when every mesh the gradients live on spans it; else one all-reduce per
+    process group involved. Under
     ``torch.compile`` the plain gradients of one device are one registered op in the graph
     (``gradclip::clip_grad_norm_``, the eager call's bits); the rest (DTensor, ``Shards``,
     ``error_if_nonfinite=True``, which reads the norm on the host) runs eagerly at a graph break."""
-    if torch.compiler.is_compiling() and not error_if_nonfinite and pipeline_group is None and float(max_norm) >= 0:
+    if torch.compiler.is_compiling() and not error_if_nonfinite and pipeline_group is None and norm_group is None and float(max_norm) >= 0:
         grads = _compilable(parameters, True)
         if grads is not None:
             return _ops.OPS.clip_grad_norm_(grads, float(max_norm), float(norm_type))
-    return _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group)
+    return _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
 
 def _compilable(items, grads: bool):
@@ -277,7 +284,7 @@ def _compilable(items, grads: bool):
 
 @_opaque_to_compile
 @torch.no_grad()
-def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group) -> torch.Tensor:
+def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group=None) -> torch.Tensor:
     """``clip_grad_norm_`` outside a compiled graph (and for what the graph does not take)."""
     _refuse_host_read_under_capture(error_if_nonfinite)
     max_norm = float(max_norm)
@@ -285,22 +292,22 @@ def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeli
     generator = isinstance(parameters, types.GeneratorType)
     items = _as_list(parameters)
     plan, grads, sharded = _scan(items, True)
-    if plan is not None and not (sharded or error_if_nonfinite or pipeline_group is not None):
+    if plan is not None and not (sharded or error_if_nonfinite or pipeline_group is not None or norm_group is not None):
         # The common case in three calls into native code (the scan, the plan's info, the clip,
         # which checks max_norm before it reads anything).
         return _clip_plan(plan, grads, max_norm, _check_p(norm_type))
     _check_max_norm(max_norm)
     if generator and not items:
         warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
-    if sharded or pipeline_group is not None:
+    if sharded or pipeline_group is not None or norm_group is not None:
         distributed = _distributed()
         layout = distributed.collect(items, True)
         p = _check_p(norm_type)
         if not error_if_nonfinite:
-            norm64 = distributed.clip_one_key(layout, p, max_norm, pipeline_group)
+            norm64 = distributed.clip_one_key(layout, p, max_norm, pipeline_group, norm_group)
             if norm64 is not None:
                 return distributed.returned(layout, norm64, False, norm_type)
-        norm64 = distributed.global_norm(layout, p, pipeline_group)
+        norm64 = distributed.global_norm(layout, p, pipeline_group, norm_group)
         total = distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
         distributed.scale(layout, _clip_coef(max_norm, norm64))
         return total

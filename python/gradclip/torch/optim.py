@@ -87,7 +87,7 @@ class _ClippingStep:
     them), ``_make_states`` (the states of parameters with their first gradient),
     ``_torch_step`` and ``_after_load``."""
 
-    def _init_clip(self, max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update="gradclip"):
+    def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip"):
         if fused is False or foreach or differentiable:
             raise ValueError(
                 "gradclip's optimizers run torch's fused kernel (fused=True): foreach=True, fused=False and "
@@ -107,7 +107,8 @@ class _ClippingStep:
         self.max_grad_norm = None if max_grad_norm is None else _check_max_norm(max_grad_norm)
         self.norm_type = _check_p(norm_type)
         self.nonfinite = nonfinite
-        self.pipeline_group = pipeline_group
+        # The sharded norm's groups (see clip_grad_norm_): pipeline stages, the one all-reduce's.
+        self.pipeline_group, self.norm_group = groups
         #: The gradients' global norm at the last step (0-dim, on the device, in the dtype
         #: ``clip_grad_norm_`` returns it), before clipping; None before the first clipped step.
         self.last_grad_norm: Optional[torch.Tensor] = None
@@ -130,7 +131,7 @@ class _ClippingStep:
         clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update") if k in state}
         super().__setstate__(state)
         self.__dict__.update(clip)
-        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("pipeline_group", None),
+        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("pipeline_group", None), ("norm_group", None),
                      ("last_grad_norm", None), ("skipped_steps", None)):
             self.__dict__.setdefault(k, v)
         self._counts = {}
@@ -206,7 +207,7 @@ class _ClippingStep:
             return None
         params = [p for g in self.param_groups for p in g["params"]]
         local = [_local(p) for p in params]
-        sharded = dtensors or self.pipeline_group is not None
+        sharded = dtensors or self.pipeline_group is not None or self.norm_group is not None
         return _Layout(native, local[0].device, _result_dtype(local), sharded)
 
     def _gradclip_step(self) -> bool:
@@ -262,7 +263,7 @@ class _ClippingStep:
         out = torch.empty(3, dtype=torch.float64, device=device)
         norm_in, dtype = None, layout.result_dtype
         if clip is not None and layout.sharded:
-            found = _grads_norm64([p for g in self.param_groups for p in g["params"]], self.norm_type, self.pipeline_group)
+            found = _grads_norm64([p for g in self.param_groups for p in g["params"]], self.norm_type, self.pipeline_group, self.norm_group)
             if found is None:
                 return self._no_gradients()
             norm_in, dtype = found
@@ -324,7 +325,7 @@ class _ClippingStep:
         """nonfinite="error" before the first step makes any state: the norm read on the host,
         and the step refused, with nothing written, when it is NaN or infinite."""
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        found = _grads_norm64(params, self.norm_type, self.pipeline_group) if params else None
+        found = _grads_norm64(params, self.norm_type, self.pipeline_group, self.norm_group) if params else None
         if found is not None and not bool(torch.isfinite(found[0])):
             self.last_grad_norm = found[0].to(found[1])
             raise RuntimeError(
@@ -358,7 +359,7 @@ class _ClippingStep:
             return loss
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         _refuse_sparse(params, self._SPARSE)
-        found = _grads_norm64(params, self.norm_type, self.pipeline_group) if params else None
+        found = _grads_norm64(params, self.norm_type, self.pipeline_group, self.norm_group) if params else None
         if found is None:
             self.last_grad_norm = torch.zeros(())  # the norm of no gradients, as clip_grad_norm_ gives it
             self._torch_step()
@@ -409,7 +410,8 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     left as they were, decided on the device, and ``skipped_steps`` counts it), ``"error"``
     (reads the norm on the host and raises before anything is written), or ``"propagate"``
     (torch's behavior: the non-finite coefficient reaches the parameters). ``pipeline_group``:
-    a process group over which stages' norms are combined. ``update``: ``"gradclip"`` (default:
+    a process group over which stages' norms are combined; ``norm_group``: the group of the one
+    all-reduce of a sharded norm (``gradclip.torch.clip_grad_norm_``). ``update``: ``"gradclip"`` (default:
     gradclip's engine, the norm, then the update multiplying each gradient by the coefficient as
     it reads it, with no gradient write-back, so ``.grad`` keeps the unclipped gradients; CUDA
     kernels, or the CPU backend for CPU parameters; a tensor ``lr`` and GradScaler's loss scale and
@@ -447,9 +449,10 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
         norm_type=2.0,
         nonfinite="skip",
         pipeline_group=None,
+        norm_group=None,
         update="gradclip",
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group), fused, foreach, differentiable, update)
         super().__init__(
             params,
             lr,
@@ -489,9 +492,10 @@ class Adam(_ClippingStep, torch.optim.Adam):
         norm_type=2.0,
         nonfinite="skip",
         pipeline_group=None,
+        norm_group=None,
         update="gradclip",
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group), fused, foreach, differentiable, update)
         super().__init__(
             params,
             lr,
@@ -545,9 +549,10 @@ class SGD(_ClippingStep, torch.optim.SGD):
         norm_type=2.0,
         nonfinite="skip",
         pipeline_group=None,
+        norm_group=None,
         update="gradclip",
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, fused, foreach, differentiable, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group), fused, foreach, differentiable, update)
         super().__init__(
             params,
             lr,
@@ -625,6 +630,7 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
         norm_type=2.0,
         nonfinite="skip",
         pipeline_group=None,
+        norm_group=None,
         update="gradclip",
     ):
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
@@ -633,7 +639,7 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
             raise ValueError(f"Invalid beta parameters: {betas}")
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self._init_clip(max_grad_norm, norm_type, nonfinite, pipeline_group, True, None, False, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group), True, None, False, update)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize))
 
     def _hyper(self, group):
