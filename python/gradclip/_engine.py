@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -334,3 +334,49 @@ def _clip_grads(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Te
 
 #: Nonzero while a registered op's implementation runs (see ``_lend_workspace``).
 _OPS_RUNNING = [0]
+
+
+#: The optimizer rules by the number the registered step op takes them as.
+STEP_KINDS = ("adam", "sgd", "lion")
+
+
+def _rule_states(kind: str, h, flags) -> Tuple[Tuple[str, ...], bool]:
+    """The states a rule keeps per parameter, by name, and whether it reads each parameter's own
+    step count (the engine says: one table of which rule keeps what)."""
+    names, own = _native.rule_states((kind, 0.0, tuple(h), tuple(flags), 8, 0))
+    return tuple(names), own
+
+
+def _list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, nonfinite) -> torch.Tensor:
+    """The op ``gradclip::optim_step_``: one optimizer step over explicit lists (groups one after
+    another: ``sizes`` parameters each, ``kinds`` their rules, ``hypers`` eight floats each: lr,
+    four hyperparameters, three flags; ``lrs`` a tensor learning rate or None per group; the
+    states and own step counts of each parameter as ``_rule_states`` lists them), with the clip
+    ``clip`` = [max_norm, p] or []: the engine's norm and updates, as the eager step runs them.
+    Returns the norm (f64, 0-dim; 0 without a clip)."""
+    device = params[0].device if params else counts[0].device
+    groups, keep = [], []
+    a = s = t = 0
+    for g, n in enumerate(sizes):
+        h = hypers[8 * g : 8 * g + 8]
+        lr_t = lrs[g]
+        if lr_t is not None:
+            lr_t = lr_t.to(device=device, dtype=torch.float64)
+            keep.append(lr_t)
+        kind, hh, flags = STEP_KINDS[kinds[g]], tuple(h[1:5]), tuple(bool(x) for x in h[5:8])
+        names, own = _rule_states(kind, hh, flags)
+        hyper = (kind, 0.0 if lr_t is not None else float(h[0]), hh, flags, counts[g].data_ptr(), 0 if lr_t is None else lr_t.data_ptr())
+        k = len(names)
+        groups.append((params[a : a + n], grads[a : a + n], states[s : s + n * k], steps[t : t + n] if own else [], hyper))
+        a, s, t = a + n, s + n * k, t + (n if own else 0)
+    out = torch.zeros(3, dtype=torch.float64, device=device)
+    policy = (float(clip[0]), float(clip[1]), nonfinite) if clip else None
+    if device.type == "cuda":
+        if device.index != _current_device():
+            with torch.cuda.device(device.index):
+                _native.list_step(_PLANNER, groups, _raw_stream(device.index), policy, out.data_ptr())
+        else:
+            _native.list_step(_PLANNER, groups, _raw_stream(device.index), policy, out.data_ptr())
+    else:
+        _native.list_step(_PLANNER, groups, 0, policy, out.data_ptr())
+    return out[0].clone()

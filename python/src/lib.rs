@@ -7,6 +7,7 @@
 mod cpu;
 mod cuda;
 mod guards;
+mod list_step;
 mod optim;
 mod plan_ops;
 mod scan;
@@ -56,6 +57,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;
     m.add_function(wrap_pyfunction!(optim::optim_step, m)?)?;
     m.add_function(wrap_pyfunction!(optim::step_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(list_step::list_step, m)?)?;
+    m.add_function(wrap_pyfunction!(list_step::rule_states, m)?)?;
     m.add("STEP_DONE", optim::STEP_DONE)?;
     m.add("STEP_RELAYOUT", optim::STEP_RELAYOUT)?;
     m.add("STEP_TORCH", optim::STEP_TORCH)?;

@@ -111,7 +111,7 @@ impl StepLayout {
 }
 
 /// Reads one tensor that must be the engine's and on `place`.
-fn read_at(planner: &Planner, t: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Option<RawTensor>> {
+pub(crate) fn read_at(planner: &Planner, t: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Option<RawTensor>> {
     Ok(match planner.entry(t)? {
         Some(e) if *place.get_or_insert(e.place) == e.place => Some(e.tensor),
         _ => None,
@@ -533,19 +533,19 @@ impl ListMaker for LayoutLists<'_> {
 }
 
 /// One group's settings for a step.
-struct Hyper {
-    rule: Rule,
+pub(crate) struct Hyper {
+    pub(crate) rule: Rule,
     /// The address of the group's two int64 (steps, skipped) on the tensors' device.
-    count: u64,
+    pub(crate) count: u64,
     /// The address of a float64 learning rate on the tensors' device (a tensor `lr`), or 0.
-    lr_in: u64,
+    pub(crate) lr_in: u64,
 }
 
 /// `(kind, lr, (h0, h1, h2, h3), (b0, b1, b2), count, lr_in)`, by `kind`:
 /// - `"adam"`: h = (beta1, beta2, eps, weight_decay), b = (amsgrad, maximize, decoupled);
 /// - `"sgd"`: h = (momentum, dampening, weight_decay, _), b = (nesterov, maximize, _);
 /// - `"lion"`: h = (beta1, beta2, weight_decay, _), b = (maximize, _, _).
-fn read_hyper(h: &Bound<'_, PyAny>) -> PyResult<Hyper> {
+pub(crate) fn read_hyper(h: &Bound<'_, PyAny>) -> PyResult<Hyper> {
     type Tuple = (String, f64, (f64, f64, f64, f64), (bool, bool, bool), u64, u64);
     let (kind, lr, (h0, h1, h2, h3), (b0, b1, b2), count, lr_in): Tuple = h.extract()?;
     if !count.is_multiple_of(8) {
@@ -585,7 +585,7 @@ fn read_hyper(h: &Bound<'_, PyAny>) -> PyResult<Hyper> {
 }
 
 /// The clip of a step: `(max_norm, p, nonfinite)`.
-fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>> {
+pub(crate) fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>> {
     let Some((max_norm, p, policy)) = clip else {
         return Ok(None);
     };
@@ -672,7 +672,7 @@ pub fn optim_step(
 
 /// The norm (with a clip) and every group's update of a checked step list.
 #[allow(clippy::too_many_arguments)]
-fn run_step(
+pub(crate) fn run_step(
     py: Python<'_>,
     place: Place,
     list: &StepList,

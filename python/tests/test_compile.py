@@ -181,19 +181,92 @@ def test_reduce_overhead_step_with_the_clip_inside_equals_eager():
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: __import__("gradclip.torch.optim", fromlist=["AdamW"]).AdamW(ps, lr=1e-2, max_grad_norm=0.5),
-    lambda ps: __import__("gradclip.torch.optim", fromlist=["SGD"]).SGD(ps, lr=1e-2, momentum=0.9, max_grad_norm=0.5),
-    lambda ps: __import__("gradclip.torch.optim", fromlist=["Lion"]).Lion(ps, lr=1e-3, max_grad_norm=0.5),
-], ids=["AdamW", "SGD", "Lion"])
-def test_a_compiled_optimizer_step_runs_and_equals_eager(make):
-    """torch.compile(opt.step) of gradclip's optimizers (dynamo failed inside the step, on the
-    layout it keeps): the step runs eagerly at a graph break, three steps equal to eager."""
-    a, b = _model("cpu", torch.float32), _model("cpu", torch.float32)
-    oa, ob = make(list(a.parameters())), make(list(b.parameters()))
+def _optimizers():
+    from gradclip.torch.optim import SGD, AdamW, Lion
+
+    return {
+        # Two groups: one with a tensor learning rate (a scheduler's, no recompile), one with amsgrad.
+        "AdamW": lambda m: AdamW(
+            [{"params": list(m[0].parameters()), "lr": torch.tensor(1e-2)}, {"params": list(m[2].parameters()), "amsgrad": True, "weight_decay": 0.1}],
+            lr=1e-2, max_grad_norm=0.5),
+        "SGD": lambda m: SGD(m.parameters(), lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, max_grad_norm=0.5),
+        "SGD-plain": lambda m: SGD(m.parameters(), lr=1e-2, max_grad_norm=0.5),
+        "Lion": lambda m: Lion(m.parameters(), lr=1e-3, max_grad_norm=0.5, norm_type=float("inf")),
+        "AdamW-no-clip": lambda m: AdamW(m.parameters(), lr=1e-2),
+    }
+
+
+class _SpyNative:
+    """Forwards to the binding; records the parameters' addresses the optimizer op is handed."""
+
+    def __init__(self, real):
+        self.real, self.addresses = real, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def list_step(self, planner, groups, *args):
+        self.addresses.append([p.data_ptr() for g in groups for p in g[0]])
+        return self.real.list_step(planner, groups, *args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(_optimizers()))
+def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(device, name, monkeypatch):
+    """torch.compile(opt.step) of gradclip's optimizers: the first call runs the eager step (it
+    makes the states and the engine's layout; a graph break), the next ones trace the step into
+    one graph around ``gradclip::optim_step_``, which is handed the parameters themselves (no
+    copy); every step equals the eager optimizer's bits (parameters, states, norm, skipped
+    steps), also with a gradient None at one step."""
+    from gradclip import _engine
+
+    make = _optimizers()[name]
+    a, b = _model(device, torch.float32), _model(device, torch.float32)
+    oa, ob = make(a), make(b)
+    spy = _SpyNative(_engine._native)
+    monkeypatch.setattr(_engine, "_native", spy)
     torch._dynamo.reset()
     step = torch.compile(oa.step)
-    for _ in range(3):
+    gen = torch.Generator(device=device).manual_seed(4)
+    for i in range(5):
+        x = torch.randn(4, 16, device=device, generator=gen)
+        for m in (a, b):
+            m.zero_grad()
+            m(x).square().sum().mul(10.0).backward()
+            if i == 3:
+                m[2].bias.grad = None  # this step leaves it (and its own step count) as it is
         step()
         ob.step()
-    assert _same(list(a.parameters()), list(b.parameters()))
+        assert _same(list(a.parameters()), list(b.parameters())), (name, i)
+        for sa, sb in zip(oa.state.values(), ob.state.values()):
+            assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), (name, i)
+        for attr in ("last_grad_norm", "skipped_steps"):
+            x_, y_ = getattr(oa, attr), getattr(ob, attr)
+            assert (x_ is None and y_ is None) or torch.equal(x_, y_), (name, i, attr, x_, y_)
+        if i >= 1:  # the traced step ran the op on the parameters' own memory
+            own = [p.data_ptr() for g in oa.param_groups for p in g["params"] if p.grad is not None]
+            assert spy.addresses and spy.addresses[-1] == own, (name, i)
+    assert len(spy.addresses) == 4, spy.addresses  # steps 1-4 compiled, step 0 eager
+    explained = torch._dynamo.explain(oa.step)()
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    assert "gradclip.optim_step_" in explained.graphs[0].code
+
+
+def test_what_a_compiled_optimizer_step_does_not_take_runs_eagerly():
+    """A closure, update="torch" and nonfinite="error" run the eager step under compile (a graph
+    break) and equal eager."""
+    from gradclip.torch.optim import AdamW
+
+    for kw, closure in ((dict(update="torch"), False), (dict(nonfinite="error"), False), ({}, True)):
+        a, b = _model("cpu", torch.float32), _model("cpu", torch.float32)
+        oa, ob = AdamW(a.parameters(), lr=1e-2, max_grad_norm=0.5, **kw), AdamW(b.parameters(), lr=1e-2, max_grad_norm=0.5, **kw)
+        torch._dynamo.reset()
+        step = torch.compile(oa.step)
+        for _ in range(3):
+            if closure:
+                step(lambda: None)
+                ob.step(lambda: None)
+            else:
+                step()
+                ob.step()
+        assert _same(list(a.parameters()), list(b.parameters())), kw

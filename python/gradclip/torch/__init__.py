@@ -37,6 +37,7 @@ from .._engine import (  # the engine layer this face stands on
     _clip_coef,
     _call,
     _clip_grads,
+    _list_step,
     _out,
     _refuse_host_read_under_capture,
     _result_dtype,
@@ -380,4 +381,4 @@ def _scale_list(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Te
     _scale_by_norm(plan, ts, max_norm, total_norm)
 
 
-_ops.register(_norm_of_list, _clip_list, _scale_list, _result_dtype)
+_ops.register(_norm_of_list, _clip_list, _scale_list, _result_dtype, _list_step)

@@ -1,8 +1,9 @@
 """gradclip's list operations as registered torch ops (``torch.library.custom_op``), so that
 ``torch.compile`` puts them in its graph instead of breaking it: ``gradclip::total_norm``,
-``gradclip::clip_grad_norm_`` and ``gradclip::clip_grads_with_norm_``, each over a plain list of
-tensors of one device, with a fake implementation (the result's dtype and device, as torch
-returns the norm) and the mutated gradients declared. The implementations are the eager engine
+``gradclip::clip_grad_norm_``, ``gradclip::clip_grads_with_norm_`` and the optimizers' step
+``gradclip::optim_step_``, each over plain lists of tensors of one device, with a fake
+implementation (the result's dtype and device, as torch returns the norm) and the mutated
+tensors declared. The implementations are the eager engine
 calls the public functions make, handed in by ``gradclip.torch`` (``register``), so a compiled
 call gives the eager call's bits.
 
@@ -12,7 +13,7 @@ instead, Inductor (torch 2.11, CPU) wrote garbage past the first tensor of the m
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -21,7 +22,7 @@ OPS = None
 
 
 class _Ops:
-    __slots__ = ("total_norm", "clip_grad_norm_", "clip_grads_with_norm_")
+    __slots__ = ("total_norm", "clip_grad_norm_", "clip_grads_with_norm_", "optim_step_")
 
 
 def register(
@@ -29,10 +30,12 @@ def register(
     clip: Callable[[List[torch.Tensor], float, float], torch.Tensor],
     scale: Callable[[List[torch.Tensor], float, torch.Tensor], None],
     result_dtype: Callable[[List[torch.Tensor]], torch.dtype],
+    step: Callable[..., torch.Tensor],
 ) -> _Ops:
-    """Registers the three ops over the eager list implementations ``norm(tensors, p)``,
-    ``clip(grads, max_norm, p)`` (both returning the norm as torch does) and ``scale(grads,
-    max_norm, total_norm)``; ``result_dtype`` is the norm's dtype for a list."""
+    """Registers the ops over the eager list implementations ``norm(tensors, p)``,
+    ``clip(grads, max_norm, p)`` (both returning the norm as torch does), ``scale(grads,
+    max_norm, total_norm)`` and ``step`` (the optimizer step over explicit lists,
+    ``_engine._list_step``); ``result_dtype`` is the norm's dtype for a list."""
     global OPS
 
     def fake_norm(tensors: List[torch.Tensor]) -> torch.Tensor:
@@ -57,7 +60,30 @@ def register(
 
     clip_grads_with_norm_.register_fake(lambda grads, max_norm, total_norm: None)
 
+    # The optimizer step: parameters, states, own step counts and the groups' (steps, skipped)
+    # counts written; the gradients read. Returns the norm (f64, 0-dim).
+    @torch.library.custom_op("gradclip::optim_step_", mutates_args=("params", "states", "steps", "counts"))
+    def optim_step_(
+        params: List[torch.Tensor],
+        grads: List[torch.Tensor],
+        states: List[torch.Tensor],
+        steps: List[torch.Tensor],
+        counts: List[torch.Tensor],
+        lrs: List[Optional[torch.Tensor]],
+        sizes: List[int],
+        kinds: List[int],
+        hypers: List[float],
+        clip: List[float],
+        nonfinite: str,
+    ) -> torch.Tensor:
+        return step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, nonfinite)
+
+    optim_step_.register_fake(
+        lambda params, grads, states, steps, counts, *rest: torch.empty((), dtype=torch.float64, device=counts[0].device)
+    )
+
     ops = _Ops()
     ops.total_norm, ops.clip_grad_norm_, ops.clip_grads_with_norm_ = total_norm, clip_grad_norm_, clip_grads_with_norm_
+    ops.optim_step_ = optim_step_
     OPS = ops
     return ops

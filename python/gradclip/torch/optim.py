@@ -33,8 +33,15 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import _native
-from .._engine import _PLANNER, _check_max_norm, _check_p, _clip_coef, _current_device, _raw_stream, _refuse_host_read_under_capture, _result_dtype
-from . import _grads_norm64, _is_dtensor
+from .._engine import STEP_KINDS, _PLANNER, _check_max_norm, _check_p, _clip_coef, _current_device, _raw_stream, _refuse_host_read_under_capture, _result_dtype, _rule_states
+from . import _grads_norm64, _is_dtensor, _ops
+
+
+@torch._dynamo.assume_constant_result
+def _step_states(kind: str, h, flags):
+    """``_rule_states`` for a traced step: asked of the engine while dynamo traces, a constant of
+    the graph (the group's hyperparameters, which decide it, are guarded)."""
+    return _rule_states(kind, h, flags)
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
@@ -109,11 +116,28 @@ class _ClippingStep:
         self.nonfinite = nonfinite
         # The sharded norm's groups (see clip_grad_norm_): pipeline stages, the one all-reduce's.
         self.pipeline_group, self.norm_group = groups
-        #: The gradients' global norm at the last step (0-dim, on the device, in the dtype
-        #: ``clip_grad_norm_`` returns it), before clipping; None before the first clipped step.
-        self.last_grad_norm: Optional[torch.Tensor] = None
-        #: Steps skipped because the norm was not finite (policy "skip"), counted on the device.
-        self.skipped_steps: Optional[torch.Tensor] = None
+        # What the steps report (``last_grad_norm``, ``skipped_steps``): a dict, which a step
+        # traced by dynamo may write (it refuses to set an optimizer's attributes).
+        self._reported: Dict[str, Optional[torch.Tensor]] = {"last_grad_norm": None, "skipped_steps": None}
+
+    @property
+    def last_grad_norm(self) -> Optional[torch.Tensor]:
+        """The gradients' global norm at the last step (0-dim, on the device, in the dtype
+        ``clip_grad_norm_`` returns it), before clipping; None before the first clipped step."""
+        return self._reported["last_grad_norm"]
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: Optional[torch.Tensor]) -> None:
+        self._reported["last_grad_norm"] = value
+
+    @property
+    def skipped_steps(self) -> Optional[torch.Tensor]:
+        """Steps skipped because the norm was not finite (policy "skip"), counted on the device."""
+        return self._reported["skipped_steps"]
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: Optional[torch.Tensor]) -> None:
+        self._reported["skipped_steps"] = value
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
@@ -131,9 +155,9 @@ class _ClippingStep:
         clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update") if k in state}
         super().__setstate__(state)
         self.__dict__.update(clip)
-        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("pipeline_group", None), ("norm_group", None),
-                     ("last_grad_norm", None), ("skipped_steps", None)):
+        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("pipeline_group", None), ("norm_group", None)):
             self.__dict__.setdefault(k, v)
+        self.__dict__.setdefault("_reported", {"last_grad_norm": None, "skipped_steps": None})
         self._counts = {}
         self._layout = None
 
@@ -340,14 +364,80 @@ class _ClippingStep:
             self.last_grad_norm = torch.zeros(())
         return True
 
-    # Called, not traced, by torch.compile: the step reads its tensors' addresses in native code
-    # (dynamo failed inside it, on the layout it keeps); a compiled step breaks its graph here.
-    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
         scale pass), then updates as torch's fused optimizer; returns the closure's loss. Under
-        ``torch.compile`` it runs eagerly (a graph break)."""
+        ``torch.compile``, once an eager step has run, the engine's step of plain tensors is one
+        registered op in the graph (``gradclip::optim_step_``: the eager step's bits); the rest
+        (a closure, DTensors, ``update="torch"``, ``nonfinite="error"``, GradScaler, parameters
+        with their first gradient) runs eagerly, at a graph break."""
+        if closure is None and torch.compiler.is_compiling() and self._traceable():
+            return self._traced_step()
+        return self._eager_step(closure)
+
+    def _traceable(self) -> bool:
+        """Whether a compiled step can be the registered op (traced by dynamo): the engine took
+        the last eager step, of plain tensors, and this step reads nothing on the host."""
+        layout = self._layout
+        return (
+            layout is not None
+            and not layout.sharded
+            and self.update == "gradclip"
+            and self.nonfinite != "error"
+            and getattr(self, "grad_scale", None) is None
+            and getattr(self, "found_inf", None) is None
+            and len(self._counts) == len(self.param_groups)
+        )
+
+    def _traced_step(self):
+        """The step as dynamo traces it: every group's parameters with a gradient, their states and
+        own step counts listed for ``gradclip::optim_step_``; the eager step (a graph break) when
+        a parameter has its first gradient (torch makes its states) or a gradient the engine
+        does not read as it is (strided)."""
+        params, grads, states, steps, counts, lrs, sizes, kinds, hypers = [], [], [], [], [], [], [], [], []
+        for i, group in enumerate(self.param_groups):
+            kind, h, flags = self._hyper(group)
+            names, own = _step_states(kind, h, flags)
+            n = 0
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if not g.is_contiguous():
+                    return self._eager_step()
+                if names or own:  # (SGD without momentum keeps no state)
+                    st = self.state.get(p)
+                    if st is None or any(st.get(k) is None for k in names) or (own and st.get("step") is None):
+                        return self._eager_step()
+                    states.extend(st[k] for k in names)
+                    if own:
+                        steps.append(st["step"])
+                params.append(p)
+                grads.append(g)
+                n += 1
+            sizes.append(n)
+            lr = group["lr"]
+            on_device = isinstance(lr, torch.Tensor)
+            lrs.append(lr if on_device else None)
+            hypers.extend((0.0 if on_device else float(lr), *h, *(float(f) for f in flags)))
+            kinds.append(STEP_KINDS.index(kind))
+            counts.append(self._counts[i])
+        if not params:
+            return self._eager_step()
+        clip = [] if self.max_grad_norm is None else [float(self.max_grad_norm), float(self.norm_type)]
+        norm = _ops.OPS.optim_step_(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, self.nonfinite)
+        if clip:
+            self._reported["last_grad_norm"] = norm.to(self._layout.result_dtype)
+            if self.nonfinite == "skip":
+                self._reported["skipped_steps"] = self._skipped
+        return None
+
+    # Called, not traced, by torch.compile: the step reads its tensors' addresses in native code
+    # (dynamo failed inside it, on the layout it keeps).
+    @torch.compiler.disable
+    def _eager_step(self, closure=None):
+        """``step`` outside a compiled graph."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
