@@ -1,27 +1,26 @@
 //! The optimizer step over explicit tensor lists: what the registered op
-//! `gradclip::optim_step_` runs (a compiled step hands the op its tensors; Inductor may hand
-//! copies of them, so nothing is recognized by identity as [`crate::optim`]'s layout does). Each
-//! call reads every tensor's address, checks the list ([`StepList::new`]: lengths, dtypes, no
-//! written part sharing a byte with another) and runs the same norm and updates as
-//! [`crate::optim::optim_step`] ([`run_step`]), so a compiled step gives the eager step's bits.
+//! `gradclip::optim_step_` runs (a compiled step hands the op its tensors, as lists). The first
+//! call reads every tensor and checks the list ([`StepList::new`]: lengths, dtypes, no written
+//! part sharing a byte with another); a [`ListStep`] keeps what it read, so that the next calls
+//! of a training loop (the same parameters, states and step counts; gradients of the same
+//! shapes, new ones at new addresses after `zero_grad(set_to_none=True)`) cost an identity and
+//! address check of the written tensors, torch's tensor guards over the gradients and, when
+//! they moved, [`StepList::with_grads`]. The norm and updates are [`crate::optim::optim_step`]'s
+//! ([`run_step`]), so a compiled step gives the eager step's bits.
+
+use std::sync::{Mutex, TryLockError};
 
 use gradclip::optim::{Parts, StepList};
-use pyo3::exceptions::PyValueError;
+use gradclip::plan::RawTensor;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::optim::{Hyper, STEP_DONE, clip_config, read_at, read_hyper, run_step};
+use crate::guards::{AddressCheck, ListGuard};
+use crate::optim::{Hyper, clip_config, read_at, read_hyper, run_step};
 use crate::scan::{Place, Planner};
 use crate::to_py;
-
-/// One group as [`list_step`] takes it: parameters, gradients, states, own step counts, hyper.
-type GroupLists<'py> = (
-    Bound<'py, PyList>,
-    Bound<'py, PyList>,
-    Bound<'py, PyList>,
-    Bound<'py, PyList>,
-    Bound<'py, PyAny>,
-);
 
 /// The states a group's rule keeps, by name, and whether it reads each parameter's own step
 /// count (`hyper` as [`crate::optim::optim_step`] takes it): what the caller lists per parameter.
@@ -31,18 +30,309 @@ pub fn rule_states(hyper: &Bound<'_, PyAny>) -> PyResult<(Vec<&'static str>, boo
     Ok((rule.states().to_vec(), rule.uses_own_step()))
 }
 
-/// One step over `groups`: `(params, grads, states, steps, hyper)` per group, `states` the
-/// rule's states of each parameter one parameter after another ([`rule_states`]), `steps` each
-/// parameter's own step count (empty when the rule reads none); every parameter has a gradient.
-/// `stream`, `clip`, `norm_out`, `norm_in`, `loss_scale`, `found_inf` as
-/// [`crate::optim::optim_step`] takes them. Raises (nothing written) when a tensor is not one the
-/// engine reads, naming it, or when the lists do not fit the rules; returns the norm on the CPU.
+/// What one group of the lists looks like: its parameters, its rule's states, whether it reads
+/// own step counts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct GroupShape {
+    params: usize,
+    names: &'static [&'static str],
+    own: bool,
+}
+
+/// The lists of one optimizer's compiled step as last read (see the module's documentation).
+/// Holds the parameters, states and step counts it read (the optimizer holds them anyway) and
+/// their storages, never a gradient.
+#[pyclass(frozen, module = "gradclip._native")]
+pub struct ListStep {
+    kept: Mutex<Option<KeptLists>>,
+}
+
+#[pymethods]
+impl ListStep {
+    #[new]
+    fn new() -> Self {
+        ListStep { kept: Mutex::new(None) }
+    }
+}
+
+struct KeptLists {
+    place: Place,
+    shape: Vec<GroupShape>,
+    /// Parameters, states, step counts as read: compared by identity, then by address (their
+    /// storages held: a kept address is still theirs).
+    written: [Py<PyList>; 3],
+    written_at: [AddressCheck; 3],
+    _storages: Vec<Py<PyAny>>,
+    /// Which parameters had a gradient (the others are in the list with an absent one).
+    mask: Vec<bool>,
+    /// Each parameter as read, and whether it is in the list (an empty parameter without a
+    /// gradient is left out: its absent gradient would read as an empty one, whose step counts).
+    param_tensors: Vec<RawTensor>,
+    listed: Vec<bool>,
+    /// The present gradients' sizes, strides and dtypes (torch's guards), and where they were.
+    grads: ListGuard,
+    /// The list's gradients (absent ones included), in order.
+    grad_tensors: Vec<RawTensor>,
+    list: StepList,
+}
+
+/// The gradient a parameter without one has in a step list ([`Parts::without_grad`]).
+fn absent(param: RawTensor) -> RawTensor {
+    RawTensor { addr: 0, len: 0, ..param }
+}
+
+/// The gradients of `grads` that are not None, and which are.
+fn present<'py>(grads: &Bound<'py, PyList>) -> PyResult<(Bound<'py, PyList>, Vec<bool>)> {
+    let mask: Vec<bool> = grads.iter().map(|g| !g.is_none()).collect();
+    if mask.iter().all(|&m| m) {
+        return Ok((grads.clone(), mask));
+    }
+    Ok((PyList::new(grads.py(), grads.iter().filter(|g| !g.is_none()))?, mask))
+}
+
+/// The lists of one call.
+struct Lists<'a, 'py> {
+    params: &'a Bound<'py, PyList>,
+    grads: &'a Bound<'py, PyList>,
+    states: &'a Bound<'py, PyList>,
+    steps: &'a Bound<'py, PyList>,
+}
+
+/// Whether `a` holds exactly the objects of `b`, in order.
+fn same_objects(a: &Bound<'_, PyList>, b: &Bound<'_, PyList>) -> bool {
+    a.len() == b.len() && a.iter().zip(b.iter()).all(|(x, y)| x.is(&y))
+}
+
+impl KeptLists {
+    /// The kept list for this call's lists, with the gradients' new addresses when they moved or
+    /// the set of None gradients changed; None when something else differs (the caller reads
+    /// everything again).
+    fn fits(&mut self, planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyResult<Option<StepList>> {
+        let py = l.params.py();
+        let written = [l.params, l.states, l.steps];
+        if self.shape != shape
+            || !written
+                .iter()
+                .zip(&self.written)
+                .all(|(now, kept)| same_objects(now, kept.bind(py)))
+            || !written.iter().zip(&self.written_at).all(|(now, at)| at.same(now))
+        {
+            return Ok(None);
+        }
+        let Some(fns) = planner.guard_fns() else {
+            return Ok(None);
+        };
+        let (present, mask) = present(l.grads)?;
+        let mut now = Vec::with_capacity(present.len()); // each present gradient as it is now
+        if mask == self.mask {
+            if !self.grads.same_layout(&present) {
+                return Ok(None);
+            }
+            if self.grads.same_addresses(&present) {
+                return Ok(Some(self.list.clone()));
+            }
+            let ptrs = fns.data_ptrs(&present)?;
+            let kept = self
+                .grad_tensors
+                .iter()
+                .zip(self.listed.iter().zip(&self.mask).filter(|(l, _)| **l))
+                .filter(|(_, (_, m))| **m);
+            now.extend(kept.zip(&ptrs).map(|((t, _), &addr)| RawTensor { addr, ..*t }));
+            self.grads.moved_to(py, &ptrs)?;
+        } else {
+            // Another set of None gradients: the present ones read (the rest of the list kept).
+            if self.listed.iter().any(|l| !l) || self.param_tensors.iter().any(|p| p.len == 0) {
+                return Ok(None);
+            }
+            let mut place = Some(self.place);
+            for g in present.iter() {
+                match read_at(planner, &g, &mut place)? {
+                    Some(t) => now.push(t),
+                    None => return Ok(None),
+                }
+            }
+            let Some(guard) = fns.guard(&present, &fns.data_ptrs(&present)?) else {
+                return Ok(None);
+            };
+            self.grads = guard;
+        }
+        let mut next = now.into_iter();
+        let full: Vec<RawTensor> = self
+            .param_tensors
+            .iter()
+            .zip(&mask)
+            .zip(&self.listed)
+            .filter(|(_, listed)| **listed)
+            .map(|((&p, &has), _)| if has { next.next().unwrap_or(absent(p)) } else { absent(p) })
+            .collect();
+        let Ok(list) = self.list.with_grads(&full) else {
+            self.mask.clear(); // the guard may be the new set's: the next call reads everything
+            return Ok(None); // StepList::new decides, and names what is wrong
+        };
+        self.mask = mask;
+        self.grad_tensors = full;
+        self.list = list.clone();
+        Ok(Some(list))
+    }
+}
+
+/// Every tensor of the lists as read: the checked step list, the tensors' place, each
+/// parameter, whether it is listed, and the list's gradients.
+struct Read {
+    list: StepList,
+    place: Place,
+    params: Vec<RawTensor>,
+    listed: Vec<bool>,
+    grads: Vec<RawTensor>,
+}
+
+/// Reads every tensor of the lists; raises naming the first tensor the engine does not read.
+/// A None gradient is an absent one ([`Parts::without_grad`]); an empty parameter without a
+/// gradient is left out of the list.
+fn read_lists(planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyResult<Option<Read>> {
+    let mut place: Option<Place> = None;
+    let read = |what: &str, t: Bound<'_, PyAny>, i: usize, place: &mut Option<Place>| -> PyResult<RawTensor> {
+        read_at(planner, &t, place)?.ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{what}[{i}] is not a tensor gradclip's step reads (a contiguous bf16, f16, f32 or f64 tensor on the device of the others)"
+            ))
+        })
+    };
+    let (mut at, mut st, mut sp) = (0, 0, 0);
+    let mut groups = Vec::with_capacity(shape.len());
+    let (mut params, mut listed, mut grads) = (Vec::new(), Vec::new(), Vec::new());
+    for g in shape {
+        let mut parts = Vec::with_capacity(g.params);
+        for _ in 0..g.params {
+            let param = read("params", l.params.get_item(at)?, at, &mut place)?;
+            let grad_obj = l.grads.get_item(at)?;
+            let grad = if grad_obj.is_none() {
+                None
+            } else {
+                Some(read("grads", grad_obj, at, &mut place)?)
+            };
+            let mut states = Vec::with_capacity(g.names.len());
+            for _ in 0..g.names.len() {
+                states.push(read("states", l.states.get_item(st)?, st, &mut place)?);
+                st += 1;
+            }
+            let step = if g.own {
+                sp += 1;
+                Some(read("steps", l.steps.get_item(sp - 1)?, sp - 1, &mut place)?)
+            } else {
+                None
+            };
+            params.push(param);
+            at += 1;
+            let keep = grad.is_some() || param.len > 0;
+            listed.push(keep);
+            if keep {
+                let grad = grad.unwrap_or(absent(param));
+                let mut p = Parts::new(param, grad, &states);
+                p.step = step;
+                parts.push(p);
+                grads.push(grad);
+            }
+        }
+        groups.push((parts, g.names));
+    }
+    let Some(place) = place else {
+        return Ok(None);
+    };
+    Ok(Some(Read {
+        list: StepList::new(&groups).map_err(to_py)?,
+        place,
+        params,
+        listed,
+        grads,
+    }))
+}
+
+impl ListStep {
+    /// The step list of this call's lists: the kept one when it fits, else read (and kept).
+    fn list(&self, planner: &Planner, shape: Vec<GroupShape>, l: &Lists<'_, '_>) -> PyResult<Option<(StepList, Place)>> {
+        let mut kept = match self.kept.try_lock() {
+            Ok(k) => k,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                return Err(PyRuntimeError::new_err("one optimizer's step ran on two threads at once"));
+            }
+        };
+        if let Some(k) = kept.as_mut()
+            && let Some(list) = k.fits(planner, &shape, l)?
+        {
+            return Ok(Some((list, k.place)));
+        }
+        *kept = None;
+        let Some(read) = read_lists(planner, &shape, l)? else {
+            return Ok(None);
+        };
+        let out = (read.list.clone(), read.place);
+        *kept = keep(planner, shape, l, read)?;
+        Ok(Some(out))
+    }
+}
+
+/// What the next call checks, for lists just read; None without torch's guards (every call then
+/// reads its lists).
+fn keep(planner: &Planner, shape: Vec<GroupShape>, l: &Lists<'_, '_>, read: Read) -> PyResult<Option<KeptLists>> {
+    let py = l.params.py();
+    let Some(fns) = planner.guard_fns() else {
+        return Ok(None);
+    };
+    let mut storages = Vec::new();
+    let mut at = Vec::with_capacity(3);
+    for w in [l.params, l.states, l.steps] {
+        for t in w.iter() {
+            storages.push(t.call_method0(intern!(py, "untyped_storage"))?.unbind());
+        }
+        let Some(check) = fns.addresses(py, &fns.data_ptrs(w)?) else {
+            return Ok(None);
+        };
+        at.push(check);
+    }
+    let (present, mask) = present(l.grads)?;
+    let Some(grads) = fns.guard(&present, &fns.data_ptrs(&present)?) else {
+        return Ok(None);
+    };
+    let Ok(written_at) = <[AddressCheck; 3]>::try_from(at) else {
+        return Ok(None);
+    };
+    let copy = |w: &Bound<'_, PyList>| PyList::new(py, w.iter()).map(|c| c.unbind());
+    Ok(Some(KeptLists {
+        place: read.place,
+        shape,
+        written: [copy(l.params)?, copy(l.states)?, copy(l.steps)?],
+        written_at,
+        _storages: storages,
+        mask,
+        param_tensors: read.params,
+        listed: read.listed,
+        grads,
+        grad_tensors: read.grads,
+        list: read.list,
+    }))
+}
+
+/// One step over explicit lists, groups one after another: `params` and `grads` (None where a
+/// parameter has none this step: it is left as torch's step leaves it), `states` (each parameter's, in the order [`rule_states`] names
+/// them), `steps` (each parameter's own step count, for the groups whose rule reads one), and
+/// `groups` = `(parameters, hyper)` per group, `hyper` as [`crate::optim::optim_step`] takes it.
+/// `cache` keeps what was read for the next call. `stream`, `clip`, `norm_out`, `norm_in`,
+/// `loss_scale`, `found_inf` as [`crate::optim::optim_step`] takes them. Raises (nothing
+/// written) when a tensor is not one the engine reads, naming it, or when the lists do not fit
+/// the rules; returns the norm on the CPU.
 #[pyfunction]
-#[pyo3(signature = (planner, groups, stream, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
+#[pyo3(signature = (cache, planner, params, grads, states, steps, groups, stream, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
 #[allow(clippy::too_many_arguments)]
 pub fn list_step(
     py: Python<'_>,
+    cache: &Bound<'_, ListStep>,
     planner: &Bound<'_, Planner>,
+    params: &Bound<'_, PyList>,
+    grads: &Bound<'_, PyList>,
+    states: &Bound<'_, PyList>,
+    steps: &Bound<'_, PyList>,
     groups: &Bound<'_, PyList>,
     stream: usize,
     clip: Option<(f64, f64, String)>,
@@ -51,64 +341,49 @@ pub fn list_step(
     loss_scale: u64,
     found_inf: u64,
 ) -> PyResult<Option<f64>> {
-    let pl = planner.get();
     let clip = clip_config(clip)?;
-    if !norm_out.is_multiple_of(8) || norm_out == 0 || (norm_in != 0 && !norm_in.is_multiple_of(8)) {
+    if norm_out == 0 || !norm_out.is_multiple_of(8) || (norm_in != 0 && !norm_in.is_multiple_of(8)) {
         return Err(PyValueError::new_err("the global norm and the norm output must be float64 tensors"));
     }
     if !loss_scale.is_multiple_of(4) || !found_inf.is_multiple_of(4) {
         return Err(PyValueError::new_err("the loss scale and found_inf must be float32 tensors"));
     }
-    let mut place: Option<Place> = None;
     let mut hypers: Vec<Hyper> = Vec::with_capacity(groups.len());
-    let mut lists = Vec::with_capacity(groups.len());
-    for (gi, g) in groups.iter().enumerate() {
-        let (params, grads, states, steps, hyper): GroupLists<'_> = g.extract()?;
+    let mut shape = Vec::with_capacity(groups.len());
+    for g in groups.iter() {
+        let (n, hyper): (usize, Bound<'_, PyAny>) = g.extract()?;
         let h = read_hyper(&hyper)?;
-        if h.count == 0 || !h.count.is_multiple_of(8) {
+        if h.count == 0 {
             return Err(PyValueError::new_err("the step count must be an int64 tensor of two elements"));
         }
-        let (names, own) = (h.rule.states(), h.rule.uses_own_step());
-        let n = params.len();
-        if grads.len() != n || states.len() != n * names.len() || steps.len() != if own { n } else { 0 } {
-            return Err(PyValueError::new_err(format!(
-                "group {gi}: {n} parameters take {n} gradients, {} states ({names:?} each) and {} step counts; got {}, {} and {}",
-                n * names.len(),
-                if own { n } else { 0 },
-                grads.len(),
-                states.len(),
-                steps.len()
-            )));
-        }
-        let mut read = |what: &str, i: usize, t: Bound<'_, PyAny>| -> PyResult<gradclip::plan::RawTensor> {
-            read_at(pl, &t, &mut place)?.ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "group {gi}: {what}[{i}] is not a tensor gradclip's step reads (a contiguous bf16, f16, f32 or f64 tensor on the device of the others)"
-                ))
-            })
-        };
-        let mut parts = Vec::with_capacity(n);
-        for i in 0..n {
-            let param = read("params", i, params.get_item(i)?)?;
-            let grad = read("grads", i, grads.get_item(i)?)?;
-            let mut st = Vec::with_capacity(names.len());
-            for k in 0..names.len() {
-                st.push(read("states", i * names.len() + k, states.get_item(i * names.len() + k)?)?);
-            }
-            let mut p = Parts::new(param, grad, &st);
-            if own {
-                p.step = Some(read("steps", i, steps.get_item(i)?)?);
-            }
-            parts.push(p);
-        }
-        lists.push((parts, names));
+        shape.push(GroupShape {
+            params: n,
+            names: h.rule.states(),
+            own: h.rule.uses_own_step(),
+        });
         hypers.push(h);
     }
-    let Some(place) = place else {
+    let (n, k, s) = shape.iter().fold((0, 0, 0), |(n, k, s), g| {
+        (n + g.params, k + g.params * g.names.len(), s + if g.own { g.params } else { 0 })
+    });
+    if params.len() != n || grads.len() != n || states.len() != k || steps.len() != s {
+        return Err(PyValueError::new_err(format!(
+            "the groups' rules take {n} parameters and gradients, {k} states and {s} step counts; got {}, {}, {} and {}",
+            params.len(),
+            grads.len(),
+            states.len(),
+            steps.len()
+        )));
+    }
+    let lists = Lists {
+        params,
+        grads,
+        states,
+        steps,
+    };
+    let Some((list, place)) = cache.get().list(planner.get(), shape, &lists)? else {
         return Ok(None); // no tensor at all: nothing to step
     };
-    let list = StepList::new(&lists).map_err(to_py)?;
-    let (verdict, norm) = run_step(py, place, &list, &hypers, stream, clip, norm_out, norm_in, loss_scale, found_inf)?;
-    debug_assert_eq!(verdict, STEP_DONE);
+    let (_, norm) = run_step(py, place, &list, &hypers, stream, clip, norm_out, norm_in, loss_scale, found_inf)?;
     Ok(norm)
 }

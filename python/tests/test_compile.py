@@ -205,9 +205,9 @@ class _SpyNative:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def list_step(self, planner, groups, *args):
-        self.addresses.append([p.data_ptr() for g in groups for p in g[0]])
-        return self.real.list_step(planner, groups, *args)
+    def list_step(self, cache, planner, params, *args):
+        self.addresses.append([p.data_ptr() for p in params])
+        return self.real.list_step(cache, planner, params, *args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -244,12 +244,41 @@ def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(devic
             x_, y_ = getattr(oa, attr), getattr(ob, attr)
             assert (x_ is None and y_ is None) or torch.equal(x_, y_), (name, i, attr, x_, y_)
         if i >= 1:  # the traced step ran the op on the parameters' own memory
-            own = [p.data_ptr() for g in oa.param_groups for p in g["params"] if p.grad is not None]
+            own = [p.data_ptr() for g in oa.param_groups for p in g["params"]]
             assert spy.addresses and spy.addresses[-1] == own, (name, i)
     assert len(spy.addresses) == 4, spy.addresses  # steps 1-4 compiled, step 0 eager
     explained = torch._dynamo.explain(oa.step)()
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
     assert "gradclip.optim_step_" in explained.graphs[0].code
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion"])
+def test_reduce_overhead_optimizer_step_runs_in_a_cuda_graph_and_equals_eager(name):
+    """torch.compile(opt.step, mode="reduce-overhead"): gradclip's step (clip inside) replayed
+    from a CUDA graph (no cudagraph skip counted), on new gradient values copied into the same
+    gradient tensors each step, equals the eager step's bits."""
+    from torch._dynamo.utils import counters
+
+    make = _optimizers()[name]
+    a, b = _model("cuda", torch.float32), _model("cuda", torch.float32)
+    oa, ob = make(a), make(b)
+    oa.step()  # the eager first step: states and layouts
+    ob.step()
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(oa.step, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for i in range(6):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            g = torch.randn(pa.shape, device="cuda", generator=gen)
+            pa.grad.copy_(g)
+            pb.grad.copy_(g)
+        step()
+        ob.step()
+        assert _same(list(a.parameters()), list(b.parameters())), (name, i)
+        assert torch.equal(oa.last_grad_norm, ob.last_grad_norm), (name, i)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
 def test_what_a_compiled_optimizer_step_does_not_take_runs_eagerly():

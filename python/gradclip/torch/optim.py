@@ -37,12 +37,6 @@ from .._engine import STEP_KINDS, _PLANNER, _check_max_norm, _check_p, _clip_coe
 from . import _grads_norm64, _is_dtensor, _ops
 
 
-@torch._dynamo.assume_constant_result
-def _step_states(kind: str, h, flags):
-    """``_rule_states`` for a traced step: asked of the engine while dynamo traces, a constant of
-    the graph (the group's hyperparameters, which decide it, are guarded)."""
-    return _rule_states(kind, h, flags)
-
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
 #: What a step does when the gradients' norm is NaN or infinite.
@@ -80,10 +74,25 @@ class _Layout:
     of a step needs of it: the tensors' device, the dtype torch returns their norm in, and whether
     the norm is global over process groups (DTensor parameters, a pipeline group)."""
 
-    __slots__ = ("native", "device", "result_dtype", "sharded")
+    __slots__ = ("native", "device", "result_dtype", "sharded", "lists")
 
     def __init__(self, native, device, result_dtype, sharded):
         self.native, self.device, self.result_dtype, self.sharded = native, device, result_dtype, sharded
+        #: The step's tensors as a compiled step hands them to ``gradclip::optim_step_``
+        #: (``_StepLists``), made after an eager step; None until then.
+        self.lists = None
+
+
+class _StepLists:
+    """The parameters that have their states, their states and own step counts in the order the
+    registered step op takes them, each group's count and state names, and the parameters
+    without states (a gradient on one sends the step to the eager path, which makes them), and
+    each group's ``_hyper`` when they were read (which decides the states its rule keeps)."""
+
+    __slots__ = ("params", "states", "steps", "sizes", "hypers", "stateless")
+
+    def __init__(self, params, states, steps, sizes, hypers, stateless):
+        self.params, self.states, self.steps, self.sizes, self.hypers, self.stateless = params, states, steps, sizes, hypers, stateless
 
 
 class _ClippingStep:
@@ -317,6 +326,7 @@ class _ClippingStep:
                 # Parameters with their first gradient: torch makes their states (and checks
                 # them), the next call reads just those into the layout.
                 self._init_states(norm)
+                layout.lists = None
                 continue
             # The parameters or their states changed: read them again.
             layout = self._layout = self._make_layout()
@@ -329,7 +339,31 @@ class _ClippingStep:
             self.last_grad_norm = norm.to(dtype)
             if self.nonfinite == "skip":
                 self.skipped_steps = self._skipped
+        if layout.lists is None:
+            layout.lists = self._step_lists()
         return True
+
+    def _step_lists(self) -> _StepLists:
+        """The step's tensors for the registered op, read from the groups and the state dict."""
+        params, states, steps, sizes, hypers, stateless = [], [], [], [], [], []
+        for group in self.param_groups:
+            kind, h, flags = self._hyper(group)
+            keys, own = _rule_states(kind, h, flags)
+            hypers.append((kind, h, flags))
+            n = 0
+            for p in group["params"]:
+                st = self.state.get(p) if keys or own else None
+                if (keys or own) and (st is None or any(st.get(k) is None for k in keys) or (own and st.get("step") is None)):
+                    stateless.append(p)
+                    continue
+                if keys or own:
+                    states.extend(st[k] for k in keys)
+                    if own:
+                        steps.append(st["step"])
+                params.append(p)
+                n += 1
+            sizes.append(n)
+        return _StepLists(params, states, steps, sizes, hypers, stateless)
 
     def _hyper_of(self, group, lr_on_device=False):
         """``(kind, lr, h, flags)`` of ``group`` for the engine (lr 0 when it is on the device)."""
@@ -391,42 +425,34 @@ class _ClippingStep:
         )
 
     def _traced_step(self):
-        """The step as dynamo traces it: every group's parameters with a gradient, their states and
-        own step counts listed for ``gradclip::optim_step_``; the eager step (a graph break) when
-        a parameter has its first gradient (torch makes its states) or a gradient the engine
-        does not read as it is (strided)."""
-        params, grads, states, steps, counts, lrs, sizes, kinds, hypers = [], [], [], [], [], [], [], [], []
+        """The step as dynamo traces it: the kept lists (``_StepLists``) with this step's
+        gradients (None where a parameter has none: the op leaves it as torch's step does) for
+        ``gradclip::optim_step_``; the eager step (a graph break) when the lists are not made
+        yet, a parameter has its first gradient (torch makes its states), a group's
+        hyperparameters changed (its rule may keep other states: the lists are read again), or a
+        gradient is strided (the engine reads it as it is)."""
+        lists = self._layout.lists
+        if lists is None or len(lists.sizes) != len(self.param_groups):
+            return self._eager_step()
+        for p in lists.stateless:
+            if p.grad is not None:
+                return self._eager_step()
+        grads = [p.grad for p in lists.params]
+        if all(g is None for g in grads) or any(g is not None and not g.is_contiguous() for g in grads):
+            return self._eager_step()
+        counts, lrs, kinds, hypers = [], [], [], []
         for i, group in enumerate(self.param_groups):
-            kind, h, flags = self._hyper(group)
-            names, own = _step_states(kind, h, flags)
-            n = 0
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if not g.is_contiguous():
-                    return self._eager_step()
-                if names or own:  # (SGD without momentum keeps no state)
-                    st = self.state.get(p)
-                    if st is None or any(st.get(k) is None for k in names) or (own and st.get("step") is None):
-                        return self._eager_step()
-                    states.extend(st[k] for k in names)
-                    if own:
-                        steps.append(st["step"])
-                params.append(p)
-                grads.append(g)
-                n += 1
-            sizes.append(n)
+            kind, h, flags = hyper = self._hyper(group)
+            if hyper != lists.hypers[i]:
+                return self._eager_step(None, True)
             lr = group["lr"]
             on_device = isinstance(lr, torch.Tensor)
             lrs.append(lr if on_device else None)
             hypers.extend((0.0 if on_device else float(lr), *h, *(float(f) for f in flags)))
             kinds.append(STEP_KINDS.index(kind))
             counts.append(self._counts[i])
-        if not params:
-            return self._eager_step()
         clip = [] if self.max_grad_norm is None else [float(self.max_grad_norm), float(self.norm_type)]
-        norm = _ops.OPS.optim_step_(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, self.nonfinite)
+        norm = _ops.OPS.optim_step_(lists.params, grads, lists.states, lists.steps, counts, lrs, lists.sizes, kinds, hypers, clip, self.nonfinite)
         if clip:
             self._reported["last_grad_norm"] = norm.to(self._layout.result_dtype)
             if self.nonfinite == "skip":
@@ -436,8 +462,11 @@ class _ClippingStep:
     # Called, not traced, by torch.compile: the step reads its tensors' addresses in native code
     # (dynamo failed inside it, on the layout it keeps).
     @torch.compiler.disable
-    def _eager_step(self, closure=None):
-        """``step`` outside a compiled graph."""
+    def _eager_step(self, closure=None, relist=False):
+        """``step`` outside a compiled graph (``relist``: the compiled step's lists are read
+        again after it)."""
+        if relist and self._layout is not None:
+            self._layout.lists = None
         loss = None
         if closure is not None:
             with torch.enable_grad():

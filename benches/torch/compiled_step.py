@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""The optimizer step under torch.compile against the eager one, on 555 bf16 parameters in the
+shapes of an 8-layer mixture of experts (``step_host.moe_shapes``), AdamW with the clip inside
+(max_grad_norm=1.0), steps run back to back as a training loop runs them:
+
+  same           the same gradient tensors every step
+  fresh_reused   new gradient tensors every step (``zero_grad(set_to_none=True)``: the old ones
+                 freed first, so the caching allocator mostly hands back their addresses)
+
+Rows: per-step time (wall time of --steps steps, the GPU drained at both ends, divided by the
+steps; the gradients' setup included, the same for every row), host time of the step call
+(median), for gradclip's AdamW eager, torch.compile(opt.step), torch.compile(opt.step,
+mode="reduce-overhead"), and torch's fused AdamW (no clip) eager and compiled for reference.
+
+  python3 benches/torch/compiled_step.py out.json [--steps 50] [--commit C]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_host import Grads, moe_shapes  # noqa: E402
+
+from gradclip.torch import optim  # noqa: E402
+
+
+def per_step(fn, setup, steps):
+    """(per-step us, median host us of fn) over `steps` back-to-back steps."""
+    hosts = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        setup()
+        h = time.perf_counter()
+        fn()
+        hosts.append((time.perf_counter() - h) * 1e6)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e6, statistics.median(hosts)
+
+
+def variants(params):
+    def gradclip():
+        return optim.AdamW(params, lr=1e-4, max_grad_norm=1.0)
+
+    def torch_fused():
+        return torch.optim.AdamW(params, lr=torch.tensor(1e-4, device="cuda"), fused=True)
+
+    return [
+        ("gradclip_eager", gradclip, None),
+        ("gradclip_compiled", gradclip, "default"),
+        ("gradclip_compiled_reduce_overhead", gradclip, "reduce-overhead"),
+        ("torch_fused_noclip_eager", torch_fused, None),
+        ("torch_fused_noclip_compiled", torch_fused, "default"),
+    ]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in moe_shapes()]
+    rows = []
+    for case in ("same", "fresh_reused"):
+        grads = Grads(params, 0.0)
+        setup = grads.same if case == "same" else grads.fresh_reused
+        for name, make, mode in variants(params):
+            opt = make()
+            setup()
+            opt.step()  # the eager first step: states and layouts
+            torch._dynamo.reset()
+            t = time.perf_counter()
+            fn = opt.step if mode is None else torch.compile(opt.step, mode=mode)
+            for _ in range(3):  # compile, and (reduce-overhead) record the graph
+                setup()
+                fn()
+            warm_s = time.perf_counter() - t
+            step_us, host_us = per_step(fn, setup, args.steps)
+            row = dict(list="moe-555-bf16", case=case, optimizer=name, step_us=step_us, host_us=host_us, warmup_s=warm_s)
+            rows.append(row)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            del opt, fn
+        for p in params:
+            p.grad = None
+    record = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "commit": args.commit,
+        "command": "python3 benches/torch/compiled_step.py " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
