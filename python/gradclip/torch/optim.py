@@ -79,7 +79,7 @@ class _Layout:
     def __init__(self, native, device, result_dtype, sharded):
         self.native, self.device, self.result_dtype, self.sharded = native, device, result_dtype, sharded
         #: The step's tensors as a compiled step hands them to ``gradclip::optim_step_``
-        #: (``_StepLists``), made after an eager step; None until then.
+        #: (``_StepLists``), made after an eager step that a compiled step asked for.
         self.lists = None
 
 
@@ -339,8 +339,6 @@ class _ClippingStep:
             self.last_grad_norm = norm.to(dtype)
             if self.nonfinite == "skip":
                 self.skipped_steps = self._skipped
-        if layout.lists is None:
-            layout.lists = self._step_lists()
         return True
 
     def _step_lists(self) -> _StepLists:
@@ -402,8 +400,8 @@ class _ClippingStep:
     def step(self, closure=None):
         """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
         scale pass), then updates as torch's fused optimizer; returns the closure's loss. Under
-        ``torch.compile``, once an eager step has run, the engine's step of plain tensors is one
-        registered op in the graph (``gradclip::optim_step_``: the eager step's bits); the rest
+        ``torch.compile``, after two eager steps (states and layout, then the op's lists), the
+        engine's step of plain tensors is one registered op in the graph (``gradclip::optim_step_``: the eager step's bits); the rest
         (a closure, DTensors, ``update="torch"``, ``nonfinite="error"``, GradScaler, parameters
         with their first gradient) runs eagerly, at a graph break."""
         if closure is None and torch.compiler.is_compiling() and self._traceable():
@@ -433,7 +431,7 @@ class _ClippingStep:
         gradient is strided (the engine reads it as it is)."""
         lists = self._layout.lists
         if lists is None or len(lists.sizes) != len(self.param_groups):
-            return self._eager_step()
+            return self._eager_step(None, True)
         for p in lists.stateless:
             if p.grad is not None:
                 return self._eager_step()
@@ -463,10 +461,18 @@ class _ClippingStep:
     # (dynamo failed inside it, on the layout it keeps).
     @torch.compiler.disable
     def _eager_step(self, closure=None, relist=False):
-        """``step`` outside a compiled graph (``relist``: the compiled step's lists are read
-        again after it)."""
+        """``step`` outside a compiled graph; ``relist``: the compiled step's lists are read
+        (again) after it, when the engine took it (only a compiled step asks: an eager loop
+        never pays for them)."""
         if relist and self._layout is not None:
             self._layout.lists = None
+        loss = self._untraced_step(closure)
+        layout = self._layout
+        if relist and layout is not None and layout.lists is None and self.update == "gradclip":
+            layout.lists = self._step_lists()
+        return loss
+
+    def _untraced_step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
