@@ -15,7 +15,6 @@ mode="reduce-overhead"), and torch's fused AdamW (no clip) eager and compiled fo
   python3 benches/torch/compiled_step.py out.json [--steps 50] [--commit C]
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import record  # noqa: E402
 from step_host import Grads, moe_shapes  # noqa: E402
 
 from gradclip.torch import optim  # noqa: E402
@@ -88,16 +88,7 @@ def main():
             del opt, fn
         for p in params:
             p.grad = None
-    record = {
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "commit": args.commit,
-        "command": "python3 benches/torch/compiled_step.py " + " ".join(sys.argv[1:]),
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    record.write(args.out, {**record.header(args.commit, "cuda"), "rows": rows})
 
 
 if __name__ == "__main__":

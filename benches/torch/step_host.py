@@ -20,7 +20,6 @@ gradclip.torch.optim.AdamW(max_grad_norm=1.0) with update="gradclip" and update=
   python3 benches/torch/step_host.py out.json --cpu     # smoke test on the CPU (host times only)
 """
 import argparse
-import json
 import statistics
 import time
 
@@ -28,6 +27,8 @@ import torch
 
 import gradclip.torch as gt
 from gradclip.torch import optim
+
+import record  # benches/torch/record.py, beside this script
 
 
 def moe_shapes():
@@ -163,16 +164,7 @@ def main():
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     rows = clip_rows(device, args.calls) + moe_rows(device, args.calls)
-    record = {
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "commit": args.commit,
-        "command": "python3 benches/torch/step_host.py " + " ".join(__import__("sys").argv[1:]),
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    record.write(args.out, {**record.header(args.commit, device), "rows": rows})
 
 
 if __name__ == "__main__":

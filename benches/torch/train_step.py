@@ -31,7 +31,6 @@ same model from the same seed on the same batches; the loss after the last step 
   python3 benches/torch/train_step.py out.json --cpu --tiny    # smoke test on the CPU
 """
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -41,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from gradclip.torch import optim
+
+import record  # benches/torch/record.py, beside this script
 
 
 class Attention(torch.nn.Module):
@@ -231,16 +232,7 @@ def main():
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
             if not math.isfinite(row["final_loss"]):
                 sys.exit(f"{m} / {o}: the loss is not finite")
-    record = {
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "commit": args.commit,
-        "command": "python3 benches/torch/train_step.py " + " ".join(sys.argv[1:]),
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    record.write(args.out, {**record.header(args.commit, device), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -375,10 +375,10 @@ def _list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, 
     policy = (float(clip[0]), float(clip[1]), nonfinite) if clip else None
     args = (cache, _PLANNER, params, grads, states, steps, groups)
     if device.type != "cuda":
-        _native.list_step(*args, 0, policy, out.data_ptr())
+        _native.list_step(*args, (0, policy, out.data_ptr(), 0, 0, 0))
     elif device.index == _current_device():
-        _native.list_step(*args, _raw_stream(device.index), policy, out.data_ptr())
+        _native.list_step(*args, (_raw_stream(device.index), policy, out.data_ptr(), 0, 0, 0))
     else:
         with torch.cuda.device(device.index):
-            _native.list_step(*args, _raw_stream(device.index), policy, out.data_ptr())
+            _native.list_step(*args, (_raw_stream(device.index), policy, out.data_ptr(), 0, 0, 0))
     return out[0].clone()

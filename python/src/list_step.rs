@@ -18,7 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::guards::{AddressCheck, ListGuard};
-use crate::optim::{Hyper, clip_config, read_at, read_hyper, run_step};
+use crate::optim::{Hyper, StepInputs, read_at, read_hyper, run_step};
 use crate::scan::{Place, Planner};
 use crate::to_py;
 
@@ -318,12 +318,11 @@ fn keep(planner: &Planner, shape: Vec<GroupShape>, l: &Lists<'_, '_>, read: Read
 /// parameter has none this step: it is left as torch's step leaves it), `states` (each parameter's, in the order [`rule_states`] names
 /// them), `steps` (each parameter's own step count, for the groups whose rule reads one), and
 /// `groups` = `(parameters, hyper)` per group, `hyper` as [`crate::optim::optim_step`] takes it.
-/// `cache` keeps what was read for the next call. `stream`, `clip`, `norm_out`, `norm_in`,
-/// `loss_scale`, `found_inf` as [`crate::optim::optim_step`] takes them. Raises (nothing
+/// `cache` keeps what was read for the next call. `inputs` as [`crate::optim::optim_step`]
+/// takes them ([`StepInputs`]). Raises (nothing
 /// written) when a tensor is not one the engine reads, naming it, or when the lists do not fit
 /// the rules; returns the norm on the CPU.
 #[pyfunction]
-#[pyo3(signature = (cache, planner, params, grads, states, steps, groups, stream, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
 #[allow(clippy::too_many_arguments)]
 pub fn list_step(
     py: Python<'_>,
@@ -334,19 +333,11 @@ pub fn list_step(
     states: &Bound<'_, PyList>,
     steps: &Bound<'_, PyList>,
     groups: &Bound<'_, PyList>,
-    stream: usize,
-    clip: Option<(f64, f64, String)>,
-    norm_out: u64,
-    norm_in: u64,
-    loss_scale: u64,
-    found_inf: u64,
+    inputs: StepInputs,
 ) -> PyResult<Option<f64>> {
-    let clip = clip_config(clip)?;
-    if norm_out == 0 || !norm_out.is_multiple_of(8) || (norm_in != 0 && !norm_in.is_multiple_of(8)) {
-        return Err(PyValueError::new_err("the global norm and the norm output must be float64 tensors"));
-    }
-    if !loss_scale.is_multiple_of(4) || !found_inf.is_multiple_of(4) {
-        return Err(PyValueError::new_err("the loss scale and found_inf must be float32 tensors"));
+    let inputs = inputs.checked()?;
+    if inputs.norm_out == 0 {
+        return Err(PyValueError::new_err("the step needs a norm output (three float64)"));
     }
     let mut hypers: Vec<Hyper> = Vec::with_capacity(groups.len());
     let mut shape = Vec::with_capacity(groups.len());
@@ -384,6 +375,6 @@ pub fn list_step(
     let Some((list, place)) = cache.get().list(planner.get(), shape, &lists)? else {
         return Ok(None); // no tensor at all: nothing to step
     };
-    let (_, norm) = run_step(py, place, &list, &hypers, stream, clip, norm_out, norm_in, loss_scale, found_inf)?;
+    let (_, norm) = run_step(py, place, &list, &hypers, inputs)?;
     Ok(norm)
 }

@@ -585,7 +585,7 @@ pub(crate) fn read_hyper(h: &Bound<'_, PyAny>) -> PyResult<Hyper> {
 }
 
 /// The clip of a step: `(max_norm, p, nonfinite)`.
-pub(crate) fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>> {
+fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>> {
     let Some((max_norm, p, policy)) = clip else {
         return Ok(None);
     };
@@ -607,9 +607,48 @@ pub(crate) fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<C
     }))
 }
 
+/// A step's stream, clip and device inputs as Python passes them to [`optim_step`] and
+/// [`crate::list_step::list_step`]: `(stream, clip, norm_out, norm_in, loss_scale, found_inf)`,
+/// `clip` = (max_norm, p, nonfinite) or None, the rest device addresses (0: none).
+#[derive(FromPyObject)]
+pub(crate) struct StepInputs(usize, Option<(f64, f64, String)>, u64, u64, u64, u64);
+
+/// [`StepInputs`] checked: the clip's settings, the norm output and input (float64: 8-aligned),
+/// the loss scale and found_inf (float32).
+#[derive(Clone, Copy)]
+pub(crate) struct Inputs {
+    pub(crate) stream: usize,
+    pub(crate) clip: Option<ClipConfig>,
+    pub(crate) norm_out: u64,
+    pub(crate) norm_in: u64,
+    pub(crate) loss_scale: u64,
+    pub(crate) found_inf: u64,
+}
+
+impl StepInputs {
+    pub(crate) fn checked(self) -> PyResult<Inputs> {
+        let StepInputs(stream, clip, norm_out, norm_in, loss_scale, found_inf) = self;
+        let clip = clip_config(clip)?;
+        if !norm_out.is_multiple_of(8) || (norm_in != 0 && !norm_in.is_multiple_of(8)) {
+            return Err(PyValueError::new_err("the global norm and the norm output must be float64 tensors"));
+        }
+        if !loss_scale.is_multiple_of(4) || !found_inf.is_multiple_of(4) {
+            return Err(PyValueError::new_err("the loss scale and found_inf must be float32 tensors"));
+        }
+        Ok(Inputs {
+            stream,
+            clip,
+            norm_out,
+            norm_in,
+            loss_scale,
+            found_inf,
+        })
+    }
+}
+
 /// One optimizer step (Adam / AdamW, SGD or Lion: each group's hyper says) over an optimizer's parameter groups (`groups`: its `param_groups`,
-/// read as the layout was made; `hypers`: one [`read_hyper`] tuple per group), on CUDA on
-/// `stream`, on the CPU with the CPU backend. `clip` = (max_norm, p, nonfinite) or None: the norm
+/// read as the layout was made; `hypers`: one [`read_hyper`] tuple per group; `inputs`: a
+/// [`StepInputs`]), on CUDA on `stream`, on the CPU with the CPU backend. `clip` = (max_norm, p, nonfinite) or None: the norm
 /// over every gradient (on CUDA to the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the
 /// global norm in the float64 at `norm_in` (sharded parameters: combined across ranks), then each
 /// group's update reads its coefficient. `loss_scale` and `found_inf`: addresses of one float32
@@ -621,29 +660,16 @@ pub(crate) fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<C
 /// written for the last three) and a payload: on the CPU the norm (None on CUDA: it stays on
 /// the device); with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
-#[pyo3(signature = (layout, groups, hypers, stream, clip, norm_out, norm_in=0, loss_scale=0, found_inf=0))]
-#[allow(clippy::too_many_arguments)]
 pub fn optim_step(
     py: Python<'_>,
     layout: &Bound<'_, StepLayout>,
     groups: &Bound<'_, PyList>,
     hypers: &Bound<'_, PyList>,
-    stream: usize,
-    clip: Option<(f64, f64, String)>,
-    norm_out: u64,
-    norm_in: u64,
-    loss_scale: u64,
-    found_inf: u64,
+    inputs: StepInputs,
 ) -> PyResult<(u8, Option<Py<PyAny>>)> {
     let l = layout.get();
     let hypers: Vec<Hyper> = hypers.iter().map(|h| read_hyper(&h)).collect::<PyResult<_>>()?;
-    let clip = clip_config(clip)?;
-    if !norm_out.is_multiple_of(8) || (norm_in != 0 && !norm_in.is_multiple_of(8)) {
-        return Err(PyValueError::new_err("the global norm and the norm output must be float64 tensors"));
-    }
-    if !loss_scale.is_multiple_of(4) || !found_inf.is_multiple_of(4) {
-        return Err(PyValueError::new_err("the loss scale and found_inf must be float32 tensors"));
-    }
+    let inputs = inputs.checked()?;
     let mut kept = match l.kept.try_lock() {
         Ok(k) => k,
         Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -664,26 +690,16 @@ pub fn optim_step(
     }
     let place = kept.place;
     let started = Instant::now();
-    let r = run_step(py, place, &list, &hypers, stream, clip, norm_out, norm_in, loss_scale, found_inf);
+    let r = run_step(py, place, &list, &hypers, inputs);
     kept.timings[4] = started.elapsed().as_nanos() as u64;
     let (verdict, norm) = r?;
     Ok((verdict, norm.map(|n| pyo3::types::PyFloat::new(py, n).into_any().unbind())))
 }
 
 /// The norm (with a clip) and every group's update of a checked step list.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn run_step(
-    py: Python<'_>,
-    place: Place,
-    list: &StepList,
-    hypers: &[Hyper],
-    stream: usize,
-    clip: Option<ClipConfig>,
-    norm_out: u64,
-    norm_in: u64,
-    loss_scale: u64,
-    found_inf: u64,
-) -> PyResult<(u8, Option<f64>)> {
+pub(crate) fn run_step(py: Python<'_>, place: Place, list: &StepList, hypers: &[Hyper], inputs: Inputs) -> PyResult<(u8, Option<f64>)> {
+    let Inputs { stream, clip, .. } = inputs;
+    let (norm_out, norm_in, loss_scale, found_inf) = (inputs.norm_out, inputs.norm_in, inputs.loss_scale, inputs.found_inf);
     match place {
         Place::Cuda(d) => {
             let device = usize::try_from(d).map_err(|_| PyValueError::new_err("a negative CUDA device"))?;

@@ -416,34 +416,34 @@ def test_native_step_reads_groups_and_refuses_bad_input():
     groups = opt.param_groups
     # ps[1] has no state yet: its first gradient is reported (torch makes the state), nothing written.
     ps[1].grad = torch.ones(3)
-    verdict, first = _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0)
+    verdict, first = _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], (0, None, 0, 0, 0, 0))
     assert verdict == _native.STEP_NEW_STATES and len(first) == 1 and first[0] is ps[1]
     ps[1].grad = None
     with pytest.raises(ValueError, match="step count"):
-        _native.optim_step(layout, groups, [hyper + (0, 0)], 0, (1.0, 2.0, "skip"), 0)
+        _native.optim_step(layout, groups, [hyper + (0, 0)], (0, (1.0, 2.0, "skip"), 0, 0, 0, 0))
     with pytest.raises(ValueError, match="length 6"):
-        _native.optim_step(layout, groups, [hyper], 0, None, 0)
+        _native.optim_step(layout, groups, [hyper], (0, None, 0, 0, 0, 0))
     # A learning rate tensor read from memory is checked before anything is written.
     negative = torch.tensor(-1.0, dtype=torch.float64)
     with pytest.raises(ValueError, match="learning rate"):
-        _native.optim_step(layout, groups, [hyper + (count.data_ptr(), negative.data_ptr())], 0, None, 0)
+        _native.optim_step(layout, groups, [hyper + (count.data_ptr(), negative.data_ptr())], (0, None, 0, 0, 0, 0))
     misaligned = torch.zeros(3, dtype=torch.float64).data_ptr() + 4
     with pytest.raises(ValueError, match="float64"):
-        _native.optim_step(layout, groups, [hyper + (count.data_ptr(), misaligned)], 0, None, 0)
+        _native.optim_step(layout, groups, [hyper + (count.data_ptr(), misaligned)], (0, None, 0, 0, 0, 0))
     assert all(torch.equal(p, torch.zeros_like(p)) for p in ps)
     assert count.tolist() == [0, 0]
-    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0) == (_native.STEP_DONE, None)
+    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], (0, None, 0, 0, 0, 0)) == (_native.STEP_DONE, None)
     assert not torch.equal(ps[0], torch.zeros(4)) and torch.equal(ps[1], torch.zeros(3))
     assert float(opt.state[ps[0]]["step"]) == 1.0 and ps[1] not in opt.state
     # Its state made by torch, the kept layout takes it in (the rest kept) and steps both.
     ps[1].grad = torch.ones(3)
     opt._init_group({**opt.param_groups[0], "params": [ps[1]]}, [], [], [], [], [], [])
-    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0) == (_native.STEP_DONE, None)
+    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], (0, None, 0, 0, 0, 0)) == (_native.STEP_DONE, None)
     assert [float(opt.state[p]["step"]) for p in ps] == [2.0, 1.0]
     assert not torch.equal(ps[1], torch.zeros(3))
     # A state replaced by assignment is seen: a new layout is asked for.
     opt.state[ps[0]]["exp_avg"] = torch.zeros(4)
-    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], 0, None, 0) == (_native.STEP_RELAYOUT, None)
+    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], (0, None, 0, 0, 0, 0)) == (_native.STEP_RELAYOUT, None)
 
 
 @pytest.mark.parametrize("device", DEVICES)

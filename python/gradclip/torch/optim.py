@@ -309,7 +309,7 @@ class _ClippingStep:
         for _ in range(4):
             try:
                 with torch.cuda.device(device.index) if on_device else contextlib.nullcontext():
-                    verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, stream, clip, out.data_ptr(), ptr, *inputs)
+                    verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, (stream, clip, out.data_ptr(), ptr, *inputs))
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):
                     self.last_grad_norm = out[0].to(dtype)
