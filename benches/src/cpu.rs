@@ -17,6 +17,26 @@ enum HostData {
     F64(Vec<f64>),
 }
 
+/// Each Rust element type as the benchmark fills it.
+trait Filled: Sized {
+    fn from_f64(x: f64) -> Self;
+    fn wrap(v: Vec<Self>) -> HostData;
+}
+
+macro_rules! filled {
+    ($($t:ty => $variant:ident, $from:expr);*) => {$(
+        impl Filled for $t {
+            fn from_f64(x: f64) -> Self {
+                $from(x)
+            }
+            fn wrap(v: Vec<Self>) -> HostData {
+                HostData::$variant(v)
+            }
+        }
+    )*};
+}
+filled!(bf16 => Bf16, bf16::from_f64; f16 => F16, f16::from_f64; f32 => F32, |x: f64| x as f32; f64 => F64, |x: f64| x);
+
 impl HostData {
     fn view(&self) -> HostGrad<'_> {
         match self {
@@ -65,12 +85,7 @@ pub fn run(w: &Workload, reps: usize) -> WorkloadResult {
         .map(|(i, t)| {
             let n = t.len();
             let val = |j: u64| fill::value(i as u64, j, 1.0);
-            match t.dtype() {
-                gradclip::DType::Bf16 => HostData::Bf16((0..n).map(|j| bf16::from_f64(val(j))).collect()),
-                gradclip::DType::F16 => HostData::F16((0..n).map(|j| f16::from_f64(val(j))).collect()),
-                gradclip::DType::F32 => HostData::F32((0..n).map(|j| val(j) as f32).collect()),
-                gradclip::DType::F64 => HostData::F64((0..n).map(val).collect()),
-            }
+            gradclip::with_host_type!(t.dtype(), T => T::wrap((0..n).map(|j| T::from_f64(val(j))).collect()))
         })
         .collect();
     let views: Vec<HostGrad> = data.iter().map(HostData::view).collect();

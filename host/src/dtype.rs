@@ -1,59 +1,20 @@
 //! The element types gradclip reads and writes, and their link to the kernel encodings.
 
-use gradclip_kernels::abi::dtype_code;
 use gradclip_kernels::dtype as k;
 
-/// A gradient's element type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
-    /// bfloat16
-    Bf16,
-    /// IEEE half precision
-    F16,
-    /// IEEE single precision
-    F32,
-    /// IEEE double precision
-    F64,
-}
+/// A gradient's element type: the kernels' own ([`gradclip_kernels::abi::DType`]), whose
+/// discriminant is the code the kernels read; switches on it go through
+/// [`gradclip_kernels::dispatch_dtype!`] (the CPU backend's [`gradclip_kernels::with_element!`],
+/// the Rust types' [`crate::with_host_type!`]).
+pub use gradclip_kernels::abi::DType;
 
-impl DType {
-    /// All supported types.
-    pub const ALL: [DType; 4] = [DType::Bf16, DType::F16, DType::F32, DType::F64];
-
-    /// The code the kernels use.
-    pub const fn code(self) -> u32 {
-        match self {
-            DType::Bf16 => dtype_code::BF16,
-            DType::F16 => dtype_code::F16,
-            DType::F32 => dtype_code::F32,
-            DType::F64 => dtype_code::F64,
-        }
-    }
-
-    /// The type with kernel code `code` (None for a code the kernels do not know).
-    pub fn from_code(code: u32) -> Option<Self> {
-        DType::ALL.into_iter().find(|d| d.code() == code)
-    }
-
-    /// Bytes per element.
-    pub const fn size(self) -> u64 {
-        match self {
-            DType::Bf16 | DType::F16 => 2,
-            DType::F32 => 4,
-            DType::F64 => 8,
-        }
-    }
-}
-
-impl core::fmt::Display for DType {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.write_str(match self {
-            DType::Bf16 => "bf16",
-            DType::F16 => "f16",
-            DType::F32 => "f32",
-            DType::F64 => "f64",
-        })
-    }
+/// [`gradclip_kernels::dispatch_dtype!`] over the Rust element types gradclip accepts: `$T` is
+/// `half::bf16`, `half::f16`, `f32` or `f64` ([`GradElement`]).
+#[macro_export]
+macro_rules! with_host_type {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        $crate::__kernels::dispatch_dtype!($dtype, [$crate::half::bf16, $crate::half::f16, f32, f64], $T => $body)
+    };
 }
 
 /// A Rust element type that gradclip accepts: `half::bf16`, `half::f16`, `f32`, `f64`.

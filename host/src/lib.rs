@@ -23,6 +23,9 @@
 // The crates users need to call gradclip, at the versions it was built with.
 pub use cudarc;
 pub use half;
+// For the macros a user's crate expands (`with_host_type!`): the kernels' dispatch.
+#[doc(hidden)]
+pub use gradclip_kernels as __kernels;
 
 pub mod cpu;
 pub mod dtype;

@@ -36,16 +36,84 @@ const fn parse_or(s: Option<&str>, default: u64) -> u64 {
 /// Added to the norm before dividing, as `torch.nn.utils.clip_grad_norm_` does.
 pub const CLIP_EPS: f64 = 1e-6;
 
-/// Element type codes as stored in [`TensorDesc::dtype`].
-pub mod dtype_code {
+/// A gradient's element type, the one dtype of the host and the kernels: its discriminant is the
+/// code stored in descriptors ([`TensorDesc::dtype`], [`dtype_code`]). Switches on it go through
+/// [`crate::dispatch_dtype!`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
     /// bfloat16
-    pub const BF16: u32 = 0;
+    Bf16 = 0,
+    /// IEEE half precision
+    F16 = 1,
+    /// IEEE single precision
+    F32 = 2,
+    /// IEEE double precision
+    F64 = 3,
+}
+
+impl DType {
+    /// All supported types, in code order.
+    pub const ALL: [DType; 4] = [DType::Bf16, DType::F16, DType::F32, DType::F64];
+
+    /// The code the kernels read in descriptors.
+    pub const fn code(self) -> u32 {
+        self as u32
+    }
+
+    /// The type with kernel code `code` (None for a code the kernels do not know).
+    #[inline(always)]
+    pub const fn from_code(code: u32) -> Option<Self> {
+        // A match, not a table: on the GPU it folds into the dispatch that follows it.
+        match code {
+            0 => Some(DType::Bf16),
+            1 => Some(DType::F16),
+            2 => Some(DType::F32),
+            3 => Some(DType::F64),
+            _ => None,
+        }
+    }
+
+    /// Bytes per element.
+    pub const fn size(self) -> u64 {
+        match self {
+            DType::Bf16 | DType::F16 => 2,
+            DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+
+    /// The short name (`bf16`, `f16`, `f32`, `f64`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        }
+    }
+}
+
+// Host only: on the GPU it would be a PTX function calling core's formatter, which the kernels
+// do not define (no `.extern .func`).
+#[cfg(not(target_arch = "nvptx64"))]
+impl core::fmt::Display for DType {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// [`DType`]'s codes as stored in [`TensorDesc::dtype`], for matching descriptor words.
+pub mod dtype_code {
+    use super::DType;
+    /// bfloat16
+    pub const BF16: u32 = DType::Bf16.code();
     /// IEEE binary16
-    pub const F16: u32 = 1;
+    pub const F16: u32 = DType::F16.code();
     /// IEEE binary32
-    pub const F32: u32 = 2;
+    pub const F32: u32 = DType::F32.code();
     /// IEEE binary64
-    pub const F64: u32 = 3;
+    pub const F64: u32 = DType::F64.code();
 }
 
 /// Bits of [`NormParams::flags`].

@@ -13,7 +13,7 @@ use crate::abi::{
     BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, UpdateCount, UpdateTensorDesc, WARP_THREADS, dtype_code, update_chunk_elems,
 };
 use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, smem_flag, st_v4, sync_threads, thread_idx};
-use crate::dtype::{Bf16, Element, F16, F32, F64};
+use crate::dtype::{Element, F64};
 use crate::update::ElementUpdate;
 
 /// Warps of a block (the shared-memory layout of [`smem_flag`]).
@@ -371,22 +371,8 @@ pub(crate) unsafe fn chunk_any_f32<const N: usize, U: ElementUpdate<f32> + Copy>
     u: U,
     dtypes: (u32, u32, u32),
 ) {
-    use dtype_code::{BF16 as B, F16 as H, F32 as S};
     // SAFETY: (every arm) the caller's contract; the dtypes named are the parts' own.
-    unsafe {
-        match dtypes {
-            (B, B, B) => chunk_f32::<Bf16, Bf16, Bf16, N, U>(d, chunk, u),
-            (B, B, S) => chunk_f32::<Bf16, Bf16, F32, N, U>(d, chunk, u),
-            (B, S, B) => chunk_f32::<Bf16, F32, Bf16, N, U>(d, chunk, u),
-            (B, S, S) => chunk_f32::<Bf16, F32, F32, N, U>(d, chunk, u),
-            (H, H, H) => chunk_f32::<F16, F16, F16, N, U>(d, chunk, u),
-            (H, H, S) => chunk_f32::<F16, F16, F32, N, U>(d, chunk, u),
-            (H, S, H) => chunk_f32::<F16, F32, F16, N, U>(d, chunk, u),
-            (H, S, S) => chunk_f32::<F16, F32, F32, N, U>(d, chunk, u),
-            (S, S, S) => chunk_f32::<F32, F32, F32, N, U>(d, chunk, u),
-            _ => {}
-        }
-    }
+    unsafe { crate::with_update_dtypes!(dtypes, (P, G, St) => chunk_f32::<P, G, St, N, U>(d, chunk, u), _ => {}) }
 }
 
 /// Whether `d`'s parameter is f64 (its task takes [`chunk_f64`], else [`chunk_any_f32`]).

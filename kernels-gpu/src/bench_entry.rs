@@ -5,9 +5,9 @@
 
 use core::arch::asm;
 
-use crate::abi::dtype_code;
+use crate::abi::DType;
 use crate::device::{DeviceTensor, block_idx, grid_dim, shfl_down_u32, thread_idx};
-use crate::dtype::{Bf16, Element, F16, F32, F64};
+use crate::dtype::Element;
 use crate::fill;
 use crate::geometry::Frame;
 use crate::lane::Source;
@@ -36,12 +36,8 @@ unsafe fn fill_as<E: Element>(addr: u64, len: u64, seed: u64, scale: f64) {
 pub unsafe extern "gpu-kernel" fn gradclip_fill(addr: u64, len: u64, dtype: u32, seed: u64, scale: f64) {
     // SAFETY: forwarded: the kernel's contract (addr..addr+len*size is writable device memory of `dtype`).
     unsafe {
-        match dtype {
-            dtype_code::BF16 => fill_as::<Bf16>(addr, len, seed, scale),
-            dtype_code::F16 => fill_as::<F16>(addr, len, seed, scale),
-            dtype_code::F32 => fill_as::<F32>(addr, len, seed, scale),
-            dtype_code::F64 => fill_as::<F64>(addr, len, seed, scale),
-            _ => {}
+        if let Some(dtype) = DType::from_code(dtype) {
+            crate::with_element!(dtype, E => fill_as::<E>(addr, len, seed, scale))
         }
     }
 }
@@ -169,14 +165,7 @@ unsafe fn baseline_sumsq_as<E: Element>(addr: u64, len: u64, max_bits: *const u3
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_baseline_max(addr: u64, len: u64, dtype: u32, out: *mut u32) {
     // SAFETY: forwarded: the kernel's contract (readable buffer of `dtype`, `out` one u32).
-    unsafe {
-        match dtype {
-            dtype_code::BF16 => baseline_max_as::<Bf16>(addr, len, out),
-            dtype_code::F16 => baseline_max_as::<F16>(addr, len, out),
-            dtype_code::F32 => baseline_max_as::<F32>(addr, len, out),
-            _ => baseline_max_as::<F64>(addr, len, out),
-        }
-    }
+    unsafe { crate::with_element!(DType::from_code(dtype).unwrap_or(DType::F64), E => baseline_max_as::<E>(addr, len, out)) }
 }
 
 /// Eager baseline pass 2 for one tensor: `atomicAdd` of the sum of (x / max)^2 into `out`.
@@ -186,12 +175,5 @@ pub unsafe extern "gpu-kernel" fn gradclip_baseline_max(addr: u64, len: u64, dty
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_baseline_sumsq(addr: u64, len: u64, dtype: u32, max_bits: *const u32, out: *mut f32) {
     // SAFETY: forwarded: the kernel's contract (readable buffer of `dtype`, `max_bits` and `out` one word each).
-    unsafe {
-        match dtype {
-            dtype_code::BF16 => baseline_sumsq_as::<Bf16>(addr, len, max_bits, out),
-            dtype_code::F16 => baseline_sumsq_as::<F16>(addr, len, max_bits, out),
-            dtype_code::F32 => baseline_sumsq_as::<F32>(addr, len, max_bits, out),
-            _ => baseline_sumsq_as::<F64>(addr, len, max_bits, out),
-        }
-    }
+    unsafe { crate::with_element!(DType::from_code(dtype).unwrap_or(DType::F64), E => baseline_sumsq_as::<E>(addr, len, max_bits, out)) }
 }

@@ -6,7 +6,7 @@
 //! which lowers to `cvt` instructions, and the `half` crate on the host (so the host build needs no
 //! nightly feature); both convert exactly or round to nearest-even, and a test compares them.
 
-use crate::abi::dtype_code;
+use crate::abi::DType;
 
 /// A gradient element type. `Bits` is its storage; `Vector` is one 16-byte load of them.
 pub trait Element: Copy + 'static {
@@ -14,8 +14,10 @@ pub trait Element: Copy + 'static {
     type Bits: Copy + Default + PartialEq + core::fmt::Debug;
     /// One 16-byte vector of elements.
     type Vector: Copy + AsRef<[Self::Bits]> + AsMut<[Self::Bits]> + Default;
-    /// The [`dtype_code`] of this type.
-    const CODE: u32;
+    /// This type's [`DType`].
+    const DTYPE: DType;
+    /// The [`crate::abi::dtype_code`] of this type.
+    const CODE: u32 = Self::DTYPE.code();
     /// Bytes per element.
     const SIZE: u64;
     /// Elements per 16-byte vector.
@@ -108,7 +110,7 @@ fn canon_f64(x: f64) -> u64 {
 impl Element for Bf16 {
     type Bits = u16;
     type Vector = [u16; 8];
-    const CODE: u32 = dtype_code::BF16;
+    const DTYPE: DType = DType::Bf16;
     const SIZE: u64 = 2;
     const WIDE: bool = false;
     #[inline(always)]
@@ -144,7 +146,7 @@ impl Element for Bf16 {
 impl Element for F16 {
     type Bits = u16;
     type Vector = [u16; 8];
-    const CODE: u32 = dtype_code::F16;
+    const DTYPE: DType = DType::F16;
     const SIZE: u64 = 2;
     const WIDE: bool = false;
     #[inline(always)]
@@ -180,7 +182,7 @@ impl Element for F16 {
 impl Element for F32 {
     type Bits = u32;
     type Vector = [u32; 4];
-    const CODE: u32 = dtype_code::F32;
+    const DTYPE: DType = DType::F32;
     const SIZE: u64 = 4;
     const WIDE: bool = false;
     #[inline(always)]
@@ -216,7 +218,7 @@ impl Element for F32 {
 impl Element for F64 {
     type Bits = u64;
     type Vector = [u64; 2];
-    const CODE: u32 = dtype_code::F64;
+    const DTYPE: DType = DType::F64;
     const SIZE: u64 = 8;
     const WIDE: bool = true;
     #[inline(always)]
@@ -257,14 +259,95 @@ pub fn f64_key(x: f64) -> u64 {
     if a > 0x7FF0_0000_0000_0000 { 0x7FF8_0000_0000_0000 } else { a }
 }
 
-/// Size in bytes of the element type with this [`dtype_code`], or `None` for an unknown code.
+/// Size in bytes of the element type with this [`crate::abi::dtype_code`], or `None` for an unknown code.
 pub const fn size_of_code(code: u32) -> Option<u64> {
-    match code {
-        dtype_code::BF16 | dtype_code::F16 => Some(2),
-        dtype_code::F32 => Some(4),
-        dtype_code::F64 => Some(8),
-        _ => None,
+    match DType::from_code(code) {
+        Some(d) => Some(d.size()),
+        None => None,
     }
+}
+
+/// The one switch on a [`DType`]: runs `$body` with `$T` the type that the list names for
+/// `$dtype`, in [`DType`]'s order (bf16, f16, f32, f64). The kernels and the CPU backend name the
+/// kernel element types ([`crate::with_element!`]); the host's tests name its Rust types.
+/// A code read from a descriptor is made a [`DType`] first ([`DType::from_code`]).
+#[macro_export]
+macro_rules! dispatch_dtype {
+    ($dtype:expr, [$bf16:ty, $f16:ty, $f32:ty, $f64:ty], $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::abi::DType::Bf16 => {
+                type $T = $bf16;
+                $body
+            }
+            $crate::abi::DType::F16 => {
+                type $T = $f16;
+                $body
+            }
+            $crate::abi::DType::F32 => {
+                type $T = $f32;
+                $body
+            }
+            $crate::abi::DType::F64 => {
+                type $T = $f64;
+                $body
+            }
+        }
+    };
+}
+
+/// [`crate::dispatch_dtype!`] over the kernel element types: `$E` is [`Bf16`], [`F16`], [`F32`]
+/// or [`F64`].
+#[macro_export]
+macro_rules! with_element {
+    ($dtype:expr, $E:ident => $body:expr) => {
+        $crate::dispatch_dtype!(
+            $dtype,
+            [$crate::dtype::Bf16, $crate::dtype::F16, $crate::dtype::F32, $crate::dtype::F64],
+            $E => $body
+        )
+    };
+}
+
+/// The element types of an update's parts that compute in f32 (the parameter's, the
+/// gradient's, the states'), as codes: a 16-bit parameter with a gradient and states each its
+/// own type or f32, or f32 throughout. Runs `$body` with `$P`, `$G`, `$S` bound to them, or
+/// `$none` for any other triple (f64 parameters update in f64; the host's checks refuse the
+/// rest). The one table of the update's dtype triples, for the kernels and the CPU backend.
+#[macro_export]
+macro_rules! with_update_dtypes {
+    ($codes:expr, ($P:ident, $G:ident, $S:ident) => $body:expr, _ => $none:expr) => {
+        $crate::__update_table!($codes, ($P, $G, $S) => $body, $none,
+            (BF16, BF16, BF16) => (Bf16, Bf16, Bf16),
+            (BF16, BF16, F32) => (Bf16, Bf16, F32),
+            (BF16, F32, BF16) => (Bf16, F32, Bf16),
+            (BF16, F32, F32) => (Bf16, F32, F32),
+            (F16, F16, F16) => (F16, F16, F16),
+            (F16, F16, F32) => (F16, F16, F32),
+            (F16, F32, F16) => (F16, F32, F16),
+            (F16, F32, F32) => (F16, F32, F32),
+            (F32, F32, F32) => (F32, F32, F32)
+        )
+    };
+}
+
+/// The match [`crate::with_update_dtypes!`] expands to, one arm per row of its table.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __update_table {
+    ($codes:expr, ($P:ident, $G:ident, $S:ident) => $body:expr, $none:expr,
+     $(($pc:ident, $gc:ident, $sc:ident) => ($pt:ident, $gt:ident, $st:ident)),*) => {
+        match $codes {
+            $(
+                ($crate::abi::dtype_code::$pc, $crate::abi::dtype_code::$gc, $crate::abi::dtype_code::$sc) => {
+                    type $P = $crate::dtype::$pt;
+                    type $G = $crate::dtype::$gt;
+                    type $S = $crate::dtype::$st;
+                    $body
+                }
+            )*
+            _ => $none,
+        }
+    };
 }
 
 #[cfg(test)]

@@ -7,13 +7,13 @@
 //! - `gradclip_tensor_norms_<norm>`: per-tensor norms (one warp per tensor), only when asked.
 //! - `gradclip_scale`: one block per task, multiplies by the coefficient in device memory.
 
-use crate::abi::{BLOCK_THREADS, ChunkTask, NormOutput, NormParams, Partial, TensorDesc, WARP_THREADS, dtype_code};
+use crate::abi::{BLOCK_THREADS, ChunkTask, DType, NormOutput, NormParams, Partial, TensorDesc, WARP_THREADS};
 use crate::accum::{Accumulator, Inf, L1, L2, PNorm};
 use crate::device::{
     DeviceTensor, DeviceTensorMut, atomic_add_u32, block_idx, block_reduce, fence_gpu, grid_dim, ld_cg_partial, smem_flag, sync_threads,
     thread_idx, warp_reduce,
 };
-use crate::dtype::{Bf16, Element, F16, F32, F64};
+use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, scale_lane};
 use crate::scale::{norm_output, scale_coefficients};
@@ -51,12 +51,8 @@ unsafe fn norm<A: Accumulator>(
         let chunk = task.chunk as u64;
         // SAFETY: the tensor's frame and `chunk` come from the host's plan of this very tensor (one task per block), so every lane reads inside it.
         unsafe {
-            match d.dtype {
-                dtype_code::BF16 => lane_of::<Bf16, A>(&d, chunk, &mut acc),
-                dtype_code::F16 => lane_of::<F16, A>(&d, chunk, &mut acc),
-                dtype_code::F32 => lane_of::<F32, A>(&d, chunk, &mut acc),
-                dtype_code::F64 => lane_of::<F64, A>(&d, chunk, &mut acc),
-                _ => {}
+            if let Some(dtype) = DType::from_code(d.dtype) {
+                crate::with_element!(dtype, E => lane_of::<E, A>(&d, chunk, &mut acc))
             }
         }
         // SAFETY: every thread of the block calls this together, and the launch gives BLOCK_WARPS partials of dynamic shared memory (BLOCK_SMEM_BYTES).
@@ -200,12 +196,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_scale(tensors: *const TensorDesc, tas
         let task = tasks.add(b).read();
         let d = tensors.add(task.tensor as usize).read();
         let chunk = task.chunk as u64;
-        match d.dtype {
-            dtype_code::BF16 => scale_of::<Bf16>(&d, chunk, c32, c64),
-            dtype_code::F16 => scale_of::<F16>(&d, chunk, c32, c64),
-            dtype_code::F32 => scale_of::<F32>(&d, chunk, c32, c64),
-            dtype_code::F64 => scale_of::<F64>(&d, chunk, c32, c64),
-            _ => {}
+        if let Some(dtype) = DType::from_code(d.dtype) {
+            crate::with_element!(dtype, E => scale_of::<E>(&d, chunk, c32, c64))
         }
     }
 }

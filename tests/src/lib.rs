@@ -22,33 +22,79 @@ pub enum Grad {
     F64(Vec<f64>, usize),
 }
 
+/// What the tests need of each Rust element type (their values written independently of
+/// gradclip's kernels, through the `half` crate), for [`gradclip::with_host_type!`].
+trait TestElement: Copy + Default {
+    fn from_f64(x: f64) -> Self;
+    fn from_bits64(b: u64) -> Self;
+    fn wrap(v: Vec<Self>, start: usize) -> Grad;
+    /// PyTorch's `_foreach_mul_` of the element with bits `bits` by `coef`, as bits (f32 math
+    /// for the 16- and 32-bit types, f64 for f64), NaN as CUDA's canonical one.
+    fn torch_scaled(bits: u64, coef: f64) -> u64;
+}
+
+macro_rules! half_element {
+    ($($t:ident => $variant:ident),*) => {$(
+        impl TestElement for $t {
+            fn from_f64(x: f64) -> Self {
+                $t::from_f64(x)
+            }
+            fn from_bits64(b: u64) -> Self {
+                $t::from_bits(b as u16)
+            }
+            fn wrap(v: Vec<Self>, start: usize) -> Grad {
+                Grad::$variant(v, start)
+            }
+            fn torch_scaled(bits: u64, coef: f64) -> u64 {
+                let r = $t::from_bits(bits as u16).to_f32() * coef as f32;
+                if r.is_nan() { 0x7FFF } else { $t::from_f32(r).to_bits() as u64 }
+            }
+        }
+    )*};
+}
+half_element!(bf16 => Bf16, f16 => F16);
+
+impl TestElement for f32 {
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+    fn from_bits64(b: u64) -> Self {
+        f32::from_bits(b as u32)
+    }
+    fn wrap(v: Vec<Self>, start: usize) -> Grad {
+        Grad::F32(v, start)
+    }
+    fn torch_scaled(bits: u64, coef: f64) -> u64 {
+        let r = f32::from_bits(bits as u32) * coef as f32;
+        if r.is_nan() { 0x7FFF_FFFF } else { r.to_bits() as u64 }
+    }
+}
+
+impl TestElement for f64 {
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+    fn from_bits64(b: u64) -> Self {
+        f64::from_bits(b)
+    }
+    fn wrap(v: Vec<Self>, start: usize) -> Grad {
+        Grad::F64(v, start)
+    }
+    fn torch_scaled(bits: u64, coef: f64) -> u64 {
+        let r = f64::from_bits(bits) * coef;
+        if r.is_nan() { 0x7FFF_FFFF_FFFF_FFFF } else { r.to_bits() }
+    }
+}
+
 impl Grad {
     /// Builds a tensor of `dtype` from f64 values (rounded once), starting `start` elements into
     /// its storage.
     pub fn from_f64(dtype: DType, values: &[f64], start: usize) -> Grad {
-        let pad = |n: usize| n + start;
-        match dtype {
-            DType::Bf16 => {
-                let mut v = vec![bf16::ZERO; pad(values.len())];
-                v[start..].iter_mut().zip(values).for_each(|(d, &x)| *d = bf16::from_f64(x));
-                Grad::Bf16(v, start)
-            }
-            DType::F16 => {
-                let mut v = vec![f16::ZERO; pad(values.len())];
-                v[start..].iter_mut().zip(values).for_each(|(d, &x)| *d = f16::from_f64(x));
-                Grad::F16(v, start)
-            }
-            DType::F32 => {
-                let mut v = vec![0f32; pad(values.len())];
-                v[start..].iter_mut().zip(values).for_each(|(d, &x)| *d = x as f32);
-                Grad::F32(v, start)
-            }
-            DType::F64 => {
-                let mut v = vec![0f64; pad(values.len())];
-                v[start..].copy_from_slice(values);
-                Grad::F64(v, start)
-            }
-        }
+        gradclip::with_host_type!(dtype, T => {
+            let mut v = vec![T::default(); values.len() + start];
+            v[start..].iter_mut().zip(values).for_each(|(d, &x)| *d = T::from_f64(x));
+            T::wrap(v, start)
+        })
     }
 
     /// The element type.
@@ -152,29 +198,11 @@ impl Grad {
     }
 
     fn from_f64_bits(dtype: DType, bits: &[u64], start: usize) -> Grad {
-        let n = bits.len() + start;
-        match dtype {
-            DType::Bf16 => {
-                let mut v = vec![bf16::ZERO; n];
-                v[start..].iter_mut().zip(bits).for_each(|(d, &b)| *d = bf16::from_bits(b as u16));
-                Grad::Bf16(v, start)
-            }
-            DType::F16 => {
-                let mut v = vec![f16::ZERO; n];
-                v[start..].iter_mut().zip(bits).for_each(|(d, &b)| *d = f16::from_bits(b as u16));
-                Grad::F16(v, start)
-            }
-            DType::F32 => {
-                let mut v = vec![0f32; n];
-                v[start..].iter_mut().zip(bits).for_each(|(d, &b)| *d = f32::from_bits(b as u32));
-                Grad::F32(v, start)
-            }
-            DType::F64 => {
-                let mut v = vec![0f64; n];
-                v[start..].iter_mut().zip(bits).for_each(|(d, &b)| *d = f64::from_bits(b));
-                Grad::F64(v, start)
-            }
-        }
+        gradclip::with_host_type!(dtype, T => {
+            let mut v = vec![T::default(); bits.len() + start];
+            v[start..].iter_mut().zip(bits).for_each(|(d, &b)| *d = T::from_bits64(b));
+            T::wrap(v, start)
+        })
     }
 }
 
@@ -247,24 +275,7 @@ pub fn tolerance(p: f64) -> f64 {
 /// What PyTorch's `_foreach_mul_` gives for one element and coefficient, computed through the
 /// `half` crate (independent of gradclip's own rounding code); NaN as CUDA's canonical NaN.
 pub fn torch_scaled_bits(dtype: DType, bits: u64, coef: f64) -> u64 {
-    match dtype {
-        DType::Bf16 => {
-            let r = bf16::from_bits(bits as u16).to_f32() * coef as f32;
-            if r.is_nan() { 0x7FFF } else { bf16::from_f32(r).to_bits() as u64 }
-        }
-        DType::F16 => {
-            let r = f16::from_bits(bits as u16).to_f32() * coef as f32;
-            if r.is_nan() { 0x7FFF } else { f16::from_f32(r).to_bits() as u64 }
-        }
-        DType::F32 => {
-            let r = f32::from_bits(bits as u32) * coef as f32;
-            if r.is_nan() { 0x7FFF_FFFF } else { r.to_bits() as u64 }
-        }
-        DType::F64 => {
-            let r = f64::from_bits(bits) * coef;
-            if r.is_nan() { 0x7FFF_FFFF_FFFF_FFFF } else { r.to_bits() }
-        }
-    }
+    gradclip::with_host_type!(dtype, T => T::torch_scaled(bits, coef))
 }
 
 /// The norm orders every test covers.

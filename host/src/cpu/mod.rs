@@ -18,11 +18,12 @@ use core::marker::PhantomData;
 
 use gradclip_kernels::abi::{NormParams, Partial, flags};
 use gradclip_kernels::accum::{Accumulator, Inf, L1, L2, PNorm, clip_coefficient};
-use gradclip_kernels::dtype::{self as k, Element};
+use gradclip_kernels::dtype::Element;
 use gradclip_kernels::geometry::Frame;
 use gradclip_kernels::lane::Source;
 use gradclip_kernels::model;
 use gradclip_kernels::scale::{norm_output, scale_coefficients};
+use gradclip_kernels::with_element;
 use rayon::prelude::*;
 
 mod features;
@@ -126,30 +127,6 @@ impl<E: Element> gradclip_kernels::lane::SourceMut<E> for HostTensor<E> {
     unsafe fn store_elem(&self, i: u64, b: E::Bits) {
         unsafe { self.ptr(i).write(b) }
     }
-}
-
-/// Calls `$body` with `$E` bound to the kernel element type of `$dtype`.
-macro_rules! with_element {
-    ($dtype:expr, $E:ident => $body:expr) => {
-        match $dtype {
-            DType::Bf16 => {
-                type $E = k::Bf16;
-                $body
-            }
-            DType::F16 => {
-                type $E = k::F16;
-                $body
-            }
-            DType::F32 => {
-                type $E = k::F32;
-                $body
-            }
-            DType::F64 => {
-                type $E = k::F64;
-                $body
-            }
-        }
-    };
 }
 
 /// Calls `$body` with `$A` bound to the accumulator of `$norm`.
@@ -440,6 +417,7 @@ mod scale_walk_tests {
     //! kernel's own lane walk on the host (so CI keeps testing the code the GPU runs) and
     //! compares it with the elementwise pass.
     use gradclip_kernels::abi::BLOCK_THREADS;
+    use gradclip_kernels::dtype as k;
     use gradclip_kernels::lane::scale_lane;
     use proptest::prelude::*;
 

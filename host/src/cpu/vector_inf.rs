@@ -8,7 +8,7 @@
 //! the model bit for bit (property tests below).
 
 use gradclip_kernels::accum::{Accumulator, Inf};
-use gradclip_kernels::dtype::{self as k, Element, f64_key};
+use gradclip_kernels::dtype::{Element, f64_key};
 use gradclip_kernels::geometry::Frame;
 
 use crate::dtype::DType;
@@ -23,15 +23,27 @@ pub unsafe fn chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64) 
     let n = (last - first) as usize;
     // SAFETY: elements first..last of the tensor are its chunk's, readable (caller).
     let key = unsafe {
-        match dtype {
-            DType::Bf16 => key_of::<k::Bf16>(max_abs(slice::<u16>(addr, first, n), 0x7FFF) as u64),
-            DType::F16 => key_of::<k::F16>(max_abs(slice::<u16>(addr, first, n), 0x7FFF) as u64),
-            DType::F32 => key_of::<k::F32>(max_abs(slice::<u32>(addr, first, n), 0x7FFF_FFFF) as u64),
-            DType::F64 => key_of::<k::F64>(max_abs(slice::<u64>(addr, first, n), 0x7FFF_FFFF_FFFF_FFFF)),
-        }
+        gradclip_kernels::with_element!(dtype, E => key_of::<E>(max_abs(slice::<<E as Element>::Bits>(addr, first, n), <E as Element>::Bits::ABS).widen()))
     };
     Inf::decode(&gradclip_kernels::abi::Partial { words: [key, 0, 0, 0] }, f64::INFINITY)
 }
+
+/// An element's storage word: `ABS` clears its sign bit.
+trait Word: Copy + Ord + Default + std::ops::BitAnd<Output = Self> {
+    const ABS: Self;
+    fn widen(self) -> u64;
+}
+macro_rules! word {
+    ($($t:ty = $abs:expr),*) => {$(
+        impl Word for $t {
+            const ABS: Self = $abs;
+            fn widen(self) -> u64 {
+                self as u64
+            }
+        }
+    )*};
+}
+word!(u16 = 0x7FFF, u32 = 0x7FFF_FFFF, u64 = 0x7FFF_FFFF_FFFF_FFFF);
 
 /// # Safety
 /// `n` elements of `T` from element `first` at `addr` are readable.

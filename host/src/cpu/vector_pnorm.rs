@@ -39,13 +39,7 @@ pub unsafe fn chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64, 
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's contract, and `vector_paths` checked the CPU features.
     unsafe {
-        use gradclip_kernels::dtype as k;
-        match dtype {
-            DType::Bf16 => x86::run::<k::Bf16>(addr, frame, chunk, &mut st, p),
-            DType::F16 => x86::run::<k::F16>(addr, frame, chunk, &mut st, p),
-            DType::F32 => x86::run::<k::F32>(addr, frame, chunk, &mut st, p),
-            DType::F64 => x86::run::<k::F64>(addr, frame, chunk, &mut st, p),
-        }
+        gradclip_kernels::with_element!(dtype, E => x86::run::<E>(addr, frame, chunk, &mut st, p))
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (dtype, addr, frame, chunk);

@@ -68,13 +68,8 @@ unsafe fn lane_states<const OP: u8>(dtype: DType, addr: u64, frame: &Frame, chun
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's contract, and `vector_paths` checked the CPU features.
     unsafe {
-        use gradclip_kernels::dtype as k;
-        match dtype {
-            DType::Bf16 => x86::run::<k::Bf16, 0, OP>(addr, frame, chunk, &mut st),
-            DType::F16 => x86::run::<k::F16, 1, OP>(addr, frame, chunk, &mut st),
-            DType::F32 => x86::run::<k::F32, 2, OP>(addr, frame, chunk, &mut st),
-            DType::F64 => x86::run::<k::F64, 3, OP>(addr, frame, chunk, &mut st),
-        }
+        use gradclip_kernels::dtype::Element;
+        gradclip_kernels::with_element!(dtype, E => x86::run::<E, { E::CODE as u8 }, OP>(addr, frame, chunk, &mut st))
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (dtype, addr, frame, chunk);

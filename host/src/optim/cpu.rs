@@ -349,23 +349,20 @@ unsafe fn update_piece<U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> +
 /// # Safety
 /// As [`update_range`].
 unsafe fn update_dtypes<const N: usize, U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy>(p: &Piece, u32: U32, u64: U64) {
-    use DType::*;
     let (u32, u64) = (u32.for_states(N), u64.for_states(N));
-    // The states' dtype (the parameter's when it keeps none: any will do).
-    let s = p.parts.states[0].map_or(p.parts.param.dtype, |s| s.dtype);
+    let (param, grad) = (p.parts.param.dtype, p.parts.grad.dtype);
+    // The states' dtype (the parameter's when it keeps none: any will do). An absent gradient
+    // (len 0) is read as none: its dtype may be any.
+    let s = p.parts.states[0].map_or(param, |s| s.dtype);
+    let grad = if p.parts.grad.len == 0 { param } else { grad };
     // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
     unsafe {
-        match (p.parts.param.dtype, p.parts.grad.dtype, s) {
-            (F64, _, _) => update_range::<N, self::F64, self::F64, self::F64, f64, _>(p, &u64),
-            (Bf16, Bf16, Bf16) => update_range::<N, self::Bf16, self::Bf16, self::Bf16, f32, _>(p, &u32),
-            (Bf16, Bf16, _) => update_range::<N, self::Bf16, self::Bf16, self::F32, f32, _>(p, &u32),
-            (Bf16, _, Bf16) => update_range::<N, self::Bf16, self::F32, self::Bf16, f32, _>(p, &u32),
-            (Bf16, _, _) => update_range::<N, self::Bf16, self::F32, self::F32, f32, _>(p, &u32),
-            (F16, F16, F16) => update_range::<N, self::F16, self::F16, self::F16, f32, _>(p, &u32),
-            (F16, F16, _) => update_range::<N, self::F16, self::F16, self::F32, f32, _>(p, &u32),
-            (F16, _, F16) => update_range::<N, self::F16, self::F32, self::F16, f32, _>(p, &u32),
-            (F16, _, _) => update_range::<N, self::F16, self::F32, self::F32, f32, _>(p, &u32),
-            (F32, _, _) => update_range::<N, self::F32, self::F32, self::F32, f32, _>(p, &u32),
+        if param == DType::F64 {
+            update_range::<N, F64, F64, F64, f64, _>(p, &u64)
+        } else {
+            // The kernels' table of triples; the step list's checks admit no other.
+            gradclip_kernels::with_update_dtypes!((param.code(), grad.code(), s.code()),
+                (P, G, St) => update_range::<N, P, G, St, f32, _>(p, &u32), _ => {})
         }
     }
 }
