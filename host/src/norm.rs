@@ -48,6 +48,18 @@ impl NormType {
         }
     }
 
+    /// Its row of the kernels' norm table ([`gradclip_kernels::norm_table!`]): the kernels, the
+    /// combine kind and the CPU accumulator that compute it.
+    pub fn kind(self) -> gradclip_kernels::norms::NormKind {
+        use gradclip_kernels::norms::NormKind;
+        match self {
+            NormType::L1 => NormKind::L1,
+            NormType::L2 => NormKind::L2,
+            NormType::Inf => NormKind::Inf,
+            NormType::P(_) => NormKind::P,
+        }
+    }
+
     /// Rejects a hand-built `P(p)` with an invalid p.
     pub(crate) fn validated(self) -> Result<Self> {
         NormType::from_p(self.p())

@@ -3,17 +3,20 @@
 //! quantity becomes the global norm. Written once for both backends.
 
 use crate::math::{exp2, log2, sqrt};
+#[cfg(doc)]
+use crate::norms::NormKind;
 
-/// Which norm, as the combine kernels take it.
+/// Which norm, as the combine kernels take it: [`NormKind`]'s discriminants.
 pub mod kind {
+    use crate::norms::NormKind;
     /// p = 1: the norms add.
-    pub const L1: u32 = 0;
+    pub const L1: u32 = NormKind::L1 as u32;
     /// p = 2: the squares add.
-    pub const L2: u32 = 1;
+    pub const L2: u32 = NormKind::L2 as u32;
     /// p = inf: the maximum.
-    pub const INF: u32 = 2;
+    pub const INF: u32 = NormKind::Inf as u32;
     /// Any other p >= 1: the p-th powers add.
-    pub const P: u32 = 3;
+    pub const P: u32 = NormKind::P as u32;
 }
 
 /// What the ranks combine for a local norm: `norm^p` (the norm itself for L1 and inf). The

@@ -8,7 +8,7 @@
 //! - `gradclip_scale`: one block per task, multiplies by the coefficient in device memory.
 
 use crate::abi::{BLOCK_THREADS, ChunkTask, DType, NormOutput, NormParams, Partial, TensorDesc, WARP_THREADS};
-use crate::accum::{Accumulator, Inf, L1, L2, PNorm};
+use crate::accum::Accumulator;
 use crate::device::{
     DeviceTensor, DeviceTensorMut, atomic_add_u32, block_idx, block_reduce, fence_gpu, grid_dim, ld_cg_partial, smem_flag, sync_threads,
     thread_idx, warp_reduce,
@@ -132,7 +132,7 @@ unsafe fn tensor_norms<A: Accumulator>(
 }
 
 macro_rules! norm_kernels {
-    ($($norm:ident, $tensor_norms:ident, $acc:ty;)*) => {$(
+    ($($k:ident: $acc:ty, $norm:ident, $tensor_norms:ident;)*) => {$(
         /// Norm kernel: one block of `BLOCK_THREADS` per task (one block if there is none),
         /// `BLOCK_SMEM_BYTES` of dynamic shared memory. Writes one partial per task; the block
         /// that finishes last writes the norm, the clip coefficient and the flags to `out`.
@@ -165,12 +165,7 @@ macro_rules! norm_kernels {
     )*};
 }
 
-norm_kernels! {
-    gradclip_norm_l1, gradclip_tensor_norms_l1, L1;
-    gradclip_norm_l2, gradclip_tensor_norms_l2, L2;
-    gradclip_norm_inf, gradclip_tensor_norms_inf, Inf;
-    gradclip_norm_p, gradclip_tensor_norms_p, PNorm;
-}
+crate::norm_table!(norm_kernels);
 
 #[inline(always)]
 unsafe fn scale_of<E: Element>(d: &TensorDesc, chunk: u64, c32: f32, c64: f64) {

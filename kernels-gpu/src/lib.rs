@@ -48,6 +48,7 @@ pub mod lane;
 pub mod lion;
 pub mod math;
 pub mod model;
+pub mod norms;
 pub mod scale;
 pub mod sgd;
 pub mod update;

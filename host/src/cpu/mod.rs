@@ -129,27 +129,23 @@ impl<E: Element> gradclip_kernels::lane::SourceMut<E> for HostTensor<E> {
     }
 }
 
-/// Calls `$body` with `$A` bound to the accumulator of `$norm`.
+/// The match `with_accumulator!` expands to: one arm per row of the kernels' norm table.
+macro_rules! accumulator_match {
+    ([$kind:expr, $A:ident, $body:expr] $($k:ident: $acc:ty, $norm:ident, $tensor_norms:ident;)*) => {
+        match $kind {
+            $(gradclip_kernels::norms::NormKind::$k => {
+                type $A = $acc;
+                $body
+            })*
+        }
+    };
+}
+
+/// Calls `$body` with `$A` bound to the accumulator of `$norm` (a [`NormType`]), as the kernels'
+/// norm table names it ([`gradclip_kernels::norm_table!`]).
 macro_rules! with_accumulator {
     ($norm:expr, $A:ident => $body:expr) => {
-        match $norm {
-            NormType::L1 => {
-                type $A = L1;
-                $body
-            }
-            NormType::L2 => {
-                type $A = L2;
-                $body
-            }
-            NormType::Inf => {
-                type $A = Inf;
-                $body
-            }
-            NormType::P(_) => {
-                type $A = PNorm;
-                $body
-            }
-        }
+        gradclip_kernels::norm_table!(accumulator_match, $norm.kind(), $A, $body)
     };
 }
 

@@ -5,23 +5,22 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 
+use gradclip_kernels::norms::NormKind;
+
 use crate::error::{Error, Result};
 
 /// The kernels' PTX, compiled from Rust by this crate's build script (rustc's nvptx64 target).
 pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gradclip_kernels.ptx"));
 
-/// Every kernel the host launches. Names live here and nowhere else.
+/// Every kernel the host launches. Names live here and in the kernels' norm table
+/// ([`gradclip_kernels::norm_table!`], the norm kernels' names) and nowhere else.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[allow(missing_docs)]
 pub enum Kernel {
-    NormL1,
-    NormL2,
-    NormInf,
-    NormP,
-    TensorNormsL1,
-    TensorNormsL2,
-    TensorNormsInf,
-    TensorNormsP,
+    /// A norm kernel of the table.
+    Norm(NormKind),
+    /// A per-tensor-norm kernel of the table.
+    TensorNorms(NormKind),
     Scale,
     Adam,
     Sgd,
@@ -42,16 +41,9 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// All kernels, in table order (the benchmark kernels only with the `bench-kernels` feature).
-    pub const ALL: &[Kernel] = &[
-        Kernel::NormL1,
-        Kernel::NormL2,
-        Kernel::NormInf,
-        Kernel::NormP,
-        Kernel::TensorNormsL1,
-        Kernel::TensorNormsL2,
-        Kernel::TensorNormsInf,
-        Kernel::TensorNormsP,
+    /// The kernels that are not the norm table's, in table order (the benchmark kernels only
+    /// with the `bench-kernels` feature).
+    const OTHERS: &[Kernel] = &[
         Kernel::Scale,
         Kernel::Adam,
         Kernel::Sgd,
@@ -71,17 +63,32 @@ impl Kernel {
         Kernel::BaselineSumsq,
     ];
 
+    /// How many kernels there are.
+    pub const COUNT: usize = 2 * NormKind::ALL.len() + Kernel::OTHERS.len();
+
+    /// All kernels, in table order: the norm kernels, the per-tensor ones, the rest.
+    pub fn all() -> impl Iterator<Item = Kernel> {
+        let norms = NormKind::ALL.iter().map(|&k| Kernel::Norm(k));
+        norms
+            .chain(NormKind::ALL.iter().map(|&k| Kernel::TensorNorms(k)))
+            .chain(Kernel::OTHERS.iter().copied())
+    }
+
+    /// The kernel's place in [`Kernel::all`].
+    fn index(self) -> usize {
+        let n = NormKind::ALL.len();
+        match self {
+            Kernel::Norm(k) => k as usize,
+            Kernel::TensorNorms(k) => n + k as usize,
+            other => 2 * n + Kernel::OTHERS.iter().position(|&x| x == other).unwrap_or(0),
+        }
+    }
+
     /// The PTX entry-point name.
     pub const fn name(self) -> &'static str {
         match self {
-            Kernel::NormL1 => "gradclip_norm_l1",
-            Kernel::NormL2 => "gradclip_norm_l2",
-            Kernel::NormInf => "gradclip_norm_inf",
-            Kernel::NormP => "gradclip_norm_p",
-            Kernel::TensorNormsL1 => "gradclip_tensor_norms_l1",
-            Kernel::TensorNormsL2 => "gradclip_tensor_norms_l2",
-            Kernel::TensorNormsInf => "gradclip_tensor_norms_inf",
-            Kernel::TensorNormsP => "gradclip_tensor_norms_p",
+            Kernel::Norm(k) => k.norm_kernel(),
+            Kernel::TensorNorms(k) => k.tensor_norms_kernel(),
             Kernel::Scale => "gradclip_scale",
             Kernel::Adam => "gradclip_adam",
             Kernel::Sgd => "gradclip_sgd",
@@ -112,7 +119,7 @@ pub struct KernelSet {
 impl KernelSet {
     /// The function of `k`.
     pub fn get(&self, k: Kernel) -> &CudaFunction {
-        &self.functions[Kernel::ALL.iter().position(|&x| x == k).expect("Kernel::ALL lists every kernel")]
+        &self.functions[k.index()]
     }
 }
 
@@ -127,8 +134,7 @@ pub fn load(ctx: &Arc<CudaContext>) -> Result<Arc<KernelSet>> {
         return Ok(set.clone());
     }
     let module = ctx.load_module(Ptx::from_src(PTX))?;
-    let functions = Kernel::ALL
-        .iter()
+    let functions = Kernel::all()
         .map(|k| {
             module
                 .load_function(k.name())
@@ -153,14 +159,11 @@ mod tests {
             .filter_map(|l| l.strip_prefix(".visible .entry "))
             .map(|l| l.trim_end_matches('(').trim())
             .collect();
-        for &k in Kernel::ALL {
+        for (i, k) in Kernel::all().enumerate() {
             assert!(entries.contains(&k.name()), "{} missing from PTX", k.name());
+            assert_eq!(k.index(), i, "{k:?} is not at its place in the table");
         }
-        assert_eq!(
-            entries.len(),
-            Kernel::ALL.len(),
-            "PTX has entries the host does not know: {entries:?}"
-        );
+        assert_eq!(entries.len(), Kernel::COUNT, "PTX has entries the host does not know: {entries:?}");
         assert!(!PTX.contains(".extern .func"));
         // No local memory (spills or arrays) in any kernel but the general-p ones, whose
         // per-element log/exp path is allowed a stack.

@@ -28,12 +28,7 @@ pub struct Tables {
 const MAX_TENSOR_BLOCKS: u64 = 4096;
 
 fn kernels_of(norm: NormType) -> (Kernel, Kernel) {
-    match norm {
-        NormType::L1 => (Kernel::NormL1, Kernel::TensorNormsL1),
-        NormType::L2 => (Kernel::NormL2, Kernel::TensorNormsL2),
-        NormType::Inf => (Kernel::NormInf, Kernel::TensorNormsInf),
-        NormType::P(_) => (Kernel::NormP, Kernel::TensorNormsP),
-    }
+    (Kernel::Norm(norm.kind()), Kernel::TensorNorms(norm.kind()))
 }
 
 /// Launches the norm kernel: one block per task (one block when `params.num_tasks == 0`); the
@@ -191,13 +186,7 @@ const ONE_THREAD: LaunchConfig = LaunchConfig {
 
 /// The combine kind and p of a norm type (see `gradclip_kernels::combine`).
 pub fn combine_kind(norm: NormType) -> u32 {
-    use gradclip_kernels::combine::kind;
-    match norm {
-        NormType::L1 => kind::L1,
-        NormType::L2 => kind::L2,
-        NormType::Inf => kind::INF,
-        NormType::P(_) => kind::P,
-    }
+    norm.kind() as u32
 }
 
 /// Launches `partial[0] = partial of out.norm`.
