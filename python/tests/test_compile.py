@@ -281,6 +281,56 @@ def test_reduce_overhead_optimizer_step_runs_in_a_cuda_graph_and_equals_eager(na
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_training_step_breaks_nowhere_in_gradclip_and_equals_eager(device):
+    """A whole step (forward, backward, gradclip's clip, gradclip's optimizer) under
+    torch._dynamo.explain: the only graph break is torch's own (the backward call), none in
+    gradclip's clip or step. The clip and the step compiled together (one graph with both ops)
+    equal eager's bits on the same gradients; the whole step compiled runs (its forward is
+    Inductor's, whose rounding torch does not promise equal to eager)."""
+    from gradclip.torch.optim import AdamW
+
+    def make():
+        m = _model(device, torch.float32)
+        return m, AdamW(m.parameters(), lr=1e-2)
+
+    def clip_and_step(m, opt):
+        n = gt.clip_grad_norm_(m.parameters(), 0.5)
+        opt.step()
+        return n
+
+    def train(m, opt, x):
+        opt.zero_grad()
+        m(x).square().sum().backward()
+        return clip_and_step(m, opt)
+
+    (a, oa), (b, ob) = make(), make()
+    gen = torch.Generator(device=device).manual_seed(8)
+    xs = [torch.randn(4, 16, device=device, generator=gen) for _ in range(5)]
+    for m, o in ((a, oa), (b, ob)):  # the eager first steps (states, layouts, the op's lists)
+        train(m, o, xs[0])
+        train(m, o, xs[1])
+    torch._dynamo.reset()
+    compiled = torch.compile(clip_and_step)
+    for x in xs[2:4]:
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+        assert _same(_grads(a), _grads(b))
+        got, want = compiled(a, oa), clip_and_step(b, ob)
+        assert torch.equal(got, want)
+        assert _same(list(a.parameters()), list(b.parameters())) and _same(_grads(a), _grads(b))
+    explained = torch._dynamo.explain(clip_and_step)(a, oa)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(train)(a, oa, xs[4])
+    reasons = [str(r.reason) + "".join(str(f) for f in (r.user_stack or [])) for r in explained.break_reasons]
+    assert not any("gradclip" in r for r in reasons), reasons
+    assert explained.graph_break_count <= 1, reasons  # the backward call, torch's own
+    n = torch.compile(train)(a, oa, xs[4])
+    assert torch.isfinite(n) and n > 0
+
+
 def test_what_a_compiled_optimizer_step_does_not_take_runs_eagerly():
     """A closure, update="torch" and nonfinite="error" run the eager step under compile (a graph
     break) and equal eager."""
