@@ -46,7 +46,8 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     cpu_scale_down: u64,
     /// Where to write the JSON record (an SVG chart goes beside it). Default on a GPU:
-    /// benches/results/<date>-<device>.json; on the CPU path nothing unless given.
+    /// target/gradclip-bench/<date>-<device>.json (`python3 benches/records.py add` files it in
+    /// benches/results' tables); on the CPU path nothing unless given.
     #[arg(long)]
     json: Option<PathBuf>,
     /// Write the selected workloads' tensor lists as JSON to this file and exit.

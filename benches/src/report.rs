@@ -226,9 +226,10 @@ fn slug(s: &str) -> String {
 }
 
 impl Record {
-    /// benches/results/<date>-<device>.json
+    /// target/gradclip-bench/<date>-<device>.json (the records' tables take it from there:
+    /// `python3 benches/records.py add`).
     pub fn default_path(&self) -> PathBuf {
-        PathBuf::from(format!("benches/results/{}-{}.json", self.date, slug(&self.device)))
+        PathBuf::from(format!("target/gradclip-bench/{}-{}.json", self.date, slug(&self.device)))
     }
 
     /// Writes the record as pretty JSON, and the chart beside it (same name, .svg).
