@@ -252,7 +252,7 @@ def numbers_in(obj) -> Iterator[float]:
             yield from numbers_in(v)
 
 
-FIGURE = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s*(ms|us|GB/s|GB)\b")
+FIGURE = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s*(ms|us|TB/s|GB/s|GB)\b")
 
 
 def figures() -> Iterator[Tuple[str, int, str, str]]:
