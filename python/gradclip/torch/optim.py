@@ -133,7 +133,10 @@ class _ClippingStep:
     def last_grad_norm(self) -> Optional[torch.Tensor]:
         """The gradients' global norm at the last step (0-dim, on the device, in the dtype
         ``clip_grad_norm_`` returns it), before clipping; None before the first clipped step."""
-        return self._reported["last_grad_norm"]
+        v = self._reported["last_grad_norm"]
+        if type(v) is tuple:  # (the f64 norm, its dtype): converted when first read
+            v = self._reported["last_grad_norm"] = v[0].to(v[1])
+        return v
 
     @last_grad_norm.setter
     def last_grad_norm(self, value: Optional[torch.Tensor]) -> None:
@@ -336,7 +339,10 @@ class _ClippingStep:
             return False
         if clip is not None:
             norm = out[0] if scale_t is None else out[0] / scale_t.to(torch.float64)
-            self.last_grad_norm = norm.to(dtype)
+            # The conversion to the gradients' dtype waits for a read (a launch less per step),
+            # except in a captured step, whose replays must write it.
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            self._reported["last_grad_norm"] = norm.to(dtype) if capturing else (norm, dtype)
             if self.nonfinite == "skip":
                 self.skipped_steps = self._skipped
         return True
