@@ -1,0 +1,60 @@
+"""The records' check (benches/records.py, which CI runs on the tree): it passes on the tree as
+committed, and fails where a figure the docs quote is in no record, where a run they name is not
+recorded, and where a table row is malformed (run on a copy of the tree)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _check(root):
+    return subprocess.run([sys.executable, os.path.join(root, "benches", "records.py"), "check"], capture_output=True, text=True)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """README.md, docs/, benches/NOTES.md, benches/records.py and benches/results/ copied."""
+    for name in ("README.md",):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    shutil.copytree(os.path.join(ROOT, "docs"), tmp_path / "docs")
+    (tmp_path / "benches").mkdir()
+    for name in ("NOTES.md", "records.py"):
+        shutil.copy(os.path.join(ROOT, "benches", name), tmp_path / "benches" / name)
+    shutil.copytree(os.path.join(ROOT, "benches", "results"), tmp_path / "benches" / "results")
+    return tmp_path
+
+
+def test_the_tree_passes(tree):
+    r = _check(str(tree))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 problems" in r.stdout
+
+
+def test_a_figure_in_no_record_fails(tree):
+    readme = tree / "README.md"
+    text = readme.read_text()
+    assert "4.30 ms" in text
+    readme.write_text(text.replace("4.30 ms", "4.97 ms", 1))
+    r = _check(str(tree))
+    assert r.returncode == 1 and "the figure 4.97 ms is in no record" in r.stdout, r.stdout
+
+
+def test_a_run_not_recorded_fails(tree):
+    notes = tree / "benches" / "NOTES.md"
+    notes.write_text(notes.read_text() + "\nSee run 2026-12-01-h200/0000000-nowhere.\n")
+    r = _check(str(tree))
+    assert r.returncode == 1 and "run 2026-12-01-h200/0000000-nowhere is not in the records" in r.stdout, r.stdout
+
+
+def test_a_row_in_the_wrong_table_fails(tree):
+    tests = tree / "benches" / "results" / "tests.jsonl"
+    first = tests.read_text().splitlines()[0]
+    with open(tree / "benches" / "results" / "bench.jsonl", "a") as f:
+        f.write(first + "\n")
+    r = _check(str(tree))
+    assert r.returncode == 1 and "belongs in tests.jsonl" in r.stdout, r.stdout
