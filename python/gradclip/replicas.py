@@ -94,13 +94,33 @@ def _stage(pipeline_group: Any, norm_ranks: FrozenSet[int], dims: Dict[str, Tupl
     return frozenset(r for r in _slice(root, rank, [i for i in range(root.ndim) if i != d]) if r in norm_ranks)
 
 
+# Plans by what decides them (the keys' groups, the meshes' dimension groups, the pipeline and
+# norm groups): a list of ``Shards`` makes a new layout every call, its plan is made once.
+_PLANS: Dict[Tuple[Any, ...], Optional[Counting]] = {}
+
+
 def plan(layout: Any, pipeline_group: Any = None, norm_group: Any = None) -> Optional[Counting]:
+    """``_plan``, kept by what decides it (group names are unique within a process)."""
+    if not ENABLED or not dist.is_initialized():
+        return None
+    roots = tuple(tuple(r.get_group(d).group_name for d in range(r.ndim)) for r in layout.roots.values())
+    key = (tuple(layout.keys), roots, _name(pipeline_group), _name(norm_group))
+    if key not in _PLANS:
+        if len(_PLANS) > 256:  # groups come and go in long jobs: keep a few
+            _PLANS.clear()
+        _PLANS[key] = _plan(layout, pipeline_group, norm_group)
+    return _PLANS[key]
+
+
+def _name(group: Any) -> Optional[str]:
+    return None if group is None else group.group_name
+
+
+def _plan(layout: Any, pipeline_group: Any = None, norm_group: Any = None) -> Optional[Counting]:
     """The one-collective plan of ``layout`` (``distributed.Layout``), or None for the per-group
     path. ``N`` is ``norm_group`` when given, else the default group when every mesh the
     gradients live on spans it (a job whose meshes cover the world trains one model on all of
     it); with neither, plain process groups alone never imply that every rank takes part."""
-    if not ENABLED or not dist.is_initialized():
-        return None
     roots = list(layout.roots.values())
     world = dist.get_world_size()
     if norm_group is None:
