@@ -18,7 +18,8 @@ benches/results/charts/.
   python3 benches/records.py check         what CI checks: every table row well formed, every
                                            run the docs and notes name recorded, every figure
                                            README.md and docs/ quote (a number with a unit of
-                                           time, size or bandwidth) found in a record
+                                           time, size or bandwidth) found in a record: of the
+                                           commits its paragraph names, when it names any
   python3 benches/records.py fold          the old per-run folders into the tables (done once,
                                            at 2026-12-01; kept for folders fetched the old way)
 
@@ -255,15 +256,24 @@ def numbers_in(obj) -> Iterator[float]:
 FIGURE = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s*(ms|us|TB/s|GB/s|GB)\b")
 
 
-def figures() -> Iterator[Tuple[str, int, str, str]]:
-    """(file, line, number, unit) of every measured figure README.md and docs/*.md quote: each
-    number with a unit of time, size or bandwidth (ratios, percentages and test counts are
-    derived or counted, not measured)."""
+def figures() -> Iterator[Tuple[str, int, str, str, frozenset]]:
+    """(file, line, number, unit, commits) of every measured figure README.md and docs/*.md
+    quote: each number with a unit of time, size or bandwidth (ratios, percentages and test
+    counts are derived or counted, not measured), with the commits its paragraph names (its
+    records are those runs')."""
     paths = ["README.md"] + ["docs/" + n for n in sorted(os.listdir(os.path.join(ROOT, "docs")))]
     for path in paths:
-        for n, line in enumerate(open(os.path.join(ROOT, path)), 1):
-            for m in FIGURE.finditer(line):
-                yield path, n, m.group(1), m.group(2)
+        lines = open(os.path.join(ROOT, path)).read().split("\n")
+        start = 0
+        for end in range(len(lines) + 1):
+            if end < len(lines) and lines[end].strip():
+                continue
+            paragraph = lines[start:end]
+            commits = frozenset(re.findall(r"\b([0-9a-f]{7})\b", "\n".join(paragraph)))
+            for i, line in enumerate(paragraph, start + 1):
+                for m in FIGURE.finditer(line):
+                    yield path, i, m.group(1), m.group(2), commits
+            start = end + 1
 
 
 def matches(figure: str, unit: str, values: List[float]) -> bool:
@@ -304,10 +314,19 @@ def cmd_check(_args) -> None:
         if run not in runs and not (run.startswith("*/") and run[2:] in names):
             problems.append(f"{path}:{n}: run {run.lstrip('*/')} is not in the records")
     values = sorted(set(numbers_in([r["content"] for r in rows])))
+    of_commit: Dict[str, List[dict]] = {}
+    for r in rows:  # a run's commit, or the commit its name begins with
+        for c in {r["commit"], r["run"].split("/", 1)[1][:7]}:
+            of_commit.setdefault(c, []).append(r)
+    cache: Dict[frozenset, List[float]] = {}
     quoted = list(figures())
-    for path, n, fig, unit in quoted:
-        if not matches(fig, unit, values):
-            problems.append(f"{path}:{n}: the figure {fig} {unit} is in no record")
+    for path, n, fig, unit, commits in quoted:
+        cited = frozenset(c for c in commits if c in of_commit)
+        if cited and cited not in cache:
+            cache[cited] = sorted(set(numbers_in([r["content"] for c in cited for r in of_commit[c]])))
+        if not matches(fig, unit, cache[cited] if cited else values):
+            where = f"the runs of {', '.join(sorted(cited))}, which its paragraph names" if cited else "any record"
+            problems.append(f"{path}:{n}: the figure {fig} {unit} is in no record ({where})")
     leftovers = [d for d in os.listdir(RESULTS) if os.path.isdir(os.path.join(RESULTS, d)) and d != "charts"]
     if leftovers:
         problems.append(f"per-run folders left in benches/results ({leftovers}): fold them (records.py fold)")

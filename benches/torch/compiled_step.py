@@ -13,6 +13,8 @@ steps; the gradients' setup included, the same for every row), host time of the 
 mode="reduce-overhead"), and torch's fused AdamW (no clip) eager and compiled for reference.
 
   python3 benches/torch/compiled_step.py out.json [--steps 50] [--commit C]
+  python3 benches/torch/compiled_step.py out.json --cpu   # on the CPU: 555 f32 parameters of 64
+                                                          # elements (host costs; no GPU)
 """
 import argparse
 import os
@@ -29,34 +31,40 @@ from step_host import Grads, moe_shapes  # noqa: E402
 from gradclip.torch import optim  # noqa: E402
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def per_step(fn, setup, steps):
     """(per-step us, median host us of fn) over `steps` back-to-back steps."""
     hosts = []
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         setup()
         h = time.perf_counter()
         fn()
         hosts.append((time.perf_counter() - h) * 1e6)
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) / steps * 1e6, statistics.median(hosts)
 
 
-def variants(params):
+def variants(params, cuda):
     def gradclip():
         return optim.AdamW(params, lr=1e-4, max_grad_norm=1.0)
 
     def torch_fused():
-        return torch.optim.AdamW(params, lr=torch.tensor(1e-4, device="cuda"), fused=True)
+        return torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=params[0].device), fused=True)
 
-    return [
+    rows = [
         ("gradclip_eager", gradclip, None),
         ("gradclip_compiled", gradclip, "default"),
         ("gradclip_compiled_reduce_overhead", gradclip, "reduce-overhead"),
         ("torch_fused_noclip_eager", torch_fused, None),
         ("torch_fused_noclip_compiled", torch_fused, "default"),
     ]
+    return rows if cuda else [r for r in rows if r[2] != "reduce-overhead"]  # CUDA graphs need CUDA
 
 
 def main():
@@ -64,13 +72,17 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--cpu", action="store_true")
     args = ap.parse_args()
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in moe_shapes()]
+    if args.cpu:
+        params = [torch.nn.Parameter(torch.randn(64) * 0.02) for _ in moe_shapes()]
+    else:
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in moe_shapes()]
     rows = []
     for case in ("same", "fresh_reused"):
         grads = Grads(params, 0.0)
         setup = grads.same if case == "same" else grads.fresh_reused
-        for name, make, mode in variants(params):
+        for name, make, mode in variants(params, not args.cpu):
             opt = make()
             setup()
             opt.step()  # the eager first step: states and layouts
@@ -82,13 +94,13 @@ def main():
                 fn()
             warm_s = time.perf_counter() - t
             step_us, host_us = per_step(fn, setup, args.steps)
-            row = dict(list="moe-555-bf16", case=case, optimizer=name, step_us=step_us, host_us=host_us, warmup_s=warm_s)
+            row = dict(list="moe-555-bf16" if not args.cpu else "555x64-f32-cpu", case=case, optimizer=name, step_us=step_us, host_us=host_us, warmup_s=warm_s)
             rows.append(row)
             print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
             del opt, fn
         for p in params:
             p.grad = None
-    record.write(args.out, {**record.header(args.commit, "cuda"), "rows": rows})
+    record.write(args.out, {**record.header(args.commit, "cpu" if args.cpu else "cuda"), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -58,3 +58,12 @@ def test_a_row_in_the_wrong_table_fails(tree):
         f.write(first + "\n")
     r = _check(str(tree))
     assert r.returncode == 1 and "belongs in tests.jsonl" in r.stdout, r.stdout
+
+
+def test_a_figure_is_looked_for_in_the_runs_its_paragraph_names(tree):
+    # 4.30 ms is in a bench record, not in the step-host run of 740b056: cited beside that run,
+    # it is in no record of its paragraph.
+    doc = tree / "docs" / "benchmarks.md"
+    doc.write_text(doc.read_text() + "\nThe norm took 4.30 ms at 740b056.\n")
+    r = _check(str(tree))
+    assert r.returncode == 1 and "the figure 4.30 ms is in no record (the runs of 740b056" in r.stdout, r.stdout
