@@ -45,7 +45,7 @@ CHART_EXT = (".svg", ".png")
 
 # A file's family, by its name: the first pattern that matches.
 FAMILIES: List[Tuple[str, str]] = [
-    ("step", r"step-host|train-step"),
+    ("step", r"step-host|train-step|compiled-step"),
     ("sharded", r"sharded|train-fsdp|placements"),
     ("optim", r"optim|adam|train-gpt|variants/"),
     ("bench", r"^bench-|seed-500|criterion|cpu-clip|cpu-compare"),
