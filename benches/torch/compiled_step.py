@@ -16,7 +16,6 @@ mode="reduce-overhead"), and torch's fused AdamW (no clip) eager and compiled fo
   python3 benches/torch/compiled_step.py out.json --cpu   # on the CPU: 555 f32 parameters of 64
                                                           # elements (host costs; no GPU)
 """
-import argparse
 import os
 import statistics
 import sys
@@ -68,11 +67,8 @@ def variants(params, cuda):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out")
+    ap = record.parser(__doc__)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--commit", default="")
-    ap.add_argument("--cpu", action="store_true")
     args = ap.parse_args()
     if args.cpu:
         params = [torch.nn.Parameter(torch.randn(64) * 0.02) for _ in moe_shapes()]
@@ -96,7 +92,7 @@ def main():
             step_us, host_us = per_step(fn, setup, args.steps)
             row = dict(list="moe-555-bf16" if not args.cpu else "555x64-f32-cpu", case=case, optimizer=name, step_us=step_us, host_us=host_us, warmup_s=warm_s)
             rows.append(row)
-            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            record.show(row)
             del opt, fn
         for p in params:
             p.grad = None

@@ -1,5 +1,7 @@
 """What every benchmark record of benches/torch starts with (date, device, torch, commit, the
-command that made it), and how it is written: one JSON file, the script's first argument."""
+command that made it), how it is written (one JSON file, the script's first argument), the
+arguments every such script takes, and how a row is printed as it is measured."""
+import argparse
 import json
 import os
 import sys
@@ -23,3 +25,18 @@ def header(commit: str, device: str) -> dict:
 def write(path: str, record: dict) -> None:
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A script's arguments: ``out`` (the record), ``--commit`` and ``--cpu`` (a smoke test on the
+    CPU); the script adds its own."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--cpu", action="store_true")
+    return ap
+
+
+def show(row: dict, digits: int = 1) -> None:
+    """Prints a row as ``key=value`` pairs, floats to ``digits`` decimals."""
+    print(" ".join(f"{k}={v:.{digits}f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

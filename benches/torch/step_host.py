@@ -19,7 +19,6 @@ gradclip.torch.optim.AdamW(max_grad_norm=1.0) with update="gradclip" and update=
   python3 benches/torch/step_host.py out.json [--calls 50] [--commit C]
   python3 benches/torch/step_host.py out.json --cpu     # smoke test on the CPU (host times only)
 """
-import argparse
 import statistics
 import time
 
@@ -129,7 +128,7 @@ def moe_rows(device, calls):
                 # The native step's stages, last step (see gradclip._native.StepLayout.last_step_ns).
                 row.update({f"native_{k}_us": v / 1e3 for k, v in layout.native.last_step_ns})
             rows.append(row)
-            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            record.show(row)
             del opt
         for p in params:
             p.grad = None
@@ -151,16 +150,13 @@ def clip_rows(device, calls):
             host, dev = one_call(fn, setup, calls, cuda, busy)
             row = dict(list="clip-1000x1024-f32", case=case, optimizer=name, host_us=host, gpu_us=dev)
             rows.append(row)
-            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            record.show(row)
     return rows
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out")
+    ap = record.parser(__doc__)
     ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--commit", default="")
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     rows = clip_rows(device, args.calls) + moe_rows(device, args.calls)

@@ -30,7 +30,6 @@ same model from the same seed on the same batches; the loss after the last step 
   python3 benches/torch/train_step.py out.json [--models dense,moe] [--steps 20] [--commit C]
   python3 benches/torch/train_step.py out.json --cpu --tiny    # smoke test on the CPU
 """
-import argparse
 import math
 import statistics
 import sys
@@ -213,15 +212,12 @@ def run(model_name, opt_name, args, device):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out")
+    ap = record.parser(__doc__)
     ap.add_argument("--models", default="dense,moe")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="small models (smoke test)")
-    ap.add_argument("--commit", default="")
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     rows = []
@@ -229,7 +225,7 @@ def main():
         for o in args.optimizers.split(","):
             row = run(m, o, args, device)
             rows.append(row)
-            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            record.show(row, 3)
             if not math.isfinite(row["final_loss"]):
                 sys.exit(f"{m} / {o}: the loss is not finite")
     record.write(args.out, {**record.header(args.commit, device), "rows": rows})

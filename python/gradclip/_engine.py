@@ -6,6 +6,7 @@ and ``gradclip.shards``, import it and never each other's private names."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from typing import List, Tuple
@@ -165,6 +166,16 @@ def _out(device: int) -> torch.Tensor:
     """A fresh result buffer for a plan on ``device`` (a CUDA ordinal, or -1 for the CPU): the
     engine's NormOutput, three float64 (norm, coefficient, flags), from torch's allocator."""
     return torch.empty(3, dtype=torch.float64, device=device if device >= 0 else "cpu")
+
+
+def _stream_of(device: torch.device):
+    """``(stream, context)`` for a native call on ``device``: torch's current stream there (0 on
+    the CPU) and a context that makes ``device`` torch's current one for the call (the engine
+    binds the current device's context; torch sets and restores it its own way)."""
+    if device.type != "cuda":
+        return 0, contextlib.nullcontext()
+    current = device.index == _current_device()
+    return _raw_stream(device.index), contextlib.nullcontext() if current else torch.cuda.device(device.index)
 
 
 def _call(entry, plan, info, *args):
@@ -343,7 +354,7 @@ STEP_KINDS = ("adam", "sgd", "lion")
 def _rule_states(kind: str, h, flags) -> Tuple[Tuple[str, ...], bool]:
     """The states a rule keeps per parameter, by name, and whether it reads each parameter's own
     step count (the engine says: one table of which rule keeps what)."""
-    names, own = _native.rule_states((kind, 0.0, tuple(h), tuple(flags), 8, 0))
+    names, own = _native.rule_states((kind, 0.0, tuple(h), tuple(flags), 0, 0))
     return tuple(names), own
 
 
@@ -371,14 +382,9 @@ def _list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, 
     cache = getattr(counts[0], "_gradclip_list_step", None)
     if cache is None:
         cache = counts[0]._gradclip_list_step = _native.ListStep()
-    out = torch.zeros(3, dtype=torch.float64, device=device)
+    out = torch.zeros(3, dtype=torch.float64, device=device)  # (no clip: the norm stays 0)
     policy = (float(clip[0]), float(clip[1]), nonfinite) if clip else None
-    args = (cache, _PLANNER, params, grads, states, steps, groups)
-    if device.type != "cuda":
-        _native.list_step(*args, (0, policy, out.data_ptr(), 0, 0, 0))
-    elif device.index == _current_device():
-        _native.list_step(*args, (_raw_stream(device.index), policy, out.data_ptr(), 0, 0, 0))
-    else:
-        with torch.cuda.device(device.index):
-            _native.list_step(*args, (_raw_stream(device.index), policy, out.data_ptr(), 0, 0, 0))
+    stream, on_device = _stream_of(device)
+    with on_device:
+        _native.list_step(cache, _PLANNER, params, grads, states, steps, groups, (stream, policy, out.data_ptr(), 0, 0, 0))
     return out[0].clone()

@@ -393,15 +393,11 @@ def _collective_device(groups: Sequence[Any]) -> torch.device:
 
 def counting(layout: Layout, pipeline_group=None, norm_group=None) -> Optional[replicas.Counting]:
     """The layout's one-collective plan (``replicas.plan``), made once per layout and groups."""
-    key = ("counting", replicas.ENABLED, _group_name(pipeline_group), _group_name(norm_group))
+    key = ("counting", replicas.ENABLED, replicas.group_name(pipeline_group), replicas.group_name(norm_group))
     cache = layout._indices
     if key not in cache:
         cache[key] = replicas.plan(layout, pipeline_group, norm_group)
     return cache[key]
-
-
-def _group_name(group) -> Optional[str]:
-    return None if group is None else group.group_name
 
 
 def global_norm(layout: Layout, p: float, pipeline_group=None, norm_group=None) -> torch.Tensor:

@@ -104,7 +104,7 @@ def plan(layout: Any, pipeline_group: Any = None, norm_group: Any = None) -> Opt
     if not ENABLED or not dist.is_initialized():
         return None
     roots = tuple(tuple(r.get_group(d).group_name for d in range(r.ndim)) for r in layout.roots.values())
-    key = (tuple(layout.keys), roots, _name(pipeline_group), _name(norm_group))
+    key = (tuple(layout.keys), roots, group_name(pipeline_group), group_name(norm_group))
     if key not in _PLANS:
         if len(_PLANS) > 256:  # groups come and go in long jobs: keep a few
             _PLANS.clear()
@@ -112,7 +112,8 @@ def plan(layout: Any, pipeline_group: Any = None, norm_group: Any = None) -> Opt
     return _PLANS[key]
 
 
-def _name(group: Any) -> Optional[str]:
+def group_name(group: Any) -> Optional[str]:
+    """A process group's name (None for none): what plans are kept by."""
     return None if group is None else group.group_name
 
 

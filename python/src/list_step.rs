@@ -76,11 +76,6 @@ struct KeptLists {
     list: StepList,
 }
 
-/// The gradient a parameter without one has in a step list ([`Parts::without_grad`]).
-fn absent(param: RawTensor) -> RawTensor {
-    RawTensor { addr: 0, len: 0, ..param }
-}
-
 /// The gradients of `grads` that are not None, and which are.
 fn present<'py>(grads: &Bound<'py, PyList>) -> PyResult<(Bound<'py, PyList>, Vec<bool>)> {
     let mask: Vec<bool> = grads.iter().map(|g| !g.is_none()).collect();
@@ -105,8 +100,8 @@ fn same_objects(a: &Bound<'_, PyList>, b: &Bound<'_, PyList>) -> bool {
 
 impl KeptLists {
     /// The kept list for this call's lists, with the gradients' new addresses when they moved or
-    /// the set of None gradients changed; None when something else differs (the caller reads
-    /// everything again).
+    /// the set of None gradients changed; None when something else differs (the caller drops
+    /// these lists and reads everything again).
     fn fits(&mut self, planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyResult<Option<StepList>> {
         let py = l.params.py();
         let written = [l.params, l.states, l.steps];
@@ -163,11 +158,16 @@ impl KeptLists {
             .zip(&mask)
             .zip(&self.listed)
             .filter(|(_, listed)| **listed)
-            .map(|((&p, &has), _)| if has { next.next().unwrap_or(absent(p)) } else { absent(p) })
+            .map(|((&p, &has), _)| {
+                if has {
+                    next.next().unwrap_or(Parts::absent_grad(p))
+                } else {
+                    Parts::absent_grad(p)
+                }
+            })
             .collect();
         let Ok(list) = self.list.with_grads(&full) else {
-            self.mask.clear(); // the guard may be the new set's: the next call reads everything
-            return Ok(None); // StepList::new decides, and names what is wrong
+            return Ok(None); // the caller drops these lists; StepList::new decides, and names what is wrong
         };
         self.mask = mask;
         self.grad_tensors = full;
@@ -227,7 +227,7 @@ fn read_lists(planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyR
             let keep = grad.is_some() || param.len > 0;
             listed.push(keep);
             if keep {
-                let grad = grad.unwrap_or(absent(param));
+                let grad = grad.unwrap_or(Parts::absent_grad(param));
                 let mut p = Parts::new(param, grad, &states);
                 p.step = step;
                 parts.push(p);

@@ -495,7 +495,7 @@ impl ListMaker for LayoutLists<'_> {
                     at.push(full.len());
                     full.push(g);
                 }
-                None => full.push(st.without_grad().grad),
+                None => full.push(Parts::absent_grad(st.param)),
             }
         }
         (full, at)

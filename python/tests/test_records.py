@@ -16,6 +16,12 @@ def _check(root):
     return subprocess.run([sys.executable, os.path.join(root, "benches", "records.py"), "check"], capture_output=True, text=True)
 
 
+def _fails_saying(tree, message):
+    """The check fails on ``tree`` and says ``message``."""
+    r = _check(str(tree))
+    assert r.returncode == 1 and message in r.stdout, r.stdout
+
+
 @pytest.fixture
 def tree(tmp_path):
     """README.md, docs/, benches/NOTES.md, benches/records.py and benches/results/ copied."""
@@ -40,15 +46,13 @@ def test_a_figure_in_no_record_fails(tree):
     text = readme.read_text()
     assert "4.30 ms" in text
     readme.write_text(text.replace("4.30 ms", "4.97 ms", 1))
-    r = _check(str(tree))
-    assert r.returncode == 1 and "the figure 4.97 ms is in no record" in r.stdout, r.stdout
+    _fails_saying(tree, "the figure 4.97 ms is in no record")
 
 
 def test_a_run_not_recorded_fails(tree):
     notes = tree / "benches" / "NOTES.md"
     notes.write_text(notes.read_text() + "\nSee run 2026-12-01-h200/0000000-nowhere.\n")
-    r = _check(str(tree))
-    assert r.returncode == 1 and "run 2026-12-01-h200/0000000-nowhere is not in the records" in r.stdout, r.stdout
+    _fails_saying(tree, "run 2026-12-01-h200/0000000-nowhere is not in the records")
 
 
 def test_a_row_in_the_wrong_table_fails(tree):
@@ -56,8 +60,7 @@ def test_a_row_in_the_wrong_table_fails(tree):
     first = tests.read_text().splitlines()[0]
     with open(tree / "benches" / "results" / "bench.jsonl", "a") as f:
         f.write(first + "\n")
-    r = _check(str(tree))
-    assert r.returncode == 1 and "belongs in tests.jsonl" in r.stdout, r.stdout
+    _fails_saying(tree, "belongs in tests.jsonl")
 
 
 def test_a_figure_is_looked_for_in_the_runs_its_paragraph_names(tree):
@@ -65,5 +68,4 @@ def test_a_figure_is_looked_for_in_the_runs_its_paragraph_names(tree):
     # it is in no record of its paragraph.
     doc = tree / "docs" / "benchmarks.md"
     doc.write_text(doc.read_text() + "\nThe norm took 4.30 ms at 740b056.\n")
-    r = _check(str(tree))
-    assert r.returncode == 1 and "the figure 4.30 ms is in no record (the runs of 740b056" in r.stdout, r.stdout
+    _fails_saying(tree, "the figure 4.30 ms is in no record (the runs of 740b056")

@@ -351,10 +351,8 @@ unsafe fn update_piece<U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> +
 unsafe fn update_dtypes<const N: usize, U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy>(p: &Piece, u32: U32, u64: U64) {
     let (u32, u64) = (u32.for_states(N), u64.for_states(N));
     let (param, grad) = (p.parts.param.dtype, p.parts.grad.dtype);
-    // The states' dtype (the parameter's when it keeps none: any will do). An absent gradient
-    // (len 0) is read as none: its dtype may be any.
+    // The states' dtype (the parameter's when it keeps none: any will do).
     let s = p.parts.states[0].map_or(param, |s| s.dtype);
-    let grad = if p.parts.grad.len == 0 { param } else { grad };
     // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
     unsafe {
         if param == DType::F64 {

@@ -241,12 +241,18 @@ impl Parts {
     /// These parts with an absent gradient (see [`Parts::grad`]).
     pub fn without_grad(self) -> Self {
         Parts {
-            grad: RawTensor {
-                addr: 0,
-                len: 0,
-                dtype: self.param.dtype,
-            },
+            grad: Parts::absent_grad(self.param),
             ..self
+        }
+    }
+
+    /// The absent gradient of parameter `param` ([`Parts::without_grad`]): no elements, the
+    /// parameter's dtype.
+    pub fn absent_grad(param: RawTensor) -> RawTensor {
+        RawTensor {
+            addr: 0,
+            len: 0,
+            dtype: param.dtype,
         }
     }
 

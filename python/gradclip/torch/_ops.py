@@ -77,7 +77,8 @@ def _register_step(step: Callable[..., torch.Tensor]):
     parameter has none), returning the
     norm (f64, 0-dim). Defined with ``torch.library.Library`` rather than ``custom_op``, whose
     Python wrapper bumps each mutated tensor's version one Python call at a time (5 ms for 2,775
-    tensors on the development host; ``step`` bumps them in one call)."""
+    tensors on the development host). ``step`` leaves versions as the eager step does; a
+    compiled graph's runtime bumps its mutated inputs' own."""
     global _LIB
     _LIB = torch.library.Library("gradclip", "FRAGMENT")
     _LIB.define(

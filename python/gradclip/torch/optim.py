@@ -27,13 +27,12 @@ optimizer's loads), GradScaler.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, Optional
 
 import torch
 
 from .. import _native
-from .._engine import STEP_KINDS, _PLANNER, _check_max_norm, _check_p, _clip_coef, _current_device, _raw_stream, _refuse_host_read_under_capture, _result_dtype, _rule_states
+from .._engine import STEP_KINDS, _PLANNER, _capturing, _check_max_norm, _check_p, _clip_coef, _refuse_host_read_under_capture, _result_dtype, _rule_states, _stream_of
 from . import _grads_norm64, _is_dtensor, _ops
 
 
@@ -306,12 +305,11 @@ class _ClippingStep:
             norm_in = norm_in.to(device=device, dtype=torch.float64).contiguous()
         inputs = (0 if scale_t is None else scale_t.data_ptr(), 0 if found_t is None else found_t.data_ptr())
         ptr = 0 if norm_in is None else norm_in.data_ptr()
-        stream = _raw_stream(device.index) if device.type == "cuda" else 0
         # The engine binds the tensors' device: torch's current device is made that one first.
-        on_device = device.type == "cuda" and device.index != _current_device()
+        stream, on_device = _stream_of(device)
         for _ in range(4):
             try:
-                with torch.cuda.device(device.index) if on_device else contextlib.nullcontext():
+                with on_device:
                     verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, (stream, clip, out.data_ptr(), ptr, *inputs))
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):
@@ -341,8 +339,7 @@ class _ClippingStep:
             norm = out[0] if scale_t is None else out[0] / scale_t.to(torch.float64)
             # The conversion to the gradients' dtype waits for a read (a launch less per step),
             # except in a captured step, whose replays must write it.
-            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            self._reported["last_grad_norm"] = norm.to(dtype) if capturing else (norm, dtype)
+            self._reported["last_grad_norm"] = norm.to(dtype) if _capturing() else (norm, dtype)
             if self.nonfinite == "skip":
                 self.skipped_steps = self._skipped
         return True
@@ -356,11 +353,11 @@ class _ClippingStep:
             hypers.append((kind, h, flags))
             n = 0
             for p in group["params"]:
-                st = self.state.get(p) if keys or own else None
-                if (keys or own) and (st is None or any(st.get(k) is None for k in keys) or (own and st.get("step") is None)):
-                    stateless.append(p)
-                    continue
-                if keys or own:
+                if keys or own:  # (SGD without momentum keeps no state)
+                    st = self.state.get(p)
+                    if st is None or any(st.get(k) is None for k in keys) or (own and st.get("step") is None):
+                        stateless.append(p)
+                        continue
                     states.extend(st[k] for k in keys)
                     if own:
                         steps.append(st["step"])
@@ -407,9 +404,10 @@ class _ClippingStep:
         """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
         scale pass), then updates as torch's fused optimizer; returns the closure's loss. Under
         ``torch.compile``, after two eager steps (states and layout, then the op's lists), the
-        engine's step of plain tensors is one registered op in the graph (``gradclip::optim_step_``: the eager step's bits); the rest
-        (a closure, DTensors, ``update="torch"``, ``nonfinite="error"``, GradScaler, parameters
-        with their first gradient) runs eagerly, at a graph break."""
+        engine's step of plain tensors is one registered op in the graph
+        (``gradclip::optim_step_``: the eager step's bits); the rest (a closure, DTensors,
+        ``update="torch"``, ``nonfinite="error"``, GradScaler, parameters with their first
+        gradient) runs eagerly, at a graph break."""
         if closure is None and torch.compiler.is_compiling() and self._traceable():
             return self._traced_step()
         return self._eager_step(closure)
@@ -446,13 +444,12 @@ class _ClippingStep:
             return self._eager_step()
         counts, lrs, kinds, hypers = [], [], [], []
         for i, group in enumerate(self.param_groups):
-            kind, h, flags = hyper = self._hyper(group)
-            if hyper != lists.hypers[i]:
+            lr_t = group["lr"] if isinstance(group["lr"], torch.Tensor) else None
+            kind, lr, h, flags = self._hyper_of(group, lr_t is not None)
+            if (kind, h, flags) != lists.hypers[i]:
                 return self._eager_step(None, True)
-            lr = group["lr"]
-            on_device = isinstance(lr, torch.Tensor)
-            lrs.append(lr if on_device else None)
-            hypers.extend((0.0 if on_device else float(lr), *h, *(float(f) for f in flags)))
+            lrs.append(lr_t)
+            hypers.extend((lr, *h, *(float(f) for f in flags)))
             kinds.append(STEP_KINDS.index(kind))
             counts.append(self._counts[i])
         clip = [] if self.max_grad_norm is None else [float(self.max_grad_norm), float(self.norm_type)]
