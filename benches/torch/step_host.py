@@ -12,13 +12,20 @@ Lists:
   clip    1,000 f32 gradients of 1,024 elements (the clip alone)
 
 Rows per case: host time of one call (time.perf_counter around the call, the GPU drained
-before it, median over --calls calls) and its GPU time (CUDA events around the call, median).
+before it, median over --calls calls), the part of it Python's garbage collector took (gc_us,
+median: a collection that allocations during the call set off), and its GPU time (CUDA events
+around the call, median). --profile FILE: cProfile of gradclip's calls per case, the top
+functions by own time, written to FILE (where the host time outside the native stages goes).
 Optimizers: torch's fused AdamW alone, torch's clip_grad_norm_ + fused AdamW,
 gradclip.torch.optim.AdamW(max_grad_norm=1.0) with update="gradclip" and update="torch".
 
-  python3 benches/torch/step_host.py out.json [--calls 50] [--commit C]
+  python3 benches/torch/step_host.py out.json [--calls 50] [--commit C] [--profile out.txt]
   python3 benches/torch/step_host.py out.json --cpu     # smoke test on the CPU (host times only)
 """
+import cProfile
+import gc
+import io
+import pstats
 import statistics
 import time
 
@@ -39,10 +46,33 @@ def moe_shapes():
     return shapes + [(d,), (32000, d)]
 
 
-def one_call(fn, setup, calls, cuda, busy=0):
+class GcClock:
+    """Time Python's garbage collector ran since the last ``take()`` (gc.callbacks)."""
+
+    def __init__(self):
+        self.total, self.started = 0.0, None
+        gc.callbacks.append(self.callback)
+
+    def callback(self, phase, info):
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif self.started is not None:
+            self.total += time.perf_counter() - self.started
+            self.started = None
+
+    def take(self):
+        t, self.total = self.total, 0.0
+        return t
+
+
+GC = GcClock()
+
+
+def one_call(fn, setup, calls, cuda, busy=0, gcs=None):
     """(host us, GPU us) of fn(): medians over `calls` calls, `setup()` before each, untimed.
     ``busy``: GPU cycles of a sleep kernel enqueued just before each call (the stream still busy
-    with the backward, as in training): a call that waits for the stream shows it in host time."""
+    with the backward, as in training): a call that waits for the stream shows it in host time.
+    ``gcs``: a list that gets the garbage collector's time in each call (us)."""
     host, dev = [], []
     for _ in range(calls):
         setup()
@@ -52,9 +82,12 @@ def one_call(fn, setup, calls, cuda, busy=0):
             a.record()
             if busy:
                 torch.cuda._sleep(busy)
+        GC.take()
         t = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t) * 1e6)
+        if gcs is not None:
+            gcs.append(GC.take() * 1e6)
         if cuda:
             b.record()
             b.synchronize()
@@ -104,7 +137,21 @@ def optimizers(params):
     }
 
 
-def moe_rows(device, calls):
+def profile(fn, setup, calls, title, out):
+    """cProfile of `calls` calls of fn() (setup() before each, outside the profile): the top
+    functions by own time, appended to `out` (a list of text blocks) under `title`."""
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        setup()
+        prof.enable()
+        fn()
+        prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    out.append(f"== {title} ({calls} calls)\n{text.getvalue()}")
+
+
+def moe_rows(device, calls, profiles=None):
     cuda = device == "cuda"
     rows = []
     params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02) for s in moe_shapes()]
@@ -120,9 +167,12 @@ def moe_rows(device, calls):
 
             setup()
             step()  # first step: states made, layouts read
-            host, dev = one_call(step, setup, calls, cuda)
+            gcs = []
+            host, dev = one_call(step, setup, calls, cuda, gcs=gcs)
             row = dict(list="moe-555-bf16", case=case, optimizer=name, host_us=host, gpu_us=dev,
-                       host_us_per_param=host / len(params))
+                       host_us_per_param=host / len(params), gc_us=statistics.median(gcs))
+            if profiles is not None and name.startswith("gradclip"):
+                profile(step, setup, calls, f"moe-555-bf16 {case} {name}", profiles)
             layout = getattr(opt, "_layout", None)
             if layout is not None:
                 # The native step's stages, last step (see gradclip._native.StepLayout.last_step_ns).
@@ -157,10 +207,15 @@ def clip_rows(device, calls):
 def main():
     ap = record.parser(__doc__)
     ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--profile", help="write cProfile's top functions of gradclip's MoE steps here")
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
-    rows = clip_rows(device, args.calls) + moe_rows(device, args.calls)
+    profiles = [] if args.profile else None
+    rows = clip_rows(device, args.calls) + moe_rows(device, args.calls, profiles)
     record.write(args.out, {**record.header(args.commit, device), "rows": rows})
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write("\n".join(profiles))
 
 
 if __name__ == "__main__":

@@ -94,6 +94,17 @@ class _StepLists:
         self.params, self.states, self.steps, self.sizes, self.hypers, self.stateless = params, states, steps, sizes, hypers, stateless
 
 
+def _mark_static(lists: _StepLists, counts) -> None:
+    """Marks the tensors the registered step mutates (parameters, states, step counts, the
+    groups' counts) as inputs at fixed addresses, as torch does for its own optimizer's under
+    dynamo: CUDA graphs (``mode="reduce-overhead"``) accept mutations of such inputs only (a
+    graph that mutates any other input runs without one), and dynamo guards their addresses (a
+    new state tensor, as a state dict load makes, recompiles). The gradients stay plain inputs:
+    a training loop hands over new ones every step."""
+    for t in (*lists.params, *lists.states, *lists.steps, *counts):
+        torch._dynamo.mark_static_address(t, guard=True)
+
+
 class _ClippingStep:
     """The one optimizer spine of ``AdamW``, ``Adam``, ``SGD`` and ``Lion`` (mixed in before the
     torch class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``): the clip, the
@@ -473,6 +484,7 @@ class _ClippingStep:
         layout = self._layout
         if relist and layout is not None and layout.lists is None and self.update == "gradclip":
             layout.lists = self._step_lists()
+            _mark_static(layout.lists, self._counts.values())
         return loss
 
     def _untraced_step(self, closure):
