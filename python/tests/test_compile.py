@@ -253,17 +253,27 @@ def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(devic
     assert "gradclip.optim_step_" in explained.graphs[0].code
 
 
+def _adamw_lr_on(device):
+    """AdamW with a tensor learning rate on ``device`` (a scheduler's) and the clip inside."""
+    from gradclip.torch.optim import AdamW
+
+    return lambda m: AdamW(m.parameters(), lr=torch.tensor(1e-2, device=device), max_grad_norm=0.5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
-@pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion"])
+@pytest.mark.parametrize("name", ["AdamW", "AdamW-lr-on-cuda", "SGD", "Lion"])
 def test_reduce_overhead_optimizer_step_runs_in_a_cuda_graph_and_equals_eager(name):
     """torch.compile(opt.step, mode="reduce-overhead"): gradclip's step (clip inside) replayed
     from a CUDA graph (no cudagraph skip counted), on new gradient values copied into the same
-    gradient tensors each step, equals the eager step's bits."""
+    gradient tensors each step, equals the eager step's bits; a tensor learning rate changed in
+    place between steps (on the CPU, as AdamW's first group keeps it, or on the GPU) is the one
+    each replay uses, not the one the graph was recorded with."""
     from torch._dynamo.utils import counters
 
-    make = _optimizers()[name]
+    make = _adamw_lr_on("cuda") if name == "AdamW-lr-on-cuda" else _optimizers()[name]
     a, b = _model("cuda", torch.float32), _model("cuda", torch.float32)
     oa, ob = make(a), make(b)
+    lrs = [(ga["lr"], gb["lr"]) for ga, gb in zip(oa.param_groups, ob.param_groups) if isinstance(ga["lr"], torch.Tensor)]
     oa.step()  # the eager first step: states and layouts
     ob.step()
     torch._dynamo.reset()
@@ -275,6 +285,9 @@ def test_reduce_overhead_optimizer_step_runs_in_a_cuda_graph_and_equals_eager(na
             g = torch.randn(pa.shape, device="cuda", generator=gen)
             pa.grad.copy_(g)
             pb.grad.copy_(g)
+        for la, lb in lrs:  # a scheduler's step, in place
+            la.fill_(1e-2 / (i + 1))
+            lb.fill_(1e-2 / (i + 1))
         step()
         ob.step()
         assert _same(list(a.parameters()), list(b.parameters())), (name, i)

@@ -459,7 +459,10 @@ class _ClippingStep:
             kind, lr, h, flags = self._hyper_of(group, lr_t is not None)
             if (kind, h, flags) != lists.hypers[i]:
                 return self._eager_step(None, True)
-            lrs.append(lr_t)
+            # A tensor learning rate moved to the parameters' device and f64 in the graph: a CPU
+            # one is copied each call (outside a CUDA graph's replay, which would keep the value
+            # it was recorded with were the op to copy it).
+            lrs.append(None if lr_t is None else lr_t.to(device=self._layout.device, dtype=torch.float64))
             hypers.extend((lr, *h, *(float(f) for f in flags)))
             kinds.append(STEP_KINDS.index(kind))
             counts.append(self._counts[i])
