@@ -24,10 +24,13 @@ Models:
 
 Per step: CUDA events around the whole step and around clip + optimizer, and the host time of
 clip + optimizer (time.perf_counter, from the first clip call to the return of step(), no
-synchronization inside): medians over --steps steps after --warmup. Every optimizer trains the
-same model from the same seed on the same batches; the loss after the last step is reported.
+synchronization inside): medians over --steps steps after --warmup (and the fastest step).
+Every optimizer trains the same model from the same seed on the same batches; the loss after the
+last step is reported. --interleave keeps every optimizer's model at once and steps them in turn
+(the MoE's step is bound by its routing's host reads, so back-to-back rows drift apart with the
+host's load; interleaved, every row sees the same drift).
 
-  python3 benches/torch/train_step.py out.json [--models dense,moe] [--steps 20] [--commit C]
+  python3 benches/torch/train_step.py out.json [--models dense,moe] [--steps 20] [--interleave] [--commit C]
   python3 benches/torch/train_step.py out.json --cpu --tiny    # smoke test on the CPU
 """
 import math
@@ -159,56 +162,94 @@ OPTIMIZERS = [
 ]
 
 
-def run(model_name, opt_name, args, device):
-    vocab, d, layers, heads, mlp, batch, seq = MODELS[model_name](args.tiny)
-    torch.manual_seed(0)
-    model = Decoder(vocab, d, layers, heads, mlp).to(device=device, dtype=torch.bfloat16)
-    params = list(model.parameters())
-    opt, torch_clip = make_optimizer(opt_name, params)
-    data = torch.Generator().manual_seed(1)
-    cuda = device == "cuda"
-    steps, clip_ms, host_us, grads_seen, loss = [], [], [], [], None
-    for step in range(args.warmup + args.steps):
-        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=data).to(device)
-        if cuda:
+class Trainer:
+    """One model trained with one clip + optimizer, one step at a time (so that several can be
+    stepped in turn); the row of its measured steps."""
+
+    def __init__(self, model_name, opt_name, args, device):
+        self.model_name, self.opt_name, self.args = model_name, opt_name, args
+        self.vocab, d, layers, heads, mlp, self.batch, self.seq = MODELS[model_name](args.tiny)
+        torch.manual_seed(0)
+        self.model = Decoder(self.vocab, d, layers, heads, mlp).to(device=device, dtype=torch.bfloat16)
+        self.params = list(self.model.parameters())
+        self.opt, self.torch_clip = make_optimizer(opt_name, self.params)
+        self.data = torch.Generator().manual_seed(1)
+        self.device, self.cuda = device, device == "cuda"
+        self.done = 0
+        self.steps, self.clip_ms, self.host_us, self.grads_seen, self.loss = [], [], [], [], None
+
+    def step(self):
+        params = self.params
+        tokens = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.data).to(self.device)
+        if self.cuda:
+            torch.cuda.synchronize()  # each step on its own: the previous trainer's work drained
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             ev[0].record()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        if cuda:
+        logits = self.model(tokens[:, :-1])
+        self.loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        self.loss.backward()
+        if self.cuda:
             ev[1].record()
         t = time.perf_counter()
-        if torch_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, torch_clip, foreach=True)
-        opt.step()
+        if self.torch_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.torch_clip, foreach=True)
+        self.opt.step()
         host = (time.perf_counter() - t) * 1e6
-        grads_seen.append(sum(p.grad is not None for p in params))
-        opt.zero_grad()  # set_to_none=True, torch's default
-        if cuda:
+        self.grads_seen.append(sum(p.grad is not None for p in params))
+        self.opt.zero_grad()  # set_to_none=True, torch's default
+        if self.cuda:
             ev[2].record()
             ev[2].synchronize()
-        if step >= args.warmup:
-            host_us.append(host)
-            if cuda:
-                steps.append(ev[0].elapsed_time(ev[2]))
-                clip_ms.append(ev[1].elapsed_time(ev[2]))
-    row = dict(
-        model=model_name,
-        optimizer=opt_name,
-        parameters=sum(p.numel() for p in params),
-        tensors=len(params),
-        grads_min=min(grads_seen),
-        grads_max=max(grads_seen),
-        step_ms=statistics.median(steps) if steps else None,
-        clip_opt_ms=statistics.median(clip_ms) if clip_ms else None,
-        clip_opt_host_us=statistics.median(host_us),
-        final_loss=float(loss.detach()),
-    )
-    del model, opt, params
-    if cuda:
+        if self.done >= self.args.warmup:
+            self.host_us.append(host)
+            if self.cuda:
+                self.steps.append(ev[0].elapsed_time(ev[2]))
+                self.clip_ms.append(ev[1].elapsed_time(ev[2]))
+        self.done += 1
+
+    def row(self):
+        steps, clip_ms = self.steps, self.clip_ms
+        return dict(
+            model=self.model_name,
+            optimizer=self.opt_name,
+            parameters=sum(p.numel() for p in self.params),
+            tensors=len(self.params),
+            grads_min=min(self.grads_seen),
+            grads_max=max(self.grads_seen),
+            step_ms=statistics.median(steps) if steps else None,
+            step_min_ms=min(steps) if steps else None,
+            clip_opt_ms=statistics.median(clip_ms) if clip_ms else None,
+            clip_opt_host_us=statistics.median(self.host_us),
+            final_loss=float(self.loss.detach()),
+            interleaved=self.args.interleave,
+        )
+
+
+def run(model_name, opt_name, args, device):
+    """One trainer's steps, back to back."""
+    trainer = Trainer(model_name, opt_name, args, device)
+    for _ in range(args.warmup + args.steps):
+        trainer.step()
+    row = trainer.row()
+    del trainer
+    if device == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def run_interleaved(model_name, opt_names, args, device):
+    """Every optimizer's trainer alive at once, one step of each in turn (the order reversed
+    every step): whatever drifts over the run (the host's load, the GPU's clocks) reaches every
+    row alike, which back-to-back runs do not promise on a model whose step the host bounds."""
+    trainers = [Trainer(model_name, o, args, device) for o in opt_names]
+    for i in range(args.warmup + args.steps):
+        for t in trainers if i % 2 == 0 else reversed(trainers):
+            t.step()
+    rows = [t.row() for t in trainers]
+    del trainers
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main():
@@ -218,16 +259,19 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="small models (smoke test)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="all optimizers' models at once, one step of each in turn (per-step times comparable)")
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
     rows = []
     for m in args.models.split(","):
-        for o in args.optimizers.split(","):
-            row = run(m, o, args, device)
+        names = args.optimizers.split(",")
+        found = run_interleaved(m, names, args, device) if args.interleave else (run(m, o, args, device) for o in names)
+        for row in found:
             rows.append(row)
             record.show(row, 3)
             if not math.isfinite(row["final_loss"]):
-                sys.exit(f"{m} / {o}: the loss is not finite")
+                sys.exit(f"{m} / {row['optimizer']}: the loss is not finite")
     record.write(args.out, {**record.header(args.commit, device), "rows": rows})
 
 
