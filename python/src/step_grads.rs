@@ -146,28 +146,20 @@ impl StepGrads {
             if same && guard.same_addresses(present) {
                 return Ok(Some(k.list.clone()));
             }
-            let t0 = std::time::Instant::now();
-            let sl = guard.same_layout(present);
-            if std::env::var("GC_T").is_ok() { eprintln!("same_layout {:?}", t0.elapsed()); }
-            if sl {
+            if guard.same_layout(present) {
                 if !same {
                     k.objects.note(present, objects);
                 }
                 if !same && guard.same_addresses(present) {
                     return Ok(Some(k.list.clone()));
                 }
-                let t1 = std::time::Instant::now();
                 let ptrs = data_ptrs(present, planner.guard_fns().and_then(|f| f.reader()))?;
-                if std::env::var("GC_T").is_ok() { eprintln!("data_ptrs {:?}", t1.elapsed()); }
                 let mut full = k.full.clone();
                 for (&at, &addr) in k.at.iter().zip(&ptrs) {
                     full[at].addr = addr;
                 }
                 // The kept list's checks hold but for the new gradients': only theirs run.
-                let t2 = std::time::Instant::now();
-                let wg = k.list.with_grads(&full);
-                if std::env::var("GC_T").is_ok() { eprintln!("with_grads {:?}", t2.elapsed()); }
-                let Ok(list) = wg else {
+                let Ok(list) = k.list.with_grads(&full) else {
                     self.last = None;
                     return Ok(None);
                 };
@@ -177,10 +169,7 @@ impl StepGrads {
                 return Ok(Some(list));
             }
         }
-        let t3 = std::time::Instant::now();
-        let re = self.read_each(planner, place, local, &mask, present)?;
-        if std::env::var("GC_T").is_ok() { eprintln!("read_each {:?}", t3.elapsed()); }
-        let Some(tensors) = re else {
+        let Some(tensors) = self.read_each(planner, place, local, &mask, present)? else {
             self.last = None;
             return Ok(None);
         };

@@ -182,6 +182,48 @@ def test_reduce_overhead_step_with_the_clip_inside_equals_eager():
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_reduce_overhead_step_with_gradclips_clip_and_optimizer_equals_eager():
+    """A step that clips with ``gradclip.torch.clip_grad_norm_`` and steps gradclip's AdamW (no
+    clip of its own), under ``mode="reduce-overhead"``: both ops in the graph, replayed from a
+    CUDA graph (no cudagraph skip), equal to eager on new gradient values each step. The
+    gradients are kept tensors marked static, as a captured loop keeps them
+    (``zero_grad(set_to_none=False)``): a graph that writes an input (the clip scales the
+    gradients) replays from a CUDA graph only when that input stays where it was."""
+    from torch._dynamo.utils import counters
+
+    from gradclip.torch.optim import AdamW
+
+    def make():
+        m = _model("cuda", torch.float32)
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+            torch._dynamo.mark_static_address(p.grad)
+        o = AdamW(m.parameters(), lr=1e-2)
+        o.step()  # the eager first step: states and layouts
+        return m, o
+
+    def step(m, opt):
+        n = gt.clip_grad_norm_(m.parameters(), 0.5)
+        opt.step()
+        return n
+
+    (a, oa), (b, ob) = make(), make()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    for i in range(6):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            g = torch.randn(pa.shape, device="cuda", generator=gen)
+            pa.grad.copy_(g)
+            pb.grad.copy_(g)
+        got, want = compiled(a, oa).clone(), step(b, ob)
+        assert torch.equal(got, want), (i, got, want)
+        assert _same(list(a.parameters()), list(b.parameters())), i
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
 def _optimizers():
     from gradclip.torch.optim import SGD, AdamW, Lion
 
