@@ -260,7 +260,8 @@ def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(devic
     at a graph break (the first makes the states and the engine's layout, the second the lists
     the op takes), the next ones trace the step into one graph around ``gradclip::optim_step_``,
     which is handed the parameters themselves (no copy); every step equals the eager optimizer's
-    bits (parameters, states, norm, skipped steps), also with a gradient None at one step."""
+    bits (parameters, states, norm, skipped steps), also with a gradient None at one step and
+    a tensor learning rate changed in place every step."""
     from gradclip import _engine
 
     make = _optimizers()[name]
@@ -278,6 +279,10 @@ def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(devic
             m(x).square().sum().mul(10.0).backward()
             if i == 3:
                 m[2].bias.grad = None  # this step leaves it (and its own step count) as it is
+        for ga, gb in zip(oa.param_groups, ob.param_groups):  # a scheduler's step, in place
+            if isinstance(ga["lr"], torch.Tensor):
+                ga["lr"].fill_(1e-2 / (i + 1))
+                gb["lr"].fill_(1e-2 / (i + 1))
         step()
         ob.step()
         assert _same(list(a.parameters()), list(b.parameters())), (name, i)
