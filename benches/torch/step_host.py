@@ -13,8 +13,8 @@ Lists:
 
 Rows per case: host time of one call (time.perf_counter around the call, the GPU drained
 before it, median over --calls calls), the part of it Python's garbage collector took (gc_us,
-median: a collection that allocations during the call set off), and its GPU time (CUDA events
-around the call, median). --profile FILE: cProfile of gradclip's calls per case, the top
+median: a collection that allocations during the call set off), its GPU time (CUDA events
+around the call, median) and, for gradclip's update, the median of each native stage's time. --profile FILE: cProfile of gradclip's calls per case, the top
 functions by own time, written to FILE (where the host time outside the native stages goes).
 Optimizers: torch's fused AdamW alone, torch's clip_grad_norm_ + fused AdamW,
 gradclip.torch.optim.AdamW(max_grad_norm=1.0) with update="gradclip" and update="torch".
@@ -68,11 +68,12 @@ class GcClock:
 GC = GcClock()
 
 
-def one_call(fn, setup, calls, cuda, busy=0, gcs=None):
+def one_call(fn, setup, calls, cuda, busy=0, gcs=None, after=None):
     """(host us, GPU us) of fn(): medians over `calls` calls, `setup()` before each, untimed.
     ``busy``: GPU cycles of a sleep kernel enqueued just before each call (the stream still busy
     with the backward, as in training): a call that waits for the stream shows it in host time.
-    ``gcs``: a list that gets the garbage collector's time in each call (us)."""
+    ``gcs``: a list that gets the garbage collector's time in each call (us); ``after()``: called
+    after each call, untimed (to read what the call left, such as its stage timings)."""
     host, dev = [], []
     for _ in range(calls):
         setup()
@@ -88,6 +89,8 @@ def one_call(fn, setup, calls, cuda, busy=0, gcs=None):
         host.append((time.perf_counter() - t) * 1e6)
         if gcs is not None:
             gcs.append(GC.take() * 1e6)
+        if after is not None:
+            after()
         if cuda:
             b.record()
             b.synchronize()
@@ -167,16 +170,21 @@ def moe_rows(device, calls, profiles=None):
 
             setup()
             step()  # first step: states made, layouts read
-            gcs = []
-            host, dev = one_call(step, setup, calls, cuda, gcs=gcs)
+            gcs, stages = [], []
+
+            def read_stages(opt=opt):
+                # The native step's stages (see gradclip._native.StepLayout.last_step_ns).
+                layout = getattr(opt, "_layout", None)
+                if layout is not None and layout.native is not None:
+                    stages.append(dict(layout.native.last_step_ns))
+
+            host, dev = one_call(step, setup, calls, cuda, gcs=gcs, after=read_stages)
             row = dict(list="moe-555-bf16", case=case, optimizer=name, host_us=host, gpu_us=dev,
                        host_us_per_param=host / len(params), gc_us=statistics.median(gcs))
+            if stages:  # each stage's median over the calls
+                row.update({f"native_{k}_us": statistics.median(s[k] for s in stages) / 1e3 for k in stages[0]})
             if profiles is not None and name.startswith("gradclip"):
                 profile(step, setup, calls, f"moe-555-bf16 {case} {name}", profiles)
-            layout = getattr(opt, "_layout", None)
-            if layout is not None:
-                # The native step's stages, last step (see gradclip._native.StepLayout.last_step_ns).
-                row.update({f"native_{k}_us": v / 1e3 for k, v in layout.native.last_step_ns})
             rows.append(row)
             record.show(row)
             del opt
