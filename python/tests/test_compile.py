@@ -182,6 +182,15 @@ def test_reduce_overhead_step_with_the_clip_inside_equals_eager():
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
 
 
+def _copy_new_grads(a, b, gen):
+    """New gradient values (normal, drawn from ``gen``) copied into both models' kept gradient
+    tensors, as a captured step needs them (the same tensors every step)."""
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        g = torch.randn(pa.shape, device=pa.device, generator=gen)
+        pa.grad.copy_(g)
+        pb.grad.copy_(g)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_reduce_overhead_step_with_gradclips_clip_and_optimizer_equals_eager():
     """A step that clips with ``gradclip.torch.clip_grad_norm_`` and steps gradclip's AdamW (no
@@ -214,10 +223,7 @@ def test_reduce_overhead_step_with_gradclips_clip_and_optimizer_equals_eager():
     compiled = torch.compile(step, mode="reduce-overhead")
     gen = torch.Generator(device="cuda").manual_seed(8)
     for i in range(6):
-        for pa, pb in zip(a.parameters(), b.parameters()):
-            g = torch.randn(pa.shape, device="cuda", generator=gen)
-            pa.grad.copy_(g)
-            pb.grad.copy_(g)
+        _copy_new_grads(a, b, gen)
         got, want = compiled(a, oa).clone(), step(b, ob)
         assert torch.equal(got, want), (i, got, want)
         assert _same(list(a.parameters()), list(b.parameters())), i
@@ -328,10 +334,7 @@ def test_reduce_overhead_optimizer_step_runs_in_a_cuda_graph_and_equals_eager(na
     step = torch.compile(oa.step, mode="reduce-overhead")
     gen = torch.Generator(device="cuda").manual_seed(6)
     for i in range(6):
-        for pa, pb in zip(a.parameters(), b.parameters()):
-            g = torch.randn(pa.shape, device="cuda", generator=gen)
-            pa.grad.copy_(g)
-            pb.grad.copy_(g)
+        _copy_new_grads(a, b, gen)
         for la, lb in lrs:  # a scheduler's step, in place
             la.fill_(1e-2 / (i + 1))
             lb.fill_(1e-2 / (i + 1))
