@@ -167,15 +167,21 @@ def read_folder(path: str) -> Dict[str, bytes]:
     return files
 
 
+def file_run(run: str, files: Dict[str, bytes]) -> Tuple[int, int]:
+    """One run's files into the tables and its charts into charts/: (files, charts) filed."""
+    rows, charts = rows_of(run, files)
+    n = append(rows)
+    keep_charts(run, charts)
+    return n, len(charts)
+
+
 def cmd_add(args) -> None:
     if not re.match(r"(\d{4}-\d{2}-\d{2}-\w+|cpu)/[\w.-]+$", args.run):
         sys.exit(f"RUN must read <date>-<gpu>/<commit>-<what>, e.g. 2026-12-02-h200/abc1234-step-host; got {args.run!r}")
     if any(r["run"] == args.run for r in read_rows()):
         sys.exit(f"run {args.run} is recorded already")
-    rows, charts = rows_of(args.run, read_folder(args.dir))
-    n = append(rows)
-    keep_charts(args.run, charts)
-    print(f"{args.run}: {n} files recorded, {len(charts)} charts")
+    n, charts = file_run(args.run, read_folder(args.dir))
+    print(f"{args.run}: {n} files recorded, {charts} charts")
 
 
 def cmd_fold(_args) -> None:
@@ -189,21 +195,15 @@ def cmd_fold(_args) -> None:
             for name in sorted(os.listdir(top)):
                 run = "cpu/" + os.path.splitext(name)[0]
                 with open(os.path.join(top, name), "rb") as f:
-                    rows, charts = rows_of(run, {name: f.read()})
-                folded += append(rows)
-                keep_charts(run, charts)
+                    folded += file_run(run, {name: f.read()})[0]
         else:
             loose = {n: open(os.path.join(top, n), "rb").read() for n in sorted(os.listdir(top)) if os.path.isfile(os.path.join(top, n))}
             if loose:
-                rows, charts = rows_of(f"{date_gpu}/_", loose)
-                folded += append(rows)
-                keep_charts(f"{date_gpu}/_", charts)
+                folded += file_run(f"{date_gpu}/_", loose)[0]
             for run_name in sorted(os.listdir(top)):
                 path = os.path.join(top, run_name)
                 if os.path.isdir(path):
-                    rows, charts = rows_of(f"{date_gpu}/{run_name}", read_folder(path))
-                    folded += append(rows)
-                    keep_charts(f"{date_gpu}/{run_name}", charts)
+                    folded += file_run(f"{date_gpu}/{run_name}", read_folder(path))[0]
         shutil.rmtree(top)
     print(f"{folded} files folded into the tables")
 

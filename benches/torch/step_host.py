@@ -14,8 +14,9 @@ Lists:
 Rows per case: host time of one call (time.perf_counter around the call, the GPU drained
 before it, median over --calls calls), the part of it Python's garbage collector took (gc_us,
 median: a collection that allocations during the call set off), its GPU time (CUDA events
-around the call, median) and, for gradclip's update, the median of each native stage's time. --profile FILE: cProfile of gradclip's calls per case, the top
-functions by own time, written to FILE (where the host time outside the native stages goes).
+around the call, median) and, for gradclip's update, the median of each native stage's time.
+--profile FILE: cProfile of gradclip's calls per case, the top functions by own time, written to
+FILE (where the host time outside the native stages goes).
 Optimizers: torch's fused AdamW alone, torch's clip_grad_norm_ + fused AdamW,
 gradclip.torch.optim.AdamW(max_grad_norm=1.0) with update="gradclip" and update="torch".
 
@@ -175,7 +176,7 @@ def moe_rows(device, calls, profiles=None):
             def read_stages(opt=opt):
                 # The native step's stages (see gradclip._native.StepLayout.last_step_ns).
                 layout = getattr(opt, "_layout", None)
-                if layout is not None and layout.native is not None:
+                if layout is not None:
                     stages.append(dict(layout.native.last_step_ns))
 
             host, dev = one_call(step, setup, calls, cuda, gcs=gcs, after=read_stages)

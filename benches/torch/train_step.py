@@ -225,22 +225,11 @@ class Trainer:
         )
 
 
-def run(model_name, opt_name, args, device):
-    """One trainer's steps, back to back."""
-    trainer = Trainer(model_name, opt_name, args, device)
-    for _ in range(args.warmup + args.steps):
-        trainer.step()
-    row = trainer.row()
-    del trainer
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return row
-
-
-def run_interleaved(model_name, opt_names, args, device):
-    """Every optimizer's trainer alive at once, one step of each in turn (the order reversed
-    every step): whatever drifts over the run (the host's load, the GPU's clocks) reaches every
-    row alike, which back-to-back runs do not promise on a model whose step the host bounds."""
+def run(model_name, opt_names, args, device):
+    """The rows of trainers of `opt_names` on one model, all alive at once and stepped in turn
+    (the order reversed every step): whatever drifts over the run (the host's load, the GPU's
+    clocks) reaches every row alike, which back-to-back runs do not promise on a model whose
+    step the host bounds. With one name, that trainer's steps back to back."""
     trainers = [Trainer(model_name, o, args, device) for o in opt_names]
     for i in range(args.warmup + args.steps):
         for t in trainers if i % 2 == 0 else reversed(trainers):
@@ -266,8 +255,8 @@ def main():
     rows = []
     for m in args.models.split(","):
         names = args.optimizers.split(",")
-        found = run_interleaved(m, names, args, device) if args.interleave else (run(m, o, args, device) for o in names)
-        for row in found:
+        batches = [names] if args.interleave else [[o] for o in names]
+        for row in (r for batch in batches for r in run(m, batch, args, device)):
             rows.append(row)
             record.show(row, 3)
             if not math.isfinite(row["final_loss"]):

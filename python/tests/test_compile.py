@@ -151,6 +151,13 @@ def test_non_tensors_are_named_by_position():
         gt.Shards([t], over=[3])
 
 
+def _clip_and_step(m, opt):
+    """A training step's end: gradclip's clip (max norm 0.5), then ``opt``'s step; the norm."""
+    n = gt.clip_grad_norm_(m.parameters(), 0.5)
+    opt.step()
+    return n
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_reduce_overhead_step_with_the_clip_inside_equals_eager():
     """torch.compile(mode="reduce-overhead") (CUDA graphs) of a step that clips with gradclip and
@@ -163,20 +170,15 @@ def test_reduce_overhead_step_with_the_clip_inside_equals_eager():
             p.grad = torch.zeros_like(p)
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True, foreach=True)
 
-    def step(m, opt):
-        n = gt.clip_grad_norm_(m.parameters(), 0.5)
-        opt.step()
-        return n
-
     (a, oa), (b, ob) = make(), make()
-    compiled = torch.compile(step, mode="reduce-overhead")
+    compiled = torch.compile(_clip_and_step, mode="reduce-overhead")
     gen = torch.Generator(device="cuda").manual_seed(5)
     for i in range(5):
         grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in a.parameters()]
         for pa, pb, g in zip(a.parameters(), b.parameters(), grads):
             pa.grad.copy_(g)
             pb.grad.copy_(g)
-        got, want = compiled(a, oa).clone(), step(b, ob)
+        got, want = compiled(a, oa).clone(), _clip_and_step(b, ob)
         assert torch.equal(got, want), (i, got, want)
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
@@ -212,19 +214,14 @@ def test_reduce_overhead_step_with_gradclips_clip_and_optimizer_equals_eager():
         o.step()  # the eager first step: states and layouts
         return m, o
 
-    def step(m, opt):
-        n = gt.clip_grad_norm_(m.parameters(), 0.5)
-        opt.step()
-        return n
-
     (a, oa), (b, ob) = make(), make()
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(step, mode="reduce-overhead")
+    compiled = torch.compile(_clip_and_step, mode="reduce-overhead")
     gen = torch.Generator(device="cuda").manual_seed(8)
     for i in range(6):
         _copy_new_grads(a, b, gen)
-        got, want = compiled(a, oa).clone(), step(b, ob)
+        got, want = compiled(a, oa).clone(), _clip_and_step(b, ob)
         assert torch.equal(got, want), (i, got, want)
         assert _same(list(a.parameters()), list(b.parameters())), i
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
@@ -358,15 +355,10 @@ def test_a_compiled_training_step_breaks_nowhere_in_gradclip_and_equals_eager(de
         m = _model(device, torch.float32)
         return m, AdamW(m.parameters(), lr=1e-2)
 
-    def clip_and_step(m, opt):
-        n = gt.clip_grad_norm_(m.parameters(), 0.5)
-        opt.step()
-        return n
-
     def train(m, opt, x):
         opt.zero_grad()
         m(x).square().sum().backward()
-        return clip_and_step(m, opt)
+        return _clip_and_step(m, opt)
 
     (a, oa), (b, ob) = make(), make()
     gen = torch.Generator(device=device).manual_seed(8)
@@ -375,16 +367,16 @@ def test_a_compiled_training_step_breaks_nowhere_in_gradclip_and_equals_eager(de
         train(m, o, xs[0])
         train(m, o, xs[1])
     torch._dynamo.reset()
-    compiled = torch.compile(clip_and_step)
+    compiled = torch.compile(_clip_and_step)
     for x in xs[2:4]:
         for m, o in ((a, oa), (b, ob)):
             o.zero_grad()
             m(x).square().sum().backward()
         assert _same(_grads(a), _grads(b))
-        got, want = compiled(a, oa), clip_and_step(b, ob)
+        got, want = compiled(a, oa), _clip_and_step(b, ob)
         assert torch.equal(got, want)
         assert _same(list(a.parameters()), list(b.parameters())) and _same(_grads(a), _grads(b))
-    explained = torch._dynamo.explain(clip_and_step)(a, oa)
+    explained = torch._dynamo.explain(_clip_and_step)(a, oa)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
     torch._dynamo.reset()
     explained = torch._dynamo.explain(train)(a, oa, xs[4])
