@@ -99,6 +99,12 @@ pub enum Error {
         /// The norm order, as text.
         norm_type: String,
     },
+    /// A sharded norm's keys or key tables do not fit together (see [`crate::sharded`]).
+    #[error("sharded norm: {detail}")]
+    ShardedLayout {
+        /// What does not fit, and what to pass instead.
+        detail: String,
+    },
     /// A per-tensor output or other argument has the wrong length.
     #[error("{what} has {found} entries but {expected} are needed")]
     LengthMismatch {

@@ -1,10 +1,13 @@
 //! Combining norms across ranks: a rank's norm becomes the quantity the ranks sum (its p-th
 //! power; for p = inf the norm itself, which they take the maximum of), and the combined
-//! quantity becomes the global norm. Written once for both backends.
+//! quantity becomes the global norm. Written once for both backends: the one-thread kernels of
+//! `combine_entry` and the CPU backend's combine call these same functions.
 
+use crate::abi::{NormOutput, NormParams};
 use crate::math::{exp2, log2, sqrt};
 #[cfg(doc)]
 use crate::norms::NormKind;
+use crate::scale::norm_output;
 
 /// Which norm, as the combine kernels take it: [`NormKind`]'s discriminants.
 pub mod kind {
@@ -55,6 +58,34 @@ pub fn combine(a: f64, b: f64, kind: u32) -> f64 {
     }
 }
 
+/// The partial of one key: its tensors' norms made partials and combined in the order given
+/// (the same bits on every run and on both backends).
+#[inline(always)]
+pub fn key_partial(norms: impl Iterator<Item = f64>, kind: u32, p: f64) -> f64 {
+    norms.fold(0.0, |acc, n| combine(acc, to_partial(n, kind, p), kind))
+}
+
+/// The keys' combined partials folded into one, in key order.
+#[inline(always)]
+pub fn keys_partial(partials: impl Iterator<Item = f64>, kind: u32) -> f64 {
+    partials.fold(0.0, |acc, v| combine(acc, v, kind))
+}
+
+/// The NormOutput of the global norm of the combined partial `v`, as the norm kernel's last block
+/// writes its own (the clip coefficient for `max_norm` when `flags` asks for it).
+#[inline(always)]
+pub fn global_output(v: f64, kind: u32, p: f64, max_norm: f64, flags: u32) -> NormOutput {
+    let params = NormParams {
+        p,
+        max_norm,
+        num_tasks: 0,
+        num_tensors: 0,
+        flags,
+        reserved: 0,
+    };
+    norm_output(from_partial(v, kind, p), &params)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,5 +117,20 @@ mod tests {
         assert_eq!(combine(2.0, 3.0, kind::L2), 5.0);
         assert_eq!(combine(2.0, 3.0, kind::INF), 3.0);
         assert!(combine(f64::NAN, 3.0, kind::INF).is_nan() && combine(3.0, f64::NAN, kind::INF).is_nan());
+        // Keys: norms 3 and 4 under one key, 12 under another: the global L2 norm is 13.
+        let k0 = key_partial([3.0, 4.0].into_iter(), kind::L2, 2.0);
+        let k1 = key_partial([12.0].into_iter(), kind::L2, 2.0);
+        assert_eq!((k0, k1), (25.0, 144.0));
+        let out = global_output(
+            keys_partial([k0, k1].into_iter(), kind::L2),
+            kind::L2,
+            2.0,
+            1.0,
+            crate::abi::flags::CLIP,
+        );
+        assert_eq!(out.norm, 13.0);
+        assert_eq!(out.coef, crate::accum::clip_coefficient(13.0, 1.0));
+        assert!(keys_partial([2.0, f64::NAN, 1.0].into_iter(), kind::INF).is_nan());
+        assert_eq!(key_partial(core::iter::empty(), kind::INF, f64::INFINITY), 0.0);
     }
 }

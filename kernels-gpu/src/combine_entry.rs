@@ -3,29 +3,9 @@
 //! partial; after it, the combined partial becomes the global norm, written with the clip
 //! coefficient and the flags as the norm kernel writes them, for the scale kernel.
 
-use crate::abi::{NormOutput, NormParams};
-use crate::combine::{combine, from_partial, to_partial};
+use crate::abi::NormOutput;
+use crate::combine::{global_output, key_partial, keys_partial, to_partial};
 use crate::device::thread_idx;
-use crate::scale::norm_output;
-
-/// Writes the NormOutput of the global norm of the combined partial `v`, as the norm kernel's
-/// last block writes its own.
-///
-/// # Safety
-/// `out` is a NormOutput of device memory written by this thread alone.
-#[inline(always)]
-unsafe fn write_global(out: *mut NormOutput, v: f64, kind: u32, p: f64, max_norm: f64, flags: u32) {
-    let params = NormParams {
-        p,
-        max_norm,
-        num_tasks: 0,
-        num_tensors: 0,
-        flags,
-        reserved: 0,
-    };
-    // SAFETY: the caller's contract.
-    unsafe { out.write(norm_output(from_partial(v, kind, p), &params)) }
-}
 
 /// One thread: `partial[0]` = the partial of `out.norm`.
 ///
@@ -53,7 +33,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_norm_from_partial(
     flags: u32,
 ) {
     // SAFETY: the kernel's contract.
-    unsafe { write_global(out, partial.read(), kind, p, max_norm, flags) }
+    unsafe { out.write(global_output(partial.read(), kind, p, max_norm, flags)) }
 }
 
 /// Thread k < `num_keys`: `partials[k]` = the combination of the partials of the per-tensor
@@ -82,14 +62,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_key_partials(
     // range indexes idx, whose entries index per_tensor.
     unsafe {
         let (a, b) = (offsets.add(k as usize).read(), offsets.add(k as usize + 1).read());
-        let mut acc = 0.0f64;
-        let mut j = a;
-        while j < b {
-            let t = idx.add(j as usize).read();
-            acc = combine(acc, to_partial(per_tensor.add(t as usize).read(), kind, p), kind);
-            j += 1;
-        }
-        partials.add(k as usize).write(acc);
+        let norms = (a..b).map(|j| per_tensor.add(idx.add(j as usize).read() as usize).read());
+        partials.add(k as usize).write(key_partial(norms, kind, p));
     }
 }
 
@@ -109,13 +83,11 @@ pub unsafe extern "gpu-kernel" fn gradclip_keys_total(
     max_norm: f64,
     flags: u32,
 ) {
-    let mut acc = 0.0f64;
-    let mut k = 0;
-    while k < num_keys {
+    let read = |k: u32| {
         // SAFETY: k < num_keys (the kernel's contract).
-        acc = combine(acc, unsafe { partials.add(k as usize).read() }, kind);
-        k += 1;
-    }
+        unsafe { partials.add(k as usize).read() }
+    };
+    let acc = keys_partial((0..num_keys).map(read), kind);
     // SAFETY: the kernel's contract.
-    unsafe { write_global(out, acc, kind, p, max_norm, flags) }
+    unsafe { out.write(global_output(acc, kind, p, max_norm, flags)) }
 }

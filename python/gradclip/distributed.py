@@ -7,24 +7,26 @@ Every local gradient (a plain tensor, the local shard of a DTensor, or a tensor 
 group) contributes a partial (its p-th power sum, or its max for p = inf) that must be reduced over
 a set of process groups: the mesh dimensions a DTensor is sharded over (``Shard``, FSDP2's
 strided shards), the groups a ``Shards`` names, nothing for a plain or replicated tensor. Tensors
-with the same set share one *key*. The engine reads all local tensors of a device in one plan
-(one launch, or two when several keys need per-tensor norms); the partials land in a vector with
-one entry per key; then, for each process group in a fixed global order (by group name), the
-entries whose key contains it are all-reduced over it, once. The vector is summed (maxed), all-
-reduced once more over the pipeline group when one is given, and its root is the global norm,
-on the device, with no host synchronization. Replicated mesh dimensions are never reduced, so
-nothing is counted twice; ``Partial`` placements are redistributed to ``Replicate`` for the norm
-only (the clip scales each rank's partial, which scales their sum).
+with the same set share one *key*. What this module knows is Python's to know: which local
+tensor has which key, over which groups, and which rank counts a replicated key. The arithmetic
+and the order of the collectives are the engine's, the Rust API's too (``_combine`` over
+``gradclip::sharded``): the engine reads all local tensors of a device in one plan (one launch,
+or two when several keys need per-tensor norms), folds them into one partial per key, each
+process group all-reduces its keys' partials once, in one global order (groups by level, then
+name; the pipeline group last, in every key), and one kernel writes the global norm and the clip
+coefficient that the scale kernel reads, on the device, with no host synchronization.
+Replicated mesh dimensions are never reduced, so nothing is counted twice; ``Partial``
+placements are redistributed to ``Replicate`` for the norm only (the clip scales each rank's
+partial, which scales their sum).
 
-Why this cannot hang when ranks hold different numbers of tensors: a vector's layout depends on
-the set of keys, not on how many tensors have each key, and the collectives run in one global
+Why this cannot hang when ranks hold different numbers of tensors: the partials' layout depends
+on the set of keys, not on how many tensors have each key, and the collectives run in one global
 order. A rank that holds no tensor of some key (an expert-parallel rank with no experts) passes
 an empty ``Shards`` for it (or holds the DTensor's empty shard, as DTensor ranks always do).
 """
 
 from __future__ import annotations
 
-import math
 import operator
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -32,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _engine, replicas
+from . import _combine, _engine, replicas
 from .shards import Shards
 
 try:
@@ -314,83 +316,6 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
     return layout.seal()
 
 
-def _partials(layout: Layout, p: float) -> Optional[torch.Tensor]:
-    """The vector of partials (one f64 entry per key) on the device of the first counted
-    gradient; None when no gradient is counted here (the caller picks a device)."""
-    counted = [pc for pc in layout.pieces if pc.key is not None]
-    nkeys = len(layout.keys)
-    if not counted:
-        return None
-    by_device: Dict[torch.device, List[_Piece]] = defaultdict(list)
-    for pc in counted:
-        by_device[pc.source.device].append(pc)
-    home = counted[0].source.device
-    v = torch.zeros(nkeys, dtype=torch.float64, device=home)
-    for device, pcs in by_device.items():
-        ts = [pc.source for pc in pcs]
-        keys = {pc.key for pc in pcs}
-        if len(keys) == 1:
-            # One key (FSDP2's Shard(0) on one mesh, say): the plain norm, one launch.
-            n = _device_norm(ts, p).to(home)
-            k = next(iter(keys))
-            part = n if math.isinf(p) else _power(n, p)
-            v[k] = torch.maximum(v[k], part) if math.isinf(p) else v[k] + part
-        else:
-            norms = _tensor_norms(ts, p)
-            idx = layout.indices("keys", [pc.key for pc in pcs], device)
-            if math.isinf(p):
-                part = torch.zeros(nkeys, dtype=torch.float64, device=device).scatter_reduce(0, idx, norms, "amax")
-                v = torch.maximum(v, part.to(home))
-            else:
-                v = v + torch.zeros(nkeys, dtype=torch.float64, device=device).index_add(0, idx, _power(norms, p)).to(home)
-    return v
-
-
-def _power(x: torch.Tensor, p: float) -> torch.Tensor:
-    return x * x if p == 2.0 else x if p == 1.0 else x**p
-
-
-def _root(x: torch.Tensor, p: float) -> torch.Tensor:
-    return x.sqrt() if p == 2.0 else x if p == 1.0 or math.isinf(p) else x ** (1.0 / p)
-
-
-def _device_norm(ts: List[torch.Tensor], p: float) -> torch.Tensor:
-    """The norm of one device's tensors: the kept plan of this very list when the engine takes it
-    whole (a repeated list costs no planning), else the engine for its share and torch for the rest."""
-    plan, ts = _engine._PLANNER.scan(ts, False)
-    if plan is not None:
-        return _engine._plan_norm(plan, p)
-    return _engine._device_norm(ts, p)
-
-
-def _tensor_norms(ts: List[torch.Tensor], p: float) -> torch.Tensor:
-    """Each tensor's norm (f64 vector on their device): the engine's per-tensor kernel for the
-    tensors it takes, torch for the rest."""
-    plan, ts = _engine._PLANNER.scan(ts, False)
-    if plan is not None:
-        return _engine._plan_tensor_norms(plan, p)
-    plan, rest = _engine._PLANNER.split(ts)
-    device = ts[0].device
-    norms = torch.empty(len(ts), dtype=torch.float64, device=device)
-    rest_ids = {id(t) for t in rest}
-    if plan is not None:
-        taken = [i for i, t in enumerate(ts) if id(t) not in rest_ids]
-        norms[torch.tensor(taken, device=device)] = _engine._plan_tensor_norms(plan, p)
-    for i, t in enumerate(ts):
-        if id(t) in rest_ids:
-            x = t.to(torch.float64) if t.is_floating_point() else t
-            norms[i] = torch.linalg.vector_norm(x, p).to(torch.float64)
-    return norms
-
-
-def _collective_device(groups: Sequence[Any]) -> torch.device:
-    """Where the vector lives on a rank that counts no gradient: CUDA when a group is NCCL's."""
-    for g in groups:
-        if "nccl" in str(dist.get_backend(g)).lower():
-            return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def counting(layout: Layout, pipeline_group=None, norm_group=None) -> Optional[replicas.Counting]:
     """The layout's one-collective plan (``replicas.plan``), made once per layout and groups."""
     key = ("counting", replicas.ENABLED, replicas.group_name(pipeline_group), replicas.group_name(norm_group))
@@ -400,70 +325,85 @@ def counting(layout: Layout, pipeline_group=None, norm_group=None) -> Optional[r
     return cache[key]
 
 
-def global_norm(layout: Layout, p: float, pipeline_group=None, norm_group=None) -> torch.Tensor:
-    """The norm of every counted gradient on every rank, as a 0-dim f64 tensor on this rank's
-    device, with no host sync: one all-reduce when ``replicas`` can tell which rank counts each
-    key (``one_collective_norm``), else one per process group (plus one over ``pipeline_group``)."""
+def _cached(layout: Layout, key: Tuple[Any, ...], make):
+    """What ``make()`` returns, kept with the layout (and the layouts of a repeated list) under ``key``."""
+    cache = layout._indices
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _per_group_combine(layout: Layout, pipeline_group) -> _combine.Combine:
+    """The per-group path's reduction: each key over its groups of more than one rank, the groups
+    in ``Layout.order`` (by level, then name: one order on every rank), then the pipeline group
+    over the folded total (stages hold different keys); one empty key when there is none."""
+
+    def make():
+        names = [n for n in layout.order() if layout.groups[n].size() > 1]
+        at = {n: i for i, n in enumerate(names)}
+        keys = [[at[n] for n in k if n in at] for k in layout.keys] or [[]]
+        return _combine.Combine(keys, [layout.groups[n] for n in names], final=pipeline_group)
+
+    return _cached(layout, ("per-group", replicas.group_name(pipeline_group)), make)
+
+
+def _one_collective_combine(layout: Layout, plan: replicas.Counting) -> _combine.Combine:
+    """One key (every gradient this rank counts) over the plan's group."""
+    return _cached(layout, ("one-collective", replicas.group_name(plan.group)), lambda: _combine.Combine.over([plan.group]))
+
+
+def _entries(layout: Layout, p: float, counts=None):
+    """``(norms, keys)``: this rank's counted norm entries (``_combine.norm_entries`` per device,
+    copied to the device of the first counted gradient) and their keys; ``counts``: the
+    one-collective plan's flags (a key this rank does not count adds nothing here). None when
+    this rank counts nothing."""
+    by_device: Dict[torch.device, Tuple[List[torch.Tensor], List[int]]] = {}
+    for pc in layout.pieces:
+        if pc.key is not None and (counts is None or counts[pc.key]):
+            ts, ks = by_device.setdefault(pc.source.device, ([], []))
+            ts.append(pc.source)
+            ks.append(pc.key)
+    if not by_device:
+        return None
+    home = next(iter(by_device))
+    norms, keys = [], []
+    for ts, ks in by_device.values():
+        n, k = _combine.norm_entries(ts, ks, p)
+        norms.append(n.to(home))
+        keys.extend(k)
+    return (norms[0] if len(norms) == 1 else torch.cat(norms)), keys
+
+
+def global_norm(layout: Layout, p: float, pipeline_group=None, norm_group=None, max_norm: float = _combine.NO_CLIP) -> torch.Tensor:
+    """The NormOutput of every counted gradient on every rank (three f64 on this rank's device:
+    the global norm, its clip coefficient for ``max_norm``, flags), with no host sync: one
+    all-reduce when ``replicas`` can tell which rank counts each key, else one per process group
+    (the pipeline group's included). The arithmetic is the engine's (``_combine``)."""
     plan = counting(layout, pipeline_group, norm_group)
     if plan is not None:
-        return one_collective_norm(layout, p, plan)
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-    order = layout.order()
-    v = _partials(layout, p)
-    if v is None:
-        everyone = [layout.groups[n] for n in order] + ([pipeline_group] if pipeline_group is not None else [])
-        v = torch.zeros(len(layout.keys), dtype=torch.float64, device=_collective_device(everyone))
-    for name in order:
-        members = [i for i, k in enumerate(layout.keys) if name in k]
-        if not members or layout.groups[name].size() == 1:
-            continue  # a group of one rank has nothing to combine
-        if len(members) == len(layout.keys):
-            dist.all_reduce(v, op=op, group=layout.groups[name])
-        else:
-            idx = layout.indices(name, members, v.device)
-            sub = v.index_select(0, idx)
-            dist.all_reduce(sub, op=op, group=layout.groups[name])
-            v = v.index_copy(0, idx, sub)
-    if len(layout.keys) == 0:
-        total = torch.zeros(1, dtype=torch.float64, device=v.device)
+        c = _one_collective_combine(layout, plan)
+        found = _entries(layout, p, plan.counts)
+        if found is not None:
+            found = found[0], [0] * len(found[1])
+        everyone = [plan.group]
     else:
-        total = (v.amax() if math.isinf(p) else v.sum()).reshape(1)
-    if pipeline_group is not None:
-        dist.all_reduce(total, op=op, group=pipeline_group)
-    return _root(total[0], p)
-
-
-def one_collective_norm(layout: Layout, p: float, plan: replicas.Counting) -> torch.Tensor:
-    """The global norm from this rank's share: the p-th power sum (max for inf) of the gradients
-    of the keys it counts, in one engine norm per device (a replica reads nothing), one
-    all-reduce of that one f64 over the plan's group, the root."""
-    by_device: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
-    for pc in layout.pieces:
-        if pc.key is not None and plan.counts[pc.key]:
-            by_device[pc.source.device].append(pc.source)
-    part = None
-    for ts in by_device.values():
-        # (The engine's norm is a view of its result slot: powered into a new tensor, or copied.)
-        n = _device_norm(ts, p).reshape(1)
-        n = n.clone() if math.isinf(p) or p == 1.0 else _power(n, p)
-        if part is None:
-            part = n
-        else:
-            n = n.to(part.device)
-            part = torch.maximum(part, n) if math.isinf(p) else part + n
-    if part is None:
-        part = torch.zeros(1, dtype=torch.float64, device=_collective_device([plan.group]))
-    if plan.size > 1:
-        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=plan.group)
-    return _root(part[0], p)
+        c = _per_group_combine(layout, pipeline_group)
+        found = _entries(layout, p)
+        everyone = list(layout.groups.values()) + ([pipeline_group] if pipeline_group is not None else [])
+    if found is None:
+        part = _combine.zero_partials(c, _combine.collective_device(everyone))
+    else:
+        part = _combine.key_partials(c, found[0], tuple(found[1]), p)
+    _combine.all_reduce(c, part, p)
+    return _combine.total(c, part, p, max_norm)
 
 
 def _one_key(layout: Layout, pipeline_group, norm_group):
-    """``(plan, info, tensors, groups, counted)`` for the one-key paths: the kept plan of the
-    local tensors (the engine takes them all, on one GPU), the groups of more than one rank to
-    combine over (the one-collective plan's group; else the key's, the pipeline group last) and
-    whether this rank counts its key (False on a replica of the one-collective plan); None when
-    the case does not apply."""
+    """``(plan, info, tensors, combine, counted)`` for the one-key paths: the kept plan of the
+    local tensors (the engine takes them all, on one GPU), the reduction of their one key over
+    the groups of more than one rank it combines over (the one-collective plan's group; else the
+    key's, the pipeline group last), and whether this rank counts its key (False on a replica of
+    the one-collective plan); None when the case does not apply."""
     key = layout.one_key
     if key is None:
         return None
@@ -475,61 +415,65 @@ def _one_key(layout: Layout, pipeline_group, norm_group):
         return None
     one = counting(layout, pipeline_group, norm_group)
     if one is not None:
-        return plan, info, ts, [one.group] if one.size > 1 else [], one.counts[key]
-    groups = layout.combining_groups(key)
-    if pipeline_group is not None and pipeline_group.size() > 1:
-        groups = groups + [pipeline_group]  # a new list: the cached one stays as it is
-    return plan, info, ts, groups, True
+        return plan, info, ts, _one_collective_combine(layout, one), one.counts[key]
+
+    def make():
+        # (The pipeline group last, over the one key's partial: the fold of one slot is itself.)
+        groups = layout.combining_groups(key)
+        if pipeline_group is not None and pipeline_group.size() > 1:
+            groups = groups + [pipeline_group]  # a new list: the cached one stays as it is
+        return _combine.Combine.over(groups)
+
+    return plan, info, ts, _cached(layout, ("one-key", key, replicas.group_name(pipeline_group)), make), True
 
 
-def _combined(local_norm: torch.Tensor, p: float, groups: Sequence[Any]) -> torch.Tensor:
-    """The global norm (1-element f64) from this rank's local norm (a 1-element view): its p-th
-    power (max for inf) all-reduced over each group in turn, then the root."""
-    part = local_norm.clone() if math.isinf(p) or p == 1.0 else _power(local_norm, p)
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-    for g in groups:
-        dist.all_reduce(part, op=op, group=g)
-    return _root(part, p)
+def _one_key_output(plan, info, c: _combine.Combine, counted: bool, p: float, max_norm: float) -> torch.Tensor:
+    """The one-key path's NormOutput: the norm kernel (nothing on a replica), its partial, the
+    all-reduces, the global norm and coefficient."""
+    if counted:
+        out = _engine._out(info[0])
+        _engine._call(_engine._native.total_norm, plan, info, p, out.data_ptr())
+        part = _combine.partial_of(out, p)
+    else:  # a replica: another rank counts these gradients, this one reads nothing for the norm
+        part = _combine.zero_partials(c, torch.device("cuda", info[0]))
+    _combine.all_reduce(c, part, p)
+    return _combine.total(c, part, p, max_norm)
 
 
 def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None, norm_group=None) -> Optional[torch.Tensor]:
     """The whole clip with the fewest launches, when every local gradient is counted under one key
     (FSDP2's Shard(0) on one mesh, HSDP, a 1-rank mesh) and the engine takes them all on one
-    GPU: the norm kernel, the p-th power, one all-reduce per group of more than one rank, the root
-    and the coefficient, the scale kernel. With nothing
-    to combine (a 1-rank mesh) it is the plain one-call clip. None when the case does not apply
-    (the general path then runs). Returns the f64 norm (0-dim, on the device)."""
+    GPU: the norm kernel, its partial, one all-reduce per group of more than one rank, the global
+    norm and coefficient, the scale kernel. With nothing to combine (a 1-rank mesh) it is the
+    plain one-call clip. None when the case does not apply (the general path then runs).
+    Returns the f64 norm (0-dim, on the device)."""
     found = _one_key(layout, pipeline_group, norm_group)
     if found is None:
         return None
-    plan, info, ts, groups, counted = found
+    plan, info, ts, c, counted = found
     _engine._check_writable(plan, ts, info)
-    out = _engine._out(info[0])
-    if not groups:
+    if not c.groups:
+        out = _engine._out(info[0])
         _engine._call(_engine._native.clip_grad_norm, plan, info, max_norm, p, out.data_ptr())
         _engine._written(ts)
         return out[0]
-    if counted:
-        _engine._call(_engine._native.total_norm, plan, info, p, out.data_ptr())
-    else:  # a replica: another rank counts these gradients, this one reads nothing for the norm
-        out[:1].zero_()
-    norm = _combined(out[:1], p, groups)
-    # The clip rule on the combined norm; the engine copies the coefficient into its own result
-    # slot for the scale kernel.
-    _engine._scale_plan(plan, _engine._clip_coef(max_norm, norm))
+    out = _one_key_output(plan, info, c, counted, p, max_norm)
+    # The engine copies the coefficient into its own result slot for the scale kernel.
+    _engine._scale_plan(plan, out[1])
     _engine._written(ts)
-    return norm[0]
+    return out[0]
 
 
 def norm_one_key(layout: Layout, p: float, pipeline_group=None, norm_group=None) -> Optional[torch.Tensor]:
     """``get_total_norm``'s shortest path, under the conditions of ``clip_one_key``: the norm
-    kernel, and the p-th power, all-reduces and root only when some group has several ranks."""
+    kernel alone when nothing is to be combined."""
     found = _one_key(layout, pipeline_group, norm_group)
     if found is None:
         return None
-    plan, info, _, groups, counted = found
-    norm = _engine._plan_norm(plan, p, info) if counted else torch.zeros((), dtype=torch.float64, device=info[0])
-    return _combined(norm.reshape(1), p, groups)[0] if groups else norm
+    plan, info, _, c, counted = found
+    if not c.groups and counted:
+        return _engine._plan_norm(plan, p, info)
+    return _one_key_output(plan, info, c, counted, p, _combine.NO_CLIP)[0]
 
 
 def returned(layout: Layout, norm64: torch.Tensor, error_if_nonfinite: bool, norm_type: float):

@@ -33,6 +33,18 @@ pub(crate) fn with_engine<R>(
     ws: Option<ExternalWorkspace>,
     f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>,
 ) -> PyResult<R> {
+    on_engine(device, stream, |engine| {
+        // SAFETY: Plan::lend_workspace checked that `ws` is a contiguous CUDA tensor of this
+        // device, large enough, allocated zeroed by the caller (torch.zeros), and the plan keeps
+        // it alive; the caller runs one plan on one stream at a time.
+        unsafe { engine.set_external_workspace(ws) };
+        f(engine)
+    })
+}
+
+/// Runs `f` on the engine of (device, stream) as it is (its tables where they were): for work
+/// that uses no tables, such as the combine kernels.
+pub(crate) fn on_engine<R>(device: usize, stream: usize, f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>) -> PyResult<R> {
     let mut guard = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
     let engines = guard.get_or_insert_with(HashMap::new);
     if let std::collections::hash_map::Entry::Vacant(v) = engines.entry((device, stream)) {
@@ -42,12 +54,7 @@ pub(crate) fn with_engine<R>(
         let s = unsafe { ctx.wrap_borrowed_stream(stream as sys::CUstream) };
         v.insert(GpuEngine::new(s).map_err(to_py)?);
     }
-    let engine = engines.get_mut(&(device, stream)).expect("inserted above");
-    // SAFETY: Plan::lend_workspace checked that `ws` is a contiguous CUDA tensor of this device,
-    // large enough, allocated zeroed by the caller (torch.zeros), and the plan keeps it alive;
-    // the caller runs one plan on one stream at a time.
-    unsafe { engine.set_external_workspace(ws) };
-    f(engine).map_err(to_py)
+    f(engines.get_mut(&(device, stream)).expect("inserted above")).map_err(to_py)
 }
 
 /// Total norm of a plan's CUDA tensors on `stream`; writes the 24-byte NormOutput at `out` and,

@@ -4,6 +4,7 @@
 //! backend as the plan's device says. Never
 //! called directly by users. Work runs without the GIL.
 
+mod combine;
 mod cpu;
 mod cuda;
 mod guards;
@@ -53,6 +54,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_ops::total_norm, m)?)?;
     m.add_function(wrap_pyfunction!(plan_ops::clip_grad_norm, m)?)?;
     m.add_function(wrap_pyfunction!(plan_ops::scale, m)?)?;
+    m.add_class::<combine::Reduction>()?;
+    m.add_function(wrap_pyfunction!(combine::to_partial, m)?)?;
+    m.add_function(wrap_pyfunction!(combine::key_partials, m)?)?;
+    m.add_function(wrap_pyfunction!(combine::keys_total, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;
     m.add_function(wrap_pyfunction!(optim::optim_step, m)?)?;

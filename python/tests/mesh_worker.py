@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradclip.torch as gt
 from gradclip import replicas
@@ -29,6 +30,8 @@ NORMS = [2.0, 1.0, math.inf, 3.0]
 MAX_NORM = 0.5
 # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
 DEVICE = os.environ.get("GRADCLIP_MESH_DEVICE", "cpu")
+# gloo on CUDA tensors: several ranks sharing one GPU, with real collectives (NCCL needs a GPU each).
+BACKEND = os.environ.get("GRADCLIP_MESH_BACKEND") or ("nccl" if DEVICE == "cuda" else "gloo")
 # The per-group path on the scenarios the one-collective path takes (its coverage).
 replicas.ENABLED = os.environ.get("GRADCLIP_MESH_PER_GROUP") != "1"
 
@@ -38,12 +41,32 @@ def dev(t):
     return t.clone() if DEVICE == "cpu" else t.to(torch.device("cuda", torch.cuda.current_device()))
 
 
-class CountingAllReduce:
-    """Wraps dist.all_reduce to count calls per process group during one clip."""
+# torch ops that would be norm arithmetic: the combine (partials, their sum or maximum, the root,
+# the clip coefficient) is the engine's, so none of these may run inside a sharded clip or norm.
+NORM_ARITHMETIC = {"pow", "mul", "sqrt", "add", "sub", "rsub", "sum", "amax", "max", "maximum", "clamp", "clamp_max",
+                   "div", "reciprocal", "index_add", "scatter_reduce", "linalg_vector_norm", "stack", "where"}
 
-    def __init__(self):
+
+class _OpsSeen(TorchDispatchMode):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func.overloadpacket.__name__.rstrip("_"))
+        return func(*args, **(kwargs or {}))
+
+
+class CountingAllReduce:
+    """Wraps dist.all_reduce to count calls per process group during one clip; unless
+    ``arithmetic`` (an optimizer step, whose update may be torch's), also checks that no torch op
+    of norm arithmetic ran (``NORM_ARITHMETIC``)."""
+
+    def __init__(self, arithmetic=False):
         self.calls = Counter()
         self._orig = dist.all_reduce
+        self.ops = set()
+        self._mode = None if arithmetic else _OpsSeen(self.ops)
 
     def __enter__(self):
         def counted(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -52,10 +75,17 @@ class CountingAllReduce:
             return self._orig(tensor, op=op, group=group, async_op=async_op)
 
         dist.all_reduce = counted
+        if self._mode is not None:
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
         dist.all_reduce = self._orig
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            if exc[0] is None:
+                found = self.ops & NORM_ARITHMETIC
+                assert not found, f"torch norm arithmetic inside the sharded clip: {sorted(found)} (all ops: {sorted(self.ops)})"
 
 
 def full_grads(seed, shapes, scale=1.0):
@@ -418,7 +448,7 @@ def fsdp_optimizer(rank, world, p):
 
     ours, ref = params(), params()
     opt = AdamW(ours, lr=0.1, max_grad_norm=MAX_NORM, norm_type=p, update="torch")
-    with CountingAllReduce() as c:
+    with CountingAllReduce(arithmetic=True) as c:
         opt.step()
     assert sum(c.calls.values()) == (1 if world > 1 else 0), dict(c.calls)
     check_norm(opt.last_grad_norm, want, f"fsdp_optimizer p={p}")
@@ -439,7 +469,7 @@ def fsdp_optimizer(rank, world, p):
         q.grad = dev(f.clone())
     grads_before = [q.grad._local_tensor.clone() for q in engine]
     opt = AdamW(engine, lr=0.1, max_grad_norm=MAX_NORM, norm_type=p, update="gradclip")
-    with CountingAllReduce() as c:
+    with CountingAllReduce(arithmetic=True) as c:
         opt.step()
     assert sum(c.calls.values()) == (1 if world > 1 else 0), dict(c.calls)
     check_norm(opt.last_grad_norm, want, f"fsdp_optimizer update=gradclip p={p}")
@@ -517,8 +547,8 @@ def main():
     rank, world = int(rank), int(world)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     if DEVICE == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=world)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(BACKEND, rank=rank, world_size=world)
     done = []
     try:
         for name in names.split(","):

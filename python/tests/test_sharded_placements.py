@@ -37,10 +37,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_world(tmp_path, world, scenarios, device="cpu", per_group=False):
+def run_world(tmp_path, world, scenarios, device="cpu", per_group=False, backend=""):
     port = str(free_port())
     outs = [tmp_path / f"rank{r}.txt" for r in range(world)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", GRADCLIP_MESH_DEVICE=device, GRADCLIP_MESH_PER_GROUP="1" if per_group else "0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GRADCLIP_MESH_DEVICE=device, GRADCLIP_MESH_PER_GROUP="1" if per_group else "0",
+               GRADCLIP_MESH_BACKEND=backend)
     procs = [
         subprocess.Popen([sys.executable, WORKER, port, str(r), str(world), str(outs[r]), ",".join(scenarios)], env=env)
         for r in range(world)
@@ -94,6 +95,18 @@ def test_world_of_eight(tmp_path):
 def test_two_gpus_over_nccl(tmp_path):
     # The same placements on CUDA, NCCL: the engine reads the local shards, NCCL combines them.
     run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer", "fresh_gradients"], device="cuda")
+
+
+# Plain process groups on CUDA tensors (gloo): the engine's combine kernels between real
+# all-reduces, the one-collective and the per-group paths.
+GLOO_CUDA = ["pipeline", "megatron"]
+
+
+@GLOO
+@ONE_GPU
+@pytest.mark.parametrize("per_group", [False, True])
+def test_four_ranks_on_one_gpu_over_gloo(tmp_path, per_group):
+    run_world(tmp_path, 4, GLOO_CUDA, device="cuda", per_group=per_group, backend="gloo")
 
 
 @ONE_GPU

@@ -5,7 +5,9 @@
 //! global norm, the clip coefficient and the flags, and the scale kernel: all enqueued on the
 //! engine's stream, no host synchronization, capturable when the communicator is (NCCL is).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, SyncOnDrop};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::buffers::DeviceGradMut;
 use super::comm::{Communicator, Reduce};
@@ -15,6 +17,7 @@ use super::launch;
 use crate::error::Result;
 use crate::norm::{ClipOptions, NormType, validate_max_norm};
 use crate::plan::RawTensor;
+use crate::sharded::Reduction;
 use crate::tensor_list::TensorList;
 
 impl GpuEngine {
@@ -63,9 +66,8 @@ impl GpuEngine {
             let (partial, _g) = self.partial.device_ptr_mut(&stream);
             launch::norm_to_partial(&stream, &ks, o, partial, norm_type)?;
         }
-        for c in &reduce {
-            c.all_reduce_f64(&mut self.partial.slice_mut(..), op, &stream)?;
-        }
+        let reduction = Reduction::new(&[(0..reduce.len()).collect()], reduce.len())?;
+        all_reduce(&reduction, &reduce, &mut self.partial, op, &stream)?;
         // SAFETY: as above; the partial now holds the combined value (stream-ordered).
         unsafe {
             let (partial, _g) = self.partial.device_ptr(&stream);
@@ -87,17 +89,36 @@ pub struct ShardGroup<'a, 'b, 'c> {
     pub over: &'a [&'a dyn Communicator],
 }
 
-/// The most distinct sets of process groups one call takes (threads of one block).
-const MAX_KEYS: usize = 1024;
-
-/// The position of `g` in the Gray-code sequence (the inverse of `i ^ (i >> 1)`).
-fn inverse_gray(g: u64) -> u64 {
-    let (mut b, mut s) = (g, g >> 1);
-    while s != 0 {
-        b ^= s;
-        s >>= 1;
+/// Every all-reduce of `reduction` on `partials` (one f64 per slot) through the communicators of
+/// its groups, in its order, on `stream`. A group whose slots are apart reduces them gathered
+/// into one buffer (device copies, stream-ordered): one collective per group.
+fn all_reduce(
+    reduction: &Reduction,
+    comms: &[&dyn Communicator],
+    partials: &mut CudaSlice<f64>,
+    op: Reduce,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    for a in reduction.all_reduces() {
+        let comm = comms[a.group];
+        if let [run] = &a.runs[..] {
+            comm.all_reduce_f64(&mut partials.slice_mut(run.clone()), op, stream)?;
+            continue;
+        }
+        let mut gathered = stream.alloc_zeros::<f64>(a.len())?;
+        let mut at = 0;
+        for run in &a.runs {
+            stream.memcpy_dtod(&partials.slice(run.clone()), &mut gathered.slice_mut(at..at + run.len()))?;
+            at += run.len();
+        }
+        comm.all_reduce_f64(&mut gathered.slice_mut(..), op, stream)?;
+        at = 0;
+        for run in &a.runs {
+            stream.memcpy_dtod(&gathered.slice(at..at + run.len()), &mut partials.slice_mut(run.clone()))?;
+            at += run.len();
+        }
     }
-    b
+    Ok(())
 }
 
 /// A communicator's identity within one call: its address.
@@ -110,10 +131,9 @@ impl GpuEngine {
     /// one call (tensor-parallel shards and replicated norms, experts on their own groups): each
     /// group's norm is summed over its own process groups only, then all are combined into the
     /// global norm, and every gradient is scaled by its coefficient. The per-tensor norms are
-    /// grouped by the set of process groups (one key per distinct set), the keys of a process
-    /// group are all-reduced together (one all-reduce per process group when its keys are
-    /// adjacent, as they are with up to two process groups; else one per key), in the order the
-    /// groups first appear in `groups`, which must be the same on every rank. A rank holding no
+    /// grouped by the set of process groups (one key per distinct set) and combined as
+    /// [`crate::sharded::Reduction`] orders them, the process groups taken in the order they
+    /// first appear in `groups`, which must be the same on every rank. A rank holding no
     /// gradients of some group passes it with an empty list. Not capturable
     /// ([`crate::Error::NotCapturable`]; one group of process groups is).
     pub fn clip_grad_norm_sharded_groups(
@@ -134,43 +154,18 @@ impl GpuEngine {
                 }
             }
         }
-        if comms.len() > 64 {
-            return Err(crate::Error::LengthMismatch {
-                what: "the process groups of one sharded clip (at most 64)",
-                expected: 64,
-                found: comms.len(),
-            });
-        }
-        let mask_of = |over: &[&dyn Communicator]| -> u64 {
-            comms
-                .iter()
-                .enumerate()
-                .filter(|(_, x)| over.iter().any(|c| identity(*c) == identity(**x)))
-                .map(|(i, _)| 1u64 << i)
-                .sum()
-        };
-        let masks: Vec<u64> = groups.iter().map(|g| mask_of(g.over)).collect();
-        // Keys (distinct sets) in Gray-code order of their membership masks, so that each process
-        // group's keys are adjacent whenever the groups allow it (always with two: {}, {A},
-        // {A, B}, {B}): then one all-reduce per process group covers them.
-        let mut keys: Vec<u64> = masks.clone();
-        keys.sort_unstable_by_key(|&m| inverse_gray(m));
-        keys.dedup();
-        if keys.len() > MAX_KEYS {
-            return Err(crate::Error::LengthMismatch {
-                what: "the distinct sets of process groups of one sharded clip",
-                expected: MAX_KEYS,
-                found: keys.len(),
-            });
-        }
-        if keys.len() == 1 {
+        let keys: Vec<Vec<usize>> = groups
+            .iter()
+            .map(|g| {
+                (0..comms.len())
+                    .filter(|&i| g.over.iter().any(|c| identity(*c) == identity(comms[i])))
+                    .collect()
+            })
+            .collect();
+        let reduction = Reduction::new(&keys, comms.len())?;
+        if reduction.num_slots() == 1 {
             // One set for everything: the one-key path (norm kernel partials, capturable).
-            let over: Vec<&dyn Communicator> = comms
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| keys[0] & (1 << i) != 0)
-                .map(|(_, &c)| c)
-                .collect();
+            let over: Vec<&dyn Communicator> = keys[0].iter().map(|&i| comms[i]).collect();
             let mut all: Vec<&mut (dyn DeviceGradMut + '_)> = Vec::new();
             for g in groups.iter_mut() {
                 for x in g.grads.iter_mut() {
@@ -191,26 +186,21 @@ impl GpuEngine {
         let mut raws = Vec::new();
         let mut key_of = Vec::new();
         let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
-        for (g, &m) in groups.iter_mut().zip(&masks) {
-            let k = keys.iter().position(|&x| x == m).expect("every mask is a key") as u32;
+        for (k, g) in groups.iter_mut().enumerate() {
             for x in g.grads.iter_mut() {
                 let (r, gd) = x.as_raw_mut(&stream);
                 raws.push(r);
                 guards.push(gd);
-                key_of.push(k);
+                key_of.push(Some(k));
             }
         }
         let n = raws.len();
-        let mut idx: Vec<u32> = Vec::with_capacity(n);
-        let mut offsets: Vec<u32> = vec![0];
-        for k in 0..keys.len() as u32 {
-            idx.extend((0..n as u32).filter(|&t| key_of[t as usize] == k));
-            offsets.push(idx.len() as u32);
-        }
+        let num_slots = reduction.num_slots();
+        let tables = reduction.key_tables(&key_of)?;
         let prepared = self.prepare(&TensorList::unchecked(&raws), true)?;
         let per_tensor = stream.alloc_zeros::<f64>(n.max(1))?;
-        let tables = stream.clone_htod(&[idx, offsets].concat())?;
-        let mut partials = stream.alloc_zeros::<f64>(keys.len())?;
+        let tables = stream.clone_htod(&tables)?;
+        let mut partials = stream.alloc_zeros::<f64>(num_slots)?;
         let addrs = out.addresses(&stream, 0)?;
         let o = addrs.norm;
         let ks = self.kernel_set();
@@ -228,25 +218,15 @@ impl GpuEngine {
             let kt = launch::KeyTables {
                 idx: tb,
                 offsets: tb + 4 * n as u64,
-                num_keys: keys.len() as u32,
+                num_keys: num_slots as u32,
             };
             launch::key_partials(&stream, &ks, pt, &kt, pp, norm_type)?;
         }
-        for (ci, c) in comms.iter().enumerate() {
-            let members: Vec<usize> = (0..keys.len()).filter(|&k| keys[k] & (1 << ci) != 0).collect();
-            let (first, last) = (members[0], members[members.len() - 1]);
-            if last + 1 - first == members.len() {
-                c.all_reduce_f64(&mut partials.slice_mut(first..last + 1), op, &stream)?;
-            } else {
-                for &k in &members {
-                    c.all_reduce_f64(&mut partials.slice_mut(k..k + 1), op, &stream)?;
-                }
-            }
-        }
+        all_reduce(&reduction, &comms, &mut partials, op, &stream)?;
         // SAFETY: as above; the partials are combined (stream-ordered).
         unsafe {
             let (pp, _g) = partials.device_ptr(&stream);
-            launch::keys_total(&stream, &ks, pp, keys.len() as u32, o, norm_type, max_norm)?;
+            launch::keys_total(&stream, &ks, pp, num_slots as u32, o, norm_type, max_norm)?;
             self.scale_prepared(&prepared, o)?;
         }
         drop(addrs);
@@ -255,23 +235,68 @@ impl GpuEngine {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::inverse_gray;
+/// The combine kernels on caller-owned device memory, for callers whose collectives are their
+/// own (`gradclip.torch` over torch.distributed): the steps of [`crate::sharded`] around the
+/// all-reduces, each one launch on the engine's stream.
+impl GpuEngine {
+    /// Launches `partial[0]` = the partial of the norm in the NormOutput at `norm_out`.
+    ///
+    /// # Safety
+    /// `norm_out` is a NormOutput (24 bytes, 8-aligned) written before on the engine's stream
+    /// (or ordered before it), `partial` one f64; both device memory of the engine's context,
+    /// live until the launch completes.
+    pub unsafe fn to_partial_raw(&mut self, norm_out: u64, partial: u64, norm_type: NormType) -> Result<()> {
+        let norm_type = norm_type.validated()?;
+        let ks = self.kernel_set();
+        // SAFETY: the caller's contract.
+        unsafe { launch::norm_to_partial(self.stream(), &ks, norm_out, partial, norm_type) }
+    }
 
-    #[test]
-    fn two_process_groups_get_adjacent_keys() {
-        let mut keys = vec![0b11u64, 0b01, 0b10, 0b00];
-        keys.sort_unstable_by_key(|&m| inverse_gray(m));
-        assert_eq!(keys, [0b00, 0b01, 0b11, 0b10]);
-        for bit in [0b01, 0b10] {
-            let at: Vec<usize> = (0..4).filter(|&k| keys[k] & bit != 0).collect();
-            assert_eq!(at.len(), 2);
-            assert_eq!(at[1], at[0] + 1, "group {bit:b}'s keys are adjacent");
+    /// Launches `gradclip_key_partials`: `partials[s]` for each of `num_slots` slots from the
+    /// f64 norms at `per_tensor` and the key tables at `tables` (`num_indexed` u32 indices, then
+    /// `num_slots + 1` offsets: [`crate::sharded::Reduction::key_tables`], uploaded).
+    ///
+    /// # Safety
+    /// The tables are those of `Reduction::key_tables` for a list of at most as many tensors as
+    /// `per_tensor` holds norms; `per_tensor`, `tables` and `partials` (`num_slots` f64s) are
+    /// device memory of the engine's context written before on its stream, live until the
+    /// launch completes.
+    pub unsafe fn key_partials_raw(
+        &mut self,
+        per_tensor: u64,
+        tables: u64,
+        num_indexed: usize,
+        num_slots: usize,
+        partials: u64,
+        norm_type: NormType,
+    ) -> Result<()> {
+        let norm_type = norm_type.validated()?;
+        if num_slots == 0 || num_slots > crate::sharded::MAX_KEYS {
+            return Err(crate::Error::ShardedLayout {
+                detail: format!("{num_slots} slots for the key partials; 1 to {}", crate::sharded::MAX_KEYS),
+            });
         }
-        assert_eq!(
-            (0..16u64).map(|i| inverse_gray(i ^ (i >> 1))).collect::<Vec<_>>(),
-            (0..16).collect::<Vec<_>>()
-        );
+        let ks = self.kernel_set();
+        let kt = launch::KeyTables {
+            idx: tables,
+            offsets: tables + 4 * num_indexed as u64,
+            num_keys: num_slots as u32,
+        };
+        // SAFETY: the caller's contract; the block fits the slots (checked above).
+        unsafe { launch::key_partials(self.stream(), &ks, per_tensor, &kt, partials, norm_type) }
+    }
+
+    /// Launches `gradclip_keys_total`: the NormOutput at `out` gets the global norm of the
+    /// `num_slots` combined partials at `partials` and its clip coefficient for `max_norm`.
+    ///
+    /// # Safety
+    /// `partials` (`num_slots` f64s, all-reduced before on the engine's stream) and `out` (a
+    /// NormOutput) are device memory of the engine's context, live until the launch completes.
+    pub unsafe fn keys_total_raw(&mut self, partials: u64, num_slots: usize, out: u64, norm_type: NormType, max_norm: f64) -> Result<()> {
+        validate_max_norm(max_norm)?;
+        let norm_type = norm_type.validated()?;
+        let ks = self.kernel_set();
+        // SAFETY: the caller's contract.
+        unsafe { launch::keys_total(self.stream(), &ks, partials, num_slots as u32, out, norm_type, max_norm) }
     }
 }

@@ -214,7 +214,7 @@ def _sharded_norm64(items: list, grads: bool, p: float, pipeline_group=None, nor
     layout = distributed.collect(items, grads)
     norm64 = distributed.norm_one_key(layout, p, pipeline_group, norm_group)
     if norm64 is None:
-        norm64 = distributed.global_norm(layout, p, pipeline_group, norm_group)
+        norm64 = distributed.global_norm(layout, p, pipeline_group, norm_group)[0]
     return norm64, layout
 
 
@@ -308,9 +308,9 @@ def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeli
             norm64 = distributed.clip_one_key(layout, p, max_norm, pipeline_group, norm_group)
             if norm64 is not None:
                 return distributed.returned(layout, norm64, False, norm_type)
-        norm64 = distributed.global_norm(layout, p, pipeline_group, norm_group)
-        total = distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
-        distributed.scale(layout, _clip_coef(max_norm, norm64))
+        out = distributed.global_norm(layout, p, pipeline_group, norm_group, max_norm)
+        total = distributed.returned(layout, out[0], error_if_nonfinite, norm_type)
+        distributed.scale(layout, out[1])  # the engine's clip coefficient of the global norm
         return total
     if len(grads) == 0:
         return torch.tensor(0.0)

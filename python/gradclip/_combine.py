@@ -1,0 +1,195 @@
+"""The sharded norm's combine, on the engine's kernels around torch.distributed's all-reduces.
+
+``gradclip::sharded`` (Rust) is the one algorithm, for the Rust API's NCCL communicators and for
+this package: each local norm (or each tensor's, when a device's tensors belong to several keys)
+becomes a partial and the partials of a key are folded into its slot (``key_partials``); each
+process group all-reduces its slots, in the one order ``Reduction`` gives (the same on every
+rank); the slots are folded into the global norm and its clip coefficient (``keys_total``), a
+NormOutput (norm, coefficient, flags) on the device that the scale kernel reads. Python decides
+only which tensors have which key and over which groups (``distributed``, ``replicas``); it does
+no norm arithmetic, and nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _engine
+
+_native = _engine._native
+
+# A norm computed without a clip still gets a NormOutput: its coefficient is 1 for this limit.
+NO_CLIP = math.inf
+
+
+class Combine:
+    """A reduction (``_native.Reduction``) with its process groups by position, an optional
+    ``final`` group (pipeline stages) that reduces the folded total once the keys are combined
+    (stages hold different keys, so it cannot reduce the slots), and the key tables of the norm
+    entries it combines, uploaded once per device and entry keys (a repeated layout makes none)."""
+
+    __slots__ = ("reduction", "groups", "final", "all_reduces", "num_slots", "_tables", "_gathers")
+
+    def __init__(self, keys: Sequence[Sequence[int]], groups: Sequence[Any], final: Any = None):
+        self.reduction = _native.Reduction([list(k) for k in keys], len(groups))
+        self.groups = list(groups)
+        self.final = final if final is not None and final.size() > 1 else None
+        self.all_reduces = self.reduction.all_reduces()
+        self.num_slots = self.reduction.num_slots
+        self._tables: Dict[Tuple[Any, Tuple[Optional[int], ...]], torch.Tensor] = {}
+        self._gathers: Dict[Tuple[int, Any], torch.Tensor] = {}
+
+    @classmethod
+    def over(cls, groups: Sequence[Any]) -> "Combine":
+        """One key reduced over each of ``groups`` in turn (groups of one rank left out)."""
+        groups = [g for g in groups if g.size() > 1]
+        return cls([list(range(len(groups)))], groups)
+
+    def tables(self, keys: Tuple[Optional[int], ...], device: torch.device) -> torch.Tensor:
+        t = self._tables.get((device, keys))
+        if t is None:
+            rows = self.reduction.key_tables(list(keys))
+            t = self._tables[(device, keys)] = torch.tensor(rows, dtype=torch.int32, device=device)
+        return t
+
+    def gather(self, i: int, device: torch.device) -> torch.Tensor:
+        """The slots of all-reduce ``i`` (whose runs are apart), as an index tensor on ``device``."""
+        t = self._gathers.get((i, device))
+        if t is None:
+            slots = [s for start, end in self.all_reduces[i][1] for s in range(start, end)]
+            t = self._gathers[(i, device)] = torch.tensor(slots, dtype=torch.int64, device=device)
+        return t
+
+
+def _where(device: torch.device):
+    """``(ordinal or -1, stream, context)`` of a native combine call on ``device``."""
+    stream, ctx = _engine._stream_of(device)
+    return (device.index if device.type == "cuda" else -1), stream, ctx
+
+
+def partial_of(norm_out: torch.Tensor, p: float) -> torch.Tensor:
+    """A one-slot partials vector from an engine NormOutput (three f64) on its device."""
+    part = torch.empty(1, dtype=torch.float64, device=norm_out.device)
+    ordinal, stream, ctx = _where(norm_out.device)
+    with ctx:
+        _native.to_partial(ordinal, stream, norm_out.data_ptr(), part.data_ptr(), p)
+    return part
+
+
+def key_partials(c: Combine, norms: torch.Tensor, keys: Tuple[Optional[int], ...], p: float) -> torch.Tensor:
+    """The partials vector (``c.num_slots`` f64) of the norm entries ``norms`` (f64, on one
+    device) whose keys are ``keys`` (None: not counted here), folded in entry order."""
+    device = norms.device
+    tables = c.tables(keys, device)
+    part = torch.empty(max(c.num_slots, 1), dtype=torch.float64, device=device)
+    num_indexed = tables.numel() - (c.num_slots + 1)
+    ordinal, stream, ctx = _where(device)
+    with ctx:
+        _native.key_partials(
+            ordinal, stream, norms.data_ptr(), norms.numel(), tables.data_ptr(), num_indexed, c.num_slots, part.data_ptr(), p
+        )
+    return part
+
+
+def zero_partials(c: Combine, device: torch.device) -> torch.Tensor:
+    """The partials of a rank that counts nothing (it still takes part in every all-reduce)."""
+    return torch.zeros(max(c.num_slots, 1), dtype=torch.float64, device=device)
+
+
+def all_reduce(c: Combine, part: torch.Tensor, p: float) -> None:
+    """Every all-reduce of ``c`` on ``part``, in place, in the reduction's order (every rank
+    issues the same ones, one per group): a sum, or the maximum for p = inf. A group whose slots
+    are apart reduces them gathered (copies, no arithmetic)."""
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    whole = part.numel()
+    for i, (g, runs) in enumerate(c.all_reduces):
+        if len(runs) == 1:
+            start, end = runs[0]
+            dist.all_reduce(part if (start, end) == (0, whole) else part[start:end], op=op, group=c.groups[g])
+        else:
+            idx = c.gather(i, part.device)
+            sub = part.index_select(0, idx)
+            dist.all_reduce(sub, op=op, group=c.groups[g])
+            part.index_copy_(0, idx, sub)
+
+
+# The fold of a combined partials vector into one partial: every slot under one key, summed (or
+# maxed) as they are (to_partial is the identity for p = 1 and inf, which fold as sum and max).
+_FOLD = _native.Reduction([[]], 0)
+_FOLD_TABLES: Dict[Tuple[Any, int], torch.Tensor] = {}
+
+
+def _fold(c: Combine, part: torch.Tensor, p: float) -> torch.Tensor:
+    """The slots of ``part`` folded into a one-slot partials vector (in slot order)."""
+    n = c.num_slots
+    tables = _FOLD_TABLES.get((part.device, n))
+    if tables is None:
+        rows = _FOLD.key_tables([0] * n)
+        tables = _FOLD_TABLES[(part.device, n)] = torch.tensor(rows, dtype=torch.int32, device=part.device)
+    out = torch.empty(1, dtype=torch.float64, device=part.device)
+    ordinal, stream, ctx = _where(part.device)
+    with ctx:
+        _native.key_partials(ordinal, stream, part.data_ptr(), n, tables.data_ptr(), n, 1, out.data_ptr(), math.inf if math.isinf(p) else 1.0)
+    return out
+
+
+def total(c: Combine, part: torch.Tensor, p: float, max_norm: float = NO_CLIP) -> torch.Tensor:
+    """The global norm's NormOutput (three f64 on ``part``'s device: norm, clip coefficient for
+    ``max_norm``, flags) from the all-reduced partials; with a ``final`` group, the slots folded
+    into one partial and all-reduced over it first."""
+    num_slots = c.num_slots
+    if c.final is not None:
+        part = _fold(c, part, p)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=c.final)
+        num_slots = 1
+    out = torch.empty(3, dtype=torch.float64, device=part.device)
+    ordinal, stream, ctx = _where(part.device)
+    with ctx:
+        _native.keys_total(ordinal, stream, part.data_ptr(), num_slots, p, max_norm, out.data_ptr())
+    return out
+
+
+def collective_device(groups: Sequence[Any]) -> torch.device:
+    """Where the partials live on a rank that counts no gradient: CUDA when a group is NCCL's."""
+    for g in groups:
+        if "nccl" in str(dist.get_backend(g)).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def norm_entries(ts: List[torch.Tensor], keys: List[Optional[int]], p: float) -> Tuple[torch.Tensor, List[Optional[int]]]:
+    """One device's norm entries (an f64 vector there) and their keys: the engine's norm of the
+    tensors it takes (one entry when they share one key, else one per tensor), torch's norm of
+    each tensor it does not take (non-contiguous, complex, fp8: computed by torch, combined here
+    like any other entry)."""
+    one = len(set(keys)) == 1
+    plan, scanned = _engine._PLANNER.scan(ts, False)
+    if plan is not None:
+        if one:
+            out = _engine._out(plan.info[0])
+            _engine._call(_native.total_norm, plan, plan.info, p, out.data_ptr())
+            return out[:1], keys[:1]
+        return _engine._plan_tensor_norms(plan, p), keys
+    plan, rest = _engine._PLANNER.split(scanned)
+    rest_ids = {id(t) for t in rest}
+    taken_keys = [k for t, k in zip(scanned, keys) if id(t) not in rest_ids]
+    parts, out_keys = [], []
+    if plan is not None:
+        if one:
+            out = _engine._out(plan.info[0])
+            _engine._call(_native.total_norm, plan, plan.info, p, out.data_ptr())
+            parts.append(out[:1])
+            out_keys.append(taken_keys[0])
+        else:
+            parts.append(_engine._plan_tensor_norms(plan, p))
+            out_keys.extend(taken_keys)
+    for t, k in zip(scanned, keys):
+        if id(t) in rest_ids:
+            x = t.to(torch.float64) if t.is_floating_point() else t
+            parts.append(torch.linalg.vector_norm(x, p).to(torch.float64).reshape(1))
+            out_keys.append(k)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), out_keys
