@@ -8,6 +8,9 @@
 #   benches/device/run.sh optim   optim_compare.py (clip + AdamW step, bf16 and f32), train_gpt.py with gradclip's AdamW
 #   benches/device/run.sh optim-presets  optim_compare.py on the other presets
 #   benches/device/run.sh adam    the Adam tests (Rust, Python on CUDA), the same under memcheck, update="gradclip" timings
+#   benches/device/run.sh one-gpu-sharded  the sharded paths' CUDA half on one GPU: the Rust GPU suite, the
+#                                 combine on CUDA, four gloo ranks sharing the GPU, a one-rank NCCL world
+#   benches/device/run.sh exec CMD...  CMD in the set-up environment (the wheel on PYTHONPATH, libcuda, libnccl)
 #   benches/device/run.sh variants  each kernel variant of .devbin/variants/ (build-variant.sh) and .devbin's own:
 #                                 the Adam bit test, test_optim.py and optim_compare.py's update="gradclip" rows
 # Any other word does the set-up alone. SHARDED_REPEATS=N runs the two-rank comparison N times (torch's time varies).
@@ -155,5 +158,17 @@ variants)
     done
     (cd "$OUT" && tar czf variants.tgz variants && rm -rf variants)
     ;;
-*) echo "set-up done; modes: tests, bench, graphs, sharded, regress, optim, optim-presets, adam, variants"; exit 2 ;;
+one-gpu-sharded)
+    (time .devbin/gpu_backend --test-threads 1) > "$OUT/gpu-tests.log" 2>&1
+    grep "test result" "$OUT/gpu-tests.log"
+    python3 -m pytest -q -rs --import-mode=importlib -p no:cacheprovider python/tests/test_combine.py \
+        python/tests/test_sharded_placements.py python/tests/test_distributed.py python/tests/test_multi_device.py \
+        > "$OUT/python-sharded.log" 2>&1
+    tail -3 "$OUT/python-sharded.log"
+    ;;
+exec)
+    shift
+    "$@"
+    ;;
+*) echo "set-up done; modes: tests, bench, graphs, sharded, one-gpu-sharded, regress, optim, optim-presets, adam, variants, exec"; exit 2 ;;
 esac
