@@ -237,6 +237,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one run of slots, as a Vec of runs
     fn two_process_groups_need_one_all_reduce_each() {
         // Keys over {}, {A}, {A, B}, {B}, given in another order: slots in Gray-code order.
         let r = Reduction::new(&[vec![0, 1], vec![], vec![1], vec![0], vec![1, 0]], 2).unwrap();
