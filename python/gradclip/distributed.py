@@ -32,7 +32,6 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from . import _combine, _engine, replicas
 from .shards import Shards
@@ -97,9 +96,10 @@ class Layout:
         self.roots: Dict[int, Any] = {}  # the root meshes the gradients (and Shards' mesh dimensions) live on
         self.partial = False  # some gradient's norm needed a redistribution (not reusable)
         self._dtype: Optional[torch.dtype] = None
-        # Index tensors on devices, made once per layout (a host-to-device copy each would
-        # stall the host behind the stream); shared by the layouts of a repeated list.
-        self._indices: Dict[Any, torch.Tensor] = {}
+        # What the combine keeps per layout (its reductions, their tables on devices: a
+        # host-to-device copy each call would stall the host behind the stream); shared by the
+        # layouts of a repeated list.
+        self._indices: Dict[Any, Any] = {}
         self._mesh_keys: Dict[Tuple[int, Tuple[Any, ...]], Tuple[Tuple[str, ...], bool]] = {}
 
     def key(self, groups: Sequence[Any]) -> int:
@@ -174,12 +174,6 @@ class Layout:
             self.partial = True
         key = self.key_at(list(over) + [(len(over) + lv, g) for lv, g in dims]) if counted else None
         self.pieces.append(_Piece(local, source, key, True))
-
-    def indices(self, what: Any, values: Sequence[int], device: torch.device) -> torch.Tensor:
-        t = self._indices.get((what, device))
-        if t is None:
-            t = self._indices[(what, device)] = torch.tensor(list(values), device=device)
-        return t
 
     def template(self) -> "Layout":
         """This sealed layout without its tensors: what ``collect`` keeps for the next call."""
@@ -316,21 +310,18 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
     return layout.seal()
 
 
-def counting(layout: Layout, pipeline_group=None, norm_group=None) -> Optional[replicas.Counting]:
-    """The layout's one-collective plan (``replicas.plan``), made once per layout and groups."""
-    key = ("counting", replicas.ENABLED, replicas.group_name(pipeline_group), replicas.group_name(norm_group))
-    cache = layout._indices
-    if key not in cache:
-        cache[key] = replicas.plan(layout, pipeline_group, norm_group)
-    return cache[key]
-
-
 def _cached(layout: Layout, key: Tuple[Any, ...], make):
     """What ``make()`` returns, kept with the layout (and the layouts of a repeated list) under ``key``."""
     cache = layout._indices
     if key not in cache:
         cache[key] = make()
     return cache[key]
+
+
+def counting(layout: Layout, pipeline_group=None, norm_group=None) -> Optional[replicas.Counting]:
+    """The layout's one-collective plan (``replicas.plan``), made once per layout and groups."""
+    key = ("counting", replicas.ENABLED, replicas.group_name(pipeline_group), replicas.group_name(norm_group))
+    return _cached(layout, key, lambda: replicas.plan(layout, pipeline_group, norm_group))
 
 
 def _per_group_combine(layout: Layout, pipeline_group) -> _combine.Combine:
