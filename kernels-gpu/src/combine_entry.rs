@@ -7,14 +7,15 @@ use crate::abi::NormOutput;
 use crate::combine::{global_output, key_partial, keys_partial, to_partial};
 use crate::device::thread_idx;
 
-/// One thread: `partial[0]` = the partial of `out.norm`.
+/// One thread: `partial[0]` = the partial of the f64 norm at `norm` (a NormOutput's first field,
+/// or any f64 norm: only those 8 bytes are read).
 ///
 /// # Safety
-/// `out` is a NormOutput written before on the stream; `partial` one f64 of device memory.
+/// `norm` is one f64 written before on the stream; `partial` one f64 of device memory.
 #[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn gradclip_norm_to_partial(out: *const NormOutput, partial: *mut f64, kind: u32, p: f64) {
+pub unsafe extern "gpu-kernel" fn gradclip_norm_to_partial(norm: *const f64, partial: *mut f64, kind: u32, p: f64) {
     // SAFETY: the kernel's contract.
-    unsafe { partial.write(to_partial(out.read().norm, kind, p)) }
+    unsafe { partial.write(to_partial(norm.read(), kind, p)) }
 }
 
 /// One thread: `out` = the NormOutput of the global norm of `partial[0]` (clip coefficient for

@@ -71,12 +71,13 @@ def _where(device: torch.device):
     return (device.index if device.type == "cuda" else -1), stream, ctx
 
 
-def partial_of(norm_out: torch.Tensor, p: float) -> torch.Tensor:
-    """A one-slot partials vector from an engine NormOutput (three f64) on its device."""
-    part = torch.empty(1, dtype=torch.float64, device=norm_out.device)
-    ordinal, stream, ctx = _where(norm_out.device)
+def partial_of(norm: torch.Tensor, p: float) -> torch.Tensor:
+    """A one-slot partials vector from an f64 norm (a one-element tensor, the engine's norm) on
+    its device."""
+    part = torch.empty(1, dtype=torch.float64, device=norm.device)
+    ordinal, stream, ctx = _where(norm.device)
     with ctx:
-        _native.to_partial(ordinal, stream, norm_out.data_ptr(), part.data_ptr(), p)
+        _native.to_partial(ordinal, stream, norm.data_ptr(), part.data_ptr(), p)
     return part
 
 
@@ -170,9 +171,7 @@ def norm_entries(ts: List[torch.Tensor], keys: List[Optional[int]], p: float) ->
     plan, scanned = _engine._PLANNER.scan(ts, False)
     if plan is not None:
         if one:
-            out = _engine._out(plan.info[0])
-            _engine._call(_native.total_norm, plan, plan.info, p, out.data_ptr())
-            return out[:1], keys[:1]
+            return _engine._plan_norm(plan, p).reshape(1), keys[:1]
         return _engine._plan_tensor_norms(plan, p), keys
     plan, rest = _engine._PLANNER.split(scanned)
     rest_ids = {id(t) for t in rest}
@@ -180,9 +179,7 @@ def norm_entries(ts: List[torch.Tensor], keys: List[Optional[int]], p: float) ->
     parts, out_keys = [], []
     if plan is not None:
         if one:
-            out = _engine._out(plan.info[0])
-            _engine._call(_native.total_norm, plan, plan.info, p, out.data_ptr())
-            parts.append(out[:1])
+            parts.append(_engine._plan_norm(plan, p).reshape(1))
             out_keys.append(taken_keys[0])
         else:
             parts.append(_engine._plan_tensor_norms(plan, p))

@@ -422,9 +422,7 @@ def _one_key_output(plan, info, c: _combine.Combine, counted: bool, p: float, ma
     """The one-key path's NormOutput: the norm kernel (nothing on a replica), its partial, the
     all-reduces, the global norm and coefficient."""
     if counted:
-        out = _engine._out(info[0])
-        _engine._call(_engine._native.total_norm, plan, info, p, out.data_ptr())
-        part = _combine.partial_of(out, p)
+        part = _combine.partial_of(_engine._plan_norm(plan, p, info), p)
     else:  # a replica: another rank counts these gradients, this one reads nothing for the norm
         part = _combine.zero_partials(c, torch.device("cuda", info[0]))
     _combine.all_reduce(c, part, p)

@@ -72,19 +72,20 @@ fn norm_type(p: f64) -> PyResult<NormType> {
     NormType::from_p(p).map_err(to_py)
 }
 
-/// `partial[0]` = the partial of the norm in the NormOutput at `norm_out` (three float64).
-/// `device`: a CUDA ordinal, or -1 for the CPU; `stream`: torch's current stream there.
+/// `partial[0]` = the partial of the float64 norm at `norm` (the engine's norm, or the first
+/// element of its NormOutput). `device`: a CUDA ordinal, or -1 for the CPU; `stream`: torch's
+/// current stream there.
 #[pyfunction]
-pub fn to_partial(py: Python<'_>, device: i64, stream: usize, norm_out: u64, partial: u64, p: f64) -> PyResult<()> {
-    let (norm_out, partial, nt) = (at(norm_out, 8, "the norm")?, at(partial, 8, "the partial")?, norm_type(p)?);
+pub fn to_partial(py: Python<'_>, device: i64, stream: usize, norm: u64, partial: u64, p: f64) -> PyResult<()> {
+    let (norm, partial, nt) = (at(norm, 8, "the norm")?, at(partial, 8, "the partial")?, norm_type(p)?);
     if device >= 0 {
-        // SAFETY: both are the caller's float64 CUDA tensors of this device (three and one
-        // elements), written before on `stream` and kept alive by torch's allocator until the
+        // SAFETY: both are the caller's float64 CUDA tensors of this device (one element each
+        // at least), written before on `stream` and kept alive by torch's allocator until the
         // stream passes this launch.
-        return py.detach(|| on_engine(device as usize, stream, |e| unsafe { e.to_partial_raw(norm_out, partial, nt) }));
+        return py.detach(|| on_engine(device as usize, stream, |e| unsafe { e.to_partial_raw(norm, partial, nt) }));
     }
-    // SAFETY: both are the caller's float64 host tensors of three and one elements.
-    unsafe { (partial as *mut f64).write(sharded::to_partial((norm_out as *const f64).read(), nt)) };
+    // SAFETY: both are the caller's float64 host tensors of one element at least.
+    unsafe { (partial as *mut f64).write(sharded::to_partial((norm as *const f64).read(), nt)) };
     Ok(())
 }
 

@@ -81,14 +81,14 @@ def test_one_key_from_a_norm_output_and_nonfinite_norms(device):
     c = _combine.Combine.over([_Group(1)])  # a group of one rank: nothing to reduce
     assert c.groups == [] and c.all_reduces == []
     for p in NORMS:
-        norm_out = torch.tensor([5.0, 1.0, 0.0], dtype=torch.float64, device=device)
-        part = _combine.partial_of(norm_out, p)
+        norm = torch.tensor([5.0], dtype=torch.float64, device=device)
+        part = _combine.partial_of(norm, p)
         out = _combine.total(c, part, p, 1.0).cpu()
         assert out[0].item() == pytest.approx(5.0, rel=1e-14)
         assert out[1].item() == 1.0 / (out[0].item() + 1e-6)
         # Without a clip limit the coefficient is 1; a NaN norm stays NaN (and is flagged).
         assert _combine.total(c, part, p)[1].item() == 1.0
-        nan = _combine.total(c, _combine.partial_of(torch.tensor([math.nan, 1.0, 0.0], dtype=torch.float64, device=device), p), p, 1.0)
+        nan = _combine.total(c, _combine.partial_of(torch.tensor([math.nan], dtype=torch.float64, device=device), p), p, 1.0)
         assert math.isnan(nan[0].item())
 
 

@@ -189,15 +189,16 @@ pub fn combine_kind(norm: NormType) -> u32 {
     norm.kind() as u32
 }
 
-/// Launches `partial[0] = partial of out.norm`.
+/// Launches `partial[0] = partial of the f64 norm at norm_at` (a NormOutput's first field, or
+/// any f64 norm).
 ///
 /// # Safety
-/// `out` is a NormOutput written before on `stream`, `partial` one f64, both device memory of
+/// `norm_at` is one f64 written before on `stream`, `partial` one f64, both device memory of
 /// the stream's context.
-pub unsafe fn norm_to_partial(stream: &CudaStream, ks: &KernelSet, out: u64, partial: u64, norm: NormType) -> Result<()> {
+pub unsafe fn norm_to_partial(stream: &CudaStream, ks: &KernelSet, norm_at: u64, partial: u64, norm: NormType) -> Result<()> {
     let mut b = stream.launch_builder(ks.get(Kernel::NormToPartial));
     let (kind, p) = (combine_kind(norm), norm.p());
-    b.arg(&out).arg(&partial).arg(&kind).arg(&p);
+    b.arg(&norm_at).arg(&partial).arg(&kind).arg(&p);
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
     unsafe { b.launch(ONE_THREAD) }?;
     Ok(())

@@ -239,17 +239,18 @@ impl GpuEngine {
 /// own (`gradclip.torch` over torch.distributed): the steps of [`crate::sharded`] around the
 /// all-reduces, each one launch on the engine's stream.
 impl GpuEngine {
-    /// Launches `partial[0]` = the partial of the norm in the NormOutput at `norm_out`.
+    /// Launches `partial[0]` = the partial of the f64 norm at `norm` (a NormOutput's first
+    /// field, or any f64 norm).
     ///
     /// # Safety
-    /// `norm_out` is a NormOutput (24 bytes, 8-aligned) written before on the engine's stream
-    /// (or ordered before it), `partial` one f64; both device memory of the engine's context,
-    /// live until the launch completes.
-    pub unsafe fn to_partial_raw(&mut self, norm_out: u64, partial: u64, norm_type: NormType) -> Result<()> {
+    /// `norm` is one f64 written before on the engine's stream (or ordered before it), `partial`
+    /// one f64; both 8-aligned device memory of the engine's context, live until the launch
+    /// completes.
+    pub unsafe fn to_partial_raw(&mut self, norm: u64, partial: u64, norm_type: NormType) -> Result<()> {
         let norm_type = norm_type.validated()?;
         let ks = self.kernel_set();
         // SAFETY: the caller's contract.
-        unsafe { launch::norm_to_partial(self.stream(), &ks, norm_out, partial, norm_type) }
+        unsafe { launch::norm_to_partial(self.stream(), &ks, norm, partial, norm_type) }
     }
 
     /// Launches `gradclip_key_partials`: `partials[s]` for each of `num_slots` slots from the
