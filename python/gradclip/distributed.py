@@ -346,14 +346,14 @@ def _one_collective_combine(layout: Layout, plan: replicas.Counting) -> _combine
 def _entries(layout: Layout, p: float, counts=None):
     """``(norms, keys)``: this rank's counted norm entries (``_combine.norm_entries`` per device,
     copied to the device of the first counted gradient) and their keys; ``counts``: the
-    one-collective plan's flags (a key this rank does not count adds nothing here). None when
-    this rank counts nothing."""
+    one-collective plan's flags (a key this rank does not count adds nothing here; the keys it
+    counts are its one key 0, one norm per device). None when this rank counts nothing."""
     by_device: Dict[torch.device, Tuple[List[torch.Tensor], List[int]]] = {}
     for pc in layout.pieces:
         if pc.key is not None and (counts is None or counts[pc.key]):
             ts, ks = by_device.setdefault(pc.source.device, ([], []))
             ts.append(pc.source)
-            ks.append(pc.key)
+            ks.append(pc.key if counts is None else 0)
     if not by_device:
         return None
     home = next(iter(by_device))
@@ -374,8 +374,6 @@ def global_norm(layout: Layout, p: float, pipeline_group=None, norm_group=None, 
     if plan is not None:
         c = _one_collective_combine(layout, plan)
         found = _entries(layout, p, plan.counts)
-        if found is not None:
-            found = found[0], [0] * len(found[1])
         everyone = [plan.group]
     else:
         c = _per_group_combine(layout, pipeline_group)
