@@ -62,11 +62,12 @@ class CountingAllReduce:
     ``arithmetic`` (an optimizer step, whose update may be torch's), also checks that no torch op
     of norm arithmetic ran (``NORM_ARITHMETIC``)."""
 
-    def __init__(self, arithmetic=False):
+    def __init__(self, arithmetic=False, allowed=()):
         self.calls = Counter()
         self._orig = dist.all_reduce
         self.ops = set()
         self._mode = None if arithmetic else _OpsSeen(self.ops)
+        self._watched = NORM_ARITHMETIC - set(allowed)
 
     def __enter__(self):
         def counted(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -84,7 +85,7 @@ class CountingAllReduce:
         if self._mode is not None:
             self._mode.__exit__(*exc)
             if exc[0] is None:
-                found = self.ops & NORM_ARITHMETIC
+                found = self.ops & self._watched
                 assert not found, f"torch norm arithmetic inside the sharded clip: {sorted(found)} (all ops: {sorted(self.ops)})"
 
 
@@ -379,6 +380,38 @@ def megatron(rank, world, p):
             check_local(q.grad, n * coef, "megatron replicated")
 
 
+def fallback(rank, world, p):
+    """Gradients the engine does not take among sharded ones: a transposed (non-contiguous) shard
+    and a complex replicated tensor. torch norms those tensors (their own norms only); the
+    engine's combine folds their norms with the rest, on the per-group path (plain groups) and
+    with ``norm_group`` on the one-collective path; the norm and the clip against the f64
+    reference."""
+    group = dist.new_group(list(range(world)))
+    w = full_grads(131, [(world * 4, 3)])[0]
+    bt = full_grads(132, [(world * 2, 5)])[0]
+    re, im = full_grads(133, [(6,), (6,)])
+    z = torch.complex(re, im)
+    a = param(dev(w.chunk(world)[rank].clone()))
+    b = torch.nn.Parameter(torch.zeros(5, 2, dtype=torch.float64, device=a.device))
+    c = torch.nn.Parameter(torch.zeros(6, dtype=torch.complex128, device=a.device))
+    want, coef = reference([w, bt, z.abs()], p)
+    for norm_group in (None, dist.group.WORLD):
+        a.grad = dev(w.chunk(world)[rank].clone())
+        b.grad = dev(bt.chunk(world)[rank].clone()).t()  # (5, 2), not contiguous
+        c.grad = dev(z.clone())
+        assert not b.grad.is_contiguous()
+        with CountingAllReduce(allowed={"linalg_vector_norm"}) as calls:
+            got = gt.clip_grad_norm_([gt.Shards([a, b], over=[group]), c], MAX_NORM, p, norm_group=norm_group)
+        check_norm(got, want, f"fallback norm_group={norm_group} p={p}")
+        if norm_group is not None and replicas.ENABLED:
+            check_one(calls.calls, "fallback with norm_group", norm_group)
+        else:
+            assert dict(calls.calls) == ({group.group_name: 1} if world > 1 else {}), f"fallback per group: {dict(calls.calls)}"
+        check_local(a.grad, w.chunk(world)[rank] * coef, "fallback contiguous shard")
+        check_local(b.grad, (bt.chunk(world)[rank] * coef).t(), "fallback transposed shard")
+        check_local(c.grad, z * coef, "fallback complex")
+
+
 def errors(rank, world, p):
     """A process group listed at two positions is refused before anything is read or written
     (every rank sees the same lists, so every rank raises, and none waits in a collective)."""
@@ -539,7 +572,7 @@ def fresh_gradients(rank, world, p):
     assert all(r() is None for r in freed), "a gradient outlived zero_grad(set_to_none=True)"
 
 
-SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity, "fsdp_optimizer": fsdp_optimizer, "fresh_gradients": fresh_gradients, "dp_tp_pp": dp_tp_pp, "megatron": megatron}
+SCENARIOS = {"fsdp": fsdp, "fsdp_pure": fsdp_pure, "dp_tp": dp_tp, "hsdp": hsdp, "moe": moe, "pipeline": pipeline, "pipeline_dtensor": pipeline_dtensor, "errors": errors, "torch_parity": torch_parity, "fsdp_optimizer": fsdp_optimizer, "fresh_gradients": fresh_gradients, "dp_tp_pp": dp_tp_pp, "megatron": megatron, "fallback": fallback}
 
 
 def main():

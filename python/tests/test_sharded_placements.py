@@ -1,6 +1,7 @@
 """gradclip.torch on sharded gradients across processes (gloo on CPU): FSDP2's Shard(0), a 2 x 2
 data x tensor parallel mesh with Partial, HSDP, a mixture-of-experts layout on two meshes with
-ranks holding different numbers of experts, and pipeline stages with a tied embedding, each against
+ranks holding different numbers of experts, pipeline stages with a tied embedding, and gradients
+the engine does not take (a transposed shard, a complex tensor) among sharded ones, each against
 one process's f64 computation on the unsharded gradients, with exactly one all-reduce per call
 where every mesh spans the world (or ``norm_group`` is given), else at most one per process
 group. Ranks are separate processes running ``mesh_worker.py``; a rank that hangs fails
@@ -28,7 +29,7 @@ ONE_GPU = pytest.mark.skipif(
     not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs a CUDA GPU and NCCL"
 )
 # What a one-rank world can hold (the 2-D meshes need two or four ranks).
-ONE_RANK = ["fsdp", "fsdp_pure", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients"]
+ONE_RANK = ["fsdp", "fsdp_pure", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients", "fallback"]
 
 
 def free_port():
@@ -70,7 +71,7 @@ def test_world_of_one(tmp_path):
 
 @GLOO
 def test_world_of_two(tmp_path):
-    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "megatron", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients"])
+    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "megatron", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients", "fallback"])
 
 
 @GLOO
@@ -82,24 +83,24 @@ def test_world_of_four(tmp_path):
 def test_world_of_four_per_group(tmp_path):
     # The per-group path (one all-reduce per process group) on the layouts the one-collective
     # path takes by default: it stays what runs where no rank can tell which replica counts.
-    run_world(tmp_path, 4, ["fsdp", "dp_tp", "hsdp", "moe", "pipeline_dtensor", "dp_tp_pp", "megatron"], per_group=True)
+    run_world(tmp_path, 4, ["fsdp", "dp_tp", "hsdp", "moe", "pipeline_dtensor", "dp_tp_pp", "megatron", "fallback"], per_group=True)
 
 
 @GLOO
 def test_world_of_eight(tmp_path):
     # 2 x 2 x 2 pipeline x data x tensor parallel, 2 x 4 meshes, MoE over four pairs.
-    run_world(tmp_path, 8, ["fsdp", "dp_tp", "hsdp", "moe", "dp_tp_pp", "megatron", "errors"])
+    run_world(tmp_path, 8, ["fsdp", "dp_tp", "hsdp", "moe", "dp_tp_pp", "megatron", "errors", "fallback"])
 
 
 @TWO_GPUS
 def test_two_gpus_over_nccl(tmp_path):
     # The same placements on CUDA, NCCL: the engine reads the local shards, NCCL combines them.
-    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer", "fresh_gradients"], device="cuda")
+    run_world(tmp_path, 2, ["fsdp", "fsdp_pure", "dp_tp", "moe", "pipeline", "pipeline_dtensor", "torch_parity", "fsdp_optimizer", "fresh_gradients", "fallback"], device="cuda")
 
 
 # Plain process groups on CUDA tensors (gloo): the engine's combine kernels between real
 # all-reduces, the one-collective and the per-group paths.
-GLOO_CUDA = ["pipeline", "megatron"]
+GLOO_CUDA = ["pipeline", "megatron", "fallback"]
 
 
 @GLOO
