@@ -1,9 +1,12 @@
-//! The sharded clip ([`GpuEngine::clip_grad_norm_sharded`]): gradients whose shards live on
-//! several ranks, clipped by their global norm. The local norm kernel, a one-thread kernel that
-//! turns the norm into the quantity the ranks combine (its p-th power, or the norm for inf), one
-//! all-reduce per process group through a [`Communicator`], a one-thread kernel that writes the
-//! global norm, the clip coefficient and the flags, and the scale kernel: all enqueued on the
-//! engine's stream, no host synchronization, capturable when the communicator is (NCCL is).
+//! The sharded clip on the GPU ([`GpuEngine::clip_grad_norm_sharded`],
+//! [`GpuEngine::clip_grad_norm_sharded_groups`]): gradients whose shards live on several ranks,
+//! clipped by their global norm, as [`crate::sharded`] (the one algorithm, Python's too) orders
+//! it. The local norm kernel, one-thread kernels that turn norms into the partials the ranks
+//! combine (their p-th powers, or the norms for inf), one all-reduce per process group through
+//! a [`Communicator`], a one-thread kernel that writes the global norm, the clip coefficient and
+//! the flags, and the scale kernel: all enqueued on the engine's stream, no host
+//! synchronization, capturable when the communicator is (NCCL is; one set of groups). The same
+//! combine steps on caller memory (`*_raw`) serve callers whose collectives are their own.
 
 use std::sync::Arc;
 
