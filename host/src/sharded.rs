@@ -137,9 +137,10 @@ impl Reduction {
         Ok(Reduction { slot_of, all_reduces })
     }
 
-    /// The slot of key `key` (its index in the list given to [`Reduction::new`]).
-    pub fn slot(&self, key: usize) -> usize {
-        self.slot_of[key]
+    /// The slot of key `key` (its index in the list given to [`Reduction::new`]); None past
+    /// the last key.
+    pub fn slot(&self, key: usize) -> Option<usize> {
+        self.slot_of.get(key).copied()
     }
 
     /// The number of keys given to [`Reduction::new`].
@@ -242,8 +243,11 @@ mod tests {
         // Keys over {}, {A}, {A, B}, {B}, given in another order: slots in Gray-code order.
         let r = Reduction::new(&[vec![0, 1], vec![], vec![1], vec![0], vec![1, 0]], 2).unwrap();
         assert_eq!(r.num_slots(), 4);
-        assert_eq!((r.slot(1), r.slot(3), r.slot(0), r.slot(2)), (0, 1, 2, 3));
-        assert_eq!(r.slot(4), r.slot(0), "the same set shares a slot");
+        assert_eq!(
+            (r.slot(1).unwrap(), r.slot(3).unwrap(), r.slot(0).unwrap(), r.slot(2).unwrap()),
+            (0, 1, 2, 3)
+        );
+        assert_eq!(r.slot(4).unwrap(), r.slot(0).unwrap(), "the same set shares a slot");
         assert_eq!(
             r.all_reduces(),
             [
@@ -281,7 +285,7 @@ mod tests {
             }
         }
         for (k, groups) in keys.iter().enumerate() {
-            assert_eq!(&seen[r.slot(k)], groups, "key {k}");
+            assert_eq!(&seen[r.slot(k).unwrap()], groups, "key {k}");
         }
         assert!(
             r.all_reduces().iter().any(|a| a.runs.len() > 1),
@@ -312,6 +316,7 @@ mod tests {
         assert!(e.contains("key 0 names process group 2"), "{e}");
         assert!(Reduction::new(&[], 65).is_err());
         let r = Reduction::new(&[vec![0]], 1).unwrap();
+        assert_eq!(r.slot(1), None, "a key past the last has no slot");
         let e = r.key_tables(&[Some(0), Some(3)]).unwrap_err().to_string();
         assert!(e.contains("tensor 1 has key 3"), "{e}");
         assert!(key_partials(&[1.0], &[5, 0, 1], 1, NormType::L2).is_err());

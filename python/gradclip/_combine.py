@@ -118,24 +118,9 @@ def all_reduce(c: Combine, part: torch.Tensor, p: float) -> None:
             part.index_copy_(0, idx, sub)
 
 
-# The fold of a combined partials vector into one partial: every slot under one key, summed (or
-# maxed) as they are (to_partial is the identity for p = 1 and inf, which fold as sum and max).
-_FOLD = _native.Reduction([[]], 0)
-_FOLD_TABLES: Dict[Tuple[Any, int], torch.Tensor] = {}
-
-
-def _fold(c: Combine, part: torch.Tensor, p: float) -> torch.Tensor:
-    """The slots of ``part`` folded into a one-slot partials vector (in slot order)."""
-    n = c.num_slots
-    tables = _FOLD_TABLES.get((part.device, n))
-    if tables is None:
-        rows = _FOLD.key_tables([0] * n)
-        tables = _FOLD_TABLES[(part.device, n)] = torch.tensor(rows, dtype=torch.int32, device=part.device)
-    out = torch.empty(1, dtype=torch.float64, device=part.device)
-    ordinal, stream, ctx = _where(part.device)
-    with ctx:
-        _native.key_partials(ordinal, stream, part.data_ptr(), n, tables.data_ptr(), n, 1, out.data_ptr(), math.inf if math.isinf(p) else 1.0)
-    return out
+# The fold of a combined partials vector into one partial: every slot an entry of one key, summed
+# (or maxed) as they are (to_partial is the identity for p = 1 and inf, which fold as sum and max).
+_FOLD = Combine([[]], [])
 
 
 def total(c: Combine, part: torch.Tensor, p: float, max_norm: float = NO_CLIP) -> torch.Tensor:
@@ -144,7 +129,7 @@ def total(c: Combine, part: torch.Tensor, p: float, max_norm: float = NO_CLIP) -
     into one partial and all-reduced over it first."""
     num_slots = c.num_slots
     if c.final is not None:
-        part = _fold(c, part, p)
+        part = key_partials(_FOLD, part, (0,) * num_slots, math.inf if math.isinf(p) else 1.0)
         dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=c.final)
         num_slots = 1
     out = torch.empty(3, dtype=torch.float64, device=part.device)

@@ -31,10 +31,9 @@ impl Reduction {
 
     /// The slot of key `key` in the partials vector.
     fn slot(&self, key: usize) -> PyResult<usize> {
-        if key >= self.inner.num_keys() {
-            return Err(PyValueError::new_err(format!("key {key} of {}", self.inner.num_keys())));
-        }
-        Ok(self.inner.slot(key))
+        self.inner
+            .slot(key)
+            .ok_or_else(|| PyValueError::new_err(format!("key {key} of {}", self.inner.num_keys())))
     }
 
     /// The length of the partials vector.
