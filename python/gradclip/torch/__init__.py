@@ -256,10 +256,12 @@ def clip_grad_norm_(
     ``torch.compile`` the plain gradients of one device are one registered op in the graph
     (``gradclip::clip_grad_norm_``, the eager call's bits); the rest (DTensor, ``Shards``,
     ``error_if_nonfinite=True``, which reads the norm on the host) runs eagerly at a graph break."""
-    if torch.compiler.is_compiling() and not error_if_nonfinite and pipeline_group is None and norm_group is None and float(max_norm) >= 0:
-        grads = _compilable(parameters, True)
-        if grads is not None:
-            return _ops.OPS.clip_grad_norm_(grads, float(max_norm), float(norm_type))
+    if torch.compiler.is_compiling():
+        if not error_if_nonfinite and pipeline_group is None and norm_group is None and float(max_norm) >= 0:
+            grads = _compilable(parameters, True)
+            if grads is not None:
+                return _ops.OPS.clip_grad_norm_(grads, float(max_norm), float(norm_type))
+        return _clip_grad_norm_at_break(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
     return _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
 
@@ -284,9 +286,16 @@ def _compilable(items, grads: bool):
 
 
 @_opaque_to_compile
-@torch.no_grad()
+def _clip_grad_norm_at_break(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group=None) -> torch.Tensor:
+    """``clip_grad_norm_`` called, not traced, by torch.compile (what its graph does not take)."""
+    return _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
+
+
 def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group=None) -> torch.Tensor:
-    """``clip_grad_norm_`` outside a compiled graph (and for what the graph does not take)."""
+    """``clip_grad_norm_`` outside a compiled graph. The common case (a list the engine plans)
+    runs as it is: native calls on tensors that record nothing for autograd, so grad mode need
+    not change (``no_grad``'s context manager and ``compiler.disable``'s frame cost more host
+    time than the rest of the call on a cold cache); the rest under ``no_grad``, as torch's."""
     _refuse_host_read_under_capture(error_if_nonfinite)
     max_norm = float(max_norm)
     # `parameters` may be a generator: it is read once, here, into the list of gradients.
@@ -297,9 +306,16 @@ def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeli
         # The common case in three calls into native code (the scan, the plan's info, the clip,
         # which checks max_norm before it reads anything).
         return _clip_plan(plan, grads, max_norm, _check_p(norm_type))
+    with torch.no_grad():
+        return _clip_read(items, plan, grads, sharded, generator, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
+
+
+def _clip_read(items, plan, grads, sharded, generator, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group):
+    """The clip of a list read by ``_scan`` that is not the common case: sharded, fallback,
+    empty, or checked for a finite norm on the host."""
     _check_max_norm(max_norm)
     if generator and not items:
-        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
     if sharded or pipeline_group is not None or norm_group is not None:
         distributed = _distributed()
         layout = distributed.collect(items, True)

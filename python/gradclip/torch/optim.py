@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .. import _native
 from .._engine import STEP_KINDS, _PLANNER, _capturing, _check_max_norm, _check_p, _clip_coef, _refuse_host_read_under_capture, _result_dtype, _rule_states, _stream_of
@@ -63,6 +64,18 @@ def _match_param_strides(groups) -> None:
                 p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
 
 
+def _hooks_or_profiler(opt: torch.optim.Optimizer) -> bool:
+    """Whether torch's step wrapper has anything to do for ``opt``'s step: a step hook (global
+    or the optimizer's), or the profiler recording (its range names the step)."""
+    return bool(
+        torch.autograd.profiler._is_profiler_enabled
+        or _global_optimizer_pre_hooks
+        or _global_optimizer_post_hooks
+        or opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+    )
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a plain tensor as it is)."""
     return t._local_tensor if _is_dtensor(t) else t
@@ -73,13 +86,27 @@ class _Layout:
     of a step needs of it: the tensors' device, the dtype torch returns their norm in, and whether
     the norm is global over process groups (DTensor parameters, a pipeline group)."""
 
-    __slots__ = ("native", "device", "result_dtype", "sharded", "lists")
+    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream")
 
     def __init__(self, native, device, result_dtype, sharded):
         self.native, self.device, self.result_dtype, self.sharded = native, device, result_dtype, sharded
         #: The step's tensors as a compiled step hands them to ``gradclip::optim_step_``
         #: (``_StepLists``), made after an eager step that a compiled step asked for.
         self.lists = None
+        #: The eager steps' result (norm, coefficient, flags: three float64 on the device), its
+        #: norm element, and the stream the steps that wrote it ran on (see ``result``).
+        self.out = self.norm = self.out_stream = None
+
+    def result(self, stream: int) -> torch.Tensor:
+        """The result buffer of an eager step on ``stream``: kept from step to step while they
+        run on one stream (each step's kernels write it after the last step's read it, in stream
+        order), a new one when the stream changed (torch's allocator then orders the old one's
+        reuse after the stream that used it). A step allocates nothing on the device this way
+        (an allocation and a view cost ~70 us of host on a cold cache)."""
+        if self.out is None or self.out_stream != stream:
+            self.out = torch.empty(3, dtype=torch.float64, device=self.device)
+            self.norm, self.out_stream = self.out[0], stream
+        return self.out
 
 
 class _StepLists:
@@ -144,8 +171,8 @@ class _ClippingStep:
         """The gradients' global norm at the last step (0-dim, on the device, in the dtype
         ``clip_grad_norm_`` returns it), before clipping; None before the first clipped step."""
         v = self._reported["last_grad_norm"]
-        if type(v) is tuple:  # (the f64 norm, its dtype): converted when first read
-            v = self._reported["last_grad_norm"] = v[0].to(v[1])
+        if type(v) is tuple:  # (the f64 norm, its dtype): converted (copied) when first read
+            v = self._reported["last_grad_norm"] = v[0].to(v[1], copy=True)
         return v
 
     @last_grad_norm.setter
@@ -306,7 +333,12 @@ class _ClippingStep:
         # With GradScaler an overflow is expected: it skips the step, never raises.
         policy = "skip" if self.nonfinite == "error" and (scale_t is not None or found_t is not None) else self.nonfinite
         clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, policy)
-        out = torch.empty(3, dtype=torch.float64, device=device)
+        # The engine binds the tensors' device: torch's current device is made that one first.
+        stream, on_device = _stream_of(device)
+        # A captured step writes a buffer of the graph's own (its replays keep writing it).
+        capturing = _capturing()
+        out = torch.empty(3, dtype=torch.float64, device=device) if capturing else layout.result(stream)
+        norm_out = out[0] if capturing else layout.norm
         norm_in, dtype = None, layout.result_dtype
         if clip is not None and layout.sharded:
             found = _grads_norm64([p for g in self.param_groups for p in g["params"]], self.norm_type, self.pipeline_group, self.norm_group)
@@ -316,15 +348,13 @@ class _ClippingStep:
             norm_in = norm_in.to(device=device, dtype=torch.float64).contiguous()
         inputs = (0 if scale_t is None else scale_t.data_ptr(), 0 if found_t is None else found_t.data_ptr())
         ptr = 0 if norm_in is None else norm_in.data_ptr()
-        # The engine binds the tensors' device: torch's current device is made that one first.
-        stream, on_device = _stream_of(device)
         for _ in range(4):
             try:
                 with on_device:
                     verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, (stream, clip, out.data_ptr(), ptr, *inputs))
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):
-                    self.last_grad_norm = out[0].to(dtype)
+                    self.last_grad_norm = norm_out.to(dtype, copy=True)
                     raise RuntimeError(
                         f"the gradients' norm of order {self.norm_type} is not finite: the step was not taken and nothing "
                         "was written (nonfinite='error')"
@@ -347,10 +377,12 @@ class _ClippingStep:
         else:
             return False
         if clip is not None:
-            norm = out[0] if scale_t is None else out[0] / scale_t.to(torch.float64)
+            norm = norm_out
+            if scale_t is not None:
+                norm = norm / scale_t.to(torch.float64)
             # The conversion to the gradients' dtype waits for a read (a launch less per step),
             # except in a captured step, whose replays must write it.
-            self._reported["last_grad_norm"] = norm.to(dtype) if _capturing() else (norm, dtype)
+            self._reported["last_grad_norm"] = norm.to(dtype) if capturing else (norm, dtype)
             if self.nonfinite == "skip":
                 self.skipped_steps = self._skipped
         return True
@@ -410,7 +442,6 @@ class _ClippingStep:
             self.last_grad_norm = torch.zeros(())
         return True
 
-    @torch.no_grad()
     def step(self, closure=None):
         """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
         scale pass), then updates as torch's fused optimizer; returns the closure's loss. Under
@@ -418,10 +449,36 @@ class _ClippingStep:
         engine's step of plain tensors is one registered op in the graph
         (``gradclip::optim_step_``: the eager step's bits); the rest (a closure, DTensors,
         ``update="torch"``, ``nonfinite="error"``, GradScaler, parameters with their first
-        gradient) runs eagerly, at a graph break."""
+        gradient) runs eagerly, at a graph break.
+
+        torch's step wrapper (``Optimizer.profile_hook_step``: the step hooks, and a profiler
+        range entered on every step) runs when it has something to do: under torch.compile,
+        while the profiler records (torch's own check, ``_is_profiler_enabled``, as Inductor's
+        generated code makes it), or with a step hook registered. Otherwise the step runs with
+        grad mode switched off directly: the wrapper's profiler range, ``no_grad``'s context
+        manager and ``compiler.disable``'s frame cost 0.2 ms of host time per step together
+        when the caches are cold, as they are after a backward (2-core development host)."""
+        if torch.compiler.is_compiling() or _hooks_or_profiler(self):
+            return self._hooked_step(closure)
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._untraced_step(closure)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+
+    # torch wraps each optimizer class's ``step`` once (``_patch_step_function``) unless it says
+    # it is wrapped: this one runs torch's wrapper itself, when it has something to do.
+    step.hooked = True
+
+    def _wrapped_step(self, closure=None):
+        """The step inside torch's wrapper, grad mode off: the registered op when dynamo traces
+        a step it can take, the eager step otherwise."""
         if closure is None and torch.compiler.is_compiling() and self._traceable():
             return self._traced_step()
         return self._eager_step(closure)
+
+    _hooked_step = torch.optim.Optimizer.profile_hook_step(torch.no_grad()(_wrapped_step))
 
     def _traceable(self) -> bool:
         """Whether a compiled step can be the registered op (traced by dynamo): the engine took
