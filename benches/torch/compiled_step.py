@@ -9,8 +9,10 @@ shapes of an 8-layer mixture of experts (``step_host.moe_shapes``), AdamW with t
 
 Rows: per-step time (wall time of --steps steps, the GPU drained at both ends, divided by the
 steps; the gradients' setup included, the same for every row), host time of the step call
-(median), for gradclip's AdamW eager, torch.compile(opt.step), torch.compile(opt.step,
-mode="reduce-overhead"), and torch's fused AdamW (no clip) eager and compiled for reference.
+(median), for gradclip's AdamW eager, torch.compile(opt.step) and torch.compile(opt.step,
+mode="reduce-overhead") (the step alone: ``gradclip::whole_step_``, the eager step as one op),
+the step compiled inside a caller's function (the list op ``gradclip::optim_step_``, default
+and reduce-overhead), and torch's fused AdamW (no clip) eager and compiled for reference.
 
   python3 benches/torch/compiled_step.py out.json [--steps 50] [--commit C]
   python3 benches/torch/compiled_step.py out.json --cpu   # on the CPU: 555 f32 parameters of 64
@@ -60,10 +62,33 @@ def variants(params, cuda):
         ("gradclip_eager", gradclip, None),
         ("gradclip_compiled", gradclip, "default"),
         ("gradclip_compiled_reduce_overhead", gradclip, "reduce-overhead"),
+        ("gradclip_compiled_in_caller", gradclip, "in-caller"),
+        ("gradclip_compiled_in_caller_reduce_overhead", gradclip, "in-caller-reduce-overhead"),
         ("torch_fused_noclip_eager", torch_fused, None),
         ("torch_fused_noclip_compiled", torch_fused, "default"),
     ]
-    return rows if cuda else [r for r in rows if r[2] != "reduce-overhead"]  # CUDA graphs need CUDA
+    return rows if cuda else [r for r in rows if "reduce-overhead" not in (r[2] or "")]  # CUDA graphs need CUDA
+
+
+def compiled(opt, mode, setup):
+    """``opt.step`` as the row runs it: eager (None), ``torch.compile(opt.step, mode=...)`` (the
+    step alone: ``gradclip::whole_step_``), or ``in-caller[-reduce-overhead]``: compiled inside
+    a caller's function (the list op ``gradclip::optim_step_``, traced once its lists exist:
+    the first trace breaks at the step and makes them, a second compile inlines the op)."""
+    if mode is None:
+        return opt.step
+    if not mode.startswith("in-caller"):
+        return torch.compile(opt.step, mode=mode)
+    kwargs = {"mode": "reduce-overhead"} if mode.endswith("reduce-overhead") else {}
+
+    def caller():
+        opt.step()
+
+    for _ in range(2):  # the first trace breaks at the step, whose eager step makes the lists
+        setup()
+        torch.compile(caller, **kwargs)()
+    torch._dynamo.reset()
+    return torch.compile(caller, **kwargs)
 
 
 def main():
@@ -84,7 +109,7 @@ def main():
             opt.step()  # the eager first step: states and layouts
             torch._dynamo.reset()
             t = time.perf_counter()
-            fn = opt.step if mode is None else torch.compile(opt.step, mode=mode)
+            fn = compiled(opt, mode, setup)
             for _ in range(3):  # compile, and (reduce-overhead) record the graph
                 setup()
                 fn()

@@ -243,10 +243,11 @@ def _optimizers():
 
 
 class _SpyNative:
-    """Forwards to the binding; records the parameters' addresses the optimizer op is handed."""
+    """Forwards to the binding; records the parameters' addresses the optimizer op is handed
+    (``list_step``) and counts the eager steps (``optim_step``)."""
 
     def __init__(self, real):
-        self.real, self.addresses = real, []
+        self.real, self.addresses, self.eager = real, [], 0
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -255,16 +256,36 @@ class _SpyNative:
         self.addresses.append([p.data_ptr() for p in params])
         return self.real.list_step(cache, planner, params, *args)
 
+    def optim_step(self, *args):
+        self.eager += 1
+        return self.real.optim_step(*args)
+
+
+def _compiled(opt, how, **kwargs):
+    """``torch.compile`` of ``opt.step`` itself (``"alone"``), or of a function that calls it
+    (``"inside"``: the step inlined into the caller's graph)."""
+    if how == "alone":
+        return torch.compile(opt.step, **kwargs)
+
+    def caller():
+        opt.step()
+
+    return torch.compile(caller, **kwargs)
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(_optimizers()))
-def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(device, name, monkeypatch):
-    """torch.compile(opt.step) of gradclip's optimizers: the first two calls run the eager step
-    at a graph break (the first makes the states and the engine's layout, the second the lists
-    the op takes), the next ones trace the step into one graph around ``gradclip::optim_step_``,
-    which is handed the parameters themselves (no copy); every step equals the eager optimizer's
-    bits (parameters, states, norm, skipped steps), also with a gradient None at one step and
-    a tensor learning rate changed in place every step."""
+@pytest.mark.parametrize("how", ["alone", "inside"])
+def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(device, name, how, monkeypatch):
+    """torch.compile of gradclip's optimizers' step. Alone (``torch.compile(opt.step)``): one
+    graph around ``gradclip::whole_step_`` from the first call on (the eager step inside the
+    op, no per-tensor input). Inlined into a caller: the caller's first trace breaks at the
+    step, which runs as a frame of its own (the whole-step op, whose eager step makes the
+    states, the layout and the lists the list op takes); a caller traced once they exist has
+    the step in its graph as ``gradclip::optim_step_``, handed the parameters themselves (no
+    copy). Every step
+    equals the eager optimizer's bits (parameters, states, norm, skipped steps), also with a
+    gradient None at one step and a tensor learning rate changed in place every step."""
     from gradclip import _engine
 
     make = _optimizers()[name]
@@ -272,10 +293,18 @@ def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(devic
     oa, ob = make(a), make(b)
     spy = _SpyNative(_engine._native)
     monkeypatch.setattr(_engine, "_native", spy)
+    from gradclip.torch import optim as optim_module
+
+    monkeypatch.setattr(optim_module, "_native", spy)
     torch._dynamo.reset()
-    step = torch.compile(oa.step)
+    step = _compiled(oa, how)
     gen = torch.Generator(device=device).manual_seed(4)
     for i in range(5):
+        if how == "inside" and i == 2:
+            # The caller's first trace broke at the step (the lists were not made; the step
+            # ran as a frame of its own, which made them): a new trace inlines the list op.
+            torch._dynamo.reset()
+            step = _compiled(oa, how)
         x = torch.randn(4, 16, device=device, generator=gen)
         for m in (a, b):
             m.zero_grad()
@@ -294,13 +323,67 @@ def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(devic
         for attr in ("last_grad_norm", "skipped_steps"):
             x_, y_ = getattr(oa, attr), getattr(ob, attr)
             assert (x_ is None and y_ is None) or torch.equal(x_, y_), (name, i, attr, x_, y_)
-        if i >= 2:  # the traced step ran the op on the parameters' own memory
+        if how == "inside" and i >= 2:  # the traced step ran the op on the parameters' own memory
             own = [p.data_ptr() for g in oa.param_groups for p in g["params"]]
             assert spy.addresses and spy.addresses[-1] == own, (name, i)
-    assert len(spy.addresses) == 3, spy.addresses  # steps 2-4 compiled, steps 0 and 1 eager
-    explained = torch._dynamo.explain(oa.step)()
+    # The whole-step op runs the eager step (ob's five eager steps counted too).
+    assert spy.eager == 5 + (5 if how == "alone" else 2), spy.eager
+    if how == "alone":
+        assert not spy.addresses, "the step alone took the list op"
+        fn, op = oa.step, "gradclip.whole_step_"
+    else:
+        assert len(spy.addresses) == 3, spy.addresses  # steps 2-4 compiled, steps 0 and 1 eager
+        fn, op = (lambda: oa.step()), "gradclip.optim_step_"
+    explained = torch._dynamo.explain(fn)()
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
-    assert "gradclip.optim_step_" in explained.graphs[0].code
+    assert op in explained.graphs[0].code
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_hook_or_an_lr_scheduler_decides_which_op(device):
+    """A compiled step alone with a step hook registered takes the list op (a hook runs in the
+    same graph and could touch the gradients); the step wrapped by an LR scheduler (as every
+    scheduler wraps ``optimizer.step``) is still the step alone. Both equal eager."""
+    from gradclip.torch.optim import AdamW
+
+    a, b = _model(device, torch.float32), _model(device, torch.float32)
+    oa, ob = AdamW(a.parameters(), lr=1e-2, max_grad_norm=0.5), AdamW(b.parameters(), lr=1e-2, max_grad_norm=0.5)
+    sa = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=1.0)
+    sb = torch.optim.lr_scheduler.StepLR(ob, step_size=1, gamma=1.0)
+    torch._dynamo.reset()
+    step = torch.compile(oa.step)
+    gen = torch.Generator(device=device).manual_seed(9)
+    for i in range(3):
+        _new_grads(a, b, gen)
+        step()
+        ob.step()
+        sa.step()
+        sb.step()
+        assert _same(list(a.parameters()), list(b.parameters())), i
+    _new_grads(a, b, gen)
+    ex = torch._dynamo.explain(oa.step)()
+    ob.step()
+    assert _same(list(a.parameters()), list(b.parameters()))
+    assert ex.graph_break_count == 0 and "gradclip.whole_step_" in ex.graphs[0].code
+    seen = []
+    handle = oa.register_step_post_hook(lambda *args: seen.append(1))
+    try:
+        explained = torch._dynamo.explain(oa.step)
+        for i in range(3):
+            _new_grads(a, b, gen)
+            ex = explained()
+            ob.step()
+            assert _same(list(a.parameters()), list(b.parameters())), i
+        assert seen and all("gradclip.whole_step_" not in g.code for g in ex.graphs)
+    finally:
+        handle.remove()
+
+
+def _new_grads(a, b, gen):
+    """New gradient tensors (normal, from ``gen``) for both models' parameters."""
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        g = torch.randn(pa.shape, device=pa.device, generator=gen)
+        pa.grad, pb.grad = g.clone(), g.clone()
 
 
 def _adamw_lr_on(device):
@@ -312,12 +395,15 @@ def _adamw_lr_on(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 @pytest.mark.parametrize("name", ["AdamW", "AdamW-lr-on-cuda", "SGD", "Lion"])
-def test_reduce_overhead_optimizer_step_runs_in_a_cuda_graph_and_equals_eager(name):
-    """torch.compile(opt.step, mode="reduce-overhead"): gradclip's step (clip inside) replayed
-    from a CUDA graph (no cudagraph skip counted), on new gradient values copied into the same
-    gradient tensors each step, equals the eager step's bits; a tensor learning rate changed in
-    place between steps (on the CPU, as AdamW's first group keeps it, or on the GPU) is the one
-    each replay uses, not the one the graph was recorded with."""
+@pytest.mark.parametrize("how", ["alone", "inside"])
+def test_reduce_overhead_optimizer_step_equals_eager(name, how):
+    """torch.compile(mode="reduce-overhead") of gradclip's step (clip inside), on new gradient
+    values copied into the same gradient tensors each step: equals the eager step's bits, with
+    no cudagraph skip counted. Alone, ``gradclip::whole_step_`` runs between the graph's
+    partitions (tagged cudagraph-unsafe); inlined into a caller, the list op is replayed from
+    the CUDA graph, and a tensor learning rate changed in place between steps (on the CPU, as
+    AdamW's first group keeps it, or on the GPU) is the one each replay uses, not the one the
+    graph was recorded with."""
     from torch._dynamo.utils import counters
 
     make = _adamw_lr_on("cuda") if name == "AdamW-lr-on-cuda" else _optimizers()[name]
@@ -328,7 +414,7 @@ def test_reduce_overhead_optimizer_step_runs_in_a_cuda_graph_and_equals_eager(na
     ob.step()
     torch._dynamo.reset()
     counters.clear()
-    step = torch.compile(oa.step, mode="reduce-overhead")
+    step = _compiled(oa, how, mode="reduce-overhead")
     gen = torch.Generator(device="cuda").manual_seed(6)
     for i in range(6):
         _copy_new_grads(a, b, gen)

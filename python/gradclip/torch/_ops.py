@@ -92,3 +92,31 @@ def _register_step(step: Callable[..., torch.Tensor]):
 
     torch.library.register_fake("gradclip::optim_step_", fake, lib=_LIB)
     return torch.ops.gradclip.optim_step_.default
+
+
+#: The library of ``gradclip::whole_step_`` (see ``register_whole_step``).
+_WHOLE_LIB = None
+
+
+def register_whole_step(run: Callable[[int], None]):
+    """``gradclip::whole_step_(token, stepper)``: an optimizer's whole eager step as one op
+    (``run(stepper)``), with no tensor of the step among its inputs: the op reads and writes the
+    parameters, gradients and states the optimizer holds, which the graph does not see. Only
+    for a graph that is that step alone (``gradclip.torch._whole_step``): nothing else in it
+    reads or writes those tensors, so no order among them is lost. ``token`` (a one-element
+    tensor of the optimizer's) is declared written so the op is never dropped as unused;
+    tagged ``cudagraph_unsafe`` (its tables follow new gradients every step, which a CUDA graph
+    recorded once would not), so ``mode="reduce-overhead"`` runs it between the graph's
+    partitions. Defined with ``torch.library.Library`` (the dispatcher calls ``run`` directly):
+    ``custom_op``'s autograd, version-counter and backend layers cost a compiled step more
+    host time than the rest of the graph's call together."""
+    global _WHOLE_LIB
+    _WHOLE_LIB = torch.library.Library("gradclip", "FRAGMENT")
+    _WHOLE_LIB.define("whole_step_(Tensor(a!) token, int stepper) -> ()", tags=(torch.Tag.cudagraph_unsafe,))
+
+    def whole_step_(token: torch.Tensor, stepper: int) -> None:
+        run(stepper)
+
+    _WHOLE_LIB.impl("whole_step_", whole_step_, "CompositeExplicitAutograd")
+    torch.library.register_fake("gradclip::whole_step_", lambda token, stepper: None, lib=_WHOLE_LIB)
+    return torch.ops.gradclip.whole_step_.default

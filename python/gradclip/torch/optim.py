@@ -34,7 +34,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from .. import _native
 from .._engine import STEP_KINDS, _PLANNER, _capturing, _check_max_norm, _check_p, _clip_coef, _refuse_host_read_under_capture, _result_dtype, _rule_states, _stream_of
-from . import _grads_norm64, _is_dtensor, _ops
+from . import _grads_norm64, _is_dtensor, _ops, _whole_step
 
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
@@ -64,16 +64,15 @@ def _match_param_strides(groups) -> None:
                 p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
 
 
+def _step_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether a step hook (global or the optimizer's) is registered."""
+    return bool(_global_optimizer_pre_hooks or _global_optimizer_post_hooks or opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks)
+
+
 def _hooks_or_profiler(opt: torch.optim.Optimizer) -> bool:
-    """Whether torch's step wrapper has anything to do for ``opt``'s step: a step hook (global
-    or the optimizer's), or the profiler recording (its range names the step)."""
-    return bool(
-        torch.autograd.profiler._is_profiler_enabled
-        or _global_optimizer_pre_hooks
-        or _global_optimizer_post_hooks
-        or opt._optimizer_step_pre_hooks
-        or opt._optimizer_step_post_hooks
-    )
+    """Whether torch's step wrapper has anything to do for ``opt``'s step: a step hook, or the
+    profiler recording (its range names the step)."""
+    return bool(torch.autograd.profiler._is_profiler_enabled or _step_hooks(opt))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -165,6 +164,27 @@ class _ClippingStep:
         # What the steps report (``last_grad_norm``, ``skipped_steps``): a dict, which a step
         # traced by dynamo may write (it refuses to set an optimizer's attributes).
         self._reported: Dict[str, Optional[torch.Tensor]] = {"last_grad_norm": None, "skipped_steps": None}
+        self._init_whole_step()
+
+    def _init_whole_step(self) -> None:
+        """What a compiled step that is this step alone needs (``_whole_step``): the number the
+        op finds this optimizer by, and the token it declares written (made on the device of
+        the first parameter, when a group brings one: a compiled step traces the op from its
+        first call on)."""
+        self._stepper = _whole_step.number(self)
+        self._token = None
+        for group in getattr(self, "param_groups", ()):
+            self._make_token(group["params"])
+
+    def _make_token(self, params) -> None:
+        if self._token is None and params:
+            self._token = torch.zeros(1, dtype=torch.int8, device=_local(params[0]).device)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's ``add_param_group``; the first group with a parameter makes the token a
+        compiled step alone declares written (``_init_whole_step``)."""
+        super().add_param_group(param_group)
+        self._make_token(self.param_groups[-1]["params"])
 
     @property
     def last_grad_norm(self) -> Optional[torch.Tensor]:
@@ -209,6 +229,8 @@ class _ClippingStep:
         self.__dict__.setdefault("_reported", {"last_grad_norm": None, "skipped_steps": None})
         self._counts = {}
         self._layout = None
+        if "_stepper" not in self.__dict__:  # unpickled (load_state_dict keeps its number and token)
+            self._init_whole_step()
 
     def load_state_dict(self, state_dict) -> None:
         """torch's ``load_state_dict``, from this optimizer's state dict or torch's (fused or not):
@@ -460,9 +482,17 @@ class _ClippingStep:
         when the caches are cold, as they are after a backward (2-core development host)."""
         if torch.compiler.is_compiling() or _hooks_or_profiler(self):
             return self._hooked_step(closure)
+        return self._plain_step(closure)
+
+    def _plain_step(self, closure):
+        """The eager step with grad mode off (restored after): ``step`` without torch's
+        wrapper, and ``gradclip::whole_step_``'s implementation."""
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
+            if _whole_step.WANT_LISTS and self._stepper in _whole_step.WANT_LISTS:
+                _whole_step.WANT_LISTS.discard(self._stepper)
+                return self._listed_step(closure, True)
             return self._untraced_step(closure)
         finally:
             torch._C._set_grad_enabled(enabled)
@@ -472,13 +502,22 @@ class _ClippingStep:
     step.hooked = True
 
     def _wrapped_step(self, closure=None):
-        """The step inside torch's wrapper, grad mode off: the registered op when dynamo traces
-        a step it can take, the eager step otherwise."""
-        if closure is None and torch.compiler.is_compiling() and self._traceable():
-            return self._traced_step()
+        """The step inside torch's wrapper, grad mode off. When dynamo traces it: the whole eager
+        step as one op (``gradclip::whole_step_``, no per-tensor input) when the graph is this
+        step alone and no step hook runs in it; else the list op when the step can be one; else
+        the eager step, at a graph break."""
+        if closure is None and torch.compiler.is_compiling():
+            if self._token is not None and not _step_hooks(self) and _whole_step.compiled_alone():
+                _whole_step.OP(self._token, self._stepper)
+                return None
+            if self._traceable():
+                return self._traced_step()
+            if closure is None and self.update == "gradclip":
+                _whole_step.want_lists(self._stepper)  # for the next trace (see want_lists)
         return self._eager_step(closure)
 
     _hooked_step = torch.optim.Optimizer.profile_hook_step(torch.no_grad()(_wrapped_step))
+
 
     def _traceable(self) -> bool:
         """Whether a compiled step can be the registered op (traced by dynamo): the engine took
@@ -503,6 +542,7 @@ class _ClippingStep:
         gradient is strided (the engine reads it as it is)."""
         lists = self._layout.lists
         if lists is None or len(lists.sizes) != len(self.param_groups):
+            _whole_step.want_lists(self._stepper)
             return self._eager_step(None, True)
         for p in lists.stateless:
             if p.grad is not None:
@@ -535,6 +575,10 @@ class _ClippingStep:
     # (dynamo failed inside it, on the layout it keeps).
     @torch.compiler.disable
     def _eager_step(self, closure=None, relist=False):
+        """``step`` at a graph break (see ``_listed_step``)."""
+        return self._listed_step(closure, relist)
+
+    def _listed_step(self, closure, relist):
         """``step`` outside a compiled graph; ``relist``: the compiled step's lists are read
         (again) after it, when the engine took it (only a compiled step asks: an eager loop
         never pays for them)."""
@@ -598,6 +642,10 @@ class _ClippingStep:
                 self.__dict__.pop(k, None)
             self.__dict__.update(had)
         return loss
+
+
+# A frame compiled with this code is an optimizer's step alone (see ``_whole_step``).
+_whole_step._STEP_CODES.add(_ClippingStep.step.__code__)
 
 
 class AdamW(_ClippingStep, torch.optim.AdamW):

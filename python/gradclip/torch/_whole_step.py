@@ -1,0 +1,91 @@
+"""A compiled optimizer step that is the step alone (``torch.compile(opt.step)``) as one op
+without per-tensor inputs.
+
+Why: torch.compile pays for every tensor a graph takes, on every call: dynamo's guards,
+Inductor's size and stride asserts, the dispatcher boxing the lists, version counters of what
+the op declares written. A step over 555 parameters hands the list op
+(``gradclip::optim_step_``) 2,775 tensors; on the development CPU 555 tensor inputs alone cost
+1.4 ms per call against 61 us for none, more than the whole eager step. The eager step reads
+its tensors in native code in one crossing; as an op it keeps doing so:
+``gradclip::whole_step_`` runs the optimizer's eager step (the same code, the same bits).
+
+When: only when the graph is the step alone, since the op's reads and writes are invisible to
+the graph and nothing may be ordered against them. That is the case when the frame dynamo
+compiles is the optimizer's ``step`` itself, or the wrapper an LR scheduler puts around it
+(which sets one attribute and calls it), and no step hook (which could touch the gradients in
+the same graph) is registered; everything else (a training step compiled whole, a step
+inlined into the caller's function) gets the list op, whose inputs and writes the graph sees.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Dict
+
+import torch
+
+from . import _ops
+
+#: Optimizers whose compiled steps may run as ``gradclip::whole_step_``, by the number the op
+#: names them with (a graph keeps the number, not the object).
+_STEPPERS: Dict[int, "weakref.ref"] = {}
+_NUMBERS = itertools.count()
+
+#: The code of the frames that may hold the step alone: set by ``gradclip.torch.optim``
+#: (its optimizers' ``step``).
+_STEP_CODES: set = set()
+
+
+def number(opt) -> int:
+    """A number for ``opt`` that the op finds it by, while it lives."""
+    n = next(_NUMBERS)
+    _STEPPERS[n] = weakref.ref(opt, lambda _, n=n: _STEPPERS.pop(n, None))
+    return n
+
+
+def _run(stepper: int) -> None:
+    ref = _STEPPERS.get(stepper)
+    opt = None if ref is None else ref()
+    if opt is None:
+        raise RuntimeError("gradclip::whole_step_: the optimizer this compiled step was traced for no longer exists")
+    opt._plain_step(None)
+
+
+OP = _ops.register_whole_step(_run)
+
+#: Optimizers (by number) whose step a trace wanted as the list op while the lists were not
+#: made: the next eager step makes them (see ``want_lists``).
+WANT_LISTS: set = set()
+
+
+@torch._dynamo.assume_constant_result
+def want_lists(stepper: int) -> bool:
+    """Notes, while dynamo traces a step inlined into a larger graph, that the list op's lists
+    are wanted. The trace then breaks at the step; the step runs as a frame of its own
+    (``gradclip::whole_step_``), whose eager step makes the lists; the caller's next call fails
+    the guard on the missing lists and is traced again, the list op in its graph."""
+    WANT_LISTS.add(stepper)
+    return True
+
+
+def _lr_scheduler_wrapper(code) -> bool:
+    """The wrapper ``torch.optim.lr_scheduler.LRScheduler`` puts around ``optimizer.step``."""
+    import torch.optim.lr_scheduler as sched
+
+    return code.co_name == "wrapper" and code.co_filename == sched.__file__
+
+
+@torch._dynamo.assume_constant_result
+def compiled_alone() -> bool:
+    """Whether dynamo is tracing a frame that is an optimizer's step alone (see the module's
+    documentation). Called while dynamo traces (evaluated then, its answer a constant of the
+    graph: it depends only on the frame being compiled, which the graph's code is for). False
+    when this torch's dynamo does not say which frame it compiles."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+    except Exception:
+        return False
+    return code in _STEP_CODES or _lr_scheduler_wrapper(code)
