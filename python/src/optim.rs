@@ -484,18 +484,21 @@ fn stated(groups: &[Group]) -> impl Iterator<Item = (usize, &Parts)> + '_ {
 }
 
 impl ListMaker for LayoutLists<'_> {
-    fn full(&self, mask: &[bool], present: &[RawTensor]) -> Vec<RawTensor> {
+    fn full(&self, mask: &[bool], present: &[RawTensor]) -> (Vec<RawTensor>, Vec<usize>) {
         if !self.keeps_absent() {
-            return present.to_vec();
+            return (present.to_vec(), (0..present.len()).collect());
         }
-        let (mut full, mut next) = (Vec::with_capacity(mask.len()), present.iter());
+        let (mut full, mut at, mut next) = (Vec::with_capacity(mask.len()), Vec::with_capacity(present.len()), present.iter());
         for (i, st) in stated(self.groups) {
-            full.push(match mask[i].then(|| next.next()).flatten() {
-                Some(&g) => g,
-                None => Parts::absent_grad(st.param),
-            });
+            match mask[i].then(|| next.next()).flatten() {
+                Some(&g) => {
+                    at.push(full.len());
+                    full.push(g);
+                }
+                None => full.push(Parts::absent_grad(st.param)),
+            }
         }
-        full
+        (full, at)
     }
 
     fn keeps_absent(&self) -> bool {

@@ -5,16 +5,15 @@
 //! same addresses), or a set whose None gradients changed (experts that got no tokens). Each is
 //! recognized with the fewest calls into torch per gradient:
 //! - **the same objects** (known by weak references, made once the gradients' Python objects sit
-//!   where last step's did): one native pass checks their addresses;
-//! - **new objects** (the same set, or a set whose None gradients changed): each gradient whose
-//!   parameter had a gradient read before is read by type, contiguity and address only: torch
-//!   gives a gradient its parameter's dtype, sizes and device (the `.grad` setter and autograd
-//!   check them), and the parameter's layout is the layout's (its address is checked every
-//!   step, its storage held). Any other gradient is read in full. The last step list takes the
-//!   new gradients (only theirs checked); it keeps the parameters whose gradient is None, marked
-//!   absent, so a changed set keeps the list and the kernels' tables of the layout. (torch's
-//!   guards over the whole list were used for new objects of the same set; with the caches cold
-//!   after a backward they cost about twice these reads.)
+//!   where last step's did): one C++ call checks their addresses;
+//! - **new objects, the same set**: torch's guards over the list (layout) and its address check,
+//!   two C++ calls; at new addresses each gradient's address is read and the step list checked;
+//! - **a changed set**: each gradient whose parameter had a gradient read before is read by
+//!   contiguity and address only: torch gives a gradient its parameter's dtype, sizes and device
+//!   (the `.grad` setter and autograd check them), and the parameter's layout is the layout's
+//!   (its address is checked every step, its storage held). Any other gradient is read in full.
+//!   The step list keeps the parameters whose gradient is None, marked absent, so the list and
+//!   the kernels' tables stay those of the layout, and only the new gradients are checked.
 //!
 //! No strong reference to a gradient is kept between steps: a gradient that `zero_grad()` drops
 //! is freed then, not after the next backward (which would hold a second set of gradients).
@@ -25,7 +24,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 
-use crate::guards::{AddressCheck, data_ptr};
+use crate::guards::{ListGuard, data_ptr, data_ptrs};
 use crate::scan::{Place, Planner};
 use crate::tensor_addresses::DataPtrReader;
 
@@ -33,8 +32,8 @@ use crate::tensor_addresses::DataPtrReader;
 pub(crate) trait ListMaker {
     /// The step list's gradients, `present` (those of the parameters set in `mask`, in order)
     /// in the list's order with the absent ones the layout keeps
-    /// ([`gradclip::optim::Parts::without_grad`]).
-    fn full(&self, mask: &[bool], present: &[RawTensor]) -> Vec<RawTensor>;
+    /// ([`gradclip::optim::Parts::without_grad`]), and each present gradient's position there.
+    fn full(&self, mask: &[bool], present: &[RawTensor]) -> (Vec<RawTensor>, Vec<usize>);
     /// True when lists of every mask have the same parts (absent gradients kept): a list then
     /// takes another mask's gradients ([`StepList::with_grads`]).
     fn keeps_absent(&self) -> bool;
@@ -58,12 +57,13 @@ pub(crate) struct StepGrads {
 struct Last {
     /// Which parameters (every group's, in order) had a gradient.
     mask: Vec<bool>,
-    /// The list's gradients (absent ones included).
+    /// The list's gradients (absent ones included) and the position there of each present one.
     full: Vec<RawTensor>,
+    at: Vec<usize>,
     list: StepList,
-    /// Where the present gradients were: when the same objects come back, one check of their
-    /// addresses (native) says the list holds.
-    addresses: Option<AddressCheck>,
+    /// torch's guard of the whole list, made once the same set of gradients came twice (with a
+    /// set that changes every step it would be made for nothing).
+    guard: Option<ListGuard>,
     objects: Objects,
 }
 
@@ -138,52 +138,68 @@ impl StepGrads {
     ) -> PyResult<Option<StepList>> {
         let py = present.py();
         let objects: Vec<usize> = present.iter().map(|g| g.as_ptr() as usize).collect();
-        let same_set = self.last.as_ref().is_some_and(|k| k.mask == mask);
-        let same_objects = same_set && self.last.as_ref().is_some_and(|k| k.objects.are(present, &objects));
-        if let Some(k) = &self.last
-            && same_objects
-            && k.addresses.as_ref().is_some_and(|a| a.same(present))
+        if let Some(k) = &mut self.last
+            && k.mask == mask
+            && let Some(guard) = &mut k.guard
         {
-            return Ok(Some(k.list.clone()));
+            let same = k.objects.are(present, &objects);
+            if same && guard.same_addresses(present) {
+                return Ok(Some(k.list.clone()));
+            }
+            if guard.same_layout(present) {
+                if !same {
+                    k.objects.note(present, objects);
+                }
+                if !same && guard.same_addresses(present) {
+                    return Ok(Some(k.list.clone()));
+                }
+                let ptrs = data_ptrs(present, planner.guard_fns().and_then(|f| f.reader()))?;
+                let mut full = k.full.clone();
+                for (&at, &addr) in k.at.iter().zip(&ptrs) {
+                    full[at].addr = addr;
+                }
+                // The kept list's checks hold but for the new gradients': only theirs run.
+                let Ok(list) = k.list.with_grads(&full) else {
+                    self.last = None;
+                    return Ok(None);
+                };
+                guard.moved_to(py, &ptrs)?;
+                k.full = full;
+                k.list = list.clone();
+                return Ok(Some(list));
+            }
         }
-        // New gradient objects (or the same ones moved): each read by type, contiguity and
-        // address where its parameter's gradient was read in full before. torch's guards over
-        // the list (sizes, strides, dtype, device, dispatch keys) cost more per tensor than
-        // these reads (0.3 against 0.15 us on the H200's host with cold caches), and what they
-        // add the `.grad` setter and autograd already promise (see the module's documentation).
         let Some(tensors) = self.read_each(planner, place, local, &mask, present)? else {
             self.last = None;
             return Ok(None);
         };
-        let full = lists.full(&mask, &tensors);
-        // The same set, or another set of None gradients when the list keeps absent ones: the
-        // last list takes the new gradients (only theirs checked).
+        let (full, at) = lists.full(&mask, &tensors);
+        // Another set of None gradients: the last list takes them when it keeps absent ones.
         let list = match &self.last {
-            Some(k) if (same_set || lists.keeps_absent()) && k.full.len() == full.len() => k.list.with_grads(&full).ok(),
+            Some(k) if lists.keeps_absent() && k.full.len() == full.len() => k.list.with_grads(&full).ok(),
             _ => lists.make(&mask, &full),
         };
         let Some(list) = list else {
             self.last = None;
             return Ok(None);
         };
-        let ptrs: Vec<u64> = tensors.iter().map(|t| t.addr).collect();
-        let addresses = planner.guard_fns().and_then(|f| f.addresses(py, &ptrs));
-        let mut objects_seen = match self.last.take() {
-            Some(k) if same_set => k.objects,
-            _ => Objects {
-                addrs: Vec::new(),
-                refs: None,
-            },
+        let guard = if self.last.as_ref().is_some_and(|k| k.mask == mask) {
+            planner
+                .guard_fns()
+                .and_then(|f| f.guard(present, &tensors.iter().map(|t| t.addr).collect::<Vec<_>>()))
+        } else {
+            None
         };
-        if !same_objects {
-            objects_seen.note(present, objects);
-        }
         self.last = Some(Last {
             mask,
             full,
+            at,
             list: list.clone(),
-            addresses,
-            objects: objects_seen,
+            guard,
+            objects: Objects {
+                addrs: objects,
+                refs: None,
+            },
         });
         Ok(Some(list))
     }
