@@ -1,0 +1,626 @@
+"""The one optimizer spine of ``gradclip.torch.optim`` (``_ClippingStep``): the clip, the
+engine's step over the parameter groups in one native call, torch's fused step where the engine
+does not take one, the step's eager entry (torch's wrapper only when it has work) and its two
+compiled forms (``gradclip::whole_step_`` for the step alone, ``gradclip::optim_step_`` inside a
+larger graph). Each optimizer (``optim.py``) says only what is its own: its hyperparameters as
+the engine takes them, its states, torch's class whose fused step it runs."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from .. import _native
+from .._engine import STEP_KINDS, _PLANNER, _capturing, _check_max_norm, _check_p, _clip_coef, _refuse_host_read_under_capture, _result_dtype, _rule_states, _stream_of
+from . import _grads_norm64, _is_dtensor, _ops, _whole_step
+
+
+#: What a step does when the gradients' norm is NaN or infinite.
+NONFINITE_POLICIES = ("skip", "error", "propagate")
+#: Which kernel updates: torch's fused kernel (the coefficient through its grad_scale), or
+#: gradclip's engine (the coefficient applied as gradients are read, no gradient write; CUDA
+#: kernels or the CPU backend; the cases it does not take run torch's).
+UPDATES = ("torch", "gradclip")
+
+
+def _refuse_sparse(params, message="Adam does not support sparse gradients, please consider SparseAdam instead") -> None:
+    """torch's error for a sparse gradient (Adam's and AdamW's by default), before gradclip reads
+    any gradient (its norm would otherwise fail deep in torch's dispatcher)."""
+    if any(p.grad is not None and p.grad.is_sparse for p in params):
+        raise RuntimeError(message)
+
+
+def _match_param_strides(groups) -> None:
+    """Gives every dense gradient whose strides differ from its parameter's the parameter's (a
+    copy of the same values): autograd does so itself, but ``p.grad = x`` accepts any strides."""
+    for group in groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and g.layout == torch.strided and g.stride() != p.stride() and not _is_dtensor(g):
+                p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
+
+
+def _step_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether a step hook (global or the optimizer's) is registered."""
+    return bool(_global_optimizer_pre_hooks or _global_optimizer_post_hooks or opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks)
+
+
+def _hooks_or_profiler(opt: torch.optim.Optimizer) -> bool:
+    """Whether torch's step wrapper has anything to do for ``opt``'s step: a step hook, or the
+    profiler recording (its range names the step)."""
+    return bool(torch.autograd.profiler._is_profiler_enabled or _step_hooks(opt))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+class _Layout:
+    """The engine's reading of an optimizer's parameter groups (native), and what the Python half
+    of a step needs of it: the tensors' device, the dtype torch returns their norm in, and whether
+    the norm is global over process groups (DTensor parameters, a pipeline group)."""
+
+    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream")
+
+    def __init__(self, native, device, result_dtype, sharded):
+        self.native, self.device, self.result_dtype, self.sharded = native, device, result_dtype, sharded
+        #: The step's tensors as a compiled step hands them to ``gradclip::optim_step_``
+        #: (``_StepLists``), made after an eager step that a compiled step asked for.
+        self.lists = None
+        #: The eager steps' result (norm, coefficient, flags: three float64 on the device), its
+        #: norm element, and the stream the steps that wrote it ran on (see ``result``).
+        self.out = self.norm = self.out_stream = None
+
+    def result(self, stream: int) -> torch.Tensor:
+        """The result buffer of an eager step on ``stream``: kept from step to step while they
+        run on one stream (each step's kernels write it after the last step's read it, in stream
+        order), a new one when the stream changed (torch's allocator then orders the old one's
+        reuse after the stream that used it). A step allocates nothing on the device this way
+        (an allocation and a view cost ~70 us of host on a cold cache)."""
+        if self.out is None or self.out_stream != stream:
+            self.out = torch.empty(3, dtype=torch.float64, device=self.device)
+            self.norm, self.out_stream = self.out[0], stream
+        return self.out
+
+
+class _StepLists:
+    """The parameters that have their states, their states and own step counts in the order the
+    registered step op takes them, each group's count and state names, and the parameters
+    without states (a gradient on one sends the step to the eager path, which makes them), and
+    each group's ``_hyper`` when they were read (which decides the states its rule keeps)."""
+
+    __slots__ = ("params", "states", "steps", "sizes", "hypers", "stateless")
+
+    def __init__(self, params, states, steps, sizes, hypers, stateless):
+        self.params, self.states, self.steps, self.sizes, self.hypers, self.stateless = params, states, steps, sizes, hypers, stateless
+
+
+def _mark_static(lists: _StepLists, counts) -> None:
+    """Marks the tensors the registered step mutates (parameters, states, step counts, the
+    groups' counts) as inputs at fixed addresses, as torch does for its own optimizer's under
+    dynamo: CUDA graphs (``mode="reduce-overhead"``) accept mutations of such inputs only (a
+    graph that mutates any other input runs without one), and dynamo guards their addresses (a
+    new state tensor, as a state dict load makes, recompiles). The gradients stay plain inputs:
+    a training loop hands over new ones every step."""
+    for t in (*lists.params, *lists.states, *lists.steps, *counts):
+        torch._dynamo.mark_static_address(t, guard=True)
+
+
+class _ClippingStep:
+    """The one optimizer spine of ``AdamW``, ``Adam``, ``SGD`` and ``Lion`` (mixed in before the
+    torch class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``): the clip, the
+    engine's step over the parameter groups, torch's step where the engine does not take one.
+    Each optimizer says what is its own: ``_hyper`` (its hyperparameters as the engine takes
+    them), ``_make_states`` (the states of parameters with their first gradient),
+    ``_torch_step`` and ``_after_load``."""
+
+    def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip"):
+        if fused is False or foreach or differentiable:
+            raise ValueError(
+                "gradclip's optimizers run torch's fused kernel (fused=True): foreach=True, fused=False and "
+                "differentiable=True are not supported; use torch.optim with gradclip.torch.clip_grad_norm_ for those"
+            )
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}; got {nonfinite!r}")
+        if update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}; got {update!r}")
+        self.update = update
+        # gradclip's kernel counts each group's skipped steps on the device (two int64: steps,
+        # skipped); every parameter steps from its own torch "step", which the kernel advances.
+        self._counts: Dict[int, torch.Tensor] = {}
+        # The engine's reading of the parameter groups (_Layout), kept while the same parameters
+        # and states come back; None before the first step and after load_state_dict.
+        self._layout = None
+        self.max_grad_norm = None if max_grad_norm is None else _check_max_norm(max_grad_norm)
+        self.norm_type = _check_p(norm_type)
+        self.nonfinite = nonfinite
+        # The sharded norm's groups (see clip_grad_norm_): pipeline stages, the one all-reduce's.
+        self.pipeline_group, self.norm_group = groups
+        # What the steps report (``last_grad_norm``, ``skipped_steps``): a dict, which a step
+        # traced by dynamo may write (it refuses to set an optimizer's attributes).
+        self._reported: Dict[str, Optional[torch.Tensor]] = {"last_grad_norm": None, "skipped_steps": None}
+        self._init_whole_step()
+
+    def _init_whole_step(self) -> None:
+        """What a compiled step that is this step alone needs (``_whole_step``): the number the
+        op finds this optimizer by, and the token it declares written (made on the device of
+        the first parameter, when a group brings one: a compiled step traces the op from its
+        first call on)."""
+        self._stepper = _whole_step.number(self)
+        self._token = None
+        for group in getattr(self, "param_groups", ()):
+            self._make_token(group["params"])
+
+    def _make_token(self, params) -> None:
+        if self._token is None and params:
+            self._token = torch.zeros(1, dtype=torch.int8, device=_local(params[0]).device)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's ``add_param_group``; the first group with a parameter makes the token a
+        compiled step alone declares written (``_init_whole_step``)."""
+        super().add_param_group(param_group)
+        self._make_token(self.param_groups[-1]["params"])
+
+    @property
+    def last_grad_norm(self) -> Optional[torch.Tensor]:
+        """The gradients' global norm at the last step (0-dim, on the device, in the dtype
+        ``clip_grad_norm_`` returns it), before clipping; None before the first clipped step."""
+        v = self._reported["last_grad_norm"]
+        if type(v) is tuple:  # (the f64 norm, its dtype): converted (copied) when first read
+            v = self._reported["last_grad_norm"] = v[0].to(v[1], copy=True)
+        return v
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: Optional[torch.Tensor]) -> None:
+        self._reported["last_grad_norm"] = value
+
+    @property
+    def skipped_steps(self) -> Optional[torch.Tensor]:
+        """Steps skipped because the norm was not finite (policy "skip"), counted on the device."""
+        return self._reported["skipped_steps"]
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: Optional[torch.Tensor]) -> None:
+        self._reported["skipped_steps"] = value
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(
+            max_grad_norm=self.max_grad_norm,
+            norm_type=self.norm_type,
+            nonfinite=self.nonfinite,
+            update=self.update,
+        )
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # Unpickling passes the settings saved by __getstate__; torch's load_state_dict calls this
+        # too, with only state and param_groups: the settings in place then stay.
+        clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update") if k in state}
+        super().__setstate__(state)
+        self.__dict__.update(clip)
+        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("pipeline_group", None), ("norm_group", None)):
+            self.__dict__.setdefault(k, v)
+        self.__dict__.setdefault("_reported", {"last_grad_norm": None, "skipped_steps": None})
+        self._counts = {}
+        self._layout = None
+        if "_stepper" not in self.__dict__:  # unpickled (load_state_dict keeps its number and token)
+            self._init_whole_step()
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's ``load_state_dict``, from this optimizer's state dict or torch's (fused or not):
+        the groups keep running the fused kernel (a state dict of a default ``torch.optim.AdamW``
+        says ``fused=None``, which would send the step to torch's for-loop path, where the clip's
+        ``grad_scale`` is refused), and each ``step`` is moved where a fused step keeps it (a
+        float32 on the parameter's device)."""
+        super().load_state_dict(state_dict)
+        self._after_load()
+        self._counts = {}
+        self._layout = None
+
+    def _after_load(self) -> None:
+        """Adam's: the groups fused, each ``step`` a float32 on its parameter's device."""
+        for group in self.param_groups:
+            group.update(fused=True, foreach=None, differentiable=False)
+            for p in group["params"]:
+                st = self.state.get(p)
+                step = None if st is None else st.get("step")
+                if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
+                    st["step"] = step.to(device=p.device, dtype=torch.float32)
+
+    def _hyper(self, group):
+        """Adam's hyperparameters as the engine takes them: ``(kind, lr, h, flags)``."""
+        beta1, beta2 = group["betas"]
+        decoupled = self._DECOUPLED or group.get("decoupled_weight_decay", False)
+        h = (float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+        return "adam", h, (bool(group["amsgrad"]), bool(group["maximize"]), bool(decoupled))
+
+    def _make_states(self, group, params) -> None:
+        """The states of ``params`` (parameters with their first gradient, or all of a group
+        before the layout is read), made and checked as torch's fused step makes them (its
+        ``_init_group``, which also raises torch's errors: a sparse gradient, say)."""
+        self._init_group({**group, "params": params}, [], [], [], [], [], [])
+
+    #: torch's words for a sparse gradient.
+    _SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
+    #: The torch optimizer class whose fused step this one runs.
+    _TORCH: type = torch.optim.Optimizer
+    #: Weight decay decoupled from the gradient (AdamW) unless the group says otherwise.
+    _DECOUPLED = False
+
+    def _torch_step(self) -> None:
+        """torch's fused step without its optimizer hooks: torch wraps each optimizer class's
+        ``step`` to run the step hooks, and this class's ``step`` already ran them once. A
+        gradient whose strides are not its parameter's is first given them (a copy): torch's
+        fused kernels read it as if it had them (a wrong update on the CPU, an error on CUDA)."""
+        _match_param_strides(self.param_groups)
+        step = self._TORCH.step
+        if getattr(step, "hooked", False):
+            step = step.__wrapped__
+        step(self)
+
+    def _make_layout(self):
+        """The engine's reading of the parameter groups and their states (native, kept between
+        steps while the same parameters and state tensors come back). torch's own ``_init_group``
+        runs first: it makes the states of parameters that have their first gradient, and raises
+        torch's errors (a sparse gradient, say). None when the engine does not take these
+        tensors (torch's step then runs)."""
+        dtensors = False
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._make_states(group, params)
+            dtensors = dtensors or any(_is_dtensor(p) for p in params)
+        groups = [(g["params"], (*self._hyper_of(g), 0, 0)) for g in self.param_groups]
+        native = _native.step_layout(_PLANNER, self.state, groups, dtensors)
+        if native is None:
+            return None
+        params = [p for g in self.param_groups for p in g["params"]]
+        local = [_local(p) for p in params]
+        sharded = dtensors or self.pipeline_group is not None or self.norm_group is not None
+        return _Layout(native, local[0].device, _result_dtype(local), sharded)
+
+    def _gradclip_step(self) -> bool:
+        """The step with gradclip's engine: with a clip, the norm over every group's gradients,
+        then one update per group that multiplies each gradient by the coefficient as it reads it
+        (no scale pass, no gradient write); on CUDA the norm kernel and one Adam launch per group,
+        on the CPU the CPU backend (the same arithmetic). The gradients are read in native code
+        in one call per step, whether they are the tensors of the last step or new ones
+        (``zero_grad(set_to_none=True)``); a parameter whose gradient is None is left as torch
+        leaves it, its own step count included (each parameter steps from its own
+        ``state["step"]``, which the kernel advances). A tensor learning rate and GradScaler's
+        ``grad_scale`` / ``found_inf`` are read on the device when the step runs (the loss scale
+        divided out as each gradient is read, the clip limiting the unscaled norm, an overflow
+        skipping the step). False, before anything is written, when this step cannot take it
+        (several devices, tensors the engine does not take); torch's step then runs. DTensor
+        parameters update their local shards with the global norm of the sharded gradients (one
+        all-reduce per process group), as ``clip_grad_norm_`` computes it. Capturable in a CUDA
+        graph after one eager step."""
+        outer_scale = getattr(self, "grad_scale", None)
+        outer_found = getattr(self, "found_inf", None)
+        layout = self._layout
+        if layout is None:
+            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "gradclip's optimizer step reads its parameters once before its first step: take one step "
+                    "eagerly before capturing step() in a CUDA graph"
+                )
+            if self.max_grad_norm is not None and self.nonfinite == "error" and outer_scale is None and outer_found is None:
+                # Making the layout makes the states: refuse a non-finite first step before it.
+                self._refuse_nonfinite_first()
+            layout = self._layout = self._make_layout()
+            if layout is None:
+                return False
+        device = layout.device
+        # Device inputs, read by the kernel when it runs (kept alive here until it is enqueued;
+        # torch's allocator orders any reuse after this stream's work).
+        scale_t = None if outer_scale is None else outer_scale.to(device=device, dtype=torch.float32)
+        found_t = None if outer_found is None else outer_found.to(device=device, dtype=torch.float32)
+        hypers, keep = [], []
+        for i, group in enumerate(self.param_groups):
+            count = self._counts.get(i)
+            if count is None:
+                count = self._counts[i] = torch.zeros(2, dtype=torch.int64, device=device)
+                if i == 0:
+                    self._skipped = count[1]
+            lr = group["lr"]
+            lr_t = lr.to(device=device, dtype=torch.float64) if isinstance(lr, torch.Tensor) else None
+            keep.append(lr_t)
+            hypers.append((*self._hyper_of(group, lr_t is not None), count.data_ptr(), 0 if lr_t is None else lr_t.data_ptr()))
+        # With GradScaler an overflow is expected: it skips the step, never raises.
+        policy = "skip" if self.nonfinite == "error" and (scale_t is not None or found_t is not None) else self.nonfinite
+        clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, policy)
+        # The engine binds the tensors' device: torch's current device is made that one first.
+        stream, on_device = _stream_of(device)
+        # A captured step writes a buffer of the graph's own (its replays keep writing it).
+        capturing = _capturing()
+        out = torch.empty(3, dtype=torch.float64, device=device) if capturing else layout.result(stream)
+        norm_out = out[0] if capturing else layout.norm
+        norm_in, dtype = None, layout.result_dtype
+        if clip is not None and layout.sharded:
+            found = _grads_norm64([p for g in self.param_groups for p in g["params"]], self.norm_type, self.pipeline_group, self.norm_group)
+            if found is None:
+                return self._no_gradients()
+            norm_in, dtype = found
+            norm_in = norm_in.to(device=device, dtype=torch.float64).contiguous()
+        inputs = (0 if scale_t is None else scale_t.data_ptr(), 0 if found_t is None else found_t.data_ptr())
+        ptr = 0 if norm_in is None else norm_in.data_ptr()
+        for _ in range(4):
+            try:
+                with on_device:
+                    verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, (stream, clip, out.data_ptr(), ptr, *inputs))
+            except RuntimeError as e:
+                if self.nonfinite == "error" and "non-finite" in str(e):
+                    self.last_grad_norm = norm_out.to(dtype, copy=True)
+                    raise RuntimeError(
+                        f"the gradients' norm of order {self.norm_type} is not finite: the step was not taken and nothing "
+                        "was written (nonfinite='error')"
+                    ) from None
+                raise
+            if verdict == _native.STEP_DONE:
+                break
+            if verdict == _native.STEP_TORCH:
+                return False
+            if verdict == _native.STEP_NEW_STATES:
+                # Parameters with their first gradient: torch makes their states (and checks
+                # them), the next call reads just those into the layout.
+                self._init_states(norm)
+                layout.lists = None
+                continue
+            # The parameters or their states changed: read them again.
+            layout = self._layout = self._make_layout()
+            if layout is None:
+                return False
+        else:
+            return False
+        if clip is not None:
+            norm = norm_out
+            if scale_t is not None:
+                norm = norm / scale_t.to(torch.float64)
+            # The conversion to the gradients' dtype waits for a read (a launch less per step),
+            # except in a captured step, whose replays must write it.
+            self._reported["last_grad_norm"] = norm.to(dtype) if capturing else (norm, dtype)
+            if self.nonfinite == "skip":
+                self.skipped_steps = self._skipped
+        return True
+
+    def _step_lists(self) -> _StepLists:
+        """The step's tensors for the registered op, read from the groups and the state dict."""
+        params, states, steps, sizes, hypers, stateless = [], [], [], [], [], []
+        for group in self.param_groups:
+            kind, h, flags = self._hyper(group)
+            keys, own = _rule_states(kind, h, flags)
+            hypers.append((kind, h, flags))
+            n = 0
+            for p in group["params"]:
+                if keys or own:  # (SGD without momentum keeps no state)
+                    st = self.state.get(p)
+                    if st is None or any(st.get(k) is None for k in keys) or (own and st.get("step") is None):
+                        stateless.append(p)
+                        continue
+                    states.extend(st[k] for k in keys)
+                    if own:
+                        steps.append(st["step"])
+                params.append(p)
+                n += 1
+            sizes.append(n)
+        return _StepLists(params, states, steps, sizes, hypers, stateless)
+
+    def _hyper_of(self, group, lr_on_device=False):
+        """``(kind, lr, h, flags)`` of ``group`` for the engine (lr 0 when it is on the device)."""
+        kind, h, flags = self._hyper(group)
+        return kind, 0.0 if lr_on_device else float(group["lr"]), h, flags
+
+    def _init_states(self, params) -> None:
+        """The states of ``params`` only (parameters with their first gradient), each group's
+        made as its optimizer makes them (``_make_states``)."""
+        need = {id(p) for p in params}
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if id(p) in need]
+            if ps:
+                self._make_states(group, ps)
+
+    def _refuse_nonfinite_first(self) -> None:
+        """nonfinite="error" before the first step makes any state: the norm read on the host,
+        and the step refused, with nothing written, when it is NaN or infinite."""
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        found = _grads_norm64(params, self.norm_type, self.pipeline_group, self.norm_group) if params else None
+        if found is not None and not bool(torch.isfinite(found[0])):
+            self.last_grad_norm = found[0].to(found[1])
+            raise RuntimeError(
+                f"the gradients' norm of order {self.norm_type} is {float(found[0])}: the step was not taken and "
+                "nothing was written (nonfinite='error')"
+            )
+
+    def _no_gradients(self) -> bool:
+        """A step in which no parameter has a gradient: nothing to update (as torch's step), and
+        the norm of no gradients is 0 (as ``clip_grad_norm_`` returns it)."""
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = torch.zeros(())
+        return True
+
+    def step(self, closure=None):
+        """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
+        scale pass), then updates as torch's fused optimizer; returns the closure's loss. Under
+        ``torch.compile``, after two eager steps (states and layout, then the op's lists), the
+        engine's step of plain tensors is one registered op in the graph
+        (``gradclip::optim_step_``: the eager step's bits); the rest (a closure, DTensors,
+        ``update="torch"``, ``nonfinite="error"``, GradScaler, parameters with their first
+        gradient) runs eagerly, at a graph break.
+
+        torch's step wrapper (``Optimizer.profile_hook_step``: the step hooks, and a profiler
+        range entered on every step) runs when it has something to do: under torch.compile,
+        while the profiler records (torch's own check, ``_is_profiler_enabled``, as Inductor's
+        generated code makes it), or with a step hook registered. Otherwise the step runs with
+        grad mode switched off directly: the wrapper's profiler range, ``no_grad``'s context
+        manager and ``compiler.disable``'s frame cost 0.2 ms of host time per step together
+        when the caches are cold, as they are after a backward (2-core development host)."""
+        if torch.compiler.is_compiling() or _hooks_or_profiler(self):
+            return self._hooked_step(closure)
+        return self._plain_step(closure)
+
+    def _plain_step(self, closure):
+        """The eager step with grad mode off (restored after): ``step`` without torch's
+        wrapper, and ``gradclip::whole_step_``'s implementation."""
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            if _whole_step.WANT_LISTS and self._stepper in _whole_step.WANT_LISTS:
+                _whole_step.WANT_LISTS.discard(self._stepper)
+                return self._listed_step(closure, True)
+            return self._untraced_step(closure)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+
+    # torch wraps each optimizer class's ``step`` once (``_patch_step_function``) unless it says
+    # it is wrapped: this one runs torch's wrapper itself, when it has something to do.
+    step.hooked = True
+
+    def _wrapped_step(self, closure=None):
+        """The step inside torch's wrapper, grad mode off. When dynamo traces it: the whole eager
+        step as one op (``gradclip::whole_step_``, no per-tensor input) when the graph is this
+        step alone and no step hook runs in it; else the list op when the step can be one; else
+        the eager step, at a graph break."""
+        if closure is None and torch.compiler.is_compiling():
+            if self._token is not None and not _step_hooks(self) and _whole_step.compiled_alone():
+                _whole_step.OP(self._token, self._stepper)
+                return None
+            if self._traceable():
+                return self._traced_step()
+            if closure is None and self.update == "gradclip":
+                _whole_step.want_lists(self._stepper)  # for the next trace (see want_lists)
+        return self._eager_step(closure)
+
+    _hooked_step = torch.optim.Optimizer.profile_hook_step(torch.no_grad()(_wrapped_step))
+
+
+    def _traceable(self) -> bool:
+        """Whether a compiled step can be the registered op (traced by dynamo): the engine took
+        the last eager step, of plain tensors, and this step reads nothing on the host."""
+        layout = self._layout
+        return (
+            layout is not None
+            and not layout.sharded
+            and self.update == "gradclip"
+            and self.nonfinite != "error"
+            and getattr(self, "grad_scale", None) is None
+            and getattr(self, "found_inf", None) is None
+            and len(self._counts) == len(self.param_groups)
+        )
+
+    def _traced_step(self):
+        """The step as dynamo traces it: the kept lists (``_StepLists``) with this step's
+        gradients (None where a parameter has none: the op leaves it as torch's step does) for
+        ``gradclip::optim_step_``; the eager step (a graph break) when the lists are not made
+        yet, a parameter has its first gradient (torch makes its states), a group's
+        hyperparameters changed (its rule may keep other states: the lists are read again), or a
+        gradient is strided (the engine reads it as it is)."""
+        lists = self._layout.lists
+        if lists is None or len(lists.sizes) != len(self.param_groups):
+            _whole_step.want_lists(self._stepper)
+            return self._eager_step(None, True)
+        for p in lists.stateless:
+            if p.grad is not None:
+                return self._eager_step()
+        grads = [p.grad for p in lists.params]
+        if all(g is None for g in grads) or any(g is not None and not g.is_contiguous() for g in grads):
+            return self._eager_step()
+        counts, lrs, kinds, hypers = [], [], [], []
+        for i, group in enumerate(self.param_groups):
+            lr_t = group["lr"] if isinstance(group["lr"], torch.Tensor) else None
+            kind, lr, h, flags = self._hyper_of(group, lr_t is not None)
+            if (kind, h, flags) != lists.hypers[i]:
+                return self._eager_step(None, True)
+            # A tensor learning rate moved to the parameters' device and f64 in the graph: a CPU
+            # one is copied each call (outside a CUDA graph's replay, which would keep the value
+            # it was recorded with were the op to copy it).
+            lrs.append(None if lr_t is None else lr_t.to(device=self._layout.device, dtype=torch.float64))
+            hypers.extend((lr, *h, *(float(f) for f in flags)))
+            kinds.append(STEP_KINDS.index(kind))
+            counts.append(self._counts[i])
+        clip = [] if self.max_grad_norm is None else [float(self.max_grad_norm), float(self.norm_type)]
+        norm = _ops.OPS.optim_step_(lists.params, grads, lists.states, lists.steps, counts, lrs, lists.sizes, kinds, hypers, clip, self.nonfinite)
+        if clip:
+            self._reported["last_grad_norm"] = norm.to(self._layout.result_dtype)
+            if self.nonfinite == "skip":
+                self._reported["skipped_steps"] = self._skipped
+        return None
+
+    # Called, not traced, by torch.compile: the step reads its tensors' addresses in native code
+    # (dynamo failed inside it, on the layout it keeps).
+    @torch.compiler.disable
+    def _eager_step(self, closure=None, relist=False):
+        """``step`` at a graph break (see ``_listed_step``)."""
+        return self._listed_step(closure, relist)
+
+    def _listed_step(self, closure, relist):
+        """``step`` outside a compiled graph; ``relist``: the compiled step's lists are read
+        (again) after it, when the engine took it (only a compiled step asks: an eager loop
+        never pays for them)."""
+        if relist and self._layout is not None:
+            self._layout.lists = None
+        loss = self._untraced_step(closure)
+        layout = self._layout
+        if relist and layout is not None and layout.lists is None and self.update == "gradclip":
+            layout.lists = self._step_lists()
+            _mark_static(layout.lists, self._counts.values())
+        return loss
+
+    def _untraced_step(self, closure):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.update == "gradclip" and self._gradclip_step():
+            return loss
+        if self.max_grad_norm is None:
+            self._torch_step()
+            return loss
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        _refuse_sparse(params, self._SPARSE)
+        found = _grads_norm64(params, self.norm_type, self.pipeline_group, self.norm_group) if params else None
+        if found is None:
+            self.last_grad_norm = torch.zeros(())  # the norm of no gradients, as clip_grad_norm_ gives it
+            self._torch_step()
+            return loss
+        norm64, dtype = found
+        # Set by GradScaler.step for optimizers that unscale in their kernel: the loss scale the
+        # gradients still carry (None once unscale_ ran) and its overflow flag.
+        outer_scale = getattr(self, "grad_scale", None)
+        outer_found = getattr(self, "found_inf", None)
+        if outer_scale is not None:
+            norm64 = norm64 / outer_scale.to(device=norm64.device, dtype=torch.float64)
+        self.last_grad_norm = norm64.to(dtype)
+        if self.nonfinite == "error" and outer_found is None:
+            _refuse_host_read_under_capture(True)
+            if not bool(torch.isfinite(self.last_grad_norm)):
+                raise RuntimeError(
+                    f"the gradients' norm of order {self.norm_type} is {float(self.last_grad_norm)}: the step "
+                    "was not taken and nothing was written (nonfinite='error')"
+                )
+        coef = _clip_coef(self.max_grad_norm, norm64)
+        scale = 1.0 / coef if outer_scale is None else outer_scale.to(norm64.device, torch.float64) / coef
+        skip = outer_found
+        if self.nonfinite == "skip":
+            bad = (~torch.isfinite(norm64)).to(torch.float32)
+            skip = bad if outer_found is None else torch.maximum(outer_found.to(bad.device, torch.float32), bad)
+            if self.skipped_steps is None:
+                self.skipped_steps = torch.zeros((), dtype=torch.int64, device=bad.device)
+            self.skipped_steps.add_(bad.to(torch.int64))
+        had = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        self.grad_scale = scale.to(torch.float32)
+        self.found_inf = skip
+        try:
+            self._torch_step()
+        finally:
+            for k in ("grad_scale", "found_inf"):
+                self.__dict__.pop(k, None)
+            self.__dict__.update(had)
+        return loss
+
+
+# A frame compiled with this code is an optimizer's step alone (see ``_whole_step``).
+_whole_step._STEP_CODES.add(_ClippingStep.step.__code__)
