@@ -520,3 +520,24 @@ def test_a_state_dict_loaded_between_compiled_steps_is_what_the_next_steps_updat
         assert _same(list(a.parameters()), list(b.parameters())), (name, i)
         for sa, sb in zip(oa.state.values(), ob.state.values()):
             assert all(torch.equal(sa[k], sb[k]) for k in sa), (name, i)
+
+
+def test_the_whole_step_op_forgets_an_optimizer_that_is_gone():
+    """``gradclip::whole_step_`` finds its optimizer by number while it lives; once it is
+    collected the number (and any request for its lists) is dropped, and a graph still naming it
+    fails in words instead of stepping something else."""
+    import gc
+
+    from gradclip.torch import _whole_step
+    from gradclip.torch.optim import AdamW
+
+    m = _model("cpu", torch.float32)
+    opt = AdamW(m.parameters(), lr=1e-2, max_grad_norm=1.0)
+    n, token = opt._stepper, opt._token
+    _whole_step.WANT_LISTS.add(n)
+    assert _whole_step._STEPPERS[n]() is opt
+    del opt
+    gc.collect()
+    assert n not in _whole_step._STEPPERS and n not in _whole_step.WANT_LISTS
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        _whole_step.OP(token, n)

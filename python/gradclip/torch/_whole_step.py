@@ -40,8 +40,14 @@ _STEP_CODES: set = set()
 def number(opt) -> int:
     """A number for ``opt`` that the op finds it by, while it lives."""
     n = next(_NUMBERS)
-    _STEPPERS[n] = weakref.ref(opt, lambda _, n=n: _STEPPERS.pop(n, None))
+    _STEPPERS[n] = weakref.ref(opt, lambda _, n=n: _forget(n))
     return n
+
+
+def _forget(stepper: int) -> None:
+    """An optimizer is gone: its number and any request for its lists with it."""
+    _STEPPERS.pop(stepper, None)
+    WANT_LISTS.discard(stepper)
 
 
 def _run(stepper: int) -> None:
