@@ -445,11 +445,12 @@ class _ClippingStep:
     def step(self, closure=None):
         """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
         scale pass), then updates as torch's fused optimizer; returns the closure's loss. Under
-        ``torch.compile``, after two eager steps (states and layout, then the op's lists), the
-        engine's step of plain tensors is one registered op in the graph
-        (``gradclip::optim_step_``: the eager step's bits); the rest (a closure, DTensors,
-        ``update="torch"``, ``nonfinite="error"``, GradScaler, parameters with their first
-        gradient) runs eagerly, at a graph break.
+        ``torch.compile``: the step compiled alone is one op without per-tensor inputs
+        (``gradclip::whole_step_``, the eager step; see ``_whole_step``); a step inlined into a
+        larger graph is the list op (``gradclip::optim_step_``, the eager step's bits) once its
+        lists are made, and what that op does not take (a closure, DTensors, ``update="torch"``,
+        ``nonfinite="error"``, GradScaler, parameters with their first gradient) runs eagerly,
+        at a graph break.
 
         torch's step wrapper (``Optimizer.profile_hook_step``: the step hooks, and a profiler
         range entered on every step) runs when it has something to do: under torch.compile,
