@@ -283,9 +283,9 @@ def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(devic
     step, which runs as a frame of its own (the whole-step op, whose eager step makes the
     states, the layout and the lists the list op takes); a caller traced once they exist has
     the step in its graph as ``gradclip::optim_step_``, handed the parameters themselves (no
-    copy). Every step
-    equals the eager optimizer's bits (parameters, states, norm, skipped steps), also with a
-    gradient None at one step and a tensor learning rate changed in place every step."""
+    copy). Every step equals the eager optimizer's bits (parameters, states, norm, skipped
+    steps), also with a gradient None at one step and a tensor learning rate changed in place
+    every step."""
     from gradclip import _engine
 
     make = _optimizers()[name]

@@ -38,17 +38,19 @@ def test_a_reported_norm_stays_the_callers_after_later_steps(device, dtype, cls)
     hand out the buffer itself."""
     ps = _params(device, dtype)
     opt = cls(ps, lr=1e-3, max_grad_norm=1.0)
-    held = []
+    held, buffers = [], []
     for step in range(4):
         _set_grads(ps, seed=10 + step)
         want = _norm64(ps)
         opt.step()
+        buffers.append(opt._layout.out)
         got = opt.last_grad_norm
         assert got.dtype == dtype and got.device.type == device
         torch.testing.assert_close(got.double(), want.to(got.device), rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0)
         held.append((got, got.clone()))
     for i, (got, copy) in enumerate(held):
         assert torch.equal(got, copy), f"the norm read after step {i} changed with the later steps"
+    assert all(b is buffers[0] for b in buffers), "steps on one stream keep one result buffer"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -491,7 +491,7 @@ class _ClippingStep:
                 return None
             if self._traceable():
                 return self._traced_step()
-            if closure is None and self.update == "gradclip":
+            if self.update == "gradclip":
                 _whole_step.want_lists(self._stepper)  # for the next trace (see want_lists)
         return self._eager_step(closure)
 

@@ -32,8 +32,8 @@ from . import _ops
 _STEPPERS: Dict[int, "weakref.ref"] = {}
 _NUMBERS = itertools.count()
 
-#: The code of the frames that may hold the step alone: set by ``gradclip.torch.optim``
-#: (its optimizers' ``step``).
+#: The code of the frames that may hold the step alone: set by ``gradclip.torch._spine`` (the
+#: optimizers' ``step``).
 _STEP_CODES: set = set()
 
 
@@ -69,8 +69,9 @@ WANT_LISTS: set = set()
 def want_lists(stepper: int) -> bool:
     """Notes, while dynamo traces a step inlined into a larger graph, that the list op's lists
     are wanted. The trace then breaks at the step; the step runs as a frame of its own
-    (``gradclip::whole_step_``), whose eager step makes the lists; the caller's next call fails
-    the guard on the missing lists and is traced again, the list op in its graph."""
+    (``gradclip::whole_step_``), whose eager step makes the lists. The caller's code compiled
+    with that break is kept (the abandoned inlining left no guard on the lists); a later trace
+    of the caller (a recompile, ``torch._dynamo.explain``) inlines the list op."""
     WANT_LISTS.add(stepper)
     return True
 
