@@ -5,7 +5,8 @@ Why: torch.compile pays for every tensor a graph takes, on every call: dynamo's 
 Inductor's size and stride asserts, the dispatcher boxing the lists, version counters of what
 the op declares written. A step over 555 parameters hands the list op
 (``gradclip::optim_step_``) 2,775 tensors; on the development CPU 555 tensor inputs alone cost
-1.4 ms per call against 61 us for none, more than the whole eager step. The eager step reads
+about 1.1 ms per call against 30 us for none (``benches/torch/entry_costs.py``), more than the
+whole eager step. The eager step reads
 its tensors in native code in one crossing; as an op it keeps doing so:
 ``gradclip::whole_step_`` runs the optimizer's eager step (the same code, the same bits).
 
