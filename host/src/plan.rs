@@ -79,6 +79,13 @@ pub struct Plan {
 /// assert_eq!(p.tasks.len(), 2); // 400 KB in 256 KiB blocks
 /// ```
 pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
+    let descs = descriptors(tensors)?;
+    let tasks = tasks_of(&descs);
+    Ok(Plan { tensors: descs, tasks })
+}
+
+/// The tensor table of [`plan`]: each tensor validated, its address, phase and block range.
+pub(crate) fn descriptors(tensors: &[RawTensor]) -> Result<Vec<TensorDesc>> {
     if tensors.len() as u64 > u32::MAX as u64 {
         return Err(Error::TooManyTensors {
             count: tensors.len(),
@@ -109,11 +116,17 @@ pub fn plan(tensors: &[RawTensor]) -> Result<Plan> {
             });
         }
     }
+    Ok(descs)
+}
+
+/// The task table of [`plan`] for its tensor table: a function of the block counts alone.
+pub(crate) fn tasks_of(descs: &[TensorDesc]) -> Vec<ChunkTask> {
+    let total = descs.last().map_or(0, |d| d.first_task + d.num_tasks as u64);
     let mut tasks = Vec::with_capacity(total as usize);
     for (i, d) in descs.iter().enumerate() {
         tasks.extend((0..d.num_tasks).map(|chunk| ChunkTask { tensor: i as u32, chunk }));
     }
-    Ok(Plan { tensors: descs, tasks })
+    tasks
 }
 
 /// The table limits of [`plan`] (tensor and block counts) without building the table: O(tensors).

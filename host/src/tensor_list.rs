@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Result};
-use crate::plan::{Plan, RawTensor, check_disjoint, check_limits, plan};
+use crate::plan::{Plan, RawTensor, check_disjoint, check_limits, descriptors, plan, tasks_of};
 
 /// A validated list of tensors by address, with its kernel tables built on first use and kept.
 ///
@@ -34,6 +34,10 @@ pub struct TensorList(Arc<Inner>);
 #[derive(Debug)]
 struct Inner {
     id: u64,
+    /// Shared by the lists [`TensorList::relocated`] made with this list's task table (their
+    /// tensors' block counts equal), so that an engine holding one's tables knows that only the
+    /// tensor table differs.
+    family: u64,
     tensors: Box<[RawTensor]>,
     plan: OnceLock<Plan>,
     /// The first overlapping pair (by position), once asked; None: disjoint.
@@ -56,8 +60,10 @@ impl TensorList {
             Err(e) => return Err(e),
         };
         check_limits(tensors)?; // the table's limits are part of validity
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Ok(TensorList(Arc::new(Inner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            id,
+            family: id,
             tensors: tensors.into(),
             plan: OnceLock::new(),
             overlap: OnceLock::from(overlap),
@@ -68,8 +74,10 @@ impl TensorList {
     /// list per call and usually find its tables already uploaded (the GPU engine's typed API).
     /// Invalid tensors are reported by the first call that needs the tables or the overlap check.
     pub(crate) fn unchecked(tensors: &[RawTensor]) -> Self {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         TensorList(Arc::new(Inner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            id,
+            family: id,
             tensors: tensors.into(),
             plan: OnceLock::new(),
             overlap: OnceLock::new(),
@@ -94,6 +102,51 @@ impl TensorList {
     /// This list's identity: equal only for clones of one [`TensorList::new`].
     pub fn id(&self) -> u64 {
         self.0.id
+    }
+
+    /// Equal for lists whose task tables are equal because one was [`TensorList::relocated`]
+    /// from the other (directly or through others); a list's own [`TensorList::id`] otherwise.
+    pub fn family(&self) -> u64 {
+        self.0.family
+    }
+
+    /// This list's tensors (lengths and dtypes, in order) at the addresses `addrs`: a new list
+    /// with its own [`TensorList::id`], checked as [`TensorList::new`] checks (overlap included)
+    /// and planned now. When every tensor keeps its block count (the usual case for new tensors
+    /// of the same shapes: an allocator's alignment keeps their phases), its task table is this
+    /// list's and it joins this list's [`TensorList::family`]: an engine that holds this list's
+    /// tables then uploads only the tensor table. Fails with [`Error::LengthMismatch`] when
+    /// `addrs` does not give one address per tensor.
+    pub fn relocated(&self, addrs: &[u64]) -> Result<Self> {
+        if addrs.len() != self.len() {
+            return Err(Error::LengthMismatch {
+                what: "the addresses of a relocated list",
+                expected: self.len(),
+                found: addrs.len(),
+            });
+        }
+        let tensors: Vec<RawTensor> = self.0.tensors.iter().zip(addrs).map(|(t, &addr)| RawTensor { addr, ..*t }).collect();
+        let overlap = match check_disjoint(&tensors) {
+            Ok(()) => None,
+            Err(Error::Overlap { first, second }) => Some((first, second)),
+            Err(e) => return Err(e),
+        };
+        let descs = descriptors(&tensors)?;
+        let old = self.plan()?;
+        let same_tasks = descs.iter().zip(&old.tensors).all(|(a, b)| a.num_tasks == b.num_tasks);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let (family, tasks) = if same_tasks {
+            (self.0.family, old.tasks.clone())
+        } else {
+            (id, tasks_of(&descs))
+        };
+        Ok(TensorList(Arc::new(Inner {
+            id,
+            family,
+            tensors: tensors.into(),
+            plan: OnceLock::from(Plan { tensors: descs, tasks }),
+            overlap: OnceLock::from(overlap),
+        })))
     }
 
     /// The kernels' tables for this list, built once, when first asked for.
@@ -148,6 +201,32 @@ mod tests {
         assert_eq!(list.plan().unwrap().tensors.len(), 2);
         assert!(std::ptr::eq(list.plan().unwrap(), list.plan().unwrap()), "planned once");
         assert!(list.check_writable().is_ok());
+    }
+
+    #[test]
+    fn relocated_lists_plan_as_new_ones_and_keep_the_family_while_blocks_match() {
+        let big = 1 << 20; // elements: several blocks
+        let list = TensorList::new(&[t(0x10_0000, big), t(0x90_0000, 5), t(0xA0_0000, 0)]).unwrap();
+        let moved = list.relocated(&[0x200_0000, 0x280_0000, 0]).unwrap();
+        assert_ne!(moved.id(), list.id());
+        assert_eq!(moved.family(), list.family(), "same block counts: same task table");
+        assert_eq!(moved.plan().unwrap(), &plan(moved.tensors()).unwrap(), "exactly a new list's plan");
+        assert_eq!(moved.tensors()[1], t(0x280_0000, 5));
+        assert!(moved.check_writable().is_ok());
+        // A phase that adds a block: another task table, another family, still planned exactly.
+        let shifted = moved.relocated(&[0x200_0004, 0x280_0000, 0]).unwrap();
+        assert_ne!(
+            shifted.plan().unwrap().tasks.len(),
+            moved.plan().unwrap().tasks.len(),
+            "the test needs a phase that changes the block count"
+        );
+        assert_ne!(shifted.family(), list.family());
+        assert_eq!(shifted.plan().unwrap(), &plan(shifted.tensors()).unwrap());
+        // Overlap is found at the new addresses; bad addresses and counts are errors.
+        let aliased = list.relocated(&[0x10_0000, 0x10_0010, 0]).unwrap();
+        assert!(matches!(aliased.check_writable(), Err(Error::Overlap { first: 0, second: 1 })));
+        assert!(matches!(list.relocated(&[0x10_0000, 0, 0]), Err(Error::NullPointer { index: 1, .. })));
+        assert!(matches!(list.relocated(&[0x10_0000]), Err(Error::LengthMismatch { expected: 3, found: 1, .. })));
     }
 
     #[test]

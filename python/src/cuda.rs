@@ -3,14 +3,15 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 
 use cudarc::driver::{CudaContext, sys};
 use gradclip::NormType;
-use gradclip::gpu::{Coefficient, ExternalWorkspace, GpuEngine, RawOutput};
+use gradclip::gpu::{Coefficient, GpuEngine, RawOutput};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::scan::Plan;
+use crate::scan::{LentTables, NO_STREAM, Plan};
 use crate::{clip_options, to_py};
 
 /// One engine per (device, stream): it keeps the tables it uploaded for the last plan it ran.
@@ -22,24 +23,67 @@ fn ordinal(plan: &Plan) -> PyResult<usize> {
         .ok_or_else(|| PyValueError::new_err("this plan holds CPU tensors"))
 }
 
-/// Runs `f` on the engine of (device, stream), its tables in the lent workspace `ws` (none: the
-/// engine's own memory; calls under CUDA-graph capture use memory owned by the graph). The engine
-/// binds its device's context to the calling thread, so callers that share the thread with
+/// Runs `f` on the engine of (device, stream), its tables in the lent workspace `lent` (none:
+/// the engine's own memory; calls under CUDA-graph capture use memory owned by the graph). The
+/// engine binds its device's context to the calling thread, so callers that share the thread with
 /// PyTorch make that device torch's current one first (gradclip.torch does): torch then keeps
 /// knowing which device is current, and restores its own on the way out.
+///
+/// Lent tables last used on another stream (one plan's, or the plans relocated from one another,
+/// which share them) are rewritten by this call only after that stream's work: this stream waits
+/// for it first, as torch's allocator orders a block's reuse on another stream.
 pub(crate) fn with_engine<R>(
     device: usize,
     stream: usize,
-    ws: Option<ExternalWorkspace>,
+    lent: Option<LentTables>,
     f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>,
 ) -> PyResult<R> {
-    on_engine(device, stream, |engine| {
-        // SAFETY: Plan::lend_workspace checked that `ws` is a contiguous CUDA tensor of this
-        // device, large enough, allocated zeroed by the caller (torch.zeros), and the plan keeps
-        // it alive; the caller runs one plan on one stream at a time.
-        unsafe { engine.set_external_workspace(ws) };
-        f(engine)
-    })
+    let mut guard = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
+    let engines = guard.get_or_insert_with(HashMap::new);
+    let previous = match &lent {
+        Some(l) => {
+            let capturing = engine_in(engines, device, stream)?
+                .stream()
+                .capture_status()
+                .map_err(|e| to_py(e.into()))?
+                != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // A captured call keeps its tables in the graph's memory: it neither uses the lent
+            // tables nor orders anything after their last user.
+            let prev = if capturing {
+                NO_STREAM
+            } else {
+                l.last_stream.swap(stream, Ordering::AcqRel)
+            };
+            (prev != NO_STREAM && prev != stream)
+                .then(|| engines.get(&(device, prev)).map(|e| e.stream().clone()))
+                .flatten()
+        }
+        None => None,
+    };
+    let engine = engine_in(engines, device, stream)?;
+    if let Some(prev) = previous {
+        engine.stream().join(&prev).map_err(|e| to_py(e.into()))?;
+    }
+    // SAFETY: Plan::lend_workspace checked that the workspace is a contiguous CUDA tensor of
+    // this device, large enough, allocated zeroed by the caller (torch.zeros), and the plan
+    // keeps it alive; work of another stream that used it last is ordered before this call's
+    // (above), and the engine uploads any tables another engine may have replaced.
+    unsafe { engine.set_external_workspace(lent.map(|l| l.ws)) };
+    f(engine).map_err(to_py)
+}
+
+/// The engine of (device, stream), made on first use.
+fn engine_in(engines: &mut HashMap<(usize, usize), GpuEngine>, device: usize, stream: usize) -> PyResult<&mut GpuEngine> {
+    match engines.entry((device, stream)) {
+        std::collections::hash_map::Entry::Occupied(o) => Ok(o.into_mut()),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            let ctx = CudaContext::new(device).map_err(|e| to_py(e.into()))?;
+            // SAFETY: `stream` is PyTorch's CUstream handle on this device (0: the legacy default
+            // stream); PyTorch owns it and keeps it alive as long as the process uses it.
+            let s = unsafe { ctx.wrap_borrowed_stream(stream as sys::CUstream) };
+            Ok(v.insert(GpuEngine::new(s).map_err(to_py)?))
+        }
+    }
 }
 
 /// Runs `f` on the engine of (device, stream) as it is (its tables where they were): for work
@@ -47,14 +91,7 @@ pub(crate) fn with_engine<R>(
 pub(crate) fn on_engine<R>(device: usize, stream: usize, f: impl FnOnce(&mut GpuEngine) -> gradclip::Result<R>) -> PyResult<R> {
     let mut guard = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
     let engines = guard.get_or_insert_with(HashMap::new);
-    if let std::collections::hash_map::Entry::Vacant(v) = engines.entry((device, stream)) {
-        let ctx = CudaContext::new(device).map_err(|e| to_py(e.into()))?;
-        // SAFETY: `stream` is PyTorch's CUstream handle on this device (0: the legacy default
-        // stream); PyTorch owns it and keeps it alive as long as the process uses it.
-        let s = unsafe { ctx.wrap_borrowed_stream(stream as sys::CUstream) };
-        v.insert(GpuEngine::new(s).map_err(to_py)?);
-    }
-    f(engines.get_mut(&(device, stream)).expect("inserted above")).map_err(to_py)
+    f(engine_in(engines, device, stream)?).map_err(to_py)
 }
 
 /// Total norm of a plan's CUDA tensors on `stream`; writes the 24-byte NormOutput at `out` and,

@@ -9,8 +9,8 @@
 //! the whole list); a list that kept its layout at new addresses (new tensors of the same
 //! shapes) is read by address only; only a list whose layout changed is read in full.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use gradclip::DType;
 use gradclip::gpu::ExternalWorkspace;
@@ -59,11 +59,26 @@ pub struct Plan {
 }
 
 /// Device memory lent by the caller (a tensor from torch's caching allocator) and the owner
-/// object that keeps it allocated while the plan lives.
+/// object that keeps it allocated while the plan lives. A plan relocated from another (the same
+/// list's new tensors, [`Planner::scan`]) shares its predecessor's, whose tables it mostly keeps.
 struct Lent {
     _owner: Py<PyAny>,
-    ws: ExternalWorkspace,
+    tables: LentTables,
 }
+
+/// A lent workspace as the engine calls use it: where it is, and the stream whose work used it
+/// last (shared by every plan that shares the memory).
+#[derive(Clone, Debug)]
+pub struct LentTables {
+    pub ws: ExternalWorkspace,
+    /// The CUstream handle of the last eager call with these tables ([`NO_STREAM`] before any):
+    /// a call on another stream is ordered after that stream's work first ([`crate::cuda`]),
+    /// since it rewrites tables that work may still read.
+    pub last_stream: Arc<AtomicUsize>,
+}
+
+/// [`LentTables::last_stream`] of tables not used yet (0 is a real handle: the legacy stream).
+pub const NO_STREAM: usize = usize::MAX;
 
 /// A new tag for every lent allocation: torch may hand the address of a freed workspace out
 /// again, zeroed, and the engine must not take it for the tables it uploaded there earlier.
@@ -85,9 +100,31 @@ impl Plan {
 
     /// The lent workspace; None before one is lent (a plan first used under CUDA-graph
     /// capture has none: those calls keep their tables in memory the graph owns).
-    pub fn workspace(&self) -> Option<ExternalWorkspace> {
+    pub fn workspace(&self) -> Option<LentTables> {
         let guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
-        guard.as_ref().map(|l| l.ws)
+        guard.as_ref().map(|l| l.tables.clone())
+    }
+
+    /// This plan's tensors at the addresses `addrs` (new tensors of the same layout), sharing
+    /// this plan's workspace: the engine then uploads only their tensor table
+    /// ([`TensorList::relocated`]). None when the new tensors overlap or are not valid (the
+    /// caller plans them anew, and the general path reports them). The caller makes sure this
+    /// plan is never used again (the workspace's tables become the new plan's).
+    fn relocated(&self, py: Python<'_>, addrs: &[u64]) -> Option<Plan> {
+        let list = self.list.relocated(addrs).ok()?;
+        list.check_writable().ok()?;
+        let guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        let workspace = guard.as_ref().map(|l| Lent {
+            _owner: l._owner.clone_ref(py),
+            tables: l.tables.clone(),
+        });
+        Some(Plan {
+            list,
+            place: self.place,
+            result_dtype: self.result_dtype.clone_ref(py),
+            has_inference: self.has_inference,
+            workspace: Mutex::new(workspace),
+        })
     }
 }
 
@@ -163,7 +200,10 @@ impl Plan {
         };
         *self.workspace.lock().unwrap_or_else(|e| e.into_inner()) = Some(Lent {
             _owner: owner.clone().unbind(),
-            ws,
+            tables: LentTables {
+                ws,
+                last_stream: Arc::new(AtomicUsize::new(NO_STREAM)),
+            },
         });
         Ok(())
     }
@@ -297,6 +337,28 @@ impl Planner {
     pub(crate) fn guard_fns(&self) -> Option<&GuardFns> {
         self.guard_fns.as_ref()
     }
+
+    /// The kept plan relocated to `entries` (new tensors, every one with the kept key's length,
+    /// dtype, device and inference flag: a training loop's new gradients), sharing its workspace
+    /// and, on the GPU, its task table. Only when nothing but the cache holds the kept plan: it
+    /// is dropped here, so no call can use it (and the tables the new plan takes over) again.
+    fn relocation_of(py: Python<'_>, cache: &Cache, entries: &[Entry]) -> Option<Plan> {
+        let last = cache.last.as_ref()?;
+        let same_layout = entries.len() == cache.key.len()
+            && entries.iter().zip(&cache.key).all(|(a, b)| {
+                Entry {
+                    tensor: RawTensor { addr: a.tensor.addr, ..b.tensor },
+                    ..*b
+                } == *a
+            });
+        // SAFETY: `last` is a live object and the GIL is held (`py`).
+        let only_the_cache = unsafe { pyo3::ffi::Py_REFCNT(last.as_ptr()) } == 1;
+        if !same_layout || !only_the_cache {
+            return None;
+        }
+        let addrs: Vec<u64> = entries.iter().map(|e| e.tensor.addr).collect();
+        last.get().relocated(py, &addrs)
+    }
 }
 
 fn dtype_index(d: DType) -> usize {
@@ -404,7 +466,10 @@ impl Planner {
                 cache.last.as_ref().map(|p| p.clone_ref(py))
             }
             true => {
-                let plan = self.plan_of_entries(py, &entries)?;
+                let plan = match Self::relocation_of(py, cache, &entries) {
+                    Some(p) => Some(Py::new(py, p)?),
+                    None => self.plan_of_entries(py, &entries)?,
+                };
                 cache.last = plan.as_ref().map(|p| p.clone_ref(py));
                 std::mem::swap(&mut cache.key, &mut entries);
                 if plan.is_none() {

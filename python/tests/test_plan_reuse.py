@@ -208,6 +208,36 @@ def test_new_tensors_of_the_same_layout_are_read_by_address(device):
     assert abs(float(gt.get_total_norm(gs)) - want) <= 1e-12 * want
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_new_tensors_take_over_the_kept_plans_tables():
+    """New tensors of the kept plan's layout (the gradients a training loop makes every step):
+    the new plan takes over the kept one's lent workspace (on the GPU only its tensor table is
+    uploaded again) when nothing else holds the kept plan, and is planned with its own otherwise.
+    Lists taking turns, on two streams: every norm is the one of its own tensors."""
+    gs = grads("cuda")
+    gt.get_total_norm(gs)  # plans and lends
+    plan, _ = gt._PLANNER.scan(gs, False)
+    assert plan.has_workspace
+    del plan
+    gs2 = [g.clone() for g in gs]  # gs alive: new addresses
+    moved, _ = gt._PLANNER.scan(gs2, False)
+    assert moved.has_workspace, "the relocated plan should share the kept plan's workspace"
+    gs3 = [g.clone() for g in gs]
+    fresh, _ = gt._PLANNER.scan(gs3, False)  # `moved` is held here
+    assert fresh is not moved and not fresh.has_workspace, "a held plan's tables must stay its own"
+    del moved, fresh
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for step in range(9):
+        ts = (gs, gs2, gs3)[step % 3]
+        with torch.cuda.stream(side if step % 2 else torch.cuda.current_stream()):
+            ts[step % len(ts)].mul_(-1.5)
+            want = torch.linalg.vector_norm(torch.cat([t.double() for t in ts]))
+            got = gt.get_total_norm(ts)
+            assert abs(float(got) - float(want)) <= 1e-6 * float(want), f"step {step}"
+    torch.cuda.current_stream().wait_stream(side)
+
+
 class _Crossings:
     """Counts the calls from Python into gradclip's native code (functions of ``_native``, the
     planner's methods, a plan's attributes), unwrapping the counted plans where native code takes

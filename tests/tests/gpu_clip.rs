@@ -4,7 +4,7 @@
 
 use cudarc::driver::DevicePtr;
 use gradclip::cpu::{Cpu, HostGradMut};
-use gradclip::gpu::{Coefficient, DeviceGradMut, NewNorm};
+use gradclip::gpu::{Coefficient, DeviceGradMut, GpuEngine, NewNorm};
 use gradclip::plan::RawTensor;
 use gradclip::{ClipOptions, DType, Error, NormType};
 use gradclip_tests::gpu::*;
@@ -126,6 +126,88 @@ fn scale_by_device_coefficient(gpu: &Gpu) -> TestResult {
     Ok(())
 }
 
+/// Lists relocated from one another (new tensors of the same shapes, as a training loop makes
+/// them) in one lent workspace shared by two engines on two streams (as the PyTorch binding
+/// lends it): each call computes on its own list's tensors, whether the engine uploads only the
+/// tensor table (its family's tasks already there) or all of it; a list with the tensors another
+/// engine's upload replaced is uploaded again, never taken for the tables this engine left.
+fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
+    let first = random_grads(41, 10, 200_000);
+    let second: Vec<Grad> = first
+        .iter()
+        .map(|g| Grad::from_f64(g.dtype(), &g.values().iter().map(|v| -3.0 * v + 0.25).collect::<Vec<_>>(), g.start()))
+        .collect();
+    let (mut a, mut b) = (gpu.upload(&first), gpu.upload(&second));
+    let other = gpu.stream.context().new_stream().unwrap();
+    let (mut e1, mut e2) = (gpu.engine(), GpuEngine::new(other.clone()).unwrap());
+    let raws = |d: &[DevGrad]| d.iter().map(|x| x.raw(&gpu.stream)).collect::<Vec<_>>();
+    let la = list(&raws(&a));
+    let addrs = |d: &[DevGrad]| d.iter().map(|x| x.raw(&gpu.stream).addr).collect::<Vec<_>>();
+    let lb = la.relocated(&addrs(&b)).unwrap();
+    let la_again = lb.relocated(&addrs(&a)).unwrap();
+    ensure(lb.family() == la.family() && la_again.family() == la.family(), || {
+        "allocations at the same phases should keep the family".into()
+    })?;
+    let bytes = gradclip::gpu::workspace_bytes(&la).unwrap();
+    let ws_mem = gpu.stream.alloc_zeros::<u64>(bytes.div_ceil(8)).unwrap();
+    let ws = gradclip::gpu::ExternalWorkspace {
+        addr: ws_mem.device_ptr(&gpu.stream).0,
+        bytes,
+        generation: 1,
+    };
+    gpu.stream.synchronize().unwrap();
+    // SAFETY: `ws_mem` is zeroed device memory of this context, used by the two engines one at
+    // a time (each call is synchronized before the other engine's next).
+    unsafe {
+        e1.set_external_workspace(Some(ws));
+        e2.set_external_workspace(Some(ws));
+    }
+    let norm = |e: &mut GpuEngine, l: &gradclip::tensor_list::TensorList| {
+        let mut out = gradclip::gpu::DeviceNorm::new(e.stream(), 0).unwrap();
+        // SAFETY: the lists' tensors are the live buffers of `a` and `b`.
+        unsafe { e.total_norm_raw(l, NormType::L2, &mut out) }.unwrap();
+        out.read().unwrap().norm // synchronizes the engine's stream
+    };
+    let (want_a, want_b) = (
+        cpu_norm(&gpu.host_twins(&first, &a), 2.0, false).norm,
+        cpu_norm(&gpu.host_twins(&second, &b), 2.0, false).norm,
+    );
+    for (step, (on_other, l, want, what)) in [
+        (false, &la, want_a, "the first list (all tables)"),
+        (true, &lb, want_b, "the relocated list on the other engine (all its tables)"),
+        (false, &la_again, want_a, "the first tensors, relocated back, after the other engine's upload"),
+        (false, &lb, want_b, "the relocated list (tensor table only)"),
+        (true, &la, want_a, "the first list on the other engine (tensor table only)"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let got = norm(if on_other { &mut e2 } else { &mut e1 }, l);
+        ensure(same_bits(got, want), || format!("step {step}, {what}: norm {got} vs the CPU's {want}"))?;
+    }
+    // The clip of a relocated list writes its own tensors, and leaves the old ones alone.
+    let mut twins = gpu.host_twins(&second, &b);
+    let la_twins = gpu.host_twins(&first, &a);
+    let lb2 = la_again.relocated(&addrs(&b)).unwrap();
+    // SAFETY: `b`'s buffers, live and written by nothing else until the stream is synchronized.
+    let r = unsafe { e1.clip_grad_norm_raw(&lb2, 0.5, &ClipOptions::default(), NewNorm::default()) }
+        .unwrap()
+        .read()
+        .unwrap();
+    let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+    let c = Cpu::new().clip_grad_norm(&mut views, 0.5, &ClipOptions::default()).unwrap();
+    drop(views);
+    ensure(same_bits(r.norm, c.norm) && same_bits(r.coef, c.coef), || format!("clip {r:?} vs CPU {c:?}"))?;
+    for (i, (d, t)) in b.iter_mut().zip(&twins).enumerate() {
+        ensure(d.download(&gpu.stream).bits() == t.bits(), || format!("relocated clip: tensor {i} differs from the CPU's"))?;
+    }
+    for (i, (d, t)) in a.iter_mut().zip(&la_twins).enumerate() {
+        ensure(d.download(&gpu.stream).bits() == t.bits(), || format!("relocated clip: the old tensor {i} was written"))?;
+    }
+    drop(ws_mem);
+    Ok(())
+}
+
 fn error_if_nonfinite(gpu: &Gpu) -> TestResult {
     let grads = vec![
         Grad::from_f64(DType::F32, &vec![3.0; 1000], 0),
@@ -156,6 +238,7 @@ fn main() {
             ("clip_bits_equal_cpu_and_torch_rule", clip_equals_cpu_bits),
             ("scale_by_device_coefficient_equals_cpu_bits", scale_by_device_coefficient),
             ("error_if_nonfinite_leaves_gradients", error_if_nonfinite),
+            ("relocated_lists_in_a_shared_workspace", relocated_lists_in_a_shared_workspace),
         ],
         vec![],
     )

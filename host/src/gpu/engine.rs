@@ -329,8 +329,15 @@ impl GpuEngine {
 
     /// The tables of `list` in device memory: under CUDA-graph capture, fresh ones that the graph
     /// owns ([`capture`]); otherwise the engine's workspace, uploaded unless it holds this list's
-    /// tables already (the same list, or one of the same tensors). `write`: the call writes the
-    /// tensors, which must not overlap (decided once per list).
+    /// tables already (the same list, or, in the engine's own memory, one of the same tensors),
+    /// and only the tensor table when it holds those of the list's [`TensorList::family`] (the
+    /// same task table). `write`: the call writes the tensors, which must not overlap (decided
+    /// once per list).
+    ///
+    /// A lent workspace may be shared by the lists of one family (`gradclip`'s PyTorch binding
+    /// lends a relocated list its predecessor's): another engine may have written its tensor
+    /// table since, so there a list of the same tensors but another identity is uploaded again;
+    /// the task table is the family's whoever wrote it.
     pub(super) fn prepare(&mut self, list: &TensorList, write: bool) -> Result<Prepared> {
         let graph = match capture::status(&self.stream)? {
             Capture::Active(graph) => Some(graph),
@@ -340,14 +347,37 @@ impl GpuEngine {
             }
         };
         if graph.is_none()
-            && let Some(u) = &self.uploaded
-            && (u.list.id() == list.id() || u.list.tensors() == list.tensors())
+            && let Some(u) = &mut self.uploaded
         {
-            // The uploaded list was checked when it was planned; its overlap answer is kept.
-            if write {
-                u.list.check_writable()?;
+            let own_memory = self.external.is_none();
+            if u.list.id() == list.id() || (own_memory && u.list.tensors() == list.tensors()) {
+                // The uploaded list was checked when it was planned; its overlap answer is kept.
+                if write {
+                    u.list.check_writable()?;
+                }
+                return Ok(u.prepared);
             }
-            return Ok(u.prepared);
+            if u.list.family() == list.family() {
+                if write {
+                    list.check_writable()?;
+                }
+                let prepared = u.prepared;
+                let words = as_words(&list.plan()?.tensors);
+                // Forget the old list first: if the upload fails, nothing stale is reused.
+                self.uploaded = None;
+                if !words.is_empty() {
+                    self.stream.context().bind_to_thread()?;
+                    // SAFETY: the family's tensor table has the size of the uploaded one, at its
+                    // place inside the workspace; stream-ordered after the launches that read
+                    // the old one, and a pageable source is consumed before the call returns.
+                    unsafe { cudarc::driver::result::memcpy_htod_async(prepared.tables.tensors, words, self.stream.cu_stream()) }?;
+                }
+                self.uploaded = Some(Uploaded {
+                    list: list.clone(),
+                    prepared,
+                });
+                return Ok(prepared);
+            }
         }
         if write {
             list.check_writable()?;
