@@ -459,9 +459,21 @@ class _ClippingStep:
         grad mode switched off directly: the wrapper's profiler range, ``no_grad``'s context
         manager and ``compiler.disable``'s frame cost 0.2 ms of host time per step together
         when the caches are cold, as they are after a backward (2-core development host)."""
-        if torch.compiler.is_compiling() or _hooks_or_profiler(self):
+        if torch.compiler.is_compiling():
+            if closure is None and self._alone_in_graph():
+                # Nothing of torch's wrapper runs in this graph (no hook; its profiler range is
+                # dropped under compile): the op alone, and no guard on what the wrapper reads.
+                _whole_step.OP(self._token, self._stepper)
+                return None
+            return self._hooked_step(closure)
+        if _hooks_or_profiler(self):
             return self._hooked_step(closure)
         return self._plain_step(closure)
+
+    def _alone_in_graph(self) -> bool:
+        """While dynamo traces: whether this step may be ``gradclip::whole_step_`` (the graph is
+        this step alone, no step hook could touch the gradients in it, its token exists)."""
+        return self._token is not None and not _step_hooks(self) and _whole_step.compiled_alone()
 
     def _plain_step(self, closure):
         """The eager step with grad mode off (restored after): ``step`` without torch's
@@ -481,14 +493,10 @@ class _ClippingStep:
     step.hooked = True
 
     def _wrapped_step(self, closure=None):
-        """The step inside torch's wrapper, grad mode off. When dynamo traces it: the whole eager
-        step as one op (``gradclip::whole_step_``, no per-tensor input) when the graph is this
-        step alone and no step hook runs in it; else the list op when the step can be one; else
-        the eager step, at a graph break."""
+        """The step inside torch's wrapper, grad mode off. When dynamo traces it (a step that is
+        not the graph alone: ``step`` takes that one): the list op when the step can be one;
+        else the eager step, at a graph break."""
         if closure is None and torch.compiler.is_compiling():
-            if self._token is not None and not _step_hooks(self) and _whole_step.compiled_alone():
-                _whole_step.OP(self._token, self._stepper)
-                return None
             if self._traceable():
                 return self._traced_step()
             if self.update == "gradclip":
