@@ -14,7 +14,7 @@ mode="reduce-overhead") (the step alone: ``gradclip::whole_step_``, the eager st
 the step compiled inside a caller's function (the list op ``gradclip::optim_step_``, default
 and reduce-overhead), and torch's fused AdamW (no clip) eager and compiled for reference.
 
-  python3 benches/torch/compiled_step.py out.json [--steps 50] [--commit C]
+  python3 benches/torch/compiled_step.py out.json [--steps 50] [--commit C] [--rows A,B] [--rounds N]
   python3 benches/torch/compiled_step.py out.json --cpu   # on the CPU: 555 f32 parameters of 64
                                                           # elements (host costs; no GPU)
 """
@@ -94,16 +94,21 @@ def compiled(opt, mode, setup):
 def main():
     ap = record.parser(__doc__)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--rows", help="comma-separated row names to run (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the rows this many times, one round after another")
     args = ap.parse_args()
+    wanted = None if args.rows is None else set(args.rows.split(","))
     if args.cpu:
         params = [torch.nn.Parameter(torch.randn(64) * 0.02) for _ in moe_shapes()]
     else:
         params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in moe_shapes()]
     rows = []
-    for case in ("same", "fresh_reused"):
+    for rnd, case in ((r, c) for r in range(1, args.rounds + 1) for c in ("same", "fresh_reused")):
         grads = Grads(params, 0.0)
         setup = grads.same if case == "same" else grads.fresh_reused
         for name, make, mode in variants(params, not args.cpu):
+            if wanted is not None and name not in wanted:
+                continue
             opt = make()
             setup()
             opt.step()  # the eager first step: states and layouts
@@ -115,7 +120,7 @@ def main():
                 fn()
             warm_s = time.perf_counter() - t
             step_us, host_us = per_step(fn, setup, args.steps)
-            row = dict(list="moe-555-bf16" if not args.cpu else "555x64-f32-cpu", case=case, optimizer=name, step_us=step_us, host_us=host_us, warmup_s=warm_s)
+            row = dict(list="moe-555-bf16" if not args.cpu else "555x64-f32-cpu", case=case, optimizer=name, step_us=step_us, host_us=host_us, warmup_s=warm_s, round=rnd)
             rows.append(row)
             record.show(row)
             del opt, fn

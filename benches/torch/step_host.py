@@ -217,10 +217,12 @@ def main():
     ap = record.parser(__doc__)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--profile", help="write cProfile's top functions of gradclip's MoE steps here")
+    ap.add_argument("--lists", default="clip,moe", help="which lists: clip (1,000 f32), moe (555 bf16), or both")
     args = ap.parse_args()
+    lists = args.lists.split(",")
     device = "cpu" if args.cpu else "cuda"
     profiles = [] if args.profile else None
-    rows = clip_rows(device, args.calls) + moe_rows(device, args.calls, profiles)
+    rows = (clip_rows(device, args.calls) if "clip" in lists else []) + (moe_rows(device, args.calls, profiles) if "moe" in lists else [])
     record.write(args.out, {**record.header(args.commit, device), "rows": rows})
     if args.profile:
         with open(args.profile, "w") as f:
