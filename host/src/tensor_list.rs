@@ -125,7 +125,13 @@ impl TensorList {
                 found: addrs.len(),
             });
         }
-        let tensors: Vec<RawTensor> = self.0.tensors.iter().zip(addrs).map(|(t, &addr)| RawTensor { addr, ..*t }).collect();
+        let tensors: Vec<RawTensor> = self
+            .0
+            .tensors
+            .iter()
+            .zip(addrs)
+            .map(|(t, &addr)| RawTensor { addr, ..*t })
+            .collect();
         let overlap = match check_disjoint(&tensors) {
             Ok(()) => None,
             Err(Error::Overlap { first, second }) => Some((first, second)),
@@ -225,8 +231,14 @@ mod tests {
         // Overlap is found at the new addresses; bad addresses and counts are errors.
         let aliased = list.relocated(&[0x10_0000, 0x10_0010, 0]).unwrap();
         assert!(matches!(aliased.check_writable(), Err(Error::Overlap { first: 0, second: 1 })));
-        assert!(matches!(list.relocated(&[0x10_0000, 0, 0]), Err(Error::NullPointer { index: 1, .. })));
-        assert!(matches!(list.relocated(&[0x10_0000]), Err(Error::LengthMismatch { expected: 3, found: 1, .. })));
+        assert!(matches!(
+            list.relocated(&[0x10_0000, 0, 0]),
+            Err(Error::NullPointer { index: 1, .. })
+        ));
+        assert!(matches!(
+            list.relocated(&[0x10_0000]),
+            Err(Error::LengthMismatch { expected: 3, found: 1, .. })
+        ));
     }
 
     #[test]

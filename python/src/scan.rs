@@ -347,7 +347,10 @@ impl Planner {
         let same_layout = entries.len() == cache.key.len()
             && entries.iter().zip(&cache.key).all(|(a, b)| {
                 Entry {
-                    tensor: RawTensor { addr: a.tensor.addr, ..b.tensor },
+                    tensor: RawTensor {
+                        addr: a.tensor.addr,
+                        ..b.tensor
+                    },
                     ..*b
                 } == *a
             });

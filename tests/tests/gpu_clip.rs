@@ -135,7 +135,13 @@ fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
     let first = random_grads(41, 10, 200_000);
     let second: Vec<Grad> = first
         .iter()
-        .map(|g| Grad::from_f64(g.dtype(), &g.values().iter().map(|v| -3.0 * v + 0.25).collect::<Vec<_>>(), g.start()))
+        .map(|g| {
+            Grad::from_f64(
+                g.dtype(),
+                &g.values().iter().map(|v| -3.0 * v + 0.25).collect::<Vec<_>>(),
+                g.start(),
+            )
+        })
         .collect();
     let (mut a, mut b) = (gpu.upload(&first), gpu.upload(&second));
     let other = gpu.stream.context().new_stream().unwrap();
@@ -175,7 +181,12 @@ fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
     for (step, (on_other, l, want, what)) in [
         (false, &la, want_a, "the first list (all tables)"),
         (true, &lb, want_b, "the relocated list on the other engine (all its tables)"),
-        (false, &la_again, want_a, "the first tensors, relocated back, after the other engine's upload"),
+        (
+            false,
+            &la_again,
+            want_a,
+            "the first tensors, relocated back, after the other engine's upload",
+        ),
         (false, &lb, want_b, "the relocated list (tensor table only)"),
         (true, &la, want_a, "the first list on the other engine (tensor table only)"),
     ]
@@ -183,7 +194,9 @@ fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
     .enumerate()
     {
         let got = norm(if on_other { &mut e2 } else { &mut e1 }, l);
-        ensure(same_bits(got, want), || format!("step {step}, {what}: norm {got} vs the CPU's {want}"))?;
+        ensure(same_bits(got, want), || {
+            format!("step {step}, {what}: norm {got} vs the CPU's {want}")
+        })?;
     }
     // The clip of a relocated list writes its own tensors, and leaves the old ones alone.
     let mut twins = gpu.host_twins(&second, &b);
@@ -197,12 +210,18 @@ fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
     let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
     let c = Cpu::new().clip_grad_norm(&mut views, 0.5, &ClipOptions::default()).unwrap();
     drop(views);
-    ensure(same_bits(r.norm, c.norm) && same_bits(r.coef, c.coef), || format!("clip {r:?} vs CPU {c:?}"))?;
+    ensure(same_bits(r.norm, c.norm) && same_bits(r.coef, c.coef), || {
+        format!("clip {r:?} vs CPU {c:?}")
+    })?;
     for (i, (d, t)) in b.iter_mut().zip(&twins).enumerate() {
-        ensure(d.download(&gpu.stream).bits() == t.bits(), || format!("relocated clip: tensor {i} differs from the CPU's"))?;
+        ensure(d.download(&gpu.stream).bits() == t.bits(), || {
+            format!("relocated clip: tensor {i} differs from the CPU's")
+        })?;
     }
     for (i, (d, t)) in a.iter_mut().zip(&la_twins).enumerate() {
-        ensure(d.download(&gpu.stream).bits() == t.bits(), || format!("relocated clip: the old tensor {i} was written"))?;
+        ensure(d.download(&gpu.stream).bits() == t.bits(), || {
+            format!("relocated clip: the old tensor {i} was written")
+        })?;
     }
     drop(ws_mem);
     Ok(())
