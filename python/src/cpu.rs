@@ -4,7 +4,7 @@ use gradclip::NormType;
 use gradclip::cpu::Cpu;
 use pyo3::prelude::*;
 
-use crate::scan::Plan;
+use crate::plan::Plan;
 use crate::{clip_options, to_py};
 
 /// Total norm of a plan's host tensors, and with `per_tensor` each tensor's norm (else None).

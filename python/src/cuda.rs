@@ -11,7 +11,7 @@ use gradclip::gpu::{Coefficient, GpuEngine, RawOutput};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::scan::{LentTables, NO_STREAM, Plan};
+use crate::plan::{LentTables, NO_STREAM, Plan};
 use crate::{clip_options, to_py};
 
 /// One engine per (device, stream): it keeps the tables it uploaded for the last plan it ran.

@@ -1,5 +1,6 @@
 //! `gradclip._native`: the engine behind `gradclip.torch`. Python hands it `torch.Tensor` lists;
-//! [`scan`] reads them into plans (addresses, sizes, dtypes) and keeps the last one, and
+//! [`scan`] reads them into [`plan`]s (addresses, sizes, dtypes, the lent workspace) and keeps
+//! the last one, and
 //! [`plan_ops`] runs a plan on PyTorch's own memory and stream, through the [`cpu`] or [`cuda`]
 //! backend as the plan's device says. Never
 //! called directly by users. Work runs without the GIL.
@@ -10,6 +11,7 @@ mod cuda;
 mod guards;
 mod list_step;
 mod optim;
+mod plan;
 mod plan_ops;
 mod scan;
 mod step_grads;
@@ -49,7 +51,7 @@ fn check_max_norm(max_norm: f64) -> PyResult<()> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scan::Planner>()?;
-    m.add_class::<scan::Plan>()?;
+    m.add_class::<plan::Plan>()?;
     m.add_class::<optim::StepLayout>()?;
     m.add_function(wrap_pyfunction!(plan_ops::total_norm, m)?)?;
     m.add_function(wrap_pyfunction!(plan_ops::clip_grad_norm, m)?)?;

@@ -19,7 +19,8 @@ use pyo3::types::PyList;
 
 use crate::guards::{AddressCheck, ListGuard};
 use crate::optim::{Hyper, StepInputs, read_at, read_hyper, run_step};
-use crate::scan::{Place, Planner};
+use crate::plan::Place;
+use crate::scan::Planner;
 use crate::to_py;
 
 /// The states a group's rule keeps, by name, and whether it reads each parameter's own step

@@ -24,7 +24,8 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::cuda::with_engine;
 use crate::guards::AddressCheck;
-use crate::scan::{Place, Planner};
+use crate::plan::Place;
+use crate::scan::Planner;
 use crate::step_grads::{ListMaker, StepGrads};
 use crate::to_py;
 

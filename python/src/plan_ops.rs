@@ -7,7 +7,7 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::scan::Plan;
+use crate::plan::Plan;
 use crate::{cpu, cuda};
 
 /// Refuses an output address that is not a float64 tensor's (null or misaligned).

@@ -7,13 +7,12 @@
 //! read costs about what the same reads cost from Python (each is a call into torch), so a
 //! repeated list is first offered to torch's own guards ([`crate::guards`]: two C++ calls for
 //! the whole list); a list that kept its layout at new addresses (new tensors of the same
-//! shapes) is read by address only; only a list whose layout changed is read in full.
+//! shapes) is read by address only, and the kept plan relocated to it ([`Plan::relocated`]);
+//! only a list whose layout changed is read in full.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use gradclip::DType;
-use gradclip::gpu::ExternalWorkspace;
 use gradclip::plan::RawTensor;
 use gradclip::tensor_list::TensorList;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -22,18 +21,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::guards::{GuardFns, ListGuard};
+use crate::plan::{Place, Plan};
 use crate::tensor_addresses::DataPtrReader;
-use crate::to_py;
 
 /// The engine's dtypes in the order of the dtype objects given to [`Planner::new`].
 const DTYPES: [DType; 4] = DType::ALL;
-
-/// Where a tensor lives, as far as the fast path cares.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Place {
-    Cpu,
-    Cuda(i64),
-}
 
 /// One tensor of a key: everything that decides the engine's reads and writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,171 +34,6 @@ pub(crate) struct Entry {
     pub(crate) place: Place,
     /// An inference tensor (torch refuses in-place writes to it outside inference mode).
     inference: bool,
-}
-
-/// A list of contiguous tensors of the engine's dtypes, all on one device and pairwise
-/// disjoint: what one native call takes. Wraps the host crate's [`TensorList`], checked and
-/// planned once, which every native call passes down as it is (the engine knows its uploaded
-/// tables by the list's identity). Holds the device workspace lent to it, so a captured CUDA
-/// graph keeps using the memory its kernels were recorded with.
-#[pyclass(frozen, module = "gradclip._native")]
-pub struct Plan {
-    list: TensorList,
-    place: Place,
-    result_dtype: Py<PyAny>,
-    has_inference: bool,
-    workspace: Mutex<Option<Lent>>,
-}
-
-/// Device memory lent by the caller (a tensor from torch's caching allocator) and the owner
-/// object that keeps it allocated while the plan lives. A plan relocated from another (the same
-/// list's new tensors, [`Planner::scan`]) shares its predecessor's, whose tables it mostly keeps.
-struct Lent {
-    _owner: Py<PyAny>,
-    tables: LentTables,
-}
-
-/// A lent workspace as the engine calls use it: where it is, and the stream whose work used it
-/// last (shared by every plan that shares the memory).
-#[derive(Clone, Debug)]
-pub struct LentTables {
-    pub ws: ExternalWorkspace,
-    /// The CUstream handle of the last eager call with these tables ([`NO_STREAM`] before any):
-    /// a call on another stream is ordered after that stream's work first ([`crate::cuda`]),
-    /// since it rewrites tables that work may still read.
-    pub last_stream: Arc<AtomicUsize>,
-}
-
-/// [`LentTables::last_stream`] of tables not used yet (0 is a real handle: the legacy stream).
-pub const NO_STREAM: usize = usize::MAX;
-
-/// A new tag for every lent allocation: torch may hand the address of a freed workspace out
-/// again, zeroed, and the engine must not take it for the tables it uploaded there earlier.
-static GENERATION: AtomicU64 = AtomicU64::new(1);
-
-impl Plan {
-    /// The checked, planned list, shareable across a GIL release.
-    pub fn list(&self) -> TensorList {
-        self.list.clone()
-    }
-
-    /// The CUDA device ordinal; None for host tensors.
-    pub fn cuda_ordinal(&self) -> Option<usize> {
-        match self.place {
-            Place::Cuda(i) => usize::try_from(i).ok(),
-            Place::Cpu => None,
-        }
-    }
-
-    /// The lent workspace; None before one is lent (a plan first used under CUDA-graph
-    /// capture has none: those calls keep their tables in memory the graph owns).
-    pub fn workspace(&self) -> Option<LentTables> {
-        let guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
-        guard.as_ref().map(|l| l.tables.clone())
-    }
-
-    /// This plan's tensors at the addresses `addrs` (new tensors of the same layout), sharing
-    /// this plan's workspace: the engine then uploads only their tensor table
-    /// ([`TensorList::relocated`]). None when the new tensors overlap or are not valid (the
-    /// caller plans them anew, and the general path reports them). The caller makes sure this
-    /// plan is never used again (the workspace's tables become the new plan's).
-    fn relocated(&self, py: Python<'_>, addrs: &[u64]) -> Option<Plan> {
-        let list = self.list.relocated(addrs).ok()?;
-        list.check_writable().ok()?;
-        let guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
-        let workspace = guard.as_ref().map(|l| Lent {
-            _owner: l._owner.clone_ref(py),
-            tables: l.tables.clone(),
-        });
-        Some(Plan {
-            list,
-            place: self.place,
-            result_dtype: self.result_dtype.clone_ref(py),
-            has_inference: self.has_inference,
-            workspace: Mutex::new(workspace),
-        })
-    }
-}
-
-#[pymethods]
-impl Plan {
-    /// The CUDA device ordinal, or -1 for host tensors.
-    #[getter]
-    fn device(&self) -> i64 {
-        match self.place {
-            Place::Cpu => -1,
-            Place::Cuda(i) => i,
-        }
-    }
-
-    /// The dtype torch gives the norm of these tensors (their promoted dtype).
-    #[getter]
-    fn result_dtype(&self, py: Python<'_>) -> Py<PyAny> {
-        self.result_dtype.clone_ref(py)
-    }
-
-    /// True when some tensor is an inference tensor: writing it is allowed only in inference mode.
-    #[getter]
-    fn has_inference(&self) -> bool {
-        self.has_inference
-    }
-
-    /// `(device, result_dtype, has_inference, has_workspace)` in one call: what a clip needs to
-    /// know of its plan (the CUDA ordinal or -1, the dtype of the returned norm, whether writing
-    /// needs inference mode, whether a workspace is still to be lent).
-    #[getter]
-    fn info(&self, py: Python<'_>) -> (i64, Py<PyAny>, bool, bool) {
-        (self.device(), self.result_dtype(py), self.has_inference, self.has_workspace())
-    }
-
-    /// Number of tensors.
-    fn __len__(&self) -> usize {
-        self.list.len()
-    }
-
-    /// Bytes of zeroed device memory the engine's tables need for this list.
-    #[getter]
-    fn workspace_bytes(&self) -> PyResult<usize> {
-        gradclip::gpu::workspace_bytes(&self.list).map_err(to_py)
-    }
-
-    /// True once a workspace was lent.
-    #[getter]
-    fn has_workspace(&self) -> bool {
-        self.workspace.lock().unwrap_or_else(|e| e.into_inner()).is_some()
-    }
-
-    /// Lends `owner` (a zeroed, contiguous CUDA tensor of at least `workspace_bytes` bytes on
-    /// this plan's device) to the engine for this plan's tables; the plan keeps it alive.
-    fn lend_workspace(&self, owner: &Bound<'_, PyAny>) -> PyResult<()> {
-        let py = owner.py();
-        let addr: u64 = owner.call_method0(intern!(py, "data_ptr"))?.extract()?;
-        let numel: usize = owner.call_method0(intern!(py, "numel"))?.extract()?;
-        let itemsize: usize = owner.getattr(intern!(py, "itemsize"))?.extract()?;
-        let device: i64 = owner.call_method0(intern!(py, "get_device"))?.extract()?;
-        let contiguous: bool = owner.call_method0(intern!(py, "is_contiguous"))?.extract()?;
-        let need = self.workspace_bytes()?;
-        if Place::Cuda(device) != self.place || !contiguous || numel * itemsize < need || addr == 0 {
-            return Err(PyValueError::new_err(format!(
-                "the workspace must be a contiguous tensor of at least {need} bytes on CUDA device {}; got {} bytes on device {device}",
-                self.device(),
-                numel * itemsize
-            )));
-        }
-        let ws = ExternalWorkspace {
-            addr,
-            bytes: numel * itemsize,
-            generation: GENERATION.fetch_add(1, Ordering::Relaxed),
-        };
-        *self.workspace.lock().unwrap_or_else(|e| e.into_inner()) = Some(Lent {
-            _owner: owner.clone().unbind(),
-            tables: LentTables {
-                ws,
-                last_stream: Arc::new(AtomicUsize::new(NO_STREAM)),
-            },
-        });
-        Ok(())
-    }
 }
 
 /// Reads tensor lists into plans and keeps the last one while the same list comes back.
@@ -297,13 +124,12 @@ impl Planner {
             return Ok(None);
         }
         let code = entries.iter().map(|e| dtype_index(e.tensor.dtype)).reduce(promote).unwrap_or(2);
-        let plan = Plan {
+        let plan = Plan::new(
             list,
-            place: entries.first().map_or(Place::Cpu, |e| e.place),
-            result_dtype: self.dtypes[code].clone_ref(py),
-            has_inference: entries.iter().any(|e| e.inference),
-            workspace: Mutex::new(None),
-        };
+            entries.first().map_or(Place::Cpu, |e| e.place),
+            self.dtypes[code].clone_ref(py),
+            entries.iter().any(|e| e.inference),
+        );
         Ok(Some(Py::new(py, plan)?))
     }
 

@@ -25,7 +25,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 
 use crate::guards::{ListGuard, data_ptr, data_ptrs};
-use crate::scan::{Place, Planner};
+use crate::plan::Place;
+use crate::scan::Planner;
 use crate::tensor_addresses::DataPtrReader;
 
 /// How the optimizer's layout turns a step's gradients into a step list.
