@@ -110,34 +110,28 @@ impl TensorList {
         self.0.family
     }
 
-    /// This list's tensors (lengths and dtypes, in order) at the addresses `addrs`: a new list
-    /// with its own [`TensorList::id`], checked as [`TensorList::new`] checks (overlap included)
-    /// and planned now. When every tensor keeps its block count (the usual case for new tensors
-    /// of the same shapes: an allocator's alignment keeps their phases), its task table is this
-    /// list's and it joins this list's [`TensorList::family`]: an engine that holds this list's
-    /// tables then uploads only the tensor table. Fails with [`Error::LengthMismatch`] when
-    /// `addrs` does not give one address per tensor.
-    pub fn relocated(&self, addrs: &[u64]) -> Result<Self> {
-        if addrs.len() != self.len() {
+    /// A list of `tensors` in this list's positions (new tensors of the same shapes, as a
+    /// training loop makes them): a new list with its own [`TensorList::id`], checked as
+    /// [`TensorList::new`] checks (overlap included) and planned now, exactly as a new list.
+    /// When every tensor keeps the block count of the one in its position (the usual case for
+    /// new tensors of the same shapes: an allocator's alignment keeps their phases), its task
+    /// table is this list's and it joins this list's [`TensorList::family`]: an engine that holds
+    /// this list's tables then uploads only the tensor table. Fails with
+    /// [`Error::LengthMismatch`] when `tensors` does not give one tensor per position.
+    pub fn relocated(&self, tensors: &[RawTensor]) -> Result<Self> {
+        if tensors.len() != self.len() {
             return Err(Error::LengthMismatch {
-                what: "the addresses of a relocated list",
+                what: "the tensors of a relocated list",
                 expected: self.len(),
-                found: addrs.len(),
+                found: tensors.len(),
             });
         }
-        let tensors: Vec<RawTensor> = self
-            .0
-            .tensors
-            .iter()
-            .zip(addrs)
-            .map(|(t, &addr)| RawTensor { addr, ..*t })
-            .collect();
-        let overlap = match check_disjoint(&tensors) {
+        let overlap = match check_disjoint(tensors) {
             Ok(()) => None,
             Err(Error::Overlap { first, second }) => Some((first, second)),
             Err(e) => return Err(e),
         };
-        let descs = descriptors(&tensors)?;
+        let descs = descriptors(tensors)?;
         let old = self.plan()?;
         let same_tasks = descs.iter().zip(&old.tensors).all(|(a, b)| a.num_tasks == b.num_tasks);
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -213,14 +207,15 @@ mod tests {
     fn relocated_lists_plan_as_new_ones_and_keep_the_family_while_blocks_match() {
         let big = 1 << 20; // elements: several blocks
         let list = TensorList::new(&[t(0x10_0000, big), t(0x90_0000, 5), t(0xA0_0000, 0)]).unwrap();
-        let moved = list.relocated(&[0x200_0000, 0x280_0000, 0]).unwrap();
+        let at = |addrs: [u64; 3]| [t(addrs[0], big), t(addrs[1], 5), t(addrs[2], 0)];
+        let moved = list.relocated(&at([0x200_0000, 0x280_0000, 0])).unwrap();
         assert_ne!(moved.id(), list.id());
         assert_eq!(moved.family(), list.family(), "same block counts: same task table");
         assert_eq!(moved.plan().unwrap(), &plan(moved.tensors()).unwrap(), "exactly a new list's plan");
         assert_eq!(moved.tensors()[1], t(0x280_0000, 5));
         assert!(moved.check_writable().is_ok());
         // A phase that adds a block: another task table, another family, still planned exactly.
-        let shifted = moved.relocated(&[0x200_0004, 0x280_0000, 0]).unwrap();
+        let shifted = moved.relocated(&at([0x200_0004, 0x280_0000, 0])).unwrap();
         assert_ne!(
             shifted.plan().unwrap().tasks.len(),
             moved.plan().unwrap().tasks.len(),
@@ -229,16 +224,23 @@ mod tests {
         assert_ne!(shifted.family(), list.family());
         assert_eq!(shifted.plan().unwrap(), &plan(shifted.tensors()).unwrap());
         // Overlap is found at the new addresses; bad addresses and counts are errors.
-        let aliased = list.relocated(&[0x10_0000, 0x10_0010, 0]).unwrap();
+        let aliased = list.relocated(&at([0x10_0000, 0x10_0010, 0])).unwrap();
         assert!(matches!(aliased.check_writable(), Err(Error::Overlap { first: 0, second: 1 })));
         assert!(matches!(
-            list.relocated(&[0x10_0000, 0, 0]),
+            list.relocated(&at([0x10_0000, 0, 0])),
             Err(Error::NullPointer { index: 1, .. })
         ));
         assert!(matches!(
-            list.relocated(&[0x10_0000]),
+            list.relocated(&at([1 << 24; 3])[..1]),
             Err(Error::LengthMismatch { expected: 3, found: 1, .. })
         ));
+        // Other lengths of the same block counts keep the family; an emptied tensor leaves it.
+        let shorter = list.relocated(&[t(0x10_0000, big - 3), t(0x90_0000, 2), t(0xA0_0000, 0)]).unwrap();
+        assert_eq!(shorter.family(), list.family());
+        assert_eq!(shorter.plan().unwrap(), &plan(shorter.tensors()).unwrap());
+        let emptied = list.relocated(&[t(0x10_0000, big), t(0x90_0000, 0), t(0xA0_0000, 0)]).unwrap();
+        assert_ne!(emptied.family(), list.family());
+        assert_eq!(emptied.plan().unwrap(), &plan(emptied.tensors()).unwrap());
     }
 
     #[test]

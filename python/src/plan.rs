@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use gradclip::gpu::ExternalWorkspace;
+use gradclip::plan::RawTensor;
 use gradclip::tensor_list::TensorList;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
@@ -94,13 +95,13 @@ impl Plan {
         guard.as_ref().map(|l| l.tables.clone())
     }
 
-    /// This plan's tensors at the addresses `addrs` (new tensors of the same layout), sharing
-    /// this plan's workspace: the engine then uploads only their tensor table
+    /// A plan of `tensors` (new tensors of this plan's layout: the same device, dtypes and
+    /// lengths), sharing this plan's workspace: the engine then uploads only their tensor table
     /// ([`TensorList::relocated`]). None when the new tensors overlap or are not valid (the
     /// caller plans them anew, and the general path reports them). The caller makes sure this
     /// plan is never used again (the workspace's tables become the new plan's).
-    pub(crate) fn relocated(&self, py: Python<'_>, addrs: &[u64]) -> Option<Plan> {
-        let list = self.list.relocated(addrs).ok()?;
+    pub(crate) fn relocated(&self, py: Python<'_>, tensors: &[RawTensor]) -> Option<Plan> {
+        let list = self.list.relocated(tensors).ok()?;
         list.check_writable().ok()?;
         let guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
         let workspace = guard.as_ref().map(|l| Lent {

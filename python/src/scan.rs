@@ -185,8 +185,8 @@ impl Planner {
         if !same_layout || !only_the_cache {
             return None;
         }
-        let addrs: Vec<u64> = entries.iter().map(|e| e.tensor.addr).collect();
-        last.get().relocated(py, &addrs)
+        let tensors: Vec<RawTensor> = entries.iter().map(|e| e.tensor).collect();
+        last.get().relocated(py, &tensors)
     }
 }
 

@@ -148,9 +148,8 @@ fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
     let (mut e1, mut e2) = (gpu.engine(), GpuEngine::new(other.clone()).unwrap());
     let raws = |d: &[DevGrad]| d.iter().map(|x| x.raw(&gpu.stream)).collect::<Vec<_>>();
     let la = list(&raws(&a));
-    let addrs = |d: &[DevGrad]| d.iter().map(|x| x.raw(&gpu.stream).addr).collect::<Vec<_>>();
-    let lb = la.relocated(&addrs(&b)).unwrap();
-    let la_again = lb.relocated(&addrs(&a)).unwrap();
+    let lb = la.relocated(&raws(&b)).unwrap();
+    let la_again = lb.relocated(&raws(&a)).unwrap();
     ensure(lb.family() == la.family() && la_again.family() == la.family(), || {
         "allocations at the same phases should keep the family".into()
     })?;
@@ -201,7 +200,7 @@ fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
     // The clip of a relocated list writes its own tensors, and leaves the old ones alone.
     let mut twins = gpu.host_twins(&second, &b);
     let la_twins = gpu.host_twins(&first, &a);
-    let lb2 = la_again.relocated(&addrs(&b)).unwrap();
+    let lb2 = la_again.relocated(&raws(&b)).unwrap();
     // SAFETY: `b`'s buffers, live and written by nothing else until the stream is synchronized.
     let r = unsafe { e1.clip_grad_norm_raw(&lb2, 0.5, &ClipOptions::default(), NewNorm::default()) }
         .unwrap()

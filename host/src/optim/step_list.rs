@@ -144,7 +144,16 @@ impl StepList {
                 (parts, *names)
             })
             .collect();
-        let list = if shapes_fit { grads_clear_of(&old.written, grads) } else { None };
+        // The old gradients' list relocated: its task table kept while the block counts are
+        // (no gradient newly absent or present), so the norm's tables are not uploaded anew.
+        let list = if shapes_fit {
+            old.grads
+                .relocated(grads)
+                .ok()
+                .filter(|l| l.check_writable().is_ok() && clear_of(&old.written, grads))
+        } else {
+            None
+        };
         let Some(grads) = list else {
             return Self::new(&groups);
         };
@@ -269,7 +278,12 @@ mod tests {
             }).collect();
             let mut next = grads.iter();
             let with: Vec<(Vec<Parts>, &'static [&'static str])> = groups.iter().map(|(ps, n)| (ps.iter().map(|p| Parts { grad: *next.next().unwrap(), ..*p }).collect(), *n)).collect();
-            prop_assert_eq!(result(list.with_grads(&grads)), result(StepList::new(&with)));
+            let moved = list.with_grads(&grads);
+            if let Ok(l) = &moved {
+                // The norm's list is planned exactly as a new one, relocated or not.
+                prop_assert_eq!(l.grads().plan().unwrap(), &crate::plan::plan(l.grads().tensors()).unwrap());
+            }
+            prop_assert_eq!(result(moved), result(StepList::new(&with)));
         }
     }
 
@@ -287,5 +301,13 @@ mod tests {
         assert!(matches!(list.with_grads(&longer), Err(Error::OptimizerLength { index: 1, .. })));
         let same = list.with_grads(&g).unwrap();
         assert_ne!(same.id(), list.id(), "a new list, a new identity");
+        // New gradients of the same blocks: the norm's list keeps its task table (family); a
+        // gradient absent this step changes the blocks, and the family.
+        let mut moved = g.clone();
+        moved[0].addr += 64 << 20;
+        assert_eq!(list.with_grads(&moved).unwrap().grads().family(), list.grads().family());
+        let mut absent = g.clone();
+        absent[1].len = 0;
+        assert_ne!(list.with_grads(&absent).unwrap().grads().family(), list.grads().family());
     }
 }
