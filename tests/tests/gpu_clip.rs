@@ -130,7 +130,8 @@ fn scale_by_device_coefficient(gpu: &Gpu) -> TestResult {
 /// them) in one lent workspace shared by two engines on two streams (as the PyTorch binding
 /// lends it): each call computes on its own list's tensors, whether the engine uploads only the
 /// tensor table (its family's tasks already there) or all of it; a list with the tensors another
-/// engine's upload replaced is uploaded again, never taken for the tables this engine left.
+/// engine's upload replaced is uploaded again, never taken for the tables this engine left; in
+/// an engine's own memory the family's lists take turns the same way.
 fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
     let first = random_grads(41, 10, 200_000);
     let second: Vec<Grad> = first
@@ -195,6 +196,17 @@ fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
         let got = norm(if on_other { &mut e2 } else { &mut e1 }, l);
         ensure(same_bits(got, want), || {
             format!("step {step}, {what}: norm {got} vs the CPU's {want}")
+        })?;
+    }
+    // In an engine's own memory (the optimizer's step lists' norm): the same, one engine.
+    let mut own = gpu.engine();
+    for (step, (l, want)) in [(&la, want_a), (&lb, want_b), (&la_again, want_a), (&lb, want_b)]
+        .into_iter()
+        .enumerate()
+    {
+        let got = norm(&mut own, l);
+        ensure(same_bits(got, want), || {
+            format!("own memory, step {step}: norm {got} vs the CPU's {want}")
         })?;
     }
     // The clip of a relocated list writes its own tensors, and leaves the old ones alone.
