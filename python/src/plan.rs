@@ -96,18 +96,24 @@ impl Plan {
     }
 
     /// A plan of `tensors` (new tensors of this plan's layout: the same device, dtypes and
-    /// lengths), sharing this plan's workspace: the engine then uploads only their tensor table
-    /// ([`TensorList::relocated`]). None when the new tensors overlap or are not valid (the
-    /// caller plans them anew, and the general path reports them). The caller makes sure this
-    /// plan is never used again (the workspace's tables become the new plan's).
+    /// lengths), sharing this plan's workspace while it keeps this plan's task table (the same
+    /// [`TensorList::family`]: the engine then uploads only their tensor table). A tensor at
+    /// another 16-byte phase can take a block more: that list's tables need another size, and
+    /// the plan gets a workspace of its own when first run. None when the new tensors overlap or
+    /// are not valid (the caller plans them anew, and the general path reports them). The caller
+    /// makes sure this plan is never used again (the workspace's tables become the new plan's).
     pub(crate) fn relocated(&self, py: Python<'_>, tensors: &[RawTensor]) -> Option<Plan> {
         let list = self.list.relocated(tensors).ok()?;
         list.check_writable().ok()?;
-        let guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
-        let workspace = guard.as_ref().map(|l| Lent {
-            _owner: l._owner.clone_ref(py),
-            tables: l.tables.clone(),
-        });
+        let workspace = if list.family() == self.list.family() {
+            let guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+            guard.as_ref().map(|l| Lent {
+                _owner: l._owner.clone_ref(py),
+                tables: l.tables.clone(),
+            })
+        } else {
+            None
+        };
         Some(Plan {
             list,
             place: self.place,

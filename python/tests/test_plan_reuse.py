@@ -212,8 +212,9 @@ def test_new_tensors_of_the_same_layout_are_read_by_address(device):
 def test_new_tensors_take_over_the_kept_plans_tables():
     """New tensors of the kept plan's layout (the gradients a training loop makes every step):
     the new plan takes over the kept one's lent workspace (on the GPU only its tensor table is
-    uploaded again) when nothing else holds the kept plan, and is planned with its own otherwise.
-    Lists taking turns, on two streams: every norm is the one of its own tensors."""
+    uploaded again) when nothing else holds the kept plan, and is planned with its own otherwise,
+    or when its task table changed. Lists taking turns, on two streams: every norm is the one of
+    its own tensors."""
     gs = grads("cuda")
     gt.get_total_norm(gs)  # plans and lends
     plan, _ = gt._PLANNER.scan(gs, False)
@@ -226,6 +227,17 @@ def test_new_tensors_take_over_the_kept_plans_tables():
     fresh, _ = gt._PLANNER.scan(gs3, False)  # `moved` is held here
     assert fresh is not moved and not fresh.has_workspace, "a held plan's tables must stay its own"
     del moved, fresh
+    # A tensor at another 16-byte phase takes a block more: other tables, of another size, so
+    # the relocated plan gets a workspace of its own (the kept one is too small for them).
+    whole = torch.randn(65536, device="cuda")  # exactly one block at phase 0
+    gt.get_total_norm([whole])
+    shifted = torch.randn(65537, device="cuda")[1:]  # 4 bytes on: two blocks
+    assert shifted.data_ptr() % 16 == 4
+    plan, _ = gt._PLANNER.scan([shifted], False)
+    assert plan is not None and not plan.has_workspace
+    del plan
+    want = torch.linalg.vector_norm(shifted.double())
+    assert abs(float(gt.get_total_norm([shifted])) - float(want)) <= 1e-6 * float(want)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     for step in range(9):
