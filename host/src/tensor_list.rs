@@ -54,11 +54,7 @@ impl TensorList {
     pub fn new(tensors: &[RawTensor]) -> Result<Self> {
         // check_disjoint validates every tensor before comparing ranges; an overlap is not an
         // error for a list (a norm may read aliased tensors), only for what writes it.
-        let overlap = match check_disjoint(tensors) {
-            Ok(()) => None,
-            Err(Error::Overlap { first, second }) => Some((first, second)),
-            Err(e) => return Err(e),
-        };
+        let overlap = first_overlap(tensors)?;
         check_limits(tensors)?; // the table's limits are part of validity
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Ok(TensorList(Arc::new(Inner {
@@ -126,11 +122,7 @@ impl TensorList {
                 found: tensors.len(),
             });
         }
-        let overlap = match check_disjoint(tensors) {
-            Ok(()) => None,
-            Err(Error::Overlap { first, second }) => Some((first, second)),
-            Err(e) => return Err(e),
-        };
+        let overlap = first_overlap(tensors)?;
         let descs = descriptors(tensors)?;
         let old = self.plan()?;
         let same_tasks = descs.iter().zip(&old.tensors).all(|(a, b)| a.num_tasks == b.num_tasks);
@@ -164,11 +156,7 @@ impl TensorList {
         let overlap = match self.0.overlap.get() {
             Some(o) => *o,
             None => {
-                let o = match check_disjoint(&self.0.tensors) {
-                    Ok(()) => None,
-                    Err(Error::Overlap { first, second }) => Some((first, second)),
-                    Err(e) => return Err(e),
-                };
+                let o = first_overlap(&self.0.tensors)?;
                 *self.0.overlap.get_or_init(|| o)
             }
         };
@@ -176,6 +164,16 @@ impl TensorList {
             None => Ok(()),
             Some((first, second)) => Err(Error::Overlap { first, second }),
         }
+    }
+}
+
+/// The first overlapping pair of `tensors` (by position), None when they are disjoint; the
+/// errors of [`check_disjoint`] for a tensor no kernel may read.
+fn first_overlap(tensors: &[RawTensor]) -> Result<Option<(usize, usize)>> {
+    match check_disjoint(tensors) {
+        Ok(()) => Ok(None),
+        Err(Error::Overlap { first, second }) => Ok(Some((first, second))),
+        Err(e) => Err(e),
     }
 }
 

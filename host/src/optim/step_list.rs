@@ -87,7 +87,7 @@ impl StepList {
             }
         }
         written.sort_unstable();
-        let grads_list = grads_clear_of(&written, &grads);
+        let grads_list = grads_clear_of(&written, &grads, TensorList::new(&grads));
         if !(valid && written.windows(2).all(|w| w[0].1 <= w[1].0) && grads_list.is_some()) {
             // Something is wrong: the whole list's check names it, by position, in the order
             // parameter, gradient, states, step count of each parameter.
@@ -147,10 +147,7 @@ impl StepList {
         // The old gradients' list relocated: its task table kept while the block counts are
         // (no gradient newly absent or present), so the norm's tables are not uploaded anew.
         let list = if shapes_fit {
-            old.grads
-                .relocated(grads)
-                .ok()
-                .filter(|l| l.check_writable().is_ok() && clear_of(&old.written, grads))
+            grads_clear_of(&old.written, grads, old.grads.relocated(grads))
         } else {
             None
         };
@@ -201,13 +198,11 @@ impl StepList {
     }
 }
 
-/// The list of `grads` when they are valid memory and no non-empty one shares a byte with
-/// another or with a range of `written` (sorted, disjoint); None otherwise.
-fn grads_clear_of(written: &[(u64, u64)], grads: &[RawTensor]) -> Option<TensorList> {
-    // TensorList::new validates every gradient before clear_of reads its end.
-    TensorList::new(grads)
-        .ok()
-        .filter(|l| l.check_writable().is_ok() && clear_of(written, grads))
+/// `list` (made of `grads`: new, or relocated) when they are valid memory and no non-empty one
+/// shares a byte with another or with a range of `written` (sorted, disjoint); None otherwise.
+fn grads_clear_of(written: &[(u64, u64)], grads: &[RawTensor], list: Result<TensorList>) -> Option<TensorList> {
+    // Making the list validates every gradient before clear_of reads its end.
+    list.ok().filter(|l| l.check_writable().is_ok() && clear_of(written, grads))
 }
 
 /// True when no non-empty tensor of `grads` shares a byte with a range of `written` (sorted,
