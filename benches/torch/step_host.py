@@ -9,7 +9,8 @@ Lists:
   moe     555 bf16 parameters in the shapes of an 8-layer mixture of experts (32 experts of two
           256 x 1024 matrices, attention 4 x 1024 x 1024, a router, a norm per layer; an
           embedding, a final norm and a head)
-  clip    1,000 f32 gradients of 1,024 elements (the clip alone)
+  clip    1,000 f32 gradients of 1,024 elements (the clip alone; gradclip_scan_only: the
+          planner's scan alone; gradclip_stages: the clip's calls each timed, see clip_stages)
 
 Rows per case: host time of one call (time.perf_counter around the call, the GPU drained
 before it, median over --calls calls), the part of it Python's garbage collector took (gc_us,
@@ -194,6 +195,31 @@ def moe_rows(device, calls, profiles=None):
     return rows
 
 
+def clip_stages(params, stages):
+    """gradclip.torch.clip_grad_norm_'s common case (``_clip_plan``) call by call, each timed
+    into a dict appended to `stages` (us): the scan (reading the gradients, torch's guards, the
+    addresses, the relocation), the plan's info and the result buffer, the native clip (the
+    engine's upload and launches), the version-counter bump and the returned 0-dim norm."""
+    from gradclip import _engine, _native
+
+    def fn():
+        t0 = time.perf_counter()
+        plan, grads, _ = gt._scan(params, True)
+        t1 = time.perf_counter()
+        info = plan.info
+        _engine._check_writable(plan, grads, info)
+        out = _engine._out(info[0])
+        t2 = time.perf_counter()
+        _engine._call(_native.clip_grad_norm, plan, info, 1.0, 2.0, out.data_ptr())
+        t3 = time.perf_counter()
+        _engine._written(grads)
+        t4 = time.perf_counter()
+        out[0].to(info[1])
+        t5 = time.perf_counter()
+        stages.append(dict(scan=t1 - t0, info_out=t2 - t1, native=t3 - t2, written=t4 - t3, result=t5 - t4))
+    return fn
+
+
 def clip_rows(device, calls):
     cuda = device == "cuda"
     rows = []
@@ -202,12 +228,19 @@ def clip_rows(device, calls):
                               ("fresh_busy_stream", True, 2_000_000 if cuda else 0)]:
         grads = Grads(params, 0.0)
         setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused}[fresh]
+        stages = []
         for name, fn in [("gradclip", lambda: gt.clip_grad_norm_(params, 1.0)),
                          ("gradclip_scan_only", lambda: gt._PLANNER.scan(params, True)),
+                         ("gradclip_stages", clip_stages(params, stages)),
                          ("torch_foreach", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))]:
             fn()
-            host, dev = one_call(fn, setup, calls, cuda, busy)
-            row = dict(list="clip-1000x1024-f32", case=case, optimizer=name, host_us=host, gpu_us=dev)
+            stages.clear()
+            gcs = []
+            host, dev = one_call(fn, setup, calls, cuda, busy, gcs=gcs)
+            row = dict(list="clip-1000x1024-f32", case=case, optimizer=name, host_us=host, gpu_us=dev,
+                       gc_us=statistics.median(gcs))
+            if stages:  # each stage's median over the calls
+                row.update({f"{k}_us": statistics.median(s[k] for s in stages) * 1e6 for k in stages[0]})
             rows.append(row)
             record.show(row)
     return rows
