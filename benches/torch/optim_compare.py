@@ -148,8 +148,8 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
         ("torch fused AdamW step alone", lambda: opt("torch").step(), floor_step),
         ("torch clip_grad_norm_ (foreach) + fused step", lambda: (torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), opt("torch").step()), floor_clip),
         ("gradclip clip_grad_norm_ + torch fused step", lambda: (gt.clip_grad_norm_(params, max_norm), opt("torch").step()), floor_clip),
-        ("gradclip optim.AdamW, no max_grad_norm", lambda: opt("plain").step(), floor_step),
-        ("gradclip optim.AdamW, max_grad_norm", lambda: opt("clip").step(), floor_clip),
+        ("gradclip optim.AdamW(update='torch')", lambda: opt("plain").step(), floor_step),
+        ("gradclip optim.AdamW(update='torch'), max_grad_norm", lambda: opt("clip").step(), floor_clip),
     ]
     if device == "cuda":
         # gradclip's own kernels (norm kernel + Adam kernel, no gradient write-back).
