@@ -48,3 +48,44 @@ unsafe impl GradElement for f64 {
     const DTYPE: DType = DType::F64;
     type Kernel = k::F64;
 }
+
+/// `x` rounded to `T` as the GPU's norm kernel writes a norm in that type
+/// ([`crate::gpu::RawOutput::norm_as`], [`gradclip_kernels::dtype::write_as`]): as PyTorch's CUDA
+/// `.to(dtype)` rounds an f64 (through f32 for the 16-bit types, NaN canonical). The CPU
+/// backend's half of those bits.
+pub fn round_f64<T: GradElement>(x: f64) -> T {
+    let bits = <T::Kernel as k::Element>::from_f64(x);
+    // SAFETY: GradElement's contract: `T` has the size and bit layout of `T::Kernel::Bits`.
+    unsafe { std::mem::transmute_copy(&bits) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Through f32 (the double rounding of torch's `.to()`), nearest-even, NaN canonical.
+    #[test]
+    fn round_f64_rounds_as_torch_to_does() {
+        for x in [
+            0.0,
+            1.0,
+            3.0e-8,
+            1.0 + 2f64.powi(-8) + 2f64.powi(-30),
+            65504.0,
+            65520.0,
+            1.0e39,
+            f64::INFINITY,
+            7.123456789,
+        ] {
+            assert_eq!(round_f64::<half::bf16>(x), half::bf16::from_f32(x as f32), "{x}");
+            assert_eq!(round_f64::<half::f16>(x), half::f16::from_f32(x as f32), "{x}");
+            assert_eq!(round_f64::<f32>(x).to_bits(), (x as f32).to_bits(), "{x}");
+            assert_eq!(round_f64::<f64>(x).to_bits(), x.to_bits(), "{x}");
+        }
+        // 1 + 2^-8 + 2^-30 rounds up to bf16 directly but to the tie (then even: 1.0) through f32.
+        assert_eq!(round_f64::<half::bf16>(1.0 + 2f64.powi(-8) + 2f64.powi(-30)), half::bf16::ONE);
+        assert_eq!(round_f64::<half::bf16>(f64::NAN).to_bits(), 0x7FFF);
+        assert_eq!(round_f64::<half::f16>(-f64::NAN).to_bits(), 0x7FFF);
+        assert_eq!(round_f64::<f32>(f64::NAN).to_bits(), 0x7FFF_FFFF);
+    }
+}

@@ -37,7 +37,7 @@ pub mod plan;
 pub mod sharded;
 pub mod tensor_list;
 
-pub use dtype::{DType, GradElement};
+pub use dtype::{DType, GradElement, round_f64};
 pub use error::{Error, Result};
 pub use norm::{ClipOptions, NormReport, NormType, validate_max_norm};
 

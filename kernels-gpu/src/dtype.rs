@@ -259,6 +259,18 @@ pub fn f64_key(x: f64) -> u64 {
     if a > 0x7FF0_0000_0000_0000 { 0x7FF8_0000_0000_0000 } else { a }
 }
 
+/// Writes `x` rounded to `dtype` at `dst`, as PyTorch's CUDA `.to(dtype)` of an f64 rounds it
+/// ([`Element::from_f64`]: through f32 for the 16-bit types, NaN canonical): the norm handed back
+/// in the gradients' dtype, written by the norm kernel itself (on the GPU) or by the CPU backend.
+///
+/// # Safety
+/// `dst` is writable memory of `dtype.size()` bytes aligned to that size, used by nothing else.
+#[inline(always)]
+pub unsafe fn write_as(dtype: DType, dst: *mut u8, x: f64) {
+    // SAFETY: the caller's contract: room for one aligned element of `dtype`.
+    crate::with_element!(dtype, E => unsafe { dst.cast::<<E as Element>::Bits>().write(E::from_f64(x)) })
+}
+
 /// Size in bytes of the element type with this [`crate::abi::dtype_code`], or `None` for an unknown code.
 pub const fn size_of_code(code: u32) -> Option<u64> {
     match DType::from_code(code) {

@@ -13,12 +13,21 @@ use crate::device::{
     DeviceTensor, DeviceTensorMut, atomic_add_u32, block_idx, block_reduce, fence_gpu, grid_dim, ld_cg_partial, smem_flag, sync_threads,
     thread_idx, warp_reduce,
 };
-use crate::dtype::Element;
+use crate::dtype::{Element, write_as};
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, scale_lane};
 use crate::scale::{norm_output, scale_coefficients};
 
 const BLOCK_WARPS: u32 = BLOCK_THREADS / WARP_THREADS;
+
+/// Where the norm kernel also writes the norm in a tensor dtype (`addr` 0: nowhere): the 0-dim
+/// norm a framework hands back, with no cast launched after.
+#[derive(Clone, Copy)]
+struct Typed {
+    addr: u64,
+    /// A [`DType`] code.
+    dtype: u32,
+}
 
 #[inline(always)]
 unsafe fn lane_of<E: Element, A: Accumulator>(d: &TensorDesc, chunk: u64, acc: &mut A) {
@@ -38,6 +47,7 @@ unsafe fn norm<A: Accumulator>(
     counter: *mut u32,
     out: *mut NormOutput,
     params: NormParams,
+    typed: Typed,
 ) {
     let p = params.p;
     if params.num_tasks > 0 {
@@ -90,7 +100,13 @@ unsafe fn norm<A: Accumulator>(
         // it for the next launch, which the stream orders after this one (an empty list never
         // touched it, and may not have one).
         unsafe {
-            out.write(norm_output(total.norm(), &params));
+            let norm = total.norm();
+            out.write(norm_output(norm, &params));
+            if let Some(dtype) = DType::from_code(typed.dtype).filter(|_| typed.addr != 0) {
+                // SAFETY: a non-zero `typed.addr` is one element of `typed.dtype` owned by this
+                // call (the launch contract).
+                write_as(dtype, typed.addr as *mut u8, norm);
+            }
             if params.num_tasks > 0 {
                 counter.write_volatile(0);
             }
@@ -135,21 +151,24 @@ macro_rules! norm_kernels {
     ($($k:ident: $acc:ty, $norm:ident, $tensor_norms:ident;)*) => {$(
         /// Norm kernel: one block of `BLOCK_THREADS` per task (one block if there is none),
         /// `BLOCK_SMEM_BYTES` of dynamic shared memory. Writes one partial per task; the block
-        /// that finishes last writes the norm, the clip coefficient and the flags to `out`.
+        /// that finishes last writes the norm, the clip coefficient and the flags to `out`, and,
+        /// when `typed` is not 0, the norm rounded to the dtype of code `typed_dtype` at `typed`.
         ///
         /// # Safety
         /// Launched by the gradclip host with a grid of one block per task of a plan built from
-        /// `tensors`, `partials` holding one partial per task, and `counter` zero.
+        /// `tensors`, `partials` holding one partial per task, and `counter` zero; a non-zero
+        /// `typed` is one aligned element of that dtype, owned by the launch.
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $norm(
             tensors: *const TensorDesc, tasks: *const ChunkTask, partials: *mut Partial, counter: *mut u32, out: *mut NormOutput,
-            p: f64, max_norm: f64, num_tasks: u64, flags: u32,
+            p: f64, max_norm: f64, num_tasks: u64, flags: u32, typed: u64, typed_dtype: u32,
         ) {
             // Scalars, not the struct, cross the kernel ABI: rustc warns that by-value structs
             // have no stable gpu-kernel layout yet.
             let params = NormParams { p, max_norm, num_tasks, num_tensors: 0, flags, reserved: 0 };
+            let typed = Typed { addr: typed, dtype: typed_dtype };
             // SAFETY: forwarded: the kernel's own contract (one block per task, partials per task, counter zero).
-            unsafe { norm::<$acc>(tensors, tasks, partials, counter, out, params) }
+            unsafe { norm::<$acc>(tensors, tasks, partials, counter, out, params, typed) }
         }
 
         /// Per-tensor norm kernel: blocks of `BLOCK_THREADS`, one warp per tensor, any grid.

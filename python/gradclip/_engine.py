@@ -210,6 +210,22 @@ def _plan_norm(plan, p: float, info=None) -> torch.Tensor:
     return out[0]
 
 
+def _norm_out(info) -> torch.Tensor:
+    """A fresh 0-dim tensor of a plan's result dtype on its device (``info``: the plan's
+    ``info``): the norm a call hands back, written by the engine itself (on CUDA by the norm
+    kernel, rounded as ``.to(dtype)`` rounds the f64 norm), so no cast follows the call."""
+    device = info[0]
+    return torch.empty((), dtype=info[1], device=device if device >= 0 else "cpu")
+
+
+def _plan_norm_as(plan, p: float, info) -> torch.Tensor:
+    """The p-norm of a plan's tensors as torch returns it: 0-dim, in their result dtype, on
+    their device (one native call; ``info``: the plan's ``info``)."""
+    norm = _norm_out(info)
+    _call(_native.total_norm, plan, info, p, 0, 0, norm.data_ptr())
+    return norm
+
+
 def _plan_tensor_norms(plan, p: float) -> torch.Tensor:
     """The p-norm of each of a plan's tensors, as an f64 vector on their device (the norm kernel
     and the per-tensor kernel: two launches on CUDA)."""

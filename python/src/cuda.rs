@@ -94,31 +94,26 @@ pub(crate) fn on_engine<R>(device: usize, stream: usize, f: impl FnOnce(&mut Gpu
     f(engine_in(engines, device, stream)?).map_err(to_py)
 }
 
-/// Total norm of a plan's CUDA tensors on `stream`; writes the 24-byte NormOutput at `out` and,
-/// when `per_tensor` is not 0, one f64 norm per tensor at that address.
-pub(crate) fn total_norm(py: Python<'_>, plan: &Plan, stream: usize, p: f64, out: u64, per_tensor: u64) -> PyResult<()> {
+/// Total norm of a plan's CUDA tensors on `stream`, written to `out` (made by the caller from
+/// its tensors: see `plan_ops`).
+pub(crate) fn total_norm(py: Python<'_>, plan: &Plan, stream: usize, p: f64, out: RawOutput) -> PyResult<()> {
     let norm_type = NormType::from_p(p).map_err(to_py)?;
     let (device, ws, t) = (ordinal(plan)?, plan.workspace(), plan.list());
-    let per = (per_tensor != 0).then_some(per_tensor);
     py.detach(|| {
-        // SAFETY: the tensors, `out` and `per_tensor` (room for one f64 per tensor) are live
-        // CUDA memory of `device` that PyTorch's caching allocator keeps until the stream passes
-        // this work (the caller holds them).
-        with_engine(device, stream, ws, |e| unsafe {
-            e.total_norm_raw(&t, norm_type, RawOutput::new(out, per)?)
-        })
+        // SAFETY: the tensors are live CUDA memory of `device` that PyTorch's caching allocator
+        // keeps until the stream passes this work (the caller holds them), and so is `out`
+        // (RawOutput's contract, taken on by its maker).
+        with_engine(device, stream, ws, |e| unsafe { e.total_norm_raw(&t, norm_type, out) })
     })
 }
 
-/// Norm and in-place clip of a plan's CUDA tensors on `stream`; the NormOutput goes to `out`.
-pub(crate) fn clip_grad_norm(py: Python<'_>, plan: &Plan, stream: usize, max_norm: f64, p: f64, out: u64) -> PyResult<()> {
+/// Norm and in-place clip of a plan's CUDA tensors on `stream`; the norm goes to `out`.
+pub(crate) fn clip_grad_norm(py: Python<'_>, plan: &Plan, stream: usize, max_norm: f64, p: f64, out: RawOutput) -> PyResult<()> {
     let opts = clip_options(p)?;
     let (device, ws, t) = (ordinal(plan)?, plan.workspace(), plan.list());
     py.detach(|| {
-        // SAFETY: as cuda_total_norm; the gradients are written by nobody else meanwhile.
-        with_engine(device, stream, ws, |e| unsafe {
-            e.clip_grad_norm_raw(&t, max_norm, &opts, RawOutput::new(out, None)?)
-        })
+        // SAFETY: as total_norm; the gradients are written by nobody else meanwhile.
+        with_engine(device, stream, ws, |e| unsafe { e.clip_grad_norm_raw(&t, max_norm, &opts, out) })
     })
 }
 

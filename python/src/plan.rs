@@ -6,6 +6,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use gradclip::DType;
 use gradclip::gpu::ExternalWorkspace;
 use gradclip::plan::RawTensor;
 use gradclip::tensor_list::TensorList;
@@ -31,6 +32,9 @@ pub(crate) enum Place {
 pub struct Plan {
     list: TensorList,
     place: Place,
+    /// The dtype of the norm handed back (the tensors' promoted one), as the engine and as
+    /// torch name it.
+    result: DType,
     result_dtype: Py<PyAny>,
     has_inference: bool,
     workspace: Mutex<Option<Lent>>,
@@ -63,13 +67,15 @@ pub const NO_STREAM: usize = usize::MAX;
 static GENERATION: AtomicU64 = AtomicU64::new(1);
 
 impl Plan {
-    /// A plan of `list` (checked and planned) on `place`, its norm returned in `result_dtype`;
-    /// `has_inference`: some tensor is an inference tensor. No workspace lent yet.
-    pub(crate) fn new(list: TensorList, place: Place, result_dtype: Py<PyAny>, has_inference: bool) -> Self {
+    /// A plan of `list` (checked and planned) on `place`, its norm returned in `result` (the
+    /// engine's dtype and torch's object for it); `has_inference`: some tensor is an inference
+    /// tensor. No workspace lent yet.
+    pub(crate) fn new(list: TensorList, place: Place, result: (DType, Py<PyAny>), has_inference: bool) -> Self {
         Plan {
             list,
             place,
-            result_dtype,
+            result: result.0,
+            result_dtype: result.1,
             has_inference,
             workspace: Mutex::new(None),
         }
@@ -78,6 +84,11 @@ impl Plan {
     /// The checked, planned list, shareable across a GIL release.
     pub fn list(&self) -> TensorList {
         self.list.clone()
+    }
+
+    /// The dtype of the norm handed back (the tensors' promoted one).
+    pub fn result(&self) -> DType {
+        self.result
     }
 
     /// The CUDA device ordinal; None for host tensors.
@@ -117,6 +128,7 @@ impl Plan {
         Some(Plan {
             list,
             place: self.place,
+            result: self.result,
             result_dtype: self.result_dtype.clone_ref(py),
             has_inference: self.has_inference,
             workspace: Mutex::new(workspace),

@@ -127,7 +127,7 @@ impl Planner {
         let plan = Plan::new(
             list,
             entries.first().map_or(Place::Cpu, |e| e.place),
-            self.dtypes[code].clone_ref(py),
+            (DTYPES[code], self.dtypes[code].clone_ref(py)),
             entries.iter().any(|e| e.inference),
         );
         Ok(Some(Py::new(py, plan)?))

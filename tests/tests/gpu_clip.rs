@@ -262,6 +262,116 @@ fn error_if_nonfinite(gpu: &Gpu) -> TestResult {
     Ok(())
 }
 
+/// The norm written in a tensor dtype by the norm kernel itself (`RawOutput::norm_as`: what the
+/// PyTorch binding hands back), on lists of one dtype and of mixed ones, for the norm and the
+/// clip: `round_f64` of the CPU's norm, bit for bit, and the clip's gradients the CPU's. The
+/// NormOutput then lives in the engine's tables: a later scale by a plain coefficient on those
+/// tables must not see the flags a refused non-finite clip left there.
+fn norm_as_rounds_in_the_kernel(gpu: &Gpu) -> TestResult {
+    let mut typed = gpu.stream.alloc_zeros::<u64>(1).unwrap();
+    let at = typed.device_ptr(&gpu.stream).0;
+    let read_typed = |typed: &cudarc::driver::CudaSlice<u64>, dtype: DType| -> u64 {
+        let w = gpu.stream.clone_dtoh(typed).unwrap()[0];
+        w & match dtype.size() {
+            2 => 0xFFFF,
+            4 => 0xFFFF_FFFF,
+            _ => u64::MAX,
+        }
+    };
+    let poison = |typed: &mut cudarc::driver::CudaSlice<u64>| gpu.stream.memcpy_htod(&[0x7FF4_DEAD_7FF4_DEADu64], typed).unwrap();
+    let want_bits = |dtype: DType, x: f64| -> u64 {
+        gradclip::with_host_type!(dtype, T => {
+            let v: T = gradclip::round_f64::<T>(x);
+            let mut w = 0u64;
+            // SAFETY: one element of `T` (at most 8 bytes) into the low bytes of `w`.
+            unsafe { std::ptr::copy_nonoverlapping((&v as *const T).cast::<u8>(), (&mut w as *mut u64).cast::<u8>(), size_of::<T>()) };
+            w
+        })
+    };
+    let mut lists: Vec<Vec<Grad>> = DType::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| {
+            random_grads(5000 + i as u64, 6, 50_000)
+                .into_iter()
+                .map(|g| Grad::from_f64(d, &g.values(), g.start()))
+                .collect()
+        })
+        .collect();
+    lists.push(random_grads(5100, 9, 80_000)); // mixed dtypes: the promoted result
+    lists.push(vec![Grad::from_f64(DType::F16, &vec![300.0; 10_000], 0)]); // 30000: f16's range
+    lists.push(vec![Grad::from_f64(DType::F16, &vec![1000.0; 10_000], 0)]); // 1e5: inf in f16
+    lists.push(vec![Grad::from_f64(DType::Bf16, &[1.0, f64::INFINITY], 1)]);
+    for (k, grads) in lists.iter().enumerate() {
+        let result = grads.iter().map(Grad::dtype).reduce(promote).unwrap();
+        let mut devs = gpu.upload(grads);
+        let mut twins = gpu.host_twins(grads, &devs);
+        let l = list(&devs.iter().map(|d| d.raw(&gpu.stream)).collect::<Vec<_>>());
+        let mut e = gpu.engine();
+        poison(&mut typed);
+        // SAFETY: `typed` is 8 bytes of device memory of this context (aligned for any dtype);
+        // the list's tensors are `devs`' live buffers; each call is read back before the next.
+        unsafe { e.total_norm_raw(&l, NormType::L2, gradclip::gpu::RawOutput::norm_as(at, result)?) }?;
+        let c = cpu_norm(&twins, 2.0, false);
+        let got = read_typed(&typed, result);
+        ensure(got == want_bits(result, c.norm), || {
+            format!(
+                "list {k}: norm as {result:?} {got:#x}, want {:#x} (f64 {:e})",
+                want_bits(result, c.norm),
+                c.norm
+            )
+        })?;
+        poison(&mut typed);
+        // SAFETY: as above; the tensors are written by nothing else until the read-back.
+        unsafe { e.clip_grad_norm_raw(&l, 0.5, &ClipOptions::default(), gradclip::gpu::RawOutput::norm_as(at, result)?) }?;
+        let cc = {
+            let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
+            Cpu::new().clip_grad_norm(&mut views, 0.5, &ClipOptions::default()).unwrap()
+        };
+        ensure(read_typed(&typed, result) == want_bits(result, cc.norm), || {
+            format!("list {k}: the clip's norm as {result:?}")
+        })?;
+        for (i, (d, t)) in devs.iter_mut().zip(&twins).enumerate() {
+            ensure(d.download(&gpu.stream).bits() == t.bits(), || {
+                format!("list {k}: clipped tensor {i} differs from the CPU's")
+            })?;
+        }
+    }
+    // A refused non-finite clip leaves its flags in the engine's NormOutput; a scale by a plain
+    // coefficient afterwards on the same tables still scales.
+    let grads = vec![Grad::from_f64(DType::F32, &[1.0, f64::NAN, 4.0], 0)];
+    let devs = gpu.upload(&grads);
+    let l = list(&devs.iter().map(|d| d.raw(&gpu.stream)).collect::<Vec<_>>());
+    let mut e = gpu.engine();
+    let opts = ClipOptions {
+        error_if_nonfinite: true,
+        ..Default::default()
+    };
+    // SAFETY: as above.
+    let r = unsafe { e.clip_grad_norm_raw(&l, 1.0, &opts, gradclip::gpu::RawOutput::norm_as(at, DType::F32)?) };
+    ensure(matches!(r, Err(Error::NonFiniteNorm { .. })), || {
+        format!("expected NonFiniteNorm, got {r:?}")
+    })?;
+    let coef = gpu.stream.clone_htod(&[0.5f64]).unwrap();
+    // SAFETY: `coef` is one f64 of device memory of this context, written before on the stream.
+    unsafe { e.scale_raw(&l, Coefficient::F64At(coef.device_ptr(&gpu.stream).0)) }?;
+    let got = devs[0].download(&gpu.stream).values();
+    ensure(got[0] == 0.5 && got[1].is_nan() && got[2] == 2.0, || {
+        format!("scaled after a refused clip: {got:?}")
+    })?;
+    Ok(())
+}
+
+/// torch.promote_types over the engine's dtypes: bf16 with f16 gives f32, else the wider one.
+fn promote(a: DType, b: DType) -> DType {
+    match (a, b) {
+        _ if a == b => a,
+        (DType::Bf16, DType::F16) | (DType::F16, DType::Bf16) => DType::F32,
+        _ if a.size() >= b.size() => a,
+        _ => b,
+    }
+}
+
 fn main() {
     run(
         vec![
@@ -269,6 +379,7 @@ fn main() {
             ("scale_by_device_coefficient_equals_cpu_bits", scale_by_device_coefficient),
             ("error_if_nonfinite_leaves_gradients", error_if_nonfinite),
             ("relocated_lists_in_a_shared_workspace", relocated_lists_in_a_shared_workspace),
+            ("norm_as_rounds_in_the_kernel", norm_as_rounds_in_the_kernel),
         ],
         vec![],
     )

@@ -11,7 +11,7 @@ use super::capture::{self, Capture};
 use super::device_norm::{DeviceNorm, OUT_WORDS};
 use super::kernels::{self, KernelSet};
 use super::launch::{self, Tables};
-use super::output::Output;
+use super::output::{Dest, Output};
 use super::words::{as_words, from_words};
 use super::workspace::{ExternalWorkspace, Layout, OwnWorkspace};
 use crate::error::{Error, Result};
@@ -212,11 +212,13 @@ impl GpuEngine {
     pub unsafe fn total_norm_raw<O: Output>(&mut self, list: &TensorList, norm_type: NormType, out: O) -> Result<O::Returned> {
         let norm_type = norm_type.validated()?;
         let stream = self.stream.clone();
-        out.write(&stream, list.len(), false, |o, per| {
+        out.write(&stream, list.len(), false, |to| {
             let prepared = self.prepare(list, false)?;
-            // SAFETY: the caller's contract covers the tensors; `o` and `per` come from the
-            // output (sized for these tensors); prepare planned this list.
-            unsafe { self.run(norm_type, &prepared, 0.0, 0, o, per) }
+            let dest = to.resolved(prepared.tables.coef_out);
+            // SAFETY: the caller's contract covers the tensors; the destination comes from the
+            // output (sized for these tensors) or is the prepared tables' own NormOutput;
+            // prepare planned this list.
+            unsafe { self.run(norm_type, &prepared, 0.0, 0, dest) }
         })
     }
 
@@ -240,11 +242,13 @@ impl GpuEngine {
             });
         }
         let stream = self.stream.clone();
-        out.write(&stream, list.len(), opts.per_tensor_norms, |o, per| {
+        out.write(&stream, list.len(), opts.per_tensor_norms, |to| {
             let prepared = self.prepare(list, true)?;
+            let dest = to.resolved(prepared.tables.coef_out);
+            let o = dest.out;
             let f = flags::CLIP | if opts.error_if_nonfinite { flags::ERROR_IF_NONFINITE } else { 0 };
             // SAFETY: as total_norm_raw; prepare checked that the tensors are disjoint.
-            unsafe { self.run(norm_type, &prepared, max_norm, f, o, per) }?;
+            unsafe { self.run(norm_type, &prepared, max_norm, f, dest) }?;
             // SAFETY: the norm kernel wrote `o` just above on this stream; the tensors are
             // disjoint (prepare) and writable (caller).
             unsafe { self.scale_prepared(&prepared, o) }?;
@@ -288,9 +292,11 @@ impl GpuEngine {
                 let slot = prepared.tables.coef_out;
                 self.stream.context().bind_to_thread()?;
                 // SAFETY: 8 bytes at `addr` (caller) into the coefficient word of the engine's
-                // NormOutput (inside the tables' allocation), stream-ordered.
+                // NormOutput (inside the tables' allocation), and its flags zeroed (a norm may
+                // have left them there: RawOutput::norm_as), stream-ordered.
                 unsafe {
                     cudarc::driver::sys::cuMemcpyDtoDAsync_v2(slot + 8, addr, 8, self.stream.cu_stream()).result()?;
+                    cudarc::driver::sys::cuMemsetD8Async(slot + 16, 0, 8, self.stream.cu_stream()).result()?;
                 }
                 slot
             }
@@ -438,15 +444,8 @@ impl GpuEngine {
 
     /// # Safety
     /// The prepared plan's tensors are readable device memory of this context (caller).
-    pub(super) unsafe fn run(
-        &mut self,
-        norm_type: NormType,
-        p: &Prepared,
-        max_norm: f64,
-        flags: u32,
-        out: u64,
-        per_tensor: Option<u64>,
-    ) -> Result<()> {
+    pub(super) unsafe fn run(&mut self, norm_type: NormType, p: &Prepared, max_norm: f64, flags: u32, dest: Dest) -> Result<()> {
+        let Dest { out, per_tensor, typed } = dest;
         let t = p.tables;
         let params = NormParams {
             p: norm_type.p(),
@@ -459,7 +458,7 @@ impl GpuEngine {
         // SAFETY: the plan was uploaded before this on the stream (or synchronously, under
         // capture), partials has num_tasks slots and the counter is zero (zeroed at allocation;
         // every launch's last block resets it), the caller vouches for the tensors and for out.
-        unsafe { launch::norm(&self.stream, &self.kernels, norm_type, &t, out, &params) }?;
+        unsafe { launch::norm(&self.stream, &self.kernels, norm_type, &t, out, &params, typed) }?;
         if let Some(per) = per_tensor.filter(|_| p.num_tensors > 0) {
             // SAFETY: after the norm kernel on this stream; per holds num_tensors f64s (caller).
             unsafe { launch::tensor_norms(&self.stream, &self.kernels, norm_type, &t, per, p.num_tensors as u64) }?;

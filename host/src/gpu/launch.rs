@@ -2,7 +2,7 @@
 //! lists what the caller ([`super::engine`]) must have established.
 
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
-use gradclip_kernels::abi::{BLOCK_SMEM_BYTES, BLOCK_THREADS, NormParams, WARP_THREADS};
+use gradclip_kernels::abi::{BLOCK_SMEM_BYTES, BLOCK_THREADS, DType, NormParams, WARP_THREADS};
 
 use super::kernels::{Kernel, KernelSet};
 use crate::error::Result;
@@ -32,18 +32,29 @@ fn kernels_of(norm: NormType) -> (Kernel, Kernel) {
 }
 
 /// Launches the norm kernel: one block per task (one block when `params.num_tasks == 0`); the
-/// last block to finish writes the [`gradclip_kernels::abi::NormOutput`] at `out`.
+/// last block to finish writes the [`gradclip_kernels::abi::NormOutput`] at `out` and, with
+/// `typed`, the norm rounded to that dtype at that address.
 ///
 /// # Safety
 /// `t` holds a plan of `params.num_tasks` tasks uploaded on `stream` (or ordered before it), whose
 /// tensors are readable device memory of the stream's context until the launch completes;
 /// `t.partials` has room for that many partials and `t.counter` is zero, both used by nothing
-/// else meanwhile; `out` (24 bytes, 8-aligned) is device memory of the context owned by the call.
-pub unsafe fn norm(stream: &CudaStream, ks: &KernelSet, norm: NormType, t: &Tables, out: u64, params: &NormParams) -> Result<()> {
+/// else meanwhile; `out` (24 bytes, 8-aligned) and `typed` (one element of its dtype, aligned to
+/// its size) are device memory of the context owned by the call.
+pub unsafe fn norm(
+    stream: &CudaStream,
+    ks: &KernelSet,
+    norm: NormType,
+    t: &Tables,
+    out: u64,
+    params: &NormParams,
+    typed: Option<(u64, DType)>,
+) -> Result<()> {
     let (p, max_norm, num_tasks, flags) = (params.p, params.max_norm, params.num_tasks, params.flags);
+    let (typed, typed_dtype) = typed.map_or((0u64, 0u32), |(a, d)| (a, d.code()));
     let mut b = stream.launch_builder(ks.get(kernels_of(norm).0));
     b.arg(&t.tensors).arg(&t.tasks).arg(&t.partials).arg(&t.counter).arg(&out);
-    b.arg(&p).arg(&max_norm).arg(&num_tasks).arg(&flags);
+    b.arg(&p).arg(&max_norm).arg(&num_tasks).arg(&flags).arg(&typed).arg(&typed_dtype);
     let blocks = num_tasks.max(1) as u32;
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),

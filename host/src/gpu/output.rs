@@ -32,6 +32,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 
 use super::device_norm::DeviceNorm;
+use crate::DType;
 use crate::error::{Error, Result};
 
 /// The result goes to a new [`DeviceNorm`], returned by the call.
@@ -52,8 +53,11 @@ impl NewNorm {
 /// comes from another allocator (PyTorch's caching allocator, say).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RawOutput {
-    norm: u64,
+    /// The NormOutput's address; None: the engine's own, in the list's tables
+    /// ([`RawOutput::norm_as`]).
+    norm: Option<u64>,
     per_tensor: Option<u64>,
+    typed: Option<(u64, DType)>,
 }
 
 impl RawOutput {
@@ -72,7 +76,77 @@ impl RawOutput {
                 return Err(Error::BadOutputAddress { what, addr: a });
             }
         }
-        Ok(RawOutput { norm, per_tensor })
+        Ok(RawOutput {
+            norm: Some(norm),
+            per_tensor,
+            typed: None,
+        })
+    }
+
+    /// The norm alone, rounded to `dtype` as PyTorch's `.to(dtype)` rounds an f64 (through f32
+    /// for the 16-bit types, NaN canonical: [`gradclip_kernels::dtype::write_as`]), written at
+    /// `addr` by the norm kernel itself: what a binding hands back as the 0-dim norm of tensors
+    /// of that dtype, with no cast launched after. The NormOutput (the f64 norm, the clip
+    /// coefficient, the flags) stays in the engine's tables, where a clip's scale reads it.
+    /// Null addresses and addresses not aligned to `dtype`'s size are refused here.
+    ///
+    /// # Safety
+    /// `addr` is writable device memory of the engine's context, one element of `dtype`, used
+    /// by nothing else until the work of every call it is given to completes.
+    pub unsafe fn norm_as(addr: u64, dtype: DType) -> Result<Self> {
+        if addr == 0 || !addr.is_multiple_of(dtype.size()) {
+            return Err(Error::BadOutputAddress {
+                what: "the typed norm",
+                addr,
+            });
+        }
+        Ok(RawOutput {
+            norm: None,
+            per_tensor: None,
+            typed: Some((addr, dtype)),
+        })
+    }
+}
+
+/// Where one launch of the norm kernel writes: the NormOutput, each tensor's norm (when asked),
+/// the norm in a tensor dtype (when asked).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Dest {
+    pub(crate) out: u64,
+    pub(crate) per_tensor: Option<u64>,
+    pub(crate) typed: Option<(u64, DType)>,
+}
+
+impl Dest {
+    /// A NormOutput at `out` alone.
+    pub(crate) fn at(out: u64) -> Self {
+        Dest {
+            out,
+            per_tensor: None,
+            typed: None,
+        }
+    }
+}
+
+/// An output's destination as the call sees it before its tables are known: its NormOutput may
+/// be the engine's own, in those tables.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    out: Option<u64>,
+    per_tensor: Option<u64>,
+    typed: Option<(u64, DType)>,
+}
+
+impl Target {
+    /// The destination with the engine's own NormOutput at `own` (the tables' slot) where the
+    /// output has none of its own.
+    pub(crate) fn resolved(self, own: u64) -> Dest {
+        Dest {
+            out: self.out.unwrap_or(own),
+            per_tensor: self.per_tensor,
+            typed: self.typed,
+        }
     }
 }
 
@@ -87,15 +161,15 @@ mod sealed {
 pub trait Output: sealed::Sealed {
     /// What the call returns: the new [`DeviceNorm`], or `()`.
     type Returned;
-    /// Runs `launch` with the result's addresses (`per_tensor` asks for per-tensor norms when the
-    /// output decides it itself), then hands back what the call returns.
+    /// Runs `launch` with the result's destination (`per_tensor` asks for per-tensor norms when
+    /// the output decides it itself), then hands back what the call returns.
     #[doc(hidden)]
     fn write(
         self,
         stream: &Arc<CudaStream>,
         num_tensors: usize,
         per_tensor: bool,
-        launch: impl FnOnce(u64, Option<u64>) -> Result<()>,
+        launch: impl FnOnce(Target) -> Result<()>,
     ) -> Result<Self::Returned>;
 }
 
@@ -106,7 +180,7 @@ impl Output for NewNorm {
         stream: &Arc<CudaStream>,
         num_tensors: usize,
         per_tensor: bool,
-        launch: impl FnOnce(u64, Option<u64>) -> Result<()>,
+        launch: impl FnOnce(Target) -> Result<()>,
     ) -> Result<DeviceNorm> {
         let mut out = DeviceNorm::for_call(stream, self.per_tensor || per_tensor, num_tensors)?;
         (&mut out).write(stream, num_tensors, false, launch)?;
@@ -116,22 +190,24 @@ impl Output for NewNorm {
 
 impl Output for &mut DeviceNorm {
     type Returned = ();
-    fn write(
-        self,
-        stream: &Arc<CudaStream>,
-        num_tensors: usize,
-        _: bool,
-        launch: impl FnOnce(u64, Option<u64>) -> Result<()>,
-    ) -> Result<()> {
+    fn write(self, stream: &Arc<CudaStream>, num_tensors: usize, _: bool, launch: impl FnOnce(Target) -> Result<()>) -> Result<()> {
         let a = self.addresses(stream, num_tensors)?;
-        launch(a.norm, a.per_tensor)
+        launch(Target {
+            out: Some(a.norm),
+            per_tensor: a.per_tensor,
+            typed: None,
+        })
     }
 }
 
 impl Output for RawOutput {
     type Returned = ();
-    fn write(self, _: &Arc<CudaStream>, _: usize, _: bool, launch: impl FnOnce(u64, Option<u64>) -> Result<()>) -> Result<()> {
-        launch(self.norm, self.per_tensor)
+    fn write(self, _: &Arc<CudaStream>, _: usize, _: bool, launch: impl FnOnce(Target) -> Result<()>) -> Result<()> {
+        launch(Target {
+            out: self.norm,
+            per_tensor: self.per_tensor,
+            typed: self.typed,
+        })
     }
 }
 
@@ -152,5 +228,12 @@ mod tests {
             Err(Error::BadOutputAddress { addr: 0x2002, .. })
         ));
         assert!(bad(0x1000, Some(0x2000)).is_ok() && bad(0x1008, None).is_ok());
+        // SAFETY (all): as above.
+        let typed = |addr, dtype| unsafe { RawOutput::norm_as(addr, dtype) };
+        assert!(matches!(typed(0, DType::Bf16), Err(Error::BadOutputAddress { addr: 0, .. })));
+        assert!(matches!(typed(0x1001, DType::F16), Err(Error::BadOutputAddress { .. })));
+        assert!(matches!(typed(0x1002, DType::F32), Err(Error::BadOutputAddress { .. })));
+        assert!(matches!(typed(0x1004, DType::F64), Err(Error::BadOutputAddress { .. })));
+        assert!(typed(0x1002, DType::Bf16).is_ok() && typed(0x1008, DType::F64).is_ok());
     }
 }

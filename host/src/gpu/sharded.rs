@@ -17,6 +17,7 @@ use super::comm::{Communicator, Reduce};
 use super::device_norm::DeviceNorm;
 use super::engine::GpuEngine;
 use super::launch;
+use super::output::Dest;
 use crate::error::Result;
 use crate::norm::{ClipOptions, NormType, validate_max_norm};
 use crate::plan::RawTensor;
@@ -65,7 +66,7 @@ impl GpuEngine {
         // on the engine's stream, and so are the all-reduces (each communicator checks it).
         let ks = self.kernel_set();
         unsafe {
-            self.run(norm_type, &prepared, 0.0, 0, o, None)?;
+            self.run(norm_type, &prepared, 0.0, 0, Dest::at(o))?;
             let (partial, _g) = self.partial.device_ptr_mut(&stream);
             launch::norm_to_partial(&stream, &ks, o, partial, norm_type)?;
         }
@@ -215,7 +216,16 @@ impl GpuEngine {
         // every launch and all-reduce is ordered on the engine's stream.
         unsafe {
             let (pt, _g1) = per_tensor.device_ptr(&stream);
-            self.run(norm_type, &prepared, 0.0, 0, o, Some(pt))?;
+            self.run(
+                norm_type,
+                &prepared,
+                0.0,
+                0,
+                Dest {
+                    per_tensor: Some(pt),
+                    ..Dest::at(o)
+                },
+            )?;
             let (tb, _g2) = tables.device_ptr(&stream);
             let (pp, _g3) = partials.device_ptr_mut(&stream);
             let kt = launch::KeyTables {

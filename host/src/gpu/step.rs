@@ -19,6 +19,7 @@ use super::device_norm::DeviceNorm;
 use super::engine::GpuEngine;
 use super::kernels::Kernel;
 use super::launch;
+use super::output::Dest;
 use super::words::from_words;
 use crate::error::{Error, Result};
 use crate::optim::{AdamConfig, ClipConfig, KernelArgs, NonFinite, Parts, Rule, StepCount, StepList, check_clip};
@@ -351,7 +352,7 @@ impl GpuEngine {
         self.refuse_host_read_under_capture(clip)?;
         let prepared = self.prepare(grads, false)?;
         // SAFETY: the caller's contract covers the gradients and `norm`.
-        unsafe { self.run(norm_type, &prepared, clip.max_norm, flags::CLIP, norm, None) }?;
+        unsafe { self.run(norm_type, &prepared, clip.max_norm, flags::CLIP, Dest::at(norm)) }?;
         // SAFETY: `norm` was written just above on the stream (the caller's contract: 24 bytes).
         unsafe { self.fail_if_nonfinite(clip, norm) }
     }

@@ -38,7 +38,9 @@ from .._engine import (  # the engine layer this face stands on
     _call,
     _clip_grads,
     _list_step,
-    _out,
+    _nonfinite_error,
+    _norm_out,
+    _plan_norm_as,
     _refuse_host_read_under_capture,
     _result_dtype,
     _returned_norm,
@@ -160,6 +162,13 @@ def _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group, norm
     if len(ts) == 0:
         return torch.tensor(0.0)
     p = _check_p(norm_type)
+    if plan is not None:
+        # The norm in its dtype from the engine (one call), checked as torch checks the value
+        # it returns.
+        total = _plan_norm_as(plan, p, plan.info)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise _nonfinite_error(norm_type)
+        return total
     total64, dtype = _total_norm64(plan, ts, p)
     return _returned_norm(total64, dtype, error_if_nonfinite, norm_type)
 
@@ -339,10 +348,10 @@ def _clip_plan(plan, grads: List[torch.Tensor], max_norm: float, p: float) -> to
     synchronization on CUDA), the plan's info read once: returns the norm as torch does."""
     info = plan.info
     _check_writable(plan, grads, info)
-    out = _out(info[0])
-    _call(_native.clip_grad_norm, plan, info, max_norm, p, out.data_ptr())
+    norm = _norm_out(info)
+    _call(_native.clip_grad_norm, plan, info, max_norm, p, 0, norm.data_ptr())
     _written(grads)
-    return out[0].to(info[1])
+    return norm
 
 
 def _clip_scanned(plan, grads: List[torch.Tensor], max_norm: float, p: float, error_if_nonfinite: bool, norm_type: float) -> torch.Tensor:
