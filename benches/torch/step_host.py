@@ -199,8 +199,11 @@ def clip_stages(params, stages):
     """gradclip.torch.clip_grad_norm_'s common case (``_clip_plan``) call by call, each timed
     into a dict appended to `stages` (us): the scan (reading the gradients, torch's guards, the
     addresses, the relocation), the plan's info and the result buffer, the native clip (the
-    engine's upload and launches), the version-counter bump and the returned 0-dim norm."""
+    engine's upload and launches), the version-counter bump and the returned 0-dim norm (before
+    a038de3 a cast of the f64 result; since, written by the engine in its dtype: 0)."""
     from gradclip import _engine, _native
+
+    typed = hasattr(_engine, "_norm_out")  # the norm written in its dtype by the engine (a038de3)
 
     def fn():
         t0 = time.perf_counter()
@@ -208,13 +211,17 @@ def clip_stages(params, stages):
         t1 = time.perf_counter()
         info = plan.info
         _engine._check_writable(plan, grads, info)
-        out = _engine._out(info[0])
+        out = _engine._norm_out(info) if typed else _engine._out(info[0])
         t2 = time.perf_counter()
-        _engine._call(_native.clip_grad_norm, plan, info, 1.0, 2.0, out.data_ptr())
+        if typed:
+            _engine._call(_native.clip_grad_norm, plan, info, 1.0, 2.0, 0, out.data_ptr())
+        else:
+            _engine._call(_native.clip_grad_norm, plan, info, 1.0, 2.0, out.data_ptr())
         t3 = time.perf_counter()
         _engine._written(grads)
         t4 = time.perf_counter()
-        out[0].to(info[1])
+        if not typed:
+            out[0].to(info[1])
         t5 = time.perf_counter()
         stages.append(dict(scan=t1 - t0, info_out=t2 - t1, native=t3 - t2, written=t4 - t3, result=t5 - t4))
     return fn
