@@ -117,6 +117,15 @@ pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> TestResult {
     if cond { Ok(()) } else { Err(msg().into()) }
 }
 
+/// Every device tensor of `devs` holds its host twin's bits; `what(i)` says what tensor `i` is
+/// when it does not.
+pub fn ensure_same_bits(gpu: &Gpu, devs: &[DevGrad], twins: &[Grad], what: impl Fn(usize) -> String) -> TestResult {
+    for (i, (d, t)) in devs.iter().zip(twins).enumerate() {
+        ensure(d.download(&gpu.stream).bits() == t.bits(), || what(i))?;
+    }
+    Ok(())
+}
+
 pub fn cpu_norm(grads: &[Grad], p: f64, per_tensor: bool) -> gradclip::NormReport {
     let views: Vec<HostGrad> = grads.iter().map(Grad::host).collect();
     Cpu::new().total_norm(&views, NormType::from_p(p).unwrap(), per_tensor).unwrap()

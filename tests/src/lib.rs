@@ -208,6 +208,12 @@ impl Grad {
 
 /// A random gradient list: lengths mixing empty, tiny, odd and multi-block sizes, every dtype,
 /// random 16-byte phases, magnitudes spread over six decades per tensor.
+/// The CPU backend's clip of `grads` in place: the bits every GPU clip is checked against.
+pub fn cpu_clip(grads: &mut [Grad], max_norm: f64, opts: &gradclip::ClipOptions) -> gradclip::Result<gradclip::NormReport> {
+    let mut views: Vec<HostGradMut> = grads.iter_mut().map(Grad::host_mut).collect();
+    gradclip::cpu::Cpu::new().clip_grad_norm(&mut views, max_norm, opts)
+}
+
 pub fn random_grads(seed: u64, count: usize, max_len: usize) -> Vec<Grad> {
     let mut rng = StdRng::seed_from_u64(seed);
     (0..count)

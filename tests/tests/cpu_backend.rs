@@ -12,11 +12,6 @@ fn norm_of(grads: &[Grad], p: f64) -> f64 {
     Cpu::new().total_norm(&views, NormType::from_p(p).unwrap(), false).unwrap().norm
 }
 
-fn clip(grads: &mut [Grad], max_norm: f64, opts: &ClipOptions) -> gradclip::Result<gradclip::NormReport> {
-    let mut views: Vec<HostGradMut> = grads.iter_mut().map(Grad::host_mut).collect();
-    Cpu::new().clip_grad_norm(&mut views, max_norm, opts)
-}
-
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
@@ -38,7 +33,7 @@ proptest! {
     fn clip_matches_torch_rule_bit_for_bit(seed in any::<u64>(), count in 1usize..12, max_norm in 0.0f64..50.0) {
         let mut grads = random_grads(seed, count, 20_000);
         let before = grads.clone();
-        let rep = clip(&mut grads, max_norm, &ClipOptions::default()).unwrap();
+        let rep = cpu_clip(&mut grads, max_norm, &ClipOptions::default()).unwrap();
         let want_norm = reference_norm(&before, 2.0);
         prop_assert!(rel_err(rep.norm, want_norm) <= 1e-12);
         let coef = (max_norm / (rep.norm + 1e-6)).min(1.0);
@@ -149,14 +144,14 @@ fn error_if_nonfinite_leaves_every_gradient_untouched() {
         error_if_nonfinite: true,
         ..ClipOptions::default()
     };
-    let err = clip(&mut grads, 1.0, &opts).unwrap_err();
+    let err = cpu_clip(&mut grads, 1.0, &opts).unwrap_err();
     assert!(matches!(err, Error::NonFiniteNorm { .. }), "{err}");
     assert!(err.to_string().contains("error_if_nonfinite"));
     for (g, b) in grads.iter().zip(&before) {
         assert_eq!(g.bits(), b.bits(), "a gradient changed");
     }
     // Without the flag the NaN coefficient spreads, as in torch.
-    let rep = clip(&mut grads, 1.0, &ClipOptions::default()).unwrap();
+    let rep = cpu_clip(&mut grads, 1.0, &ClipOptions::default()).unwrap();
     assert!(rep.nonfinite && rep.coef.is_nan());
     assert!(grads[0].values().iter().all(|x| x.is_nan()));
 }
@@ -166,19 +161,19 @@ fn max_norm_edge_cases() {
     let base = vec![Grad::from_f64(DType::F32, &[3.0, 4.0], 0)];
     // Zero: every gradient becomes zero.
     let mut g = base.clone();
-    clip(&mut g, 0.0, &ClipOptions::default()).unwrap();
+    cpu_clip(&mut g, 0.0, &ClipOptions::default()).unwrap();
     assert_eq!(g[0].values(), vec![0.0, 0.0]);
     // Infinity and anything above the norm: untouched.
     for m in [f64::INFINITY, 5.1] {
         let mut g = base.clone();
-        assert_eq!(clip(&mut g, m, &ClipOptions::default()).unwrap().coef, 1.0);
+        assert_eq!(cpu_clip(&mut g, m, &ClipOptions::default()).unwrap().coef, 1.0);
         assert_eq!(g, base);
     }
     // Invalid values are typed errors.
     for m in [-1.0, f64::NAN] {
         let mut g = base.clone();
         assert!(matches!(
-            clip(&mut g, m, &ClipOptions::default()),
+            cpu_clip(&mut g, m, &ClipOptions::default()),
             Err(Error::InvalidMaxNorm { .. })
         ));
         assert_eq!(g, base);

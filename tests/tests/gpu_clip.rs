@@ -30,10 +30,7 @@ fn clip_equals_cpu_bits(gpu: &Gpu) -> TestResult {
                     .read()
                     .unwrap()
             };
-            let c = {
-                let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
-                Cpu::new().clip_grad_norm(&mut views, max_norm, &opts).unwrap()
-            };
+            let c = cpu_clip(&mut twins, max_norm, &opts).unwrap();
             ensure(same_bits(g.norm, c.norm) && same_bits(g.coef, c.coef), || {
                 format!("seed {seed} p={p}: GPU {g:?} vs CPU {c:?}")
             })?;
@@ -117,11 +114,9 @@ fn scale_by_device_coefficient(gpu: &Gpu) -> TestResult {
         let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
         Cpu::new().clip_grads_with_norm(&mut views, max_norm, r.norm).unwrap();
         drop(views);
-        for (i, (d, t)) in c.iter().zip(&twins).enumerate() {
-            ensure(d.download(&gpu.stream).bits() == t.bits(), || {
-                format!("seed {seed}: tensor {i} of the f64-coefficient scale differs from the CPU's")
-            })?;
-        }
+        ensure_same_bits(gpu, &c, &twins, |i| {
+            format!("seed {seed}: tensor {i} of the f64-coefficient scale differs from the CPU's")
+        })?;
     }
     Ok(())
 }
@@ -144,7 +139,7 @@ fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
             )
         })
         .collect();
-    let (mut a, mut b) = (gpu.upload(&first), gpu.upload(&second));
+    let (a, b) = (gpu.upload(&first), gpu.upload(&second));
     let other = gpu.stream.context().new_stream().unwrap();
     let (mut e1, mut e2) = (gpu.engine(), GpuEngine::new(other.clone()).unwrap());
     let raws = |d: &[DevGrad]| d.iter().map(|x| x.raw(&gpu.stream)).collect::<Vec<_>>();
@@ -218,22 +213,12 @@ fn relocated_lists_in_a_shared_workspace(gpu: &Gpu) -> TestResult {
         .unwrap()
         .read()
         .unwrap();
-    let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
-    let c = Cpu::new().clip_grad_norm(&mut views, 0.5, &ClipOptions::default()).unwrap();
-    drop(views);
+    let c = cpu_clip(&mut twins, 0.5, &ClipOptions::default()).unwrap();
     ensure(same_bits(r.norm, c.norm) && same_bits(r.coef, c.coef), || {
         format!("clip {r:?} vs CPU {c:?}")
     })?;
-    for (i, (d, t)) in b.iter_mut().zip(&twins).enumerate() {
-        ensure(d.download(&gpu.stream).bits() == t.bits(), || {
-            format!("relocated clip: tensor {i} differs from the CPU's")
-        })?;
-    }
-    for (i, (d, t)) in a.iter_mut().zip(&la_twins).enumerate() {
-        ensure(d.download(&gpu.stream).bits() == t.bits(), || {
-            format!("relocated clip: the old tensor {i} was written")
-        })?;
-    }
+    ensure_same_bits(gpu, &b, &twins, |i| format!("relocated clip: tensor {i} differs from the CPU's"))?;
+    ensure_same_bits(gpu, &a, &la_twins, |i| format!("relocated clip: the old tensor {i} was written"))?;
     drop(ws_mem);
     Ok(())
 }
@@ -304,7 +289,7 @@ fn norm_as_rounds_in_the_kernel(gpu: &Gpu) -> TestResult {
     lists.push(vec![Grad::from_f64(DType::Bf16, &[1.0, f64::INFINITY], 1)]);
     for (k, grads) in lists.iter().enumerate() {
         let result = grads.iter().map(Grad::dtype).reduce(promote).unwrap();
-        let mut devs = gpu.upload(grads);
+        let devs = gpu.upload(grads);
         let mut twins = gpu.host_twins(grads, &devs);
         let l = list(&devs.iter().map(|d| d.raw(&gpu.stream)).collect::<Vec<_>>());
         let mut e = gpu.engine();
@@ -324,18 +309,13 @@ fn norm_as_rounds_in_the_kernel(gpu: &Gpu) -> TestResult {
         poison(&mut typed);
         // SAFETY: as above; the tensors are written by nothing else until the read-back.
         unsafe { e.clip_grad_norm_raw(&l, 0.5, &ClipOptions::default(), gradclip::gpu::RawOutput::norm_as(at, result)?) }?;
-        let cc = {
-            let mut views: Vec<HostGradMut> = twins.iter_mut().map(Grad::host_mut).collect();
-            Cpu::new().clip_grad_norm(&mut views, 0.5, &ClipOptions::default()).unwrap()
-        };
+        let cc = cpu_clip(&mut twins, 0.5, &ClipOptions::default()).unwrap();
         ensure(read_typed(&typed, result) == want_bits(result, cc.norm), || {
             format!("list {k}: the clip's norm as {result:?}")
         })?;
-        for (i, (d, t)) in devs.iter_mut().zip(&twins).enumerate() {
-            ensure(d.download(&gpu.stream).bits() == t.bits(), || {
-                format!("list {k}: clipped tensor {i} differs from the CPU's")
-            })?;
-        }
+        ensure_same_bits(gpu, &devs, &twins, |i| {
+            format!("list {k}: clipped tensor {i} differs from the CPU's")
+        })?;
     }
     // A refused non-finite clip leaves its flags in the engine's NormOutput; a scale by a plain
     // coefficient afterwards on the same tables still scales.

@@ -91,11 +91,9 @@ fn sharded_keys_with_mirrors(gpu: &Gpu) -> TestResult {
             let coef = Cpu::new().clip_grads_with_norm(&mut views, 0.5, r.norm).unwrap();
             drop(views);
             ensure(same_bits(coef, r.coef), || format!("p={p}: coefficient {} vs {coef}", r.coef))?;
-            for (i, (d, t)) in devs.iter().zip(&twins).enumerate() {
-                ensure(d.download(&gpu.stream).bits() == t.bits(), || {
-                    format!("p={p} mixed={mixed}: tensor {i} differs from the CPU's scale")
-                })?;
-            }
+            ensure_same_bits(gpu, &devs, &twins, |i| {
+                format!("p={p} mixed={mixed}: tensor {i} differs from the CPU's scale")
+            })?;
         }
     }
     Ok(())
