@@ -25,6 +25,13 @@ class _Ops:
     __slots__ = ("total_norm", "clip_grad_norm_", "clip_grads_with_norm_", "optim_step_")
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an op's output, which may alias nothing: itself when it is not a view (every
+    norm path returns a tensor made for the call: the engine's 0-dim norm in its dtype, or
+    torch's result), else a copy (a view of a result buffer)."""
+    return t if t._base is None else t.clone()
+
+
 def register(
     norm: Callable[[List[torch.Tensor], float], torch.Tensor],
     clip: Callable[[List[torch.Tensor], float, float], torch.Tensor],
@@ -43,14 +50,13 @@ def register(
 
     @torch.library.custom_op("gradclip::total_norm", mutates_args=())
     def total_norm(tensors: List[torch.Tensor], norm_type: float) -> torch.Tensor:
-        # A fresh tensor: an op's output may not alias anything the engine keeps.
-        return norm(tensors, norm_type).clone()
+        return _own(norm(tensors, norm_type))
 
     total_norm.register_fake(lambda tensors, norm_type: fake_norm(tensors))
 
     @torch.library.custom_op("gradclip::clip_grad_norm_", mutates_args=("grads",))
     def clip_grad_norm_(grads: List[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
-        return clip(grads, max_norm, norm_type).clone()
+        return _own(clip(grads, max_norm, norm_type))
 
     clip_grad_norm_.register_fake(lambda grads, max_norm, norm_type: fake_norm(grads))
 
