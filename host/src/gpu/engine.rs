@@ -442,8 +442,14 @@ impl GpuEngine {
         Ok(prepared)
     }
 
+    /// The norm kernel (and the per-tensor one when `dest` asks) over a prepared plan, its results
+    /// where `dest` says.
+    ///
     /// # Safety
-    /// The prepared plan's tensors are readable device memory of this context (caller).
+    /// The prepared plan's tensors are readable device memory of this context, and `dest`'s
+    /// addresses writable device memory of it (the NormOutput's 24 bytes, one f64 per tensor, one
+    /// element of the typed norm's dtype), used by nothing else until the launches complete
+    /// (caller).
     pub(super) unsafe fn run(&mut self, norm_type: NormType, p: &Prepared, max_norm: f64, flags: u32, dest: Dest) -> Result<()> {
         let Dest { out, per_tensor, typed } = dest;
         let t = p.tables;
