@@ -127,6 +127,19 @@ def test_nonfinite(device, bad):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_norm_is_the_canonical_nan_on_every_device(device, dtype):
+    # The norm is written in its dtype by the engine: a NaN norm is the canonical NaN CUDA's cast
+    # makes (all payload bits set), on the CPU as on the GPU.
+    bits = {torch.float32: (torch.int32, 0x7FFF_FFFF), torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
+            torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF)}[dtype]
+    params = make_params(5, dtype, device)
+    params[4].grad[3] = math.nan
+    for norm in (gt.get_total_norm([q.grad for q in params]), gt.clip_grad_norm_(params, 1.0)):
+        assert norm.dtype == dtype and norm.view(bits[0]).item() == bits[1], norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_max_norm_edges(device):
     params = make_params(5, torch.float32, device)
     before = [q.grad.clone() for q in params]
