@@ -106,6 +106,16 @@ impl RawOutput {
             typed: Some((addr, dtype)),
         })
     }
+
+    /// This output's destination in a call whose tables hold their own NormOutput at `own`
+    /// (used where the output has none of its own: [`RawOutput::norm_as`]).
+    pub(crate) fn resolved(self, own: u64) -> Dest {
+        Dest {
+            out: self.norm.unwrap_or(own),
+            per_tensor: self.per_tensor,
+            typed: self.typed,
+        }
+    }
 }
 
 /// Where one launch of the norm kernel writes: the NormOutput, each tensor's norm (when asked),
@@ -128,28 +138,6 @@ impl Dest {
     }
 }
 
-/// An output's destination as the call sees it before its tables are known: its NormOutput may
-/// be the engine's own, in those tables.
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Target {
-    out: Option<u64>,
-    per_tensor: Option<u64>,
-    typed: Option<(u64, DType)>,
-}
-
-impl Target {
-    /// The destination with the engine's own NormOutput at `own` (the tables' slot) where the
-    /// output has none of its own.
-    pub(crate) fn resolved(self, own: u64) -> Dest {
-        Dest {
-            out: self.out.unwrap_or(own),
-            per_tensor: self.per_tensor,
-            typed: self.typed,
-        }
-    }
-}
-
 mod sealed {
     pub trait Sealed {}
     impl Sealed for super::NewNorm {}
@@ -161,7 +149,7 @@ mod sealed {
 pub trait Output: sealed::Sealed {
     /// What the call returns: the new [`DeviceNorm`], or `()`.
     type Returned;
-    /// Runs `launch` with the result's destination (`per_tensor` asks for per-tensor norms when
+    /// Runs `launch` with the result's addresses (`per_tensor` asks for per-tensor norms when
     /// the output decides it itself), then hands back what the call returns.
     #[doc(hidden)]
     fn write(
@@ -169,7 +157,7 @@ pub trait Output: sealed::Sealed {
         stream: &Arc<CudaStream>,
         num_tensors: usize,
         per_tensor: bool,
-        launch: impl FnOnce(Target) -> Result<()>,
+        launch: impl FnOnce(RawOutput) -> Result<()>,
     ) -> Result<Self::Returned>;
 }
 
@@ -180,7 +168,7 @@ impl Output for NewNorm {
         stream: &Arc<CudaStream>,
         num_tensors: usize,
         per_tensor: bool,
-        launch: impl FnOnce(Target) -> Result<()>,
+        launch: impl FnOnce(RawOutput) -> Result<()>,
     ) -> Result<DeviceNorm> {
         let mut out = DeviceNorm::for_call(stream, self.per_tensor || per_tensor, num_tensors)?;
         (&mut out).write(stream, num_tensors, false, launch)?;
@@ -190,10 +178,10 @@ impl Output for NewNorm {
 
 impl Output for &mut DeviceNorm {
     type Returned = ();
-    fn write(self, stream: &Arc<CudaStream>, num_tensors: usize, _: bool, launch: impl FnOnce(Target) -> Result<()>) -> Result<()> {
+    fn write(self, stream: &Arc<CudaStream>, num_tensors: usize, _: bool, launch: impl FnOnce(RawOutput) -> Result<()>) -> Result<()> {
         let a = self.addresses(stream, num_tensors)?;
-        launch(Target {
-            out: Some(a.norm),
+        launch(RawOutput {
+            norm: Some(a.norm),
             per_tensor: a.per_tensor,
             typed: None,
         })
@@ -202,12 +190,8 @@ impl Output for &mut DeviceNorm {
 
 impl Output for RawOutput {
     type Returned = ();
-    fn write(self, _: &Arc<CudaStream>, _: usize, _: bool, launch: impl FnOnce(Target) -> Result<()>) -> Result<()> {
-        launch(Target {
-            out: self.norm,
-            per_tensor: self.per_tensor,
-            typed: self.typed,
-        })
+    fn write(self, _: &Arc<CudaStream>, _: usize, _: bool, launch: impl FnOnce(RawOutput) -> Result<()>) -> Result<()> {
+        launch(self)
     }
 }
 
