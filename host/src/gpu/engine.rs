@@ -256,6 +256,12 @@ impl GpuEngine {
                 // SAFETY: `o` is the output's 24 bytes of device memory, written above.
                 let r = unsafe { self.read_output_at(o) }?;
                 if r.nonfinite != 0 {
+                    if o == prepared.tables.coef_out {
+                        // The tables' own NormOutput (RawOutput::norm_as): its skip flag would
+                        // also skip a later scale by a plain coefficient there; cleared.
+                        // SAFETY: the flags' 8 bytes of that NormOutput, stream-ordered.
+                        unsafe { cudarc::driver::sys::cuMemsetD8Async(o + 16, 0, 8, self.stream.cu_stream()) }.result()?;
+                    }
                     return Err(Error::NonFiniteNorm {
                         norm: r.norm,
                         norm_type: norm_type.to_string(),
@@ -292,11 +298,9 @@ impl GpuEngine {
                 let slot = prepared.tables.coef_out;
                 self.stream.context().bind_to_thread()?;
                 // SAFETY: 8 bytes at `addr` (caller) into the coefficient word of the engine's
-                // NormOutput (inside the tables' allocation), and its flags zeroed (a norm may
-                // have left them there: RawOutput::norm_as), stream-ordered.
+                // NormOutput (inside the tables' allocation), stream-ordered.
                 unsafe {
                     cudarc::driver::sys::cuMemcpyDtoDAsync_v2(slot + 8, addr, 8, self.stream.cu_stream()).result()?;
-                    cudarc::driver::sys::cuMemsetD8Async(slot + 16, 0, 8, self.stream.cu_stream()).result()?;
                 }
                 slot
             }
