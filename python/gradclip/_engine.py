@@ -274,7 +274,12 @@ def _returned_norm(total64: torch.Tensor, dtype: torch.dtype, error_if_nonfinite
     """The norm as torch returns it (in ``dtype``); with ``error_if_nonfinite``, raises when that
     value is NaN or infinite, as torch decides on the value it returns (an f16 norm that
     overflows f16 raises even though its f64 value is finite). One host synchronization then."""
-    total = total64.to(dtype)
+    return _checked_norm(total64.to(dtype), error_if_nonfinite, norm_type)
+
+
+def _checked_norm(total: torch.Tensor, error_if_nonfinite: bool, norm_type: float) -> torch.Tensor:
+    """``total`` (the norm as returned), after raising as torch does when ``error_if_nonfinite``
+    and it is NaN or infinite (one host synchronization then)."""
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise _nonfinite_error(norm_type)
     return total

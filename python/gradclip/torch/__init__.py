@@ -34,11 +34,11 @@ from .._engine import (  # the engine layer this face stands on
     _check_max_norm,
     _check_p,
     _check_writable,
+    _checked_norm,
     _clip_coef,
     _call,
     _clip_grads,
     _list_step,
-    _nonfinite_error,
     _norm_out,
     _plan_norm_as,
     _refuse_host_read_under_capture,
@@ -165,10 +165,7 @@ def _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group, norm
     if plan is not None:
         # The norm in its dtype from the engine (one call), checked as torch checks the value
         # it returns.
-        total = _plan_norm_as(plan, p, plan.info)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise _nonfinite_error(norm_type)
-        return total
+        return _checked_norm(_plan_norm_as(plan, p, plan.info), error_if_nonfinite, norm_type)
     total64, dtype = _total_norm64(plan, ts, p)
     return _returned_norm(total64, dtype, error_if_nonfinite, norm_type)
 
