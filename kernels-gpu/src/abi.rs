@@ -83,6 +83,16 @@ impl DType {
         }
     }
 
+    /// `torch.promote_types` over these types: bf16 with f16 gives f32, otherwise the wider one
+    /// (bf16, f16 < f32 < f64): the dtype of the norm of a list that mixes them.
+    pub const fn promoted(self, other: DType) -> DType {
+        match (self, other) {
+            (DType::Bf16, DType::F16) | (DType::F16, DType::Bf16) => DType::F32,
+            _ if self.size() >= other.size() => self,
+            _ => other,
+        }
+    }
+
     /// The short name (`bf16`, `f16`, `f32`, `f64`).
     pub const fn name(self) -> &'static str {
         match self {

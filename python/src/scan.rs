@@ -123,7 +123,7 @@ impl Planner {
         if list.check_writable().is_err() {
             return Ok(None);
         }
-        let code = entries.iter().map(|e| dtype_index(e.tensor.dtype)).reduce(promote).unwrap_or(2);
+        let code = dtype_index(entries.iter().map(|e| e.tensor.dtype).reduce(DType::promoted).unwrap_or(DType::F32));
         let plan = Plan::new(
             list,
             entries.first().map_or(Place::Cpu, |e| e.place),
@@ -192,18 +192,6 @@ impl Planner {
 
 fn dtype_index(d: DType) -> usize {
     DTYPES.iter().position(|&x| x == d).expect("DTYPES lists every DType")
-}
-
-/// torch.promote_types over the engine's dtypes (indices into DTYPES): bf16 with f16 gives f32,
-/// otherwise the wider one (bf16, f16 < f32 < f64).
-fn promote(a: usize, b: usize) -> usize {
-    if a == b {
-        a
-    } else if a.max(b) <= 1 {
-        2
-    } else {
-        a.max(b)
-    }
 }
 
 #[pymethods]

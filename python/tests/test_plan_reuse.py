@@ -90,6 +90,11 @@ def test_result_dtype_follows_torch_promotion():
         assert plan.result_dtype == want
         got = torch.promote_types(dtypes[0], dtypes[-1])
         assert plan.result_dtype == got
+    # Every pair, in both orders (DType::promoted in the engine), against torch's own rule.
+    every = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    for a in every:
+        for b in every:
+            assert scan([torch.ones(2, dtype=a), torch.ones(3, dtype=b)]).result_dtype == torch.promote_types(a, b), (a, b)
 
 
 def test_parameters_without_grad_are_skipped_by_the_scan():

@@ -288,7 +288,7 @@ fn norm_as_rounds_in_the_kernel(gpu: &Gpu) -> TestResult {
     lists.push(vec![Grad::from_f64(DType::F16, &vec![1000.0; 10_000], 0)]); // 1e5: inf in f16
     lists.push(vec![Grad::from_f64(DType::Bf16, &[1.0, f64::INFINITY], 1)]);
     for (k, grads) in lists.iter().enumerate() {
-        let result = grads.iter().map(Grad::dtype).reduce(promote).unwrap();
+        let result = grads.iter().map(Grad::dtype).reduce(DType::promoted).unwrap();
         let devs = gpu.upload(grads);
         let mut twins = gpu.host_twins(grads, &devs);
         let l = list(&devs.iter().map(|d| d.raw(&gpu.stream)).collect::<Vec<_>>());
@@ -340,16 +340,6 @@ fn norm_as_rounds_in_the_kernel(gpu: &Gpu) -> TestResult {
         format!("scaled after a refused clip: {got:?}")
     })?;
     Ok(())
-}
-
-/// torch.promote_types over the engine's dtypes: bf16 with f16 gives f32, else the wider one.
-fn promote(a: DType, b: DType) -> DType {
-    match (a, b) {
-        _ if a == b => a,
-        (DType::Bf16, DType::F16) | (DType::F16, DType::Bf16) => DType::F32,
-        _ if a.size() >= b.size() => a,
-        _ => b,
-    }
 }
 
 fn main() {
