@@ -15,29 +15,22 @@ call's kept alive); median host us of 60 calls, each measured call alone:
   python3 benches/torch/scan_parts.py [nogc]   # CUDA when present, else the CPU
 """
 import gc
+import os
 import statistics
 import sys
 import time
 
 import torch
 
-import gradclip.torch as gt
-from gradclip import _native
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_host import Grads  # noqa: E402
+
+import gradclip.torch as gt  # noqa: E402
+from gradclip import _native  # noqa: E402
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 params = [torch.nn.Parameter(torch.randn(1024, device=dev)) for _ in range(1000)]
-pool = [torch.randn(1024, device=dev) for _ in params]
-for p, x in zip(params, pool):
-    p.grad = x.clone()
-alive = []
-
-
-def fresh():
-    global alive
-    alive = [p.grad for p in params]
-    for p, x in zip(params, pool):
-        p.grad = x.clone()
-
+grads_of = Grads(params, 0.0)  # step_host's: the same tensors, or new ones with the last kept alive
 
 guards_cls = torch._C._dynamo.guards.TensorGuards
 
@@ -57,7 +50,7 @@ if "nogc" in sys.argv:
     gc.disable()
 grads = [p.grad for p in params]
 g = guards_cls(*grads, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-for case, setup in [("same", lambda: None), ("fresh", fresh)]:
+for case, setup in [("same", grads_of.same), ("fresh", grads_of.fresh)]:
     row = dict(
         read_grads=med(lambda: [p.grad for p in params], setup),
         guard_check=med(lambda: g.check(*[p.grad for p in params]), setup),
