@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections import defaultdict
 from typing import List, Tuple
 
@@ -93,6 +94,29 @@ def _native_pointers_work() -> bool:
 
 _GUARDS = _guard_functions()
 _PLANNER = _native.Planner(_NATIVE_DTYPES, _GUARDS, _GUARDS is not None and _native_pointers_work())
+
+
+def _use_torchs_cpu_threads() -> str:
+    """Runs the CPU backend's loops on the threads torch's CPU operators run on, when those are
+    an OpenMP team (torch's parallel backend, as ``torch.__config__.parallel_info()`` reports it):
+    a second pool (rayon's) right after torch's operators shares the cores with their still
+    spinning threads and reads each gradient on another core than the one that wrote it. The
+    results are the same bits on either. ``GRADCLIP_CPU_WORKERS=rayon`` keeps rayon's pool.
+    Returns the workers' name (``_native.cpu_workers()``)."""
+    use = getattr(_native, "use_openmp_workers", None)  # native on Unix only
+    if use is None:
+        return "rayon"
+    if os.environ.get("GRADCLIP_CPU_WORKERS", "").lower() != "rayon":
+        try:
+            openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+        except Exception:  # pragma: no cover - a torch without the report: keep rayon's pool
+            openmp = False
+        if openmp:
+            use()
+    return _native.cpu_workers()
+
+
+_use_torchs_cpu_threads()
 
 
 try:  # the raw handle of the current stream and the current device, as torch's generated code reads them

@@ -2,7 +2,8 @@
 //! [`scan`] reads them into [`plan`]s (addresses, sizes, dtypes, the lent workspace) and keeps
 //! the last one, and
 //! [`plan_ops`] runs a plan on PyTorch's own memory and stream, through the [`cpu`] or [`cuda`]
-//! backend as the plan's device says. Never
+//! backend as the plan's device says ([`openmp`]: the CPU backend's loops on torch's OpenMP
+//! team). Never
 //! called directly by users. Work runs without the GIL.
 
 mod combine;
@@ -10,6 +11,8 @@ mod cpu;
 mod cuda;
 mod guards;
 mod list_step;
+#[cfg(unix)]
+mod openmp;
 mod optim;
 mod plan;
 mod plan_ops;
@@ -73,6 +76,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_NEW_STATES", optim::STEP_NEW_STATES)?;
     m.add_function(wrap_pyfunction!(check_max_norm, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_addresses::read_data_ptrs, m)?)?;
+    #[cfg(unix)]
+    {
+        m.add_function(wrap_pyfunction!(openmp::use_openmp_workers, m)?)?;
+        m.add_function(wrap_pyfunction!(openmp::use_rayon_workers, m)?)?;
+        m.add_function(wrap_pyfunction!(openmp::cpu_workers, m)?)?;
+    }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

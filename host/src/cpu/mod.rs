@@ -1,4 +1,5 @@
-//! The CPU backend: the GPU's reduction, run on host memory with rayon.
+//! The CPU backend: the GPU's reduction, run on host memory in parallel ([`workers`]: rayon's
+//! pool, or a caller's threads).
 //!
 //! It executes the kernel crate's own lane loop and the model of the GPU's reduction trees
 //! ([`gradclip_kernels::model`]), so for the same inputs at the same 16-byte phase it returns the
@@ -24,14 +25,13 @@ use gradclip_kernels::lane::Source;
 use gradclip_kernels::model;
 use gradclip_kernels::scale::{norm_output, scale_coefficients};
 use gradclip_kernels::with_element;
-use rayon::prelude::*;
-
 mod features;
 #[cfg(test)]
 mod model_check;
 mod vector_inf;
 mod vector_pnorm;
 mod vector_sum;
+pub mod workers;
 
 use crate::dtype::{DType, GradElement};
 use crate::error::{Error, Result};
@@ -192,9 +192,9 @@ impl FastPath for Inf {
 /// # Safety
 /// Every tensor of `plan` must be readable host memory for the duration of the call.
 unsafe fn partials<A: FastPath>(plan: &Plan, p: f64) -> Vec<Partial> {
-    plan.tasks
-        .par_iter()
-        .map(|task| {
+    workers::map_indices(plan.tasks.len(), |i| {
+        let task = &plan.tasks[i];
+        {
             let d = &plan.tensors[task.tensor as usize];
             let dtype = DType::from_code(d.dtype).expect("planned from a DType");
             let frame = Frame::with_phase(d.len, d.phase as u64, dtype.size());
@@ -207,20 +207,18 @@ unsafe fn partials<A: FastPath>(plan: &Plan, p: f64) -> Vec<Partial> {
                 // SAFETY: as above.
                 unsafe { model::chunk_partial::<E, A, _>(&src, &frame, task.chunk as u64, p) }.encode()
             })
-        })
-        .collect()
+        }
+    })
 }
 
 fn report<A: Accumulator>(plan: &Plan, parts: &[Partial], params: &NormParams, per_tensor: bool) -> (NormReport, bool) {
     let out = norm_output(model::final_reduce::<A>(parts, params.p).norm(), params);
     let per_tensor = per_tensor.then(|| {
-        plan.tensors
-            .par_iter()
-            .map(|d| {
-                let r = d.first_task as usize..d.first_task as usize + d.num_tasks as usize;
-                model::tensor_reduce::<A>(&parts[r], params.p).norm()
-            })
-            .collect()
+        workers::map_indices(plan.tensors.len(), |i| {
+            let d = &plan.tensors[i];
+            let r = d.first_task as usize..d.first_task as usize + d.num_tasks as usize;
+            model::tensor_reduce::<A>(&parts[r], params.p).norm()
+        })
     });
     let scale = scale_coefficients(&out).is_some();
     (
@@ -245,7 +243,8 @@ fn report<A: Accumulator>(plan: &Plan, parts: &[Partial], params: &NormParams, p
 /// Every tensor of `plan` must be writable host memory, and no two may overlap.
 unsafe fn scale_all(plan: &Plan, coef: f64) {
     let (c32, c64) = (coef as f32, coef);
-    plan.tasks.par_iter().for_each(|task| {
+    workers::for_each_index(plan.tasks.len(), |i| {
+        let task = &plan.tasks[i];
         let d = &plan.tensors[task.tensor as usize];
         let dtype = DType::from_code(d.dtype).expect("planned from a DType");
         with_element!(dtype, E => {
@@ -283,7 +282,8 @@ unsafe fn scale_elems_avx2<E: Element>(elems: &mut [E::Bits], c32: f32, c64: f64
     scale_elems::<E>(elems, c32, c64)
 }
 
-/// The CPU backend. Cheap to create; work runs on rayon's global pool.
+/// The CPU backend. Cheap to create; work runs on the installed [`workers`] (rayon's global
+/// pool by default).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
 

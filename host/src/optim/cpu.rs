@@ -1,5 +1,5 @@
 //! The CPU step: the global norm with the CPU backend, then every element's update in parallel
-//! (rayon), each with the kernels' per-element arithmetic of its [`Rule`] (the GPU's bits).
+//! ([`crate::cpu::workers`]), each with the kernels' per-element arithmetic of its [`Rule`] (the GPU's bits).
 
 use gradclip_kernels::abi::{AdamParams, LionParams, MAX_STATES, SgdParams};
 use gradclip_kernels::accum::clip_coefficient;
@@ -8,7 +8,6 @@ use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
 use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 use gradclip_kernels::update::ElementUpdate;
-use rayon::prelude::*;
 
 use super::{AdamConfig, ClipConfig, HostAdamTensor, HostStepTensor, NonFinite, Parts, Rule, StepCount, StepList, StepReport, check_clip};
 use crate::cpu::Cpu;
@@ -307,7 +306,8 @@ unsafe fn update_checked(parts: &[Parts], h: Checked, count: &mut StepCount, coe
     // SAFETY: check() matched every part's length and dtype to its parameter's and found no
     // written part overlapping any other part; the pieces of one tensor are disjoint element
     // ranges; the memory is the caller's (contract).
-    pieces.par_iter().for_each(|p| unsafe {
+    crate::cpu::workers::for_each_index(pieces.len(), |i| unsafe {
+        let p = &pieces[i];
         let states = p.parts.states.iter().take_while(|s| s.is_some()).count();
         match h {
             Checked::Adam(h) => update_piece(
@@ -322,7 +322,7 @@ unsafe fn update_checked(parts: &[Parts], h: Checked, count: &mut StepCount, coe
     });
     count.steps += 1;
     for s in parts.iter().filter(|p| !p.grad_absent()).filter_map(|p| p.step) {
-        // SAFETY: as above; the pieces that read it have finished (par_iter returned).
+        // SAFETY: as above; the pieces that read it have finished (the loop returned).
         unsafe { *(s.addr as *mut f32) += 1.0 };
     }
 }
