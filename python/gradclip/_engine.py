@@ -112,7 +112,7 @@ def _use_torchs_cpu_threads() -> str:
         except Exception:  # pragma: no cover - a torch without the report: keep rayon's pool
             openmp = False
         if openmp:
-            use()
+            use(os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "lib"))
     return _native.cpu_workers()
 
 

@@ -80,7 +80,7 @@ impl OpenMp {
                 parallel,
                 thread_num,
                 num_threads,
-                name: format!("openmp ({})", name.rsplit('/').next().unwrap_or(name)),
+                name: format!("openmp ({name})"),
             })
         })
     }
@@ -108,28 +108,34 @@ impl Workers for OpenMp {
     }
 }
 
-/// The OpenMP runtimes mapped into this process (Linux: from `/proc/self/maps`, which names the
-/// files whatever torch's wheel calls them), then the usual sonames.
-fn candidates() -> Vec<String> {
+/// Where to look for torch's OpenMP runtime among the loaded libraries, most likely first: those
+/// mapped from `prefer` (torch's own library folder: a pip wheel's bundled runtime), the sonames
+/// torch's libraries link (the one a conda build binds under that name), then any other runtime
+/// mapped into the process (Linux: `/proc/self/maps` names the files, whatever a wheel calls
+/// them; another package's bundled runtime comes last).
+fn candidates(prefer: Option<&str>) -> Vec<String> {
     let is_openmp = |file: &str| ["libgomp", "libiomp5", "libomp"].iter().any(|p| file.starts_with(p));
-    let mut found: Vec<String> = std::fs::read_to_string("/proc/self/maps")
+    let mut mapped: Vec<String> = std::fs::read_to_string("/proc/self/maps")
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.split_whitespace().nth(5))
         .filter(|path| path.rsplit('/').next().is_some_and(is_openmp))
         .map(str::to_owned)
         .collect();
-    found.dedup();
-    found.extend(["libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib"].map(String::from));
-    found
+    mapped.dedup();
+    let (torchs, others): (Vec<String>, Vec<String>) = mapped.into_iter().partition(|p| prefer.is_some_and(|dir| p.starts_with(dir)));
+    let sonames = ["libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib"].map(String::from);
+    torchs.into_iter().chain(sonames).chain(others).collect()
 }
 
 /// Runs the CPU backend's loops on the OpenMP runtime loaded into this process (the one torch's
-/// CPU operators use; `gradclip` calls this only when torch says its parallel backend is
-/// OpenMP) and returns the workers' name; None, and rayon's pool stays, when none is loaded.
+/// CPU operators use, looked for first under `torch_lib`, torch's library folder; `gradclip`
+/// calls this only when torch says its parallel backend is OpenMP) and returns the workers'
+/// name; None, and rayon's pool stays, when none is loaded.
 #[pyfunction]
-pub fn use_openmp_workers() -> Option<String> {
-    let omp = OpenMp::loaded(&candidates())?;
+#[pyo3(signature = (torch_lib=None))]
+pub fn use_openmp_workers(torch_lib: Option<String>) -> Option<String> {
+    let omp = OpenMp::loaded(&candidates(torch_lib.as_deref()))?;
     let name = omp.name.clone();
     set_workers(Some(Arc::new(omp)));
     Some(name)

@@ -22,7 +22,14 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 @needs_openmp
 def test_the_loops_run_on_torchs_openmp_team():
-    assert _native.cpu_workers().startswith("openmp"), _native.cpu_workers()
+    """The runtime torch loaded (a wheel's bundled one, from torch's library folder, when it
+    has one: not another package's bundled copy)."""
+    name = _native.cpu_workers()
+    assert name.startswith("openmp"), name
+    lib = os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "lib")
+    bundled = [f for f in os.listdir(lib) if f.startswith(("libgomp", "libiomp5", "libomp"))]
+    if bundled:
+        assert lib in name, (name, bundled)
 
 
 @needs_openmp
