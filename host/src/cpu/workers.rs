@@ -100,23 +100,7 @@ unsafe impl<T: Send> Sync for SharedOut<T> {}
 mod tests {
     use super::*;
 
-    /// A team of `n` scoped threads, worker 0 the caller.
-    pub(crate) struct Scoped(pub usize);
-
-    impl Workers for Scoped {
-        fn run(&self, job: &(dyn Fn(usize, usize) + Sync)) {
-            std::thread::scope(|s| {
-                for w in 1..self.0 {
-                    s.spawn(move || job(w, self.0));
-                }
-                job(0, self.0);
-            });
-        }
-        fn name(&self) -> String {
-            format!("{} scoped threads", self.0)
-        }
-    }
-
+    /// The loops on a team, through the backend: `tests/tests/cpu_workers.rs`.
     #[test]
     fn shares_cover_every_item_once_in_order() {
         for n in 0..40 {
@@ -127,27 +111,5 @@ mod tests {
                 assert!(lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 1);
             }
         }
-    }
-
-    #[test]
-    fn map_and_for_each_run_every_index_on_a_team() {
-        let team = Scoped(3);
-        let got = std::sync::Mutex::new(Vec::new());
-        team.run(&|w, ws| got.lock().unwrap().push((w, ws)));
-        let mut got = got.into_inner().unwrap();
-        got.sort();
-        assert_eq!(got, vec![(0, 3), (1, 3), (2, 3)]);
-        // The loops' own results, through the team directly (the installed workers are the
-        // process's, shared with every other test; the backend's tests compare them).
-        let n = 1001;
-        let mut out = vec![0u64; n];
-        let at = SharedOut(out.as_mut_ptr());
-        team.run(&|w, ws| {
-            for i in share(n, w, ws) {
-                // SAFETY: as map_indices: disjoint indices below n, `out` outlives `run`.
-                unsafe { at.write(i, i as u64 * 3) };
-            }
-        });
-        assert_eq!(out, (0..n as u64).map(|i| i * 3).collect::<Vec<_>>());
     }
 }
