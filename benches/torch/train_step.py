@@ -6,6 +6,8 @@ each clip + optimizer:
   torch_fused_noclip        torch.optim.AdamW(fused=True), no clipping
   torch_clip_fused          torch.nn.utils.clip_grad_norm_(foreach=True) + AdamW(fused=True)
   gradclip_default          gradclip.torch.optim.AdamW(max_grad_norm=1.0) with its default update
+  gradclip_compiled         the same, its step compiled alone: torch.compile(opt.step) (not in the
+                            default list; compiled in the warmup steps)
   gradclip_update_gradclip  ... update="gradclip" (gradclip's kernels, the clip inside the update)
   gradclip_update_torch     ... update="torch" (torch's fused kernel, the coefficient as grad_scale)
   torch_clip_sgd            torch's clip_grad_norm_ + SGD(momentum=0.9) (foreach: torch's fused SGD
@@ -145,7 +147,7 @@ def make_optimizer(name, params):
         return torch.optim.AdamW(params, lr=1e-4, fused=True), None
     if name == "torch_clip_fused":
         return torch.optim.AdamW(params, lr=1e-4, fused=True), 1.0
-    if name == "gradclip_default":
+    if name in ("gradclip_default", "gradclip_compiled"):
         return optim.AdamW(params, lr=1e-4, max_grad_norm=1.0), None
     if name == "torch_clip_sgd":
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True), 1.0
@@ -173,6 +175,7 @@ class Trainer:
         self.model = Decoder(self.vocab, d, layers, heads, mlp).to(device=device, dtype=torch.bfloat16)
         self.params = list(self.model.parameters())
         self.opt, self.torch_clip = make_optimizer(opt_name, self.params)
+        self.step_fn = torch.compile(self.opt.step) if opt_name.endswith("_compiled") else self.opt.step
         self.data = torch.Generator().manual_seed(1)
         self.device, self.cuda = device, device == "cuda"
         self.done = 0
@@ -193,7 +196,7 @@ class Trainer:
         t = time.perf_counter()
         if self.torch_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.torch_clip, foreach=True)
-        self.opt.step()
+        self.step_fn()
         host = (time.perf_counter() - t) * 1e6
         self.grads_seen.append(sum(p.grad is not None for p in params))
         self.opt.zero_grad()  # set_to_none=True, torch's default
