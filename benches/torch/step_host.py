@@ -156,7 +156,7 @@ def profile(fn, setup, calls, title, out):
     out.append(f"== {title} ({calls} calls)\n{text.getvalue()}")
 
 
-def moe_rows(device, calls, profiles=None):
+def moe_rows(device, calls, profiles=None, only=None):
     cuda = device == "cuda"
     rows = []
     params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02) for s in moe_shapes()]
@@ -165,6 +165,8 @@ def moe_rows(device, calls, profiles=None):
         grads = Grads(params, none_frac)
         setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused}[fresh]
         for name, (opt, torch_clip) in optimizers(params).items():
+            if only is not None and name not in only:
+                continue
             def step(opt=opt, torch_clip=torch_clip):
                 if torch_clip is not None:
                     torch.nn.utils.clip_grad_norm_(params, torch_clip, foreach=True)
@@ -258,11 +260,12 @@ def main():
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--profile", help="write cProfile's top functions of gradclip's MoE steps here")
     ap.add_argument("--lists", default="clip,moe", help="which lists: clip (1,000 f32), moe (555 bf16), or both")
+    ap.add_argument("--optimizers", help="the MoE list's rows to run, comma-separated (default: all of optimizers())")
     args = ap.parse_args()
     lists = args.lists.split(",")
     device = "cpu" if args.cpu else "cuda"
     profiles = [] if args.profile else None
-    rows = (clip_rows(device, args.calls) if "clip" in lists else []) + (moe_rows(device, args.calls, profiles) if "moe" in lists else [])
+    rows = (clip_rows(device, args.calls) if "clip" in lists else []) + (moe_rows(device, args.calls, profiles, args.optimizers and args.optimizers.split(",")) if "moe" in lists else [])
     record.write(args.out, {**record.header(args.commit, device), "rows": rows})
     if args.profile:
         with open(args.profile, "w") as f:

@@ -5,15 +5,21 @@
 //! same addresses), or a set whose None gradients changed (experts that got no tokens). Each is
 //! recognized with the fewest calls into torch per gradient:
 //! - **the same objects** (known by weak references, made once the gradients' Python objects sit
-//!   where last step's did): one C++ call checks their addresses;
-//! - **new objects, the same set**: torch's guards over the list (layout) and its address check,
-//!   two C++ calls; at new addresses each gradient's address is read and the step list checked;
-//! - **a changed set**: each gradient whose parameter had a gradient read before is read by
-//!   contiguity and address only: torch gives a gradient its parameter's dtype, sizes and device
-//!   (the `.grad` setter and autograd check them), and the parameter's layout is the layout's
-//!   (its address is checked every step, its storage held). Any other gradient is read in full.
+//!   where last step's did): their addresses are read in native code, no call into torch;
+//! - **new objects** (of the same set or not): each gradient whose parameter had a gradient read
+//!   before is read by contiguity and address only: torch gives a gradient its parameter's
+//!   dtype, sizes and device (the `.grad` setter and autograd check them), and the parameter's
+//!   layout is the layout's (its address is checked every step, its storage held). Any other
+//!   gradient is read in full. At the kept addresses the kept list is the step's; elsewhere the
+//!   kept list takes the new gradients ([`StepList::with_grads`]: only theirs are checked).
 //!   The step list keeps the parameters whose gradient is None, marked absent, so the list and
-//!   the kernels' tables stay those of the layout, and only the new gradients are checked.
+//!   the kernels' tables stay those of the layout whatever the set of None gradients.
+//!
+//! torch's list guard (`TensorGuards`, which the clip's planner uses) is not used here: on new
+//! gradient objects it reads more of each tensor (dispatch keys, sizes, strides, requires_grad)
+//! than the contiguity and address the step needs, and those first reads of new objects are what
+//! a step with new gradients pays for (on the H200's host the MoE step's `grads` stage took
+//! 163-351 us through the guard against 122-312 us through these reads for a changing set).
 //!
 //! No strong reference to a gradient is kept between steps: a gradient that `zero_grad()` drops
 //! is freed then, not after the next backward (which would hold a second set of gradients).
@@ -24,7 +30,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 
-use crate::guards::{ListGuard, data_ptr, data_ptrs};
+use crate::guards::{AddressCheck, data_ptr};
 use crate::plan::Place;
 use crate::scan::Planner;
 use crate::tensor_addresses::DataPtrReader;
@@ -62,9 +68,9 @@ struct Last {
     full: Vec<RawTensor>,
     at: Vec<usize>,
     list: StepList,
-    /// torch's guard of the whole list, made once the same set of gradients came twice (with a
-    /// set that changes every step it would be made for nothing).
-    guard: Option<ListGuard>,
+    /// The present gradients' addresses, checked when the same objects come back; None when
+    /// the planner has no address check (then every step reads its gradients).
+    addresses: Option<AddressCheck>,
     objects: Objects,
 }
 
@@ -92,9 +98,9 @@ impl Objects {
         self.addrs == addrs && self.refs.as_deref().is_some_and(|r| same_objects(r, present))
     }
 
-    /// After a step whose gradients passed the guard, not known to be these objects: weak
-    /// references to them when their objects sit where the last step's did (the same objects
-    /// may come back next step).
+    /// After a step whose gradients were read, not known to be these objects: weak references
+    /// to them when their objects sit where the last step's did (the same objects may come back
+    /// next step).
     fn note(&mut self, present: &Bound<'_, PyList>, addrs: Vec<usize>) {
         self.refs = if addrs == self.addrs {
             present
@@ -139,68 +145,54 @@ impl StepGrads {
     ) -> PyResult<Option<StepList>> {
         let py = present.py();
         let objects: Vec<usize> = present.iter().map(|g| g.as_ptr() as usize).collect();
-        if let Some(k) = &mut self.last
+        if let Some(k) = &self.last
             && k.mask == mask
-            && let Some(guard) = &mut k.guard
+            && k.objects.are(present, &objects)
+            && k.addresses.as_ref().is_some_and(|a| a.same(present))
         {
-            let same = k.objects.are(present, &objects);
-            if same && guard.same_addresses(present) {
-                return Ok(Some(k.list.clone()));
-            }
-            if guard.same_layout(present) {
-                if !same {
-                    k.objects.note(present, objects);
-                }
-                if !same && guard.same_addresses(present) {
-                    return Ok(Some(k.list.clone()));
-                }
-                let ptrs = data_ptrs(present, planner.guard_fns().and_then(|f| f.reader()))?;
-                let mut full = k.full.clone();
-                for (&at, &addr) in k.at.iter().zip(&ptrs) {
-                    full[at].addr = addr;
-                }
-                // The kept list's checks hold but for the new gradients': only theirs run.
-                let Ok(list) = k.list.with_grads(&full) else {
-                    self.last = None;
-                    return Ok(None);
-                };
-                guard.moved_to(py, &ptrs)?;
-                k.full = full;
-                k.list = list.clone();
-                return Ok(Some(list));
-            }
+            return Ok(Some(k.list.clone()));
         }
         let Some(tensors) = self.read_each(planner, place, local, &mask, present)? else {
             self.last = None;
             return Ok(None);
         };
+        if let Some(k) = &mut self.last
+            && k.mask == mask
+            && k.at.len() == tensors.len()
+            && k.at.iter().zip(&tensors).all(|(&at, t)| k.full[at] == *t)
+        {
+            // New objects at the kept addresses (the caching allocator's usual answer).
+            k.objects.note(present, objects);
+            return Ok(Some(k.list.clone()));
+        }
         let (full, at) = lists.full(&mask, &tensors);
-        // Another set of None gradients: the last list takes them when it keeps absent ones.
+        // The kept list takes new gradients of the same parts: the same set, or another set
+        // when absent gradients are kept.
         let list = match &self.last {
-            Some(k) if lists.keeps_absent() && k.full.len() == full.len() => k.list.with_grads(&full).ok(),
+            Some(k) if (k.mask == mask || lists.keeps_absent()) && k.full.len() == full.len() => k.list.with_grads(&full).ok(),
             _ => lists.make(&mask, &full),
         };
         let Some(list) = list else {
             self.last = None;
             return Ok(None);
         };
-        let guard = if self.last.as_ref().is_some_and(|k| k.mask == mask) {
-            planner
-                .guard_fns()
-                .and_then(|f| f.guard(present, &tensors.iter().map(|t| t.addr).collect::<Vec<_>>()))
-        } else {
-            None
+        let ptrs: Vec<u64> = tensors.iter().map(|t| t.addr).collect();
+        let addresses = planner.guard_fns().and_then(|f| f.addresses(py, &ptrs));
+        let mut seen = Objects {
+            addrs: match &mut self.last {
+                Some(k) if k.mask == mask => std::mem::take(&mut k.objects.addrs),
+                _ => Vec::new(),
+            },
+            refs: None,
         };
+        seen.note(present, objects);
         self.last = Some(Last {
             mask,
             full,
             at,
             list: list.clone(),
-            guard,
-            objects: Objects {
-                addrs: objects,
-                refs: None,
-            },
+            addresses,
+            objects: seen,
         });
         Ok(Some(list))
     }
