@@ -93,6 +93,10 @@ def regimes(ps, step, g):
             p.grad = None if i == 2 else v.clone()
             if i == 2:
                 vals[i] = None
+    elif kind == "strided_same_set":
+        # New gradients of the last step's set, one not contiguous: read by contiguity, refused.
+        for i, (p, v) in enumerate(zip(ps, vals)):
+            p.grad = v.t().contiguous().t() if i == 0 else v.clone()
     elif kind == "strided":
         # A gradient of the parameter's shape that is not contiguous (torch's setter allows it).
         for i, (p, v) in enumerate(zip(ps, vals)):
@@ -104,7 +108,8 @@ def regimes(ps, step, g):
 
 
 REGIMES = ["fresh", "fresh", "same", "same", "same", "moved", "same", "data_swap", "same", "some_none",
-           "other_none", "some_none", "some_none", "fresh", "strided", "fresh", "fresh", "same"]
+           "other_none", "some_none", "some_none", "fresh", "strided", "fresh", "fresh", "same",
+           "fresh", "strided_same_set", "fresh", "fresh"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
