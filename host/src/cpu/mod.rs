@@ -25,6 +25,7 @@ use gradclip_kernels::lane::Source;
 use gradclip_kernels::model;
 use gradclip_kernels::scale::{norm_output, scale_coefficients};
 use gradclip_kernels::with_element;
+
 mod features;
 #[cfg(test)]
 mod model_check;
@@ -194,20 +195,18 @@ impl FastPath for Inf {
 unsafe fn partials<A: FastPath>(plan: &Plan, p: f64) -> Vec<Partial> {
     workers::map_indices(plan.tasks.len(), |i| {
         let task = &plan.tasks[i];
-        {
-            let d = &plan.tensors[task.tensor as usize];
-            let dtype = DType::from_code(d.dtype).expect("planned from a DType");
-            let frame = Frame::with_phase(d.len, d.phase as u64, dtype.size());
-            // SAFETY: the chunk comes from this frame; memory validity is the caller's.
-            if let Some(part) = unsafe { A::fast_partial(dtype, d.addr, &frame, task.chunk as u64, p) } {
-                return part;
-            }
-            with_element!(dtype, E => {
-                let src = HostTensor::<E>::new(d.addr, frame);
-                // SAFETY: as above.
-                unsafe { model::chunk_partial::<E, A, _>(&src, &frame, task.chunk as u64, p) }.encode()
-            })
+        let d = &plan.tensors[task.tensor as usize];
+        let dtype = DType::from_code(d.dtype).expect("planned from a DType");
+        let frame = Frame::with_phase(d.len, d.phase as u64, dtype.size());
+        // SAFETY: the chunk comes from this frame; memory validity is the caller's.
+        if let Some(part) = unsafe { A::fast_partial(dtype, d.addr, &frame, task.chunk as u64, p) } {
+            return part;
         }
+        with_element!(dtype, E => {
+            let src = HostTensor::<E>::new(d.addr, frame);
+            // SAFETY: as above.
+            unsafe { model::chunk_partial::<E, A, _>(&src, &frame, task.chunk as u64, p) }.encode()
+        })
     })
 }
 

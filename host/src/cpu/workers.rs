@@ -64,8 +64,10 @@ pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
 
 /// `(0..n).map(f)` collected in order, computed in parallel on the installed workers.
 pub(crate) fn map_indices<T: Copy + Default + Send + Sync>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
-    let Some(w) = installed().filter(|_| n > 1) else {
-        return (0..n).into_par_iter().map(&f).collect();
+    let w = match installed() {
+        _ if n <= 1 => return (0..n).map(f).collect(),
+        Some(w) => w,
+        None => return (0..n).into_par_iter().map(&f).collect(),
     };
     let mut out = vec![T::default(); n];
     let at = SharedOut(out.as_mut_ptr());
