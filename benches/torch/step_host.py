@@ -10,7 +10,9 @@ Lists:
           256 x 1024 matrices, attention 4 x 1024 x 1024, a router, a norm per layer; an
           embedding, a final norm and a head)
   clip    1,000 f32 gradients of 1,024 elements (the clip alone; gradclip_scan_only: the
-          planner's scan alone; gradclip_stages: the clip's calls each timed, see clip_stages)
+          planner's scan alone; gradclip_scan_guarded: the same with a planner that recognizes
+          the list by torch's guards instead of native reads; gradclip_stages: the clip's calls
+          each timed, see clip_stages)
 
 Rows per case: host time of one call (time.perf_counter around the call, the GPU drained
 before it, median over --calls calls), the part of it Python's garbage collector took (gc_us,
@@ -229,10 +231,22 @@ def clip_stages(params, stages):
     return fn
 
 
+def guarded_planner():
+    """A planner that recognizes a repeated list by torch's guards (what a torch without the C
+    shim gets), beside gradclip's own, which reads lists natively through the shim; None when
+    gradclip's planner does not read natively (before the shim, its planner was this one)."""
+    from gradclip import _engine, _native
+
+    if not getattr(gt._PLANNER, "native_facts", False):
+        return None
+    return _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, gt._PLANNER.native_pointers)
+
+
 def clip_rows(device, calls):
     cuda = device == "cuda"
     rows = []
     params = [torch.nn.Parameter(torch.randn(1024, device=device)) for _ in range(1000)]
+    guarded = guarded_planner()
     for case, fresh, busy in [("same", False, 0), ("fresh", True, 0), ("fresh_reused", "reused", 0),
                               ("fresh_busy_stream", True, 2_000_000 if cuda else 0)]:
         grads = Grads(params, 0.0)
@@ -240,6 +254,7 @@ def clip_rows(device, calls):
         stages = []
         for name, fn in [("gradclip", lambda: gt.clip_grad_norm_(params, 1.0)),
                          ("gradclip_scan_only", lambda: gt._PLANNER.scan(params, True)),
+                         *([("gradclip_scan_guarded", lambda: guarded.scan(params, True))] if guarded else []),
                          ("gradclip_stages", clip_stages(params, stages)),
                          ("torch_foreach", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))]:
             fn()

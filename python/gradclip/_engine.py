@@ -92,8 +92,52 @@ def _native_pointers_work() -> bool:
         return False
 
 
+def _python_facts(x):
+    """What ``TensorFacts.read_all`` reports for ``x``, read from Python: ``(data_ptr, numel,
+    dtype index among the engine's dtypes or -1, device: -1 for the CPU or the CUDA ordinal,
+    contiguous, inference)``, or None for what it does not read (not exactly a tensor or a
+    parameter, not a dense tensor of the CPU or a CUDA device)."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided or x.device.type not in ("cpu", "cuda"):
+        return None
+    dtype = _NATIVE_DTYPES.index(x.dtype) if x.dtype in _NATIVE_DTYPES else -1
+    device = -1 if x.device.type == "cpu" else x.device.index
+    return (x.data_ptr(), x.numel(), dtype, device, x.is_contiguous(), x.is_inference())
+
+
+def _tensor_facts():
+    """torch's C shim as the planner's native reader of plain tensors (``_native.TensorFacts``),
+    when it reads exactly what Python reads on a set of host tensors (contiguous and not, a view
+    at an offset, an empty one, a parameter, every dtype the engine takes and one it does not, a
+    sparse tensor, a meta tensor, a tensor subclass, an inference tensor, non-tensors); None
+    otherwise: the planner
+    then reads through torch's guards and Python calls. No CUDA tensor is made here (that would
+    start CUDA at import); the CUDA suite checks CUDA tensors' reads."""
+    load = getattr(getattr(_native, "TensorFacts", None), "load", None)
+    if load is None:
+        return None
+    try:
+        facts = load(os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "lib"), torch.Tensor, torch.nn.Parameter)
+        if facts is None:
+            return None
+        base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+
+        class Sub(torch.Tensor):
+            pass
+
+        objs = [torch.zeros(4), torch.nn.Parameter(torch.zeros(3)), base[1:], base.t(), base[:, ::2], torch.zeros(0),
+                torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.float16), torch.zeros(2, dtype=torch.float64),
+                torch.zeros(2, dtype=torch.int32), torch.zeros(2, 2).to_sparse(), torch.zeros(2, device="meta"),
+                torch.zeros(3).as_subclass(Sub), "x", None]
+        with torch.inference_mode():
+            objs.append(torch.zeros(5))
+        return facts if facts.read_all(objs) == [_python_facts(x) for x in objs] else None
+    except Exception:
+        return None
+
+
 _GUARDS = _guard_functions()
-_PLANNER = _native.Planner(_NATIVE_DTYPES, _GUARDS, _GUARDS is not None and _native_pointers_work())
+_FACTS = _tensor_facts()
+_PLANNER = _native.Planner(_NATIVE_DTYPES, _GUARDS, _GUARDS is not None and _native_pointers_work(), _FACTS)
 
 
 def _use_torchs_cpu_threads() -> str:

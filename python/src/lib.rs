@@ -11,6 +11,7 @@ mod cpu;
 mod cuda;
 mod guards;
 mod list_step;
+mod loaded_libs;
 #[cfg(unix)]
 mod openmp;
 mod optim;
@@ -19,6 +20,7 @@ mod plan_ops;
 mod scan;
 mod step_grads;
 mod tensor_addresses;
+mod tensor_facts;
 
 use gradclip::{ClipOptions, Error, NormType};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -56,6 +58,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scan::Planner>()?;
     m.add_class::<plan::Plan>()?;
     m.add_class::<optim::StepLayout>()?;
+    m.add_class::<tensor_facts::TensorFacts>()?;
     m.add_function(wrap_pyfunction!(plan_ops::total_norm, m)?)?;
     m.add_function(wrap_pyfunction!(plan_ops::clip_grad_norm, m)?)?;
     m.add_function(wrap_pyfunction!(plan_ops::scale, m)?)?;

@@ -20,6 +20,8 @@ use std::sync::{Arc, Mutex};
 use gradclip::cpu::workers::{Workers, set_workers, workers_name};
 use pyo3::prelude::*;
 
+use crate::loaded_libs::{mapped_files, open_loaded};
+
 /// `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags)`.
 type Parallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
 /// `omp_get_thread_num`, `omp_get_num_threads`.
@@ -62,10 +64,7 @@ impl OpenMp {
     /// sonames), with the functions a region needs; None when none is loaded.
     fn loaded(candidates: &[String]) -> Option<OpenMp> {
         candidates.iter().find_map(|name| {
-            // SAFETY: RTLD_NOLOAD only returns a handle to a library already loaded (and
-            // initialized) in this process; nothing is loaded, no initializer runs.
-            let lib = unsafe { libloading::os::unix::Library::open(Some(name), libc::RTLD_NOLOAD | libc::RTLD_LAZY) }.ok()?;
-            let lib = libloading::Library::from(lib);
+            let lib = open_loaded(name)?;
             // SAFETY: the OpenMP ABI's signatures (GCC's libgomp, exported as well by LLVM's
             // libomp and Intel's libiomp5).
             let (parallel, thread_num, num_threads) = unsafe {
@@ -115,14 +114,7 @@ impl Workers for OpenMp {
 /// them; another package's bundled runtime comes last).
 fn candidates(prefer: Option<&str>) -> Vec<String> {
     let is_openmp = |file: &str| ["libgomp", "libiomp5", "libomp"].iter().any(|p| file.starts_with(p));
-    let mut mapped: Vec<String> = std::fs::read_to_string("/proc/self/maps")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(5))
-        .filter(|path| path.rsplit('/').next().is_some_and(is_openmp))
-        .map(str::to_owned)
-        .collect();
-    mapped.dedup();
+    let mapped = mapped_files(is_openmp);
     let (torchs, others): (Vec<String>, Vec<String>) = mapped.into_iter().partition(|p| prefer.is_some_and(|dir| p.starts_with(dir)));
     let sonames = ["libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib"].map(String::from);
     torchs.into_iter().chain(sonames).chain(others).collect()

@@ -3,12 +3,13 @@
 //!
 //! A full read takes, per tensor, exactly what decides where the engine reads and writes: its
 //! address, element count, dtype, contiguity and device. That list is the plan's key; when it
-//! equals the last one, the last [`Plan`] (and the device tables it uploaded) is reused. The
-//! read costs about what the same reads cost from Python (each is a call into torch), so a
-//! repeated list is first offered to torch's own guards ([`crate::guards`]: two C++ calls for
-//! the whole list); a list that kept its layout at new addresses (new tensors of the same
-//! shapes) is read by address only, and the kept plan relocated to it ([`Plan::relocated`]);
-//! only a list whose layout changed is read in full.
+//! equals the last one, the last [`Plan`] (and the device tables it uploaded) is reused. With
+//! torch's C shim ([`crate::tensor_facts`]) each call reads the list natively, a few C calls
+//! per tensor, and compares it with the key: the same storage reuses the plan, the same layout
+//! at new addresses (new tensors of the same shapes) relocates it ([`Plan::relocated`]), and
+//! only a changed layout is read in full. Without the shim, reads are calls into torch from
+//! here, so a repeated list is first offered to torch's own guards ([`crate::guards`]: two C++
+//! calls for the whole list) and a list that kept its layout is read by address only.
 
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
@@ -23,6 +24,7 @@ use pyo3::types::{PyList, PyTuple};
 use crate::guards::{GuardFns, ListGuard};
 use crate::plan::{Place, Plan};
 use crate::tensor_addresses::DataPtrReader;
+use crate::tensor_facts::{Facts, TensorFacts};
 
 /// The engine's dtypes in the order of the dtype objects given to [`Planner::new`].
 const DTYPES: [DType; 4] = DType::ALL;
@@ -42,6 +44,9 @@ pub struct Planner {
     dtypes: [Py<PyAny>; 4],
     /// torch's guard functions (see `gradclip.torch`); None: every call reads every tensor.
     guard_fns: Option<GuardFns>,
+    /// Native reads of plain tensors through torch's C shim (checked by `gradclip`); with them
+    /// a list is recognized by reading it, without torch's guards.
+    facts: Option<TensorFacts>,
     /// The kept plan. Only ever try-locked: a thread that finds it taken (another Python thread
     /// inside `scan`, which calls Python code) plans its list without it, so no thread waits
     /// for it while holding the GIL.
@@ -54,14 +59,34 @@ struct Cache {
     key: Vec<Entry>,
     scratch: Vec<Entry>,
     last: Option<Py<Plan>>,
-    /// The guard of the last plan's list, when torch's guards could be made for it.
+    /// The guard of the last plan's list, when torch's guards could be made for it (only
+    /// without native reads).
     guard: Option<ListGuard>,
+}
+
+/// The entry of a tensor read natively, when the engine takes it: the rules of
+/// [`Planner::entry`].
+fn entry_of(f: Facts) -> Option<Entry> {
+    let dtype = f.dtype?;
+    let usable = f.contiguous && (f.addr != 0 || f.len == 0) && f.addr.is_multiple_of(dtype.size());
+    usable.then_some(Entry {
+        tensor: RawTensor {
+            addr: f.addr,
+            len: f.len,
+            dtype,
+        },
+        place: f.place,
+        inference: f.inference,
+    })
 }
 
 impl Planner {
     /// Reads one tensor; None when the engine does not take it (dtype, layout, device kind).
     pub(crate) fn entry(&self, t: &Bound<'_, PyAny>) -> PyResult<Option<Entry>> {
         let py = t.py();
+        if let Some(f) = self.facts.as_ref().and_then(|r| r.read(t)) {
+            return Ok(entry_of(f));
+        }
         let dtype = t.getattr(intern!(py, "dtype"))?;
         let Some(code) = self.dtypes.iter().position(|d| d.is(&dtype)) else {
             return Ok(None);
@@ -164,6 +189,37 @@ impl Planner {
         self.guard_fns.as_ref()
     }
 
+    /// The native reader of plain tensors, when the planner has it.
+    pub(crate) fn facts(&self) -> Option<&TensorFacts> {
+        self.facts.as_ref()
+    }
+
+    /// Reads `tensors` natively into `out` when each is read so and matches `key` but for its
+    /// address (the same layout, perhaps at new addresses); false otherwise.
+    fn read_as_key(facts: &TensorFacts, tensors: &Bound<'_, PyList>, key: &[Entry], out: &mut Vec<Entry>) -> bool {
+        out.clear();
+        if tensors.len() != key.len() {
+            return false;
+        }
+        for (t, k) in tensors.iter().zip(key) {
+            match facts.read(&t).and_then(entry_of) {
+                Some(e)
+                    if Entry {
+                        tensor: RawTensor {
+                            addr: k.tensor.addr,
+                            ..e.tensor
+                        },
+                        ..e
+                    } == *k =>
+                {
+                    out.push(e)
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
+
     /// The kept plan relocated to `entries` (new tensors, every one with the kept key's length,
     /// dtype, device and inference flag: a training loop's new gradients), sharing its workspace
     /// and, on the GPU, its task table. Only when nothing but the cache holds the kept plan: it
@@ -201,9 +257,16 @@ impl Planner {
     /// checked by `gradclip.torch` (None: every call reads every tensor). `native_pointers`:
     /// read data pointers with torch's native reader (checked by `gradclip.torch` through
     /// `read_data_ptrs`), with the guards.
+    /// `facts`: the native reader of plain tensors (`TensorFacts`, checked by `gradclip`): with
+    /// it lists are read natively and torch's guards are not used.
     #[new]
-    #[pyo3(signature = (dtypes, guards=None, native_pointers=false))]
-    fn new(dtypes: &Bound<'_, PyTuple>, guards: Option<(Py<PyAny>, Py<PyAny>)>, native_pointers: bool) -> PyResult<Self> {
+    #[pyo3(signature = (dtypes, guards=None, native_pointers=false, facts=None))]
+    fn new(
+        dtypes: &Bound<'_, PyTuple>,
+        guards: Option<(Py<PyAny>, Py<PyAny>)>,
+        native_pointers: bool,
+        facts: Option<Bound<'_, TensorFacts>>,
+    ) -> PyResult<Self> {
         let reader = if native_pointers {
             DataPtrReader::of_torch(dtypes.py())
         } else {
@@ -216,6 +279,7 @@ impl Planner {
         Ok(Planner {
             dtypes,
             guard_fns: guards.map(|(g, p)| GuardFns::new(g, p, reader)),
+            facts: facts.map(|f| f.get().clone()),
             cache: Mutex::new(Cache::default()),
         })
     }
@@ -246,7 +310,17 @@ impl Planner {
         let cache = &mut *cache;
         let mut entries = std::mem::take(&mut cache.scratch);
         let mut fast = None;
-        if let (Some(guard), Some(last)) = (&mut cache.guard, &cache.last) {
+        if let Some(facts) = &self.facts {
+            // One native read of each tensor: the kept plan when nothing moved, its relocation
+            // when the same layout sits at new addresses, else the full read below.
+            if cache.last.is_some() && Self::read_as_key(facts, &tensors, &cache.key, &mut entries) {
+                if entries == cache.key {
+                    cache.scratch = entries;
+                    return Ok((cache.last.as_ref().map(|p| p.clone_ref(py)), tensors));
+                }
+                fast = Some(true);
+            }
+        } else if let (Some(guard), Some(last)) = (&mut cache.guard, &cache.last) {
             // Two C++ calls check the whole list; on any doubt (false, or an error such as a
             // non-tensor in the list) the full read below decides and reports.
             if guard.same_layout(&tensors) {
@@ -289,7 +363,7 @@ impl Planner {
                 };
                 cache.last = plan.as_ref().map(|p| p.clone_ref(py));
                 std::mem::swap(&mut cache.key, &mut entries);
-                if plan.is_none() {
+                if plan.is_none() || self.facts.is_some() {
                     cache.guard = None;
                 } else if !moved {
                     cache.guard = self.guard_for(&tensors, &cache.key);
@@ -346,5 +420,11 @@ impl Planner {
     #[getter]
     fn native_pointers(&self) -> bool {
         self.guard_fns.as_ref().is_some_and(|f| f.reader().is_some())
+    }
+
+    /// True when plain tensors are read natively through torch's C shim (`TensorFacts`).
+    #[getter]
+    fn native_facts(&self) -> bool {
+        self.facts.is_some()
     }
 }

@@ -7,7 +7,8 @@
 //! - **the same objects** (known by weak references, made once the gradients' Python objects sit
 //!   where last step's did): their addresses are read in native code, no call into torch;
 //! - **new objects** (of the same set or not): each gradient whose parameter had a gradient read
-//!   before is read by contiguity and address only: torch gives a gradient its parameter's
+//!   before is read by contiguity and address only (natively through torch's C shim,
+//!   [`crate::tensor_facts`], when the planner has it): torch gives a gradient its parameter's
 //!   dtype, sizes and device (the `.grad` setter and autograd check them), and the parameter's
 //!   layout is the layout's (its address is checked every step, its storage held). Any other
 //!   gradient is read in full. At the kept addresses the kept list is the step's; elsewhere the
@@ -15,7 +16,7 @@
 //!   The step list keeps the parameters whose gradient is None, marked absent, so the list and
 //!   the kernels' tables stay those of the layout whatever the set of None gradients.
 //!
-//! torch's list guard (`TensorGuards`, which the clip's planner uses) is not used here: on new
+//! torch's list guard (`TensorGuards`, which the clip's planner uses without the shim) is not used here: on new
 //! gradient objects it reads more of each tensor (dispatch keys, sizes, strides, requires_grad)
 //! than the contiguity and address the step needs, and those first reads of new objects are what
 //! a step with new gradients pays for (the MoE step's `grads` stage on the H200's host: about a
@@ -35,6 +36,7 @@ use crate::guards::{AddressCheck, data_ptr};
 use crate::plan::Place;
 use crate::scan::Planner;
 use crate::tensor_addresses::DataPtrReader;
+use crate::tensor_facts::TensorFacts;
 
 /// How the optimizer's layout turns a step's gradients into a step list.
 pub(crate) trait ListMaker {
@@ -210,12 +212,13 @@ impl StepGrads {
     ) -> PyResult<Option<Vec<RawTensor>>> {
         let mut at = Some(place);
         let reader = planner.guard_fns().and_then(|f| f.reader());
+        let facts = planner.facts();
         let mut tensors = Vec::with_capacity(present.len());
         let slots = mask.iter().enumerate().filter(|(_, m)| **m).map(|(i, _)| i);
         for (g, slot) in present.iter().zip(slots) {
             if let (Some(t), Some(ty)) = (self.slots[slot], &self.tensor_type)
                 && g.get_type().is(ty)
-                && let Some(addr) = quick_read(&g, t, local, reader)
+                && let Some(addr) = quick_read(&g, t, local, facts, reader)
             {
                 tensors.push(RawTensor { addr, ..t });
                 continue;
@@ -236,8 +239,14 @@ impl StepGrads {
 /// The address of gradient `g` of a parameter whose last gradient read was `t`, when `g` is
 /// contiguous (and, for a local shard, of `t`'s length: a DTensor gradient's placements may
 /// differ from its parameter's) at an address the kernels can read; None otherwise (any error
-/// included): `g` is then read in full.
-fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool, reader: Option<&DataPtrReader>) -> Option<u64> {
+/// included): `g` is then read in full. Read natively when the planner has torch's C shim
+/// (then the length and dtype are checked too, for free), else by calls into torch.
+fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool, facts: Option<&TensorFacts>, reader: Option<&DataPtrReader>) -> Option<u64> {
+    let usable = |addr: u64| addr.is_multiple_of(t.dtype.size()) && (addr != 0 || t.len == 0);
+    if let Some(f) = facts.and_then(|r| r.read(g)) {
+        // Natively: a few C calls, no call into torch from here.
+        return (f.contiguous && f.len == t.len && f.dtype == Some(t.dtype) && usable(f.addr)).then_some(f.addr);
+    }
     let py = g.py();
     if !g.call_method0(intern!(py, "is_contiguous")).ok()?.is_truthy().ok()? {
         return None;
@@ -246,5 +255,5 @@ fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool, reader: Option<&D
         return None;
     }
     let addr = data_ptr(g, reader).ok()?;
-    (addr.is_multiple_of(t.dtype.size()) && (addr != 0 || t.len == 0)).then_some(addr)
+    usable(addr).then_some(addr)
 }

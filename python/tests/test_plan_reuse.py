@@ -8,15 +8,17 @@ import torch
 import gradclip.torch as gt
 from gradclip import _engine, _native
 
-# The planner gradclip.torch uses (a repeated list recognized by torch's guards in two calls),
-# and one without a validator (every call reads every tensor): both must be exact.
+# The planner gradclip.torch uses (a list read natively through torch's C shim), one that
+# recognizes a repeated list by torch's guards (what a torch without the shim gets), and one
+# without either (every call reads every tensor through Python calls): all must be exact.
+GUARDED = _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, _engine._PLANNER.native_pointers)
 PER_TENSOR = _native.Planner(_engine._NATIVE_DTYPES)
 _current = [gt._PLANNER]
 
 
-@pytest.fixture(params=["validated", "per-tensor"], autouse=True)
+@pytest.fixture(params=["native", "guarded", "per-tensor"], autouse=True)
 def planner(request):
-    _current[0] = gt._PLANNER if request.param == "validated" else PER_TENSOR
+    _current[0] = {"native": gt._PLANNER, "guarded": GUARDED, "per-tensor": PER_TENSOR}[request.param]
     yield _current[0]
     _current[0] = gt._PLANNER
 
@@ -111,8 +113,61 @@ def test_a_cpu_plan_refuses_a_workspace():
 
 
 def test_this_torch_gives_the_one_call_validator():
-    # torch 2.11 (the version CI and the H200 use) has the guard functions the validator needs.
-    assert gt._PLANNER.validates and not PER_TENSOR.validates
+    # torch 2.11 (the version CI and the H200 use) has the guard functions the validator needs,
+    # and the C shim the native reads use.
+    assert gt._PLANNER.validates and GUARDED.validates and not PER_TENSOR.validates
+    assert gt._PLANNER.native_facts and not GUARDED.native_facts and not PER_TENSOR.native_facts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_reads_equal_pythons(device):
+    """torch's C shim reads what Python reads (address, element count, dtype, device, contiguity)
+    on tensors of the device, and nothing for what it must not read through a tensor's object
+    layout (a subclass, a sparse tensor, non-tensors); on CUDA the ordinal is the tensor's."""
+    facts = _engine._FACTS
+    assert facts is not None
+
+    class Sub(torch.Tensor):
+        pass
+
+    base = torch.randn(5, 8, device=device)
+    objs = [base, base[2:], base.t(), base[:, 1::3], torch.zeros(0, device=device),
+            torch.nn.Parameter(torch.zeros(3, 3, device=device)), base.to(torch.bfloat16), base.half(), base.double(),
+            torch.zeros(4, dtype=torch.int64, device=device), base.as_subclass(Sub), torch.zeros(2, 2).to_sparse(), 3.0, None]
+    with torch.inference_mode():
+        objs.insert(0, torch.ones(6, device=device))
+    got = facts.read_all(objs)
+    assert got == [_engine._python_facts(x) for x in objs]
+    assert got[-4:] == [None] * 4 and got[3][4] is False and got[2][0] == base.data_ptr() + 16 * 4
+    assert got[1][3] == (-1 if device == "cpu" else base.device.index)
+    assert got[0][5] is True and got[1][5] is False  # the inference tensor, then a plain one
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_inference_tensor_among_new_gradients_is_refused_before_any_write(device):
+    """A new gradient of the kept layout that is an inference tensor is no longer the kept
+    layout (the native read sees the flag, torch's guard the dispatch keys): refused as torch
+    refuses it, with nothing written; inside inference mode written, as torch writes it."""
+    ps = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in (64, 3, 1000)]
+    for p in ps:
+        p.grad = torch.randn(p.shape, device=device)
+    gt.clip_grad_norm_(ps, 0.5)  # plans the layout
+    with torch.inference_mode():
+        inferred = torch.randn(3, device=device)
+    fresh = [torch.randn(64, device=device), inferred, torch.randn(1000, device=device)]
+    for p, g in zip(ps, fresh):
+        p.grad = g
+    before = [g.clone() for g in fresh]
+    for clip in (lambda: gt.clip_grad_norm_(ps, 0.1),
+                 lambda: gt.clip_grads_with_norm_(ps, 0.1, torch.tensor(100.0, device=device)),
+                 lambda: gt.clip_grad_norm_(ps, 0.1)):  # the layout read with the flag comes back
+        with pytest.raises(RuntimeError, match="inference tensor"):
+            clip()
+        assert all(torch.equal(g, b) for g, b in zip(fresh, before)), "written before the refusal"
+    with torch.inference_mode():
+        norm = gt.clip_grad_norm_(ps, 0.1)
+    want = float(torch.linalg.vector_norm(torch.cat([b.double() for b in before])))
+    assert abs(float(norm) - want) <= 1e-6 * want and not torch.equal(fresh[0], before[0])
 
 
 @pytest.mark.parametrize("device", DEVICES)

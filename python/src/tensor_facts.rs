@@ -1,0 +1,232 @@
+//! What the engine needs of a tensor (address, element count, dtype, device, contiguity, whether
+//! it is an inference tensor), read from its Python object in native code through torch's stable
+//! C shim: the `aoti_torch_*` functions AOTInductor's compiled models call, exported by
+//! `libtorch_cpu` with a C ABI that torch keeps stable (`torch/csrc/inductor/aoti_torch/c/shim.h`),
+//! and `at::native::is_inference`, which the shim lacks. Each is a C call of a few
+//! nanoseconds where the same read from Python (`t.is_contiguous()`, `t.dtype`, ...) goes
+//! through the interpreter and torch's argument parser: on the H200's host 555 `is_contiguous()`
+//! calls on new gradients took 50-55 us and torch's list guard over them 85-95 us
+//! (`benches/NOTES.md`, nineteenth session), per step.
+//!
+//! The shim takes a tensor handle (`at::Tensor*`); a plain tensor's or parameter's Python object
+//! holds its `at::Tensor` right after the object header (`THPVariable` in torch's public header
+//! `torch/csrc/autograd/python_variable.h`, which every C++ extension's `THPVariable_Unpack`
+//! compiles in). Only objects whose type is exactly `torch.Tensor` or `torch.nn.Parameter` are
+//! read so; `gradclip` checks at import that these reads equal Python's on a set of tensors
+//! (`read_tensor_facts`) before the planner uses them. The shim turns C++ exceptions (a tensor
+//! without storage, say) into an error status, which reads as "not the engine's".
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+use gradclip::DType;
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+use crate::loaded_libs::{mapped_files, open_loaded};
+use crate::plan::Place;
+
+/// `AOTITorchError (*)(AtenTensorHandle, T*)`: 0 on success.
+type Get<T> = unsafe extern "C" fn(*mut c_void, *mut T) -> c_int;
+/// `int32_t (*)()`: a dtype's or device type's code.
+type Code = unsafe extern "C" fn() -> i32;
+/// `bool at::native::is_inference(const at::Tensor&)`: declared in torch's public headers
+/// (`ATen/ops/is_inference_native.h`, `TORCH_API`), a check of the tensor's dispatch keys that
+/// never throws. A free function taking a reference and returning bool is called as the C
+/// function `bool (*)(const void*)` under the platform's C++ ABI (Itanium: Linux, macOS).
+type IsInference = unsafe extern "C" fn(*const c_void) -> bool;
+
+/// The mangled (Itanium ABI) name of `at::native::is_inference(const at::Tensor&)`.
+const IS_INFERENCE: &[u8] = b"_ZN2at6native12is_inferenceERKNS_6TensorE\0";
+
+/// The shim's functions, from the `libtorch_cpu` already loaded.
+struct Shim {
+    /// Keeps the library's handle (and so the functions below) valid.
+    _lib: libloading::Library,
+    data_ptr: Get<*mut c_void>,
+    numel: Get<i64>,
+    dtype: Get<i32>,
+    device_type: Get<i32>,
+    device_index: Get<i32>,
+    contiguous: Get<bool>,
+    layout: Get<i32>,
+    inference: IsInference,
+    /// torch's code of the strided layout (dense tensors).
+    strided: i32,
+    /// torch's codes of the engine's dtypes, in [`DType::ALL`]'s order.
+    dtypes: [i32; 4],
+    cpu: i32,
+    cuda: i32,
+}
+
+impl Shim {
+    /// The shim of the first of `candidates` (paths or sonames) that is loaded and exports it.
+    fn loaded(candidates: &[String]) -> Option<Shim> {
+        candidates.iter().find_map(|name| {
+            let lib = open_loaded(name)?;
+            // SAFETY: the signatures of torch's stable C shim (aoti_torch/c/shim.h); the code
+            // functions take nothing and return an int32_t.
+            unsafe {
+                let code = |sym: &[u8]| lib.get::<Code>(sym).ok().map(|f| f());
+                let dtypes = [
+                    code(b"aoti_torch_dtype_bfloat16\0")?,
+                    code(b"aoti_torch_dtype_float16\0")?,
+                    code(b"aoti_torch_dtype_float32\0")?,
+                    code(b"aoti_torch_dtype_float64\0")?,
+                ];
+                let (cpu, cuda) = (code(b"aoti_torch_device_type_cpu\0")?, code(b"aoti_torch_device_type_cuda\0")?);
+                let strided = code(b"aoti_torch_layout_strided\0")?;
+                Some(Shim {
+                    data_ptr: *lib.get(b"aoti_torch_get_data_ptr\0").ok()?,
+                    numel: *lib.get(b"aoti_torch_get_numel\0").ok()?,
+                    dtype: *lib.get(b"aoti_torch_get_dtype\0").ok()?,
+                    device_type: *lib.get(b"aoti_torch_get_device_type\0").ok()?,
+                    device_index: *lib.get(b"aoti_torch_get_device_index\0").ok()?,
+                    contiguous: *lib.get(b"aoti_torch_is_contiguous\0").ok()?,
+                    layout: *lib.get(b"aoti_torch_get_layout\0").ok()?,
+                    inference: *lib.get(IS_INFERENCE).ok()?,
+                    strided,
+                    dtypes,
+                    cpu,
+                    cuda,
+                    _lib: lib,
+                })
+            }
+        })
+    }
+}
+
+/// Where to look for `libtorch_cpu` among the loaded libraries: in `torch_lib` (torch's own
+/// library folder), by soname, then any mapped file of that name.
+fn candidates(torch_lib: Option<&str>) -> Vec<String> {
+    let own = torch_lib.map(|dir| format!("{dir}/libtorch_cpu.so"));
+    let mapped = mapped_files(|file| file.starts_with("libtorch_cpu."));
+    own.into_iter()
+        .chain(["libtorch_cpu.so".to_owned(), "libtorch_cpu.dylib".to_owned()])
+        .chain(mapped)
+        .collect()
+}
+
+/// One tensor as the engine sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Facts {
+    /// `data_ptr()`: the first element's address.
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    /// None: not one of the engine's dtypes.
+    pub(crate) dtype: Option<DType>,
+    pub(crate) place: Place,
+    pub(crate) contiguous: bool,
+    /// An inference tensor (torch refuses in-place writes to it outside inference mode).
+    pub(crate) inference: bool,
+}
+
+/// [`Facts`] as Python sees them: `(data_ptr, numel, dtype index or -1, device: -1 for the
+/// CPU or the CUDA ordinal, contiguous, inference)`.
+type PyFacts = (u64, u64, i64, i64, bool, bool);
+
+/// Reads [`Facts`] of plain tensors and parameters through torch's shim.
+#[pyclass(frozen, module = "gradclip._native")]
+#[derive(Clone)]
+pub struct TensorFacts(Arc<Reader>);
+
+/// The shim and the two types whose objects it reads.
+struct Reader {
+    shim: Shim,
+    tensor: Py<PyType>,
+    parameter: Py<PyType>,
+}
+
+impl TensorFacts {
+    /// The facts of `t`; None when its type is not exactly `torch.Tensor` or
+    /// `torch.nn.Parameter` (only those are read through their object's layout), it is not a
+    /// dense tensor on the CPU or a CUDA device, or the shim reports an error.
+    pub(crate) fn read(&self, t: &Bound<'_, PyAny>) -> Option<Facts> {
+        let Reader {
+            shim: s,
+            tensor,
+            parameter,
+        } = &*self.0;
+        let ty = t.get_type();
+        if !ty.is(tensor) && !ty.is(parameter) {
+            return None;
+        }
+        // The object's `at::Tensor`, right after its header (see the module's documentation).
+        let handle = t
+            .as_ptr()
+            .cast::<u8>()
+            .wrapping_add(size_of::<pyo3::ffi::PyObject>())
+            .cast::<c_void>();
+        let (mut device, mut layout, mut index) = (0i32, 0i32, 0i32);
+        let (mut addr, mut len, mut dtype, mut contiguous) = (std::ptr::null_mut(), 0i64, 0i32, false);
+        // SAFETY: `t` is a live plain tensor or parameter (its exact type, checked above, so its
+        // object is torch's `THPVariable` with the `at::Tensor` at `handle`), the GIL is held
+        // (`t` is bound to it) so it stays alive, and each function writes its one out value.
+        // The shim catches torch's exceptions and returns a nonzero status, but logs them: the
+        // device and layout are asked first (they never throw), and only a dense tensor of the
+        // CPU or a CUDA device is asked for its data pointer (a sparse one would throw).
+        let ok = unsafe {
+            (s.device_type)(handle, &mut device) == 0
+                && (device == s.cpu || device == s.cuda)
+                && (s.layout)(handle, &mut layout) == 0
+                && layout == s.strided
+                && (s.device_index)(handle, &mut index) == 0
+                && (s.dtype)(handle, &mut dtype) == 0
+                && (s.numel)(handle, &mut len) == 0
+                && (s.contiguous)(handle, &mut contiguous) == 0
+                && (s.data_ptr)(handle, &mut addr) == 0
+        };
+        if !ok {
+            return None;
+        }
+        // SAFETY: as above; `is_inference` only reads the tensor's dispatch keys.
+        let inference = unsafe { (s.inference)(handle) };
+        Some(Facts {
+            addr: addr as u64,
+            len: u64::try_from(len).ok()?,
+            dtype: s.dtypes.iter().position(|&c| c == dtype).map(|i| DType::ALL[i]),
+            place: if device == s.cuda { Place::Cuda(index.into()) } else { Place::Cpu },
+            contiguous,
+            inference,
+        })
+    }
+}
+
+#[pymethods]
+impl TensorFacts {
+    /// torch's shim from the `libtorch_cpu` already loaded (looked for first in `torch_lib`,
+    /// torch's library folder), reading objects of exactly the types `tensor` and `parameter`
+    /// (`torch.Tensor`, `torch.nn.Parameter`); None when no such library is loaded.
+    #[staticmethod]
+    #[pyo3(signature = (torch_lib, tensor, parameter))]
+    fn load(torch_lib: Option<String>, tensor: Bound<'_, PyType>, parameter: Bound<'_, PyType>) -> Option<TensorFacts> {
+        let shim = Shim::loaded(&candidates(torch_lib.as_deref()))?;
+        Some(TensorFacts(Arc::new(Reader {
+            shim,
+            tensor: tensor.unbind(),
+            parameter: parameter.unbind(),
+        })))
+    }
+
+    /// Each object's facts as `(data_ptr, numel, dtype, device, contiguous, inference)` (dtype:
+    /// its index in the engine's order bfloat16, float16, float32, float64, or -1; device: -1
+    /// for the CPU, or the CUDA ordinal), or None where it is not read: what `gradclip` compares
+    /// with Python's reads before the planner uses them.
+    fn read_all(&self, objs: Vec<Bound<'_, PyAny>>) -> Vec<Option<PyFacts>> {
+        objs.iter()
+            .map(|o| {
+                self.read(o).map(|f| {
+                    let dtype = f
+                        .dtype
+                        .and_then(|d| DType::ALL.iter().position(|&x| x == d))
+                        .map_or(-1, |i| i as i64);
+                    let device = match f.place {
+                        Place::Cpu => -1,
+                        Place::Cuda(i) => i,
+                    };
+                    (f.addr, f.len, dtype, device, f.contiguous, f.inference)
+                })
+            })
+            .collect()
+    }
+}
