@@ -2,19 +2,22 @@
 //! it is an inference tensor), read from its Python object in native code through torch's stable
 //! C shim: the `aoti_torch_*` functions AOTInductor's compiled models call, exported by
 //! `libtorch_cpu` with a C ABI that torch keeps stable (`torch/csrc/inductor/aoti_torch/c/shim.h`),
-//! and `at::native::is_inference`, which the shim lacks. Each is a C call of a few
-//! nanoseconds where the same read from Python (`t.is_contiguous()`, `t.dtype`, ...) goes
-//! through the interpreter and torch's argument parser: on the H200's host 555 `is_contiguous()`
-//! calls on new gradients took 50-55 us and torch's list guard over them 85-95 us
-//! (`benches/NOTES.md`, nineteenth session), per step.
+//! and `at::native::is_inference`, which the shim lacks. Each is a C call of a few nanoseconds
+//! where the same read from Python (`t.is_contiguous()`, `t.dtype`, ...) goes through the
+//! interpreter and torch's argument parser, and torch's list guard reads more of each tensor
+//! than the engine needs. On the H200's host the planner's scan of 1,000 new gradients took
+//! 231-268 us read so against 331-372 us through torch's guards, and the MoE step's gradient
+//! stage 105-107 us against 141-252 us with `is_contiguous()` calls (run
+//! `2026-12-02-h200/2fbca93-native-reads-ab`).
 //!
 //! The shim takes a tensor handle (`at::Tensor*`); a plain tensor's or parameter's Python object
 //! holds its `at::Tensor` right after the object header (`THPVariable` in torch's public header
 //! `torch/csrc/autograd/python_variable.h`, which every C++ extension's `THPVariable_Unpack`
 //! compiles in). Only objects whose type is exactly `torch.Tensor` or `torch.nn.Parameter` are
 //! read so; `gradclip` checks at import that these reads equal Python's on a set of tensors
-//! (`read_tensor_facts`) before the planner uses them. The shim turns C++ exceptions (a tensor
-//! without storage, say) into an error status, which reads as "not the engine's".
+//! (`TensorFacts.read_all` against `gradclip._engine._python_facts`) before the planner uses
+//! them. The shim turns C++ exceptions (a tensor without storage, say) into an error status,
+//! which reads as "not the engine's".
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
