@@ -8,8 +8,10 @@ shapes of an 8-layer mixture of experts (``step_host.moe_shapes``), AdamW with t
                  freed first, so the caching allocator mostly hands back their addresses)
 
 Rows: per-step time (wall time of --steps steps, the GPU drained at both ends, divided by the
-steps; the gradients' setup included, the same for every row), host time of the step call
-(median), for gradclip's AdamW eager, torch.compile(opt.step) and torch.compile(opt.step,
+steps; the gradients' setup included, the same for every row), the steady per-step time (CUDA
+events from after the first fifth of the steps to the end: the loop's rate once under way, the
+first step's host time before its first launch left out), host time of the step call (median),
+for gradclip's AdamW eager, torch.compile(opt.step) and torch.compile(opt.step,
 mode="reduce-overhead") (the step alone: ``gradclip::whole_step_``, the eager step as one op),
 the step compiled inside a caller's function (the list op ``gradclip::optim_step_``, default
 and reduce-overhead), and torch's fused AdamW (no clip) eager and compiled for reference.
@@ -38,17 +40,30 @@ def sync():
 
 
 def per_step(fn, setup, steps):
-    """(per-step us, median host us of fn) over `steps` back-to-back steps."""
+    """(per-step us, median host us of fn, steady per-step us) over `steps` back-to-back steps.
+    Per step: wall time from a drained GPU to a drained GPU, so the first step's host time before
+    its first launch counts once (over `steps`). Steady: on the GPU's clock, from an event
+    enqueued after the first fifth of the steps to one after the last, the rate of a loop long
+    under way, as a training loop runs (None on the CPU)."""
     hosts = []
+    cuda = torch.cuda.is_available()
+    start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+    skip = max(1, steps // 5)
     sync()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
         setup()
         h = time.perf_counter()
         fn()
         hosts.append((time.perf_counter() - h) * 1e6)
+        if cuda and i == skip - 1:
+            start.record()
+    if cuda:
+        end.record()
     sync()
-    return (time.perf_counter() - t0) / steps * 1e6, statistics.median(hosts)
+    wall = (time.perf_counter() - t0) / steps * 1e6
+    steady = start.elapsed_time(end) * 1e3 / (steps - skip) if cuda else None
+    return wall, statistics.median(hosts), steady
 
 
 def variants(params, cuda):
@@ -119,8 +134,9 @@ def main():
                 setup()
                 fn()
             warm_s = time.perf_counter() - t
-            step_us, host_us = per_step(fn, setup, args.steps)
-            row = dict(list="moe-555-bf16" if not args.cpu else "555x64-f32-cpu", case=case, optimizer=name, step_us=step_us, host_us=host_us, warmup_s=warm_s, round=rnd)
+            step_us, host_us, steady_us = per_step(fn, setup, args.steps)
+            row = dict(list="moe-555-bf16" if not args.cpu else "555x64-f32-cpu", case=case, optimizer=name, step_us=step_us,
+                       steady_step_us=steady_us, host_us=host_us, warmup_s=warm_s, round=rnd)
             rows.append(row)
             record.show(row)
             del opt, fn

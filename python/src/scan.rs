@@ -291,11 +291,17 @@ impl Planner {
         let py = items.py();
         let tensors = if grads {
             let list = PyList::empty(py);
-            for p in items.try_iter()? {
-                let g = p?.getattr(intern!(py, "grad"))?;
+            let mut add = |p: Bound<'py, PyAny>| -> PyResult<()> {
+                let g = p.getattr(intern!(py, "grad"))?;
                 if !g.is_none() {
                     list.append(g)?;
                 }
+                Ok(())
+            };
+            match items.cast::<PyList>() {
+                // A list (what the face hands over) by index, without an iterator object.
+                Ok(l) => l.iter().try_for_each(&mut add)?,
+                Err(_) => items.try_iter()?.try_for_each(|p| add(p?))?,
             }
             list
         } else {
