@@ -9,9 +9,10 @@ list over several devices is grouped per device: never silently wrong, only slow
 is accepted for compatibility and ignored.
 
 The table the kernels read is planned once per list and kept while the same gradient storage
-comes back; a repeated list is recognized exactly (address, sizes, strides, dtype, device of
-every tensor) in two C++ calls over the whole list, so a call costs the host about 0.1 us per
-gradient.
+comes back; a repeated list is recognized exactly (address, element count, dtype, device,
+contiguity, inference flag of every tensor) by reading it in native code through torch's C shim
+(``gradclip._native.TensorFacts``; torch's guards where the shim is missing), a few C calls per
+tensor.
 
 The norm is accumulated in f64 over all gradients at once, so it can differ from torch's (which
 accumulates per tensor in the gradient's dtype, then across tensors) by torch's rounding; the
