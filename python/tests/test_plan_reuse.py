@@ -144,6 +144,18 @@ def test_native_reads_equal_pythons(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_new_tensor_of_the_layout_that_is_not_contiguous_is_not_relocated(device):
+    """A new tensor of a kept list's length and dtype that is not contiguous (a transposed
+    square, same shape) is not the kept layout: the list is read in full and not planned."""
+    gs = [torch.randn(6, 6, device=device), torch.randn(10, device=device)]
+    assert scan(gs) is not None
+    gs = [torch.randn(6, 6, device=device).t(), torch.randn(10, device=device)]
+    assert not gs[0].is_contiguous() and scan(gs) is None
+    gs[0] = gs[0].contiguous()
+    assert scan(gs) is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_an_inference_tensor_among_new_gradients_is_refused_before_any_write(device):
     """A new gradient of the kept layout that is an inference tensor is no longer the kept
     layout (the native read sees the flag, torch's guard the dispatch keys): refused as torch

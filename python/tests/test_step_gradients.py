@@ -112,11 +112,21 @@ REGIMES = ["fresh", "fresh", "same", "same", "same", "moved", "same", "data_swap
            "fresh", "strided_same_set", "fresh", "fresh"]
 
 
+@pytest.mark.parametrize("planner", ["native", "guarded"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_every_regime_steps_as_torch(device):
+def test_every_regime_steps_as_torch(device, planner, monkeypatch):
     """Over the regimes a training loop produces, update="gradclip" equals gradclip's clip +
     torch's fused AdamW on the same gradients (within the coefficient's rounding), and each
-    parameter's own step count matches torch's."""
+    parameter's own step count matches torch's: with gradclip's planner, which reads tensors
+    through torch's C shim, and with one that reads them by calls into torch (a torch without
+    the shim)."""
+    if planner == "guarded":
+        from gradclip import _engine, _native
+        from gradclip.torch import _spine
+
+        guarded = _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, _engine._PLANNER.native_pointers)
+        assert not guarded.native_facts
+        monkeypatch.setattr(_spine, "_PLANNER", guarded)
     ours_p, ref_p = params(device), params(device)
     ours = AdamW(ours_p, lr=1e-2, max_grad_norm=0.5, update="gradclip")
     ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)
