@@ -126,6 +126,15 @@ class Grads:
     def same(self):
         pass
 
+    def backward(self):
+        """New gradient tensors made by autograd, as a training loop's backward makes them: the
+        old ones freed first (``zero_grad()``), the new ones without Python objects until their
+        first ``.grad`` read, which the timed call then makes (the pool's values, through a
+        backward of ``sum(p * pool)``, kept out of the graph; every parameter gets a gradient)."""
+        for p in self.params:
+            p.grad = None
+        torch.stack([(p * x).float().sum() for p, x in zip(self.params, self.pool)]).sum().backward()
+
     def fresh_reused(self):
         """New gradient tensors as a training loop makes them: the old ones freed first
         (``zero_grad()``), so torch's caching allocator mostly hands back their addresses."""
@@ -163,9 +172,9 @@ def moe_rows(device, calls, profiles=None, only=None):
     rows = []
     params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02) for s in moe_shapes()]
     for case, none_frac, fresh in [("same", 0.0, False), ("fresh", 0.0, True), ("fresh_reused", 0.0, "reused"),
-                                   ("fresh_some_none", 0.1, True)]:
+                                   ("fresh_some_none", 0.1, True), ("fresh_backward", 0.0, "backward")]:
         grads = Grads(params, none_frac)
-        setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused}[fresh]
+        setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused, "backward": grads.backward}[fresh]
         for name, (opt, torch_clip) in optimizers(params).items():
             if only is not None and name not in only:
                 continue
@@ -248,9 +257,9 @@ def clip_rows(device, calls):
     params = [torch.nn.Parameter(torch.randn(1024, device=device)) for _ in range(1000)]
     guarded = guarded_planner()
     for case, fresh, busy in [("same", False, 0), ("fresh", True, 0), ("fresh_reused", "reused", 0),
-                              ("fresh_busy_stream", True, 2_000_000 if cuda else 0)]:
+                              ("fresh_busy_stream", True, 2_000_000 if cuda else 0), ("fresh_backward", "backward", 0)]:
         grads = Grads(params, 0.0)
-        setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused}[fresh]
+        setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused, "backward": grads.backward}[fresh]
         stages = []
         for name, fn in [("gradclip", lambda: gt.clip_grad_norm_(params, 1.0)),
                          ("gradclip_scan_only", lambda: gt._PLANNER.scan(params, True)),

@@ -111,7 +111,9 @@ def _tensor_facts():
     sparse tensor, a meta tensor, a tensor subclass, an inference tensor, non-tensors); None
     otherwise: the planner
     then reads through torch's guards and Python calls. No CUDA tensor is made here (that would
-    start CUDA at import); the CUDA suite checks CUDA tensors' reads."""
+    start CUDA at import); the CUDA suite checks CUDA tensors' reads. Its reads of gradients
+    without their Python objects are checked too (``_native_grads_work``) and switched off alone
+    when they differ."""
     load = getattr(getattr(_native, "TensorFacts", None), "load", None)
     if load is None:
         return None
@@ -130,9 +132,35 @@ def _tensor_facts():
                 torch.zeros(3).as_subclass(Sub), "x", None]
         with torch.inference_mode():
             objs.append(torch.zeros(5))
-        return facts if facts.read_all(objs) == [_python_facts(x) for x in objs] else None
+        if facts.read_all(objs) != [_python_facts(x) for x in objs]:
+            return None
+        return facts if _native_grads_work(facts) else _without_grads(facts)
     except Exception:
         return None
+
+
+def _native_grads_work(facts) -> bool:
+    """Whether ``facts`` reads parameters' gradients without their Python objects exactly as
+    ``.grad`` reads them: gradients made by autograd (no object yet: read natively first), set
+    from Python (contiguous or not, another dtype than float32), none, on a tensor and on a
+    parameter. False when this torch gives no gradient getter."""
+    params = [torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.ones(2)), torch.ones(6, requires_grad=True), torch.nn.Parameter(torch.ones(4, 4))]
+    sum((p.float() * (i + 1)).sum() for i, p in enumerate(params[:4])).backward()
+    native = facts.read_grads(params)  # before .grad made any gradient's object
+    if native is None:
+        return False
+    want = [_python_facts(p.grad) for p in params[:4]] + [False]
+    params[2].grad = None
+    params[4].grad = torch.ones(4, 4).t()
+    native += facts.read_grads(params[2:])
+    want += [False, _python_facts(params[3].grad), _python_facts(params[4].grad)]
+    return native == want
+
+
+def _without_grads(facts):
+    """``facts`` with its native gradient reads switched off (they failed ``_native_grads_work``)."""
+    return facts.without_grads()
 
 
 _GUARDS = _guard_functions()

@@ -27,6 +27,7 @@ use crate::guards::AddressCheck;
 use crate::plan::Place;
 use crate::scan::Planner;
 use crate::step_grads::{ListMaker, StepGrads};
+use crate::tensor_facts::{Facts, TensorFacts};
 use crate::to_py;
 
 /// [`optim_step`]'s verdicts: the step ran; the layout no longer fits (make a new one and call
@@ -75,6 +76,21 @@ struct Kept {
     slot_of: HashMap<usize, (usize, usize)>,
     /// Nanoseconds of the stages of the last step (see `StepLayout::last_step_ns`).
     timings: [u64; 5],
+    /// Whether gradients are read natively, without their Python objects (until one could
+    /// not be: the shim logs what it fails on, so it is not asked again for this layout).
+    native_grads: bool,
+}
+
+/// The gradients of a step read natively ([`Kept::read_grads_natively`]).
+enum Read {
+    /// The parameters are not the layout's.
+    Relayout,
+    /// These parameters have their first gradient (see [`Miss::NewStates`]).
+    First(Vec<Py<PyAny>>),
+    /// Which parameters have a gradient, and the facts of those gradients, in order.
+    Grads(Vec<bool>, Vec<Facts>),
+    /// Some gradient could not be read so: read `.grad`.
+    NotNative,
 }
 
 /// What an optimizer's parameter groups look like to the engine, kept between steps (see the
@@ -210,6 +226,7 @@ pub fn step_layout(
             grads,
             slot_of,
             timings: [0; 5],
+            native_grads: true,
         }),
     }))
 }
@@ -409,6 +426,32 @@ impl Kept {
         }
         let ts = Instant::now();
         self.timings[0] = (ts - t0).as_nanos() as u64;
+        if !local
+            && self.native_grads
+            && let Some(facts) = planner.facts().filter(|f| f.reads_grads())
+        {
+            match self.read_grads_natively(py, facts, groups)? {
+                Read::Relayout => return Ok(Err(Miss::Relayout)),
+                Read::First(first) => return Ok(Err(Miss::NewStates(first))),
+                Read::Grads(mask, present) => {
+                    let t1 = Instant::now();
+                    self.timings[1] = (t1 - ts).as_nanos() as u64;
+                    if !self.param_addresses.same(self.params.bind(py)) {
+                        return Ok(Err(Miss::Relayout));
+                    }
+                    let t2 = Instant::now();
+                    self.timings[2] = (t2 - t1).as_nanos() as u64;
+                    let r = self
+                        .grads
+                        .list_read(planner, self.place, mask, &present, &LayoutLists::new(&self.groups))?;
+                    self.timings[3] = t2.elapsed().as_nanos() as u64;
+                    return Ok(r.ok_or(Miss::Torch));
+                }
+                // A gradient the shim could not read: `.grad` from here on (the shim logs
+                // what it fails on, so it is not asked again).
+                Read::NotNative => self.native_grads = false,
+            }
+        }
         let (mut mask, present, mut first) = (Vec::new(), PyList::empty(py), Vec::new());
         for (g, kept) in groups.iter().zip(&self.groups) {
             let params = g.get_item(intern!(py, "params"))?;
@@ -450,6 +493,39 @@ impl Kept {
             .list(planner, self.place, local, mask, &present, &LayoutLists::new(groups))?;
         self.timings[3] = t2.elapsed().as_nanos() as u64;
         Ok(r.ok_or(Miss::Torch))
+    }
+
+    /// Every parameter's gradient read natively, without its Python object (autograd makes
+    /// gradients without one; reading `.grad` makes it): which parameters have one and their
+    /// facts, in order.
+    fn read_grads_natively(&self, py: Python<'_>, facts: &TensorFacts, groups: &Bound<'_, PyList>) -> PyResult<Read> {
+        let (mut mask, mut present, mut first) = (Vec::new(), Vec::new(), Vec::new());
+        for (g, kept) in groups.iter().zip(&self.groups) {
+            let params = g.get_item(intern!(py, "params"))?;
+            let params = params.cast::<PyList>()?;
+            if params.len() != kept.params.len() {
+                return Ok(Read::Relayout);
+            }
+            for (p, (kp, st)) in params.iter().zip(kept.params.iter().zip(&kept.states)) {
+                if !p.is(kp) {
+                    return Ok(Read::Relayout);
+                }
+                match facts.grad(&p) {
+                    None => return Ok(Read::NotNative),
+                    Some(None) => mask.push(false),
+                    Some(Some(_)) if st.is_none() => first.push(p.clone().unbind()),
+                    Some(Some(f)) => {
+                        mask.push(true);
+                        present.push(f);
+                    }
+                }
+            }
+        }
+        Ok(if first.is_empty() {
+            Read::Grads(mask, present)
+        } else {
+            Read::First(first)
+        })
     }
 }
 

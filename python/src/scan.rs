@@ -66,7 +66,7 @@ struct Cache {
 
 /// The entry of a tensor read natively, when the engine takes it: the rules of
 /// [`Planner::entry`].
-fn entry_of(f: Facts) -> Option<Entry> {
+pub(crate) fn entry_of(f: Facts) -> Option<Entry> {
     let dtype = f.dtype?;
     let usable = f.contiguous && (f.addr != 0 || f.len == 0) && f.addr.is_multiple_of(dtype.size());
     usable.then_some(Entry {

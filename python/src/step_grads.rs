@@ -1,5 +1,12 @@
 //! Each optimizer step's gradients, recognized without holding them.
 //!
+//! With torch's C shim and libc10's gradient getter ([`crate::tensor_facts`]) every gradient is
+//! read natively from its parameter, without its Python object (autograd makes gradients without
+//! one; reading `.grad` makes one, and the garbage collector's work with it): which parameters
+//! have a gradient, and each gradient's address, length, dtype, device and contiguity
+//! ([`StepGrads::list_read`]). What follows describes the reads through Python objects, which a
+//! torch without that getter gets.
+//!
 //! A training loop hands the step the same gradient tensors again (`zero_grad(set_to_none=False)`,
 //! accumulation), new tensors of the same shapes (`zero_grad()`, torch's default, often at the
 //! same addresses), or a set whose None gradients changed (experts that got no tokens). Each is
@@ -34,9 +41,9 @@ use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 
 use crate::guards::{AddressCheck, data_ptr};
 use crate::plan::Place;
-use crate::scan::Planner;
+use crate::scan::{Planner, entry_of};
 use crate::tensor_addresses::DataPtrReader;
-use crate::tensor_facts::TensorFacts;
+use crate::tensor_facts::{Facts, TensorFacts};
 
 /// How the optimizer's layout turns a step's gradients into a step list.
 pub(crate) trait ListMaker {
@@ -77,7 +84,9 @@ struct Last {
     objects: Objects,
 }
 
-/// Which Python objects the last step's gradients were.
+/// Which Python objects the last step's gradients were (none known when they were read without
+/// their objects).
+#[derive(Default)]
 struct Objects {
     /// Their addresses (never dereferenced): where they equal the last step's, weak references
     /// are made, which the next step then checks.
@@ -146,7 +155,6 @@ impl StepGrads {
         present: &Bound<'_, PyList>,
         lists: &impl ListMaker,
     ) -> PyResult<Option<StepList>> {
-        let py = present.py();
         let objects: Vec<usize> = present.iter().map(|g| g.as_ptr() as usize).collect();
         if let Some(k) = &self.last
             && k.mask == mask
@@ -159,13 +167,47 @@ impl StepGrads {
             self.last = None;
             return Ok(None);
         };
+        self.settle(planner, mask, tensors, Some((present, objects)), lists)
+    }
+
+    /// [`StepGrads::list`] for gradients read natively without their Python objects
+    /// ([`crate::tensor_facts::TensorFacts::grad`]): `present` their facts, in order.
+    pub(crate) fn list_read(
+        &mut self,
+        planner: &Planner,
+        place: Place,
+        mask: Vec<bool>,
+        present: &[Facts],
+        lists: &impl ListMaker,
+    ) -> PyResult<Option<StepList>> {
+        let Some(tensors) = self.read_facts(place, &mask, present) else {
+            self.last = None;
+            return Ok(None);
+        };
+        self.settle(planner, mask, tensors, None, lists)
+    }
+
+    /// The step list of this step's gradients `tensors` (read), the kept one when they sit at
+    /// its addresses; `objects`: the gradients' Python objects and their addresses when they
+    /// were read through them (so the same objects can be known next step).
+    fn settle(
+        &mut self,
+        planner: &Planner,
+        mask: Vec<bool>,
+        tensors: Vec<RawTensor>,
+        objects: Option<(&Bound<'_, PyList>, Vec<usize>)>,
+        lists: &impl ListMaker,
+    ) -> PyResult<Option<StepList>> {
         if let Some(k) = &mut self.last
             && k.mask == mask
             && k.at.len() == tensors.len()
             && k.at.iter().zip(&tensors).all(|(&at, t)| k.full[at] == *t)
         {
             // New objects at the kept addresses (the caching allocator's usual answer).
-            k.objects.note(present, objects);
+            match objects {
+                Some((present, objects)) => k.objects.note(present, objects),
+                None => k.objects = Objects::default(),
+            }
             return Ok(Some(k.list.clone()));
         }
         let (full, at) = lists.full(&mask, &tensors);
@@ -179,16 +221,17 @@ impl StepGrads {
             self.last = None;
             return Ok(None);
         };
-        let ptrs: Vec<u64> = tensors.iter().map(|t| t.addr).collect();
-        let addresses = planner.guard_fns().and_then(|f| f.addresses(py, &ptrs));
-        let mut seen = Objects {
-            addrs: match &mut self.last {
+        let mut seen = Objects::default();
+        let mut addresses = None;
+        if let Some((present, objects)) = objects {
+            let ptrs: Vec<u64> = tensors.iter().map(|t| t.addr).collect();
+            addresses = planner.guard_fns().and_then(|f| f.addresses(present.py(), &ptrs));
+            seen.addrs = match &mut self.last {
                 Some(k) if k.mask == mask => std::mem::take(&mut k.objects.addrs),
                 _ => Vec::new(),
-            },
-            refs: None,
-        };
-        seen.note(present, objects);
+            };
+            seen.note(present, objects);
+        }
         self.last = Some(Last {
             mask,
             full,
@@ -198,6 +241,27 @@ impl StepGrads {
             objects: seen,
         });
         Ok(Some(list))
+    }
+
+    /// Gradient by gradient from their facts: as [`StepGrads::read_each`] reads them, all of
+    /// the facts at hand. None when one is not the engine's.
+    fn read_facts(&mut self, place: Place, mask: &[bool], present: &[Facts]) -> Option<Vec<RawTensor>> {
+        let slots = mask.iter().enumerate().filter(|(_, m)| **m).map(|(i, _)| i);
+        present
+            .iter()
+            .zip(slots)
+            .map(|(f, slot)| {
+                let e = entry_of(*f).filter(|e| e.place == place)?;
+                match self.slots[slot] {
+                    Some(t) if t.len == e.tensor.len && t.dtype == e.tensor.dtype => Some(e.tensor),
+                    Some(_) => None,
+                    None => {
+                        self.slots[slot] = Some(e.tensor);
+                        Some(e.tensor)
+                    }
+                }
+            })
+            .collect()
     }
 
     /// Gradient by gradient: by contiguity and address where its parameter's gradient was read

@@ -39,6 +39,15 @@ type Code = unsafe extern "C" fn() -> i32;
 /// function `bool (*)(const void*)` under the platform's C++ ABI (Itanium: Linux, macOS).
 type IsInference = unsafe extern "C" fn(*const c_void) -> bool;
 
+/// `const at::Tensor& c10::TensorImpl::grad() const`: declared in torch's public header
+/// `c10/core/TensorImpl.h` (`C10_API`), defined out of line in libc10: the tensor's gradient, or
+/// an undefined tensor. A member function takes `this` as its first argument and a reference
+/// comes back as a pointer (Itanium C++ ABI).
+type GradOf = unsafe extern "C" fn(*const c_void) -> *const c_void;
+
+/// The mangled name of `c10::TensorImpl::grad() const`.
+const GRAD: &[u8] = b"_ZNK3c1010TensorImpl4gradEv\0";
+
 /// The mangled (Itanium ABI) name of `at::native::is_inference(const at::Tensor&)`.
 const IS_INFERENCE: &[u8] = b"_ZN2at6native12is_inferenceERKNS_6TensorE\0";
 
@@ -53,6 +62,7 @@ struct Shim {
     device_index: Get<i32>,
     contiguous: Get<bool>,
     layout: Get<i32>,
+    is_defined: Get<bool>,
     inference: IsInference,
     /// torch's code of the strided layout (dense tensors).
     strided: i32,
@@ -87,6 +97,7 @@ impl Shim {
                     device_index: *lib.get(b"aoti_torch_get_device_index\0").ok()?,
                     contiguous: *lib.get(b"aoti_torch_is_contiguous\0").ok()?,
                     layout: *lib.get(b"aoti_torch_get_layout\0").ok()?,
+                    is_defined: *lib.get(b"aoti_torch_is_defined\0").ok()?,
                     inference: *lib.get(IS_INFERENCE).ok()?,
                     strided,
                     dtypes,
@@ -135,9 +146,41 @@ pub struct TensorFacts(Arc<Reader>);
 
 /// The shim and the two types whose objects it reads.
 struct Reader {
-    shim: Shim,
+    shim: Arc<Shim>,
+    /// libc10's gradient getter, when found (see [`Grads`]).
+    grads: Option<Grads>,
     tensor: Py<PyType>,
     parameter: Py<PyType>,
+}
+
+/// A tensor's gradient read without its Python object: `c10::TensorImpl::grad() const` from the
+/// libc10 already loaded, and the shim's `aoti_torch_is_defined`.
+struct Grads {
+    /// Keeps libc10's handle (and so `grad`) valid.
+    _lib: libloading::Library,
+    grad: GradOf,
+    is_defined: Get<bool>,
+}
+
+impl Grads {
+    fn loaded(torch_lib: Option<&str>, shim: &Shim) -> Option<Grads> {
+        let own = torch_lib.map(|dir| format!("{dir}/libc10.so"));
+        let mapped = mapped_files(|file| file.starts_with("libc10."));
+        let names = own
+            .into_iter()
+            .chain(["libc10.so".to_owned(), "libc10.dylib".to_owned()])
+            .chain(mapped);
+        names.into_iter().find_map(|name| {
+            let lib = open_loaded(&name)?;
+            // SAFETY: `GRAD` names `c10::TensorImpl::grad() const` (see `GradOf`).
+            let grad = unsafe { *lib.get::<GradOf>(GRAD).ok()? };
+            Some(Grads {
+                _lib: lib,
+                grad,
+                is_defined: shim.is_defined,
+            })
+        })
+    }
 }
 
 impl TensorFacts {
@@ -145,27 +188,74 @@ impl TensorFacts {
     /// `torch.nn.Parameter` (only those are read through their object's layout), it is not a
     /// dense tensor on the CPU or a CUDA device, or the shim reports an error.
     pub(crate) fn read(&self, t: &Bound<'_, PyAny>) -> Option<Facts> {
-        let Reader {
-            shim: s,
-            tensor,
-            parameter,
-        } = &*self.0;
+        // SAFETY: `tensor_of` checked that `t` is a plain tensor or parameter, alive while the
+        // GIL is held (`t` is bound to it).
+        self.tensor_of(t).and_then(|handle| unsafe { self.read_handle(handle) })
+    }
+
+    /// The `at::Tensor` of `t` when its type is exactly `torch.Tensor` or `torch.nn.Parameter`:
+    /// torch's `THPVariable` holds it right after the object header (see the module's
+    /// documentation).
+    fn tensor_of(&self, t: &Bound<'_, PyAny>) -> Option<*const c_void> {
+        let Reader { tensor, parameter, .. } = &*self.0;
         let ty = t.get_type();
-        if !ty.is(tensor) && !ty.is(parameter) {
-            return None;
+        (ty.is(tensor) || ty.is(parameter)).then(|| {
+            t.as_ptr()
+                .cast::<u8>()
+                .wrapping_add(size_of::<pyo3::ffi::PyObject>())
+                .cast::<c_void>()
+                .cast_const()
+        })
+    }
+
+    /// True when gradients can be read without their Python objects ([`TensorFacts::grad`]).
+    pub(crate) fn reads_grads(&self) -> bool {
+        self.0.grads.is_some()
+    }
+
+    /// The facts of the gradient of `p` (a plain tensor or parameter), read without making or
+    /// touching the gradient's Python object (autograd makes gradients without one; `.grad`
+    /// makes it on first read): `Some(None)` when it has none, None when it is not read so
+    /// (another type, no getter, or the shim failed on the gradient: a tensor subclass without
+    /// storage, say, which the shim logs; callers then read `.grad`).
+    pub(crate) fn grad(&self, p: &Bound<'_, PyAny>) -> Option<Option<Facts>> {
+        let g = self.0.grads.as_ref()?;
+        let handle = self.tensor_of(p)?;
+        // SAFETY: `handle` is the `at::Tensor` of the live object `p` (`tensor_of`; the GIL is
+        // held). An `at::Tensor` is one `intrusive_ptr<TensorImpl>`, which is one pointer
+        // (`TensorBase::impl_`, `intrusive_ptr::target_` in torch's public headers), never null
+        // (an undefined tensor points at the undefined singleton; checked anyway). `grad()`
+        // returns a reference to a tensor the parameter's autograd metadata holds (or a static
+        // undefined one), alive while the parameter keeps that gradient: read here, under the
+        // GIL, before any Python code runs.
+        unsafe {
+            let impl_ = *handle.cast::<*const c_void>();
+            if impl_.is_null() {
+                return None;
+            }
+            let grad = (g.grad)(impl_);
+            let mut defined = false;
+            if grad.is_null() || (g.is_defined)(grad.cast_mut(), &mut defined) != 0 {
+                return None;
+            }
+            if !defined {
+                return Some(None);
+            }
+            self.read_handle(grad).map(Some)
         }
-        // The object's `at::Tensor`, right after its header (see the module's documentation).
-        let handle = t
-            .as_ptr()
-            .cast::<u8>()
-            .wrapping_add(size_of::<pyo3::ffi::PyObject>())
-            .cast::<c_void>();
+    }
+
+    /// The facts of the `at::Tensor` at `handle`.
+    ///
+    /// # Safety
+    /// `handle` points at a live `at::Tensor` (the GIL held, nothing running that could free it).
+    unsafe fn read_handle(&self, handle: *const c_void) -> Option<Facts> {
+        let s = &self.0.shim;
+        let handle = handle.cast_mut();
         let (mut device, mut layout, mut index) = (0i32, 0i32, 0i32);
         let (mut addr, mut len, mut dtype, mut contiguous) = (std::ptr::null_mut(), 0i64, 0i32, false);
-        // SAFETY: `t` is a live plain tensor or parameter (its exact type, checked above, so its
-        // object is torch's `THPVariable` with the `at::Tensor` at `handle`), the GIL is held
-        // (`t` is bound to it) so it stays alive, and each function writes its one out value.
-        // The shim catches torch's exceptions and returns a nonzero status, but logs them: the
+        // SAFETY: the caller's contract (a live `at::Tensor` at `handle`); each function writes
+        // its one out value. The shim catches torch's exceptions and returns a nonzero status, but logs them: the
         // device and layout are asked first (they never throw), and only a dense tensor of the
         // CPU or a CUDA device is asked for its data pointer (a sparse one would throw).
         let ok = unsafe {
@@ -204,8 +294,10 @@ impl TensorFacts {
     #[pyo3(signature = (torch_lib, tensor, parameter))]
     fn load(torch_lib: Option<String>, tensor: Bound<'_, PyType>, parameter: Bound<'_, PyType>) -> Option<TensorFacts> {
         let shim = Shim::loaded(&candidates(torch_lib.as_deref()))?;
+        let grads = Grads::loaded(torch_lib.as_deref(), &shim);
         Some(TensorFacts(Arc::new(Reader {
-            shim,
+            shim: Arc::new(shim),
+            grads,
             tensor: tensor.unbind(),
             parameter: parameter.unbind(),
         })))
@@ -216,20 +308,52 @@ impl TensorFacts {
     /// for the CPU, or the CUDA ordinal), or None where it is not read: what `gradclip` compares
     /// with Python's reads before the planner uses them.
     fn read_all(&self, objs: Vec<Bound<'_, PyAny>>) -> Vec<Option<PyFacts>> {
-        objs.iter()
-            .map(|o| {
-                self.read(o).map(|f| {
-                    let dtype = f
-                        .dtype
-                        .and_then(|d| DType::ALL.iter().position(|&x| x == d))
-                        .map_or(-1, |i| i as i64);
-                    let device = match f.place {
-                        Place::Cpu => -1,
-                        Place::Cuda(i) => i,
-                    };
-                    (f.addr, f.len, dtype, device, f.contiguous, f.inference)
-                })
-            })
-            .collect()
+        objs.iter().map(|o| self.read(o).map(|f| py_facts(&f))).collect()
     }
+
+    /// The same reader without native gradient reads (`gradclip` switches them off when they
+    /// do not read what `.grad` reads).
+    fn without_grads(&self, py: Python<'_>) -> TensorFacts {
+        let r = &*self.0;
+        TensorFacts(Arc::new(Reader {
+            shim: r.shim.clone(),
+            grads: None,
+            tensor: r.tensor.clone_ref(py),
+            parameter: r.parameter.clone_ref(py),
+        }))
+    }
+
+    /// The facts of each object's gradient read without its Python object, as `read_all`
+    /// reports them, or False where it has none, or None where it is not read so (see
+    /// `grad`): what `gradclip` compares with Python's reads of `.grad`. None when this torch
+    /// gives no gradient getter.
+    fn read_grads<'py>(&self, objs: Vec<Bound<'py, PyAny>>) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
+        if !self.reads_grads() {
+            return Ok(None);
+        }
+        let Some(py) = objs.first().map(|o| o.py()) else {
+            return Ok(Some(Vec::new()));
+        };
+        objs.iter()
+            .map(|o| match self.grad(o) {
+                None => Ok(py.None().into_bound(py)),
+                Some(None) => Ok(false.into_pyobject(py)?.to_owned().into_any()),
+                Some(Some(f)) => Ok(py_facts(&f).into_pyobject(py)?.into_any()),
+            })
+            .collect::<PyResult<Vec<_>>>()
+            .map(Some)
+    }
+}
+
+/// `f` as Python sees it ([`PyFacts`]).
+fn py_facts(f: &Facts) -> PyFacts {
+    let dtype = f
+        .dtype
+        .and_then(|d| DType::ALL.iter().position(|&x| x == d))
+        .map_or(-1, |i| i as i64);
+    let device = match f.place {
+        Place::Cpu => -1,
+        Place::Cuda(i) => i,
+    };
+    (f.addr, f.len, dtype, device, f.contiguous, f.inference)
 }

@@ -177,3 +177,34 @@ def test_native_data_pointer_reader():
     none = [torch.randn(3, 3).to_sparse(), "a string", None, 3]
     assert _native.read_data_ptrs(dense + none) == [t.data_ptr() for t in dense] + [None] * len(none)
     assert _PLANNER.native_pointers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_made_by_a_backward_are_read_without_their_objects(device):
+    """A training loop's gradients come from autograd, without Python objects until `.grad` is
+    read. The step reads them natively (torch's gradient getter, then the C shim), which reads
+    what `.grad` reads on the device, and steps as gradclip's clip + torch's fused AdamW on the
+    same gradients, with a changing set of parameters left without a gradient."""
+    from gradclip import _engine
+
+    ours_p, ref_p = params(device), params(device)
+    ours = AdamW(ours_p, lr=1e-2, max_grad_norm=0.5, update="gradclip")
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)
+    ours._torch_step = None  # every step the engine's (torch's step would fail here)
+    assert _engine._FACTS.read_grads([]) is not None, "this torch gives the gradient getter"
+    for step in range(8):
+        skip = {step % 3 + 3} if step % 2 else set()  # some steps, a parameter gets no gradient
+        for ps in (ours_p, ref_p):
+            sum(((p * p).sum() * (i + 1) * (step + 1)) for i, p in enumerate(ps) if i not in skip).backward()
+        native = _engine._FACTS.read_grads(ours_p)  # before any `.grad` read made an object
+        before = [p.detach().clone() for p in ours_p]
+        ours.step()  # on gradients without Python objects
+        assert native == [False if p.grad is None else _engine._python_facts(p.grad) for p in ours_p]
+        gt.clip_grad_norm_(ref_p, 0.5)
+        ref.step()
+        for i, (a, b, old) in enumerate(zip(ours_p, ref_p, before)):
+            if i in skip:
+                assert torch.equal(a, old), f"step {step}: parameter {i} had no gradient"
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}: parameter {i}")
+        ours.zero_grad()
+        ref.zero_grad()
