@@ -112,21 +112,23 @@ REGIMES = ["fresh", "fresh", "same", "same", "same", "moved", "same", "data_swap
            "fresh", "strided_same_set", "fresh", "fresh"]
 
 
-@pytest.mark.parametrize("planner", ["native", "guarded"])
+@pytest.mark.parametrize("planner", ["native", "native_grad_objects", "guarded"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_regime_steps_as_torch(device, planner, monkeypatch):
     """Over the regimes a training loop produces, update="gradclip" equals gradclip's clip +
     torch's fused AdamW on the same gradients (within the coefficient's rounding), and each
     parameter's own step count matches torch's: with gradclip's planner, which reads tensors
-    through torch's C shim, and with one that reads them by calls into torch (a torch without
-    the shim)."""
-    if planner == "guarded":
+    (gradients from their parameters) through torch's C shim, with the shim's reads but the
+    gradients by `.grad` (a torch whose gradient getter differs), and with a planner that reads
+    them by calls into torch (a torch without the shim)."""
+    if planner != "native":
         from gradclip import _engine, _native
         from gradclip.torch import _spine
 
-        guarded = _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, _engine._PLANNER.native_pointers)
-        assert not guarded.native_facts
-        monkeypatch.setattr(_spine, "_PLANNER", guarded)
+        facts = _engine._without_grads(_engine._FACTS) if planner == "native_grad_objects" else None
+        other = _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, _engine._PLANNER.native_pointers, facts)
+        assert other.native_facts == (facts is not None) and (facts is None or facts.read_grads([]) is None)
+        monkeypatch.setattr(_spine, "_PLANNER", other)
     ours_p, ref_p = params(device), params(device)
     ours = AdamW(ours_p, lr=1e-2, max_grad_norm=0.5, update="gradclip")
     ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)
