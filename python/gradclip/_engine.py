@@ -109,8 +109,7 @@ def _tensor_facts():
     when it reads exactly what Python reads on a set of host tensors (contiguous and not, a view
     at an offset, an empty one, a parameter, every dtype the engine takes and one it does not, a
     sparse tensor, a meta tensor, a tensor subclass, an inference tensor, non-tensors); None
-    otherwise: the planner
-    then reads through torch's guards and Python calls. No CUDA tensor is made here (that would
+    otherwise: the planner then reads through torch's guards and Python calls. No CUDA tensor is made here (that would
     start CUDA at import); the CUDA suite checks CUDA tensors' reads. Its reads of gradients
     without their Python objects are checked too (``_native_grads_work``) and switched off alone
     when they differ."""
@@ -134,7 +133,7 @@ def _tensor_facts():
             objs.append(torch.zeros(5))
         if facts.read_all(objs) != [_python_facts(x) for x in objs]:
             return None
-        return facts if _native_grads_work(facts) else _without_grads(facts)
+        return facts if _native_grads_work(facts) else facts.without_grads()
     except Exception:
         return None
 
@@ -156,11 +155,6 @@ def _native_grads_work(facts) -> bool:
     native += facts.read_grads(params[2:])
     want += [False, _python_facts(params[3].grad), _python_facts(params[4].grad)]
     return native == want
-
-
-def _without_grads(facts):
-    """``facts`` with its native gradient reads switched off (they failed ``_native_grads_work``)."""
-    return facts.without_grads()
 
 
 _GUARDS = _guard_functions()

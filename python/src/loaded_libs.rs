@@ -31,3 +31,15 @@ pub(crate) fn mapped_files(wanted: impl Fn(&str) -> bool) -> Vec<String> {
     mapped.dedup();
     mapped
 }
+
+/// Where to look, among the loaded libraries, for torch's library `stem` (`libtorch_cpu`,
+/// `libc10`): in `torch_lib` (torch's own library folder), by soname, then any mapped file of
+/// that name.
+pub(crate) fn torch_library(torch_lib: Option<&str>, stem: &str) -> Vec<String> {
+    let own = torch_lib.map(|dir| format!("{dir}/{stem}.so"));
+    let mapped = mapped_files(|file| file.strip_prefix(stem).is_some_and(|rest| rest.starts_with('.')));
+    own.into_iter()
+        .chain([format!("{stem}.so"), format!("{stem}.dylib")])
+        .chain(mapped)
+        .collect()
+}

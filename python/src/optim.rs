@@ -81,16 +81,28 @@ struct Kept {
     native_grads: bool,
 }
 
-/// The gradients of a step read natively ([`Kept::read_grads_natively`]).
-enum Read {
+/// A step's gradients as [`Kept::read_grads`] read them.
+enum Read<'py> {
     /// The parameters are not the layout's.
     Relayout,
     /// These parameters have their first gradient (see [`Miss::NewStates`]).
     First(Vec<Py<PyAny>>),
-    /// Which parameters have a gradient, and the facts of those gradients, in order.
-    Grads(Vec<bool>, Vec<Facts>),
-    /// Some gradient could not be read so: read `.grad`.
+    /// Which parameters have a gradient, and those gradients, in order.
+    Grads(Vec<bool>, Present<'py>),
+    /// Some gradient could not be read natively: read `.grad`.
     NotNative,
+}
+
+/// The present gradients of a step: their facts read natively, or their Python objects.
+enum Present<'py> {
+    Facts(Vec<Facts>),
+    Objects(Bound<'py, PyList>),
+}
+
+/// One parameter's gradient as read.
+enum Grad<'py> {
+    Facts(Facts),
+    Object(Bound<'py, PyAny>),
 }
 
 /// What an optimizer's parameter groups look like to the engine, kept between steps (see the
@@ -426,59 +438,23 @@ impl Kept {
         }
         let ts = Instant::now();
         self.timings[0] = (ts - t0).as_nanos() as u64;
-        if !local
-            && self.native_grads
-            && let Some(facts) = planner.facts().filter(|f| f.reads_grads())
-        {
-            match self.read_grads_natively(py, facts, groups)? {
-                Read::Relayout => return Ok(Err(Miss::Relayout)),
-                Read::First(first) => return Ok(Err(Miss::NewStates(first))),
-                Read::Grads(mask, present) => {
-                    let t1 = Instant::now();
-                    self.timings[1] = (t1 - ts).as_nanos() as u64;
-                    if !self.param_addresses.same(self.params.bind(py)) {
-                        return Ok(Err(Miss::Relayout));
-                    }
-                    let t2 = Instant::now();
-                    self.timings[2] = (t2 - t1).as_nanos() as u64;
-                    let r = self
-                        .grads
-                        .list_read(planner, self.place, mask, &present, &LayoutLists::new(&self.groups))?;
-                    self.timings[3] = t2.elapsed().as_nanos() as u64;
-                    return Ok(r.ok_or(Miss::Torch));
-                }
-                // A gradient the shim could not read: `.grad` from here on (the shim logs
-                // what it fails on, so it is not asked again).
-                Read::NotNative => self.native_grads = false,
-            }
+        let native = (!local && self.native_grads)
+            .then(|| planner.facts().filter(|f| f.reads_grads()))
+            .flatten();
+        let mut read = self.read_grads(py, groups, local, native)?;
+        if let Read::NotNative = read {
+            // A gradient the shim could not read: `.grad` from here on (the shim logs what it
+            // fails on, so it is not asked again).
+            self.native_grads = false;
+            read = self.read_grads(py, groups, local, None)?;
         }
-        let (mut mask, present, mut first) = (Vec::new(), PyList::empty(py), Vec::new());
-        for (g, kept) in groups.iter().zip(&self.groups) {
-            let params = g.get_item(intern!(py, "params"))?;
-            let params = params.cast::<PyList>()?;
-            if params.len() != kept.params.len() {
-                return Ok(Err(Miss::Relayout));
-            }
-            for (p, (kp, st)) in params.iter().zip(kept.params.iter().zip(&kept.states)) {
-                if !p.is(kp) {
-                    return Ok(Err(Miss::Relayout));
-                }
-                let grad = p.getattr(intern!(py, "grad"))?;
-                if grad.is_none() {
-                    mask.push(false);
-                    continue;
-                }
-                if st.is_none() {
-                    first.push(p.clone().unbind()); // a first gradient: torch makes its state
-                    continue;
-                }
-                mask.push(true);
-                present.append(shard(&grad, local)?)?;
-            }
-        }
-        if !first.is_empty() {
-            return Ok(Err(Miss::NewStates(first)));
-        }
+        let (mask, present) = match read {
+            Read::Relayout => return Ok(Err(Miss::Relayout)),
+            Read::First(first) => return Ok(Err(Miss::NewStates(first))),
+            Read::Grads(mask, present) => (mask, present),
+            // (Never from a read through `.grad`; torch's step if it were.)
+            Read::NotNative => return Ok(Err(Miss::Torch)),
+        };
         let t1 = Instant::now();
         self.timings[1] = (t1 - ts).as_nanos() as u64;
         let params = self.params.bind(py);
@@ -487,19 +463,26 @@ impl Kept {
         }
         let t2 = Instant::now();
         self.timings[2] = (t2 - t1).as_nanos() as u64;
-        let groups = &self.groups;
-        let r = self
-            .grads
-            .list(planner, self.place, local, mask, &present, &LayoutLists::new(groups))?;
+        let lists = LayoutLists::new(&self.groups);
+        let r = match present {
+            Present::Facts(facts) => self.grads.list_read(planner, self.place, mask, &facts, &lists)?,
+            Present::Objects(objects) => self.grads.list(planner, self.place, local, mask, &objects, &lists)?,
+        };
         self.timings[3] = t2.elapsed().as_nanos() as u64;
         Ok(r.ok_or(Miss::Torch))
     }
 
-    /// Every parameter's gradient read natively, without its Python object (autograd makes
-    /// gradients without one; reading `.grad` makes it): which parameters have one and their
-    /// facts, in order.
-    fn read_grads_natively(&self, py: Python<'_>, facts: &TensorFacts, groups: &Bound<'_, PyList>) -> PyResult<Read> {
-        let (mut mask, mut present, mut first) = (Vec::new(), Vec::new(), Vec::new());
+    /// Every parameter's gradient (its local shard when `local`): which parameters have one and
+    /// those gradients, in order. Read natively with `facts`, without the gradients' Python
+    /// objects (autograd makes gradients without one; reading `.grad` makes it), else by `.grad`.
+    fn read_grads<'py>(
+        &self,
+        py: Python<'py>,
+        groups: &Bound<'py, PyList>,
+        local: bool,
+        facts: Option<&TensorFacts>,
+    ) -> PyResult<Read<'py>> {
+        let (mut mask, mut first, mut native, objects) = (Vec::new(), Vec::new(), Vec::new(), PyList::empty(py));
         for (g, kept) in groups.iter().zip(&self.groups) {
             let params = g.get_item(intern!(py, "params"))?;
             let params = params.cast::<PyList>()?;
@@ -510,22 +493,36 @@ impl Kept {
                 if !p.is(kp) {
                     return Ok(Read::Relayout);
                 }
-                match facts.grad(&p) {
-                    None => return Ok(Read::NotNative),
-                    Some(None) => mask.push(false),
-                    Some(Some(_)) if st.is_none() => first.push(p.clone().unbind()),
-                    Some(Some(f)) => {
-                        mask.push(true);
-                        present.push(f);
-                    }
+                let grad = match facts {
+                    Some(r) => match r.grad(&p) {
+                        None => return Ok(Read::NotNative),
+                        Some(f) => f.map(Grad::Facts),
+                    },
+                    None => Some(p.getattr(intern!(py, "grad"))?).filter(|g| !g.is_none()).map(Grad::Object),
+                };
+                let Some(grad) = grad else {
+                    mask.push(false);
+                    continue;
+                };
+                if st.is_none() {
+                    first.push(p.clone().unbind()); // a first gradient: torch makes its state
+                    continue;
+                }
+                mask.push(true);
+                match grad {
+                    Grad::Facts(f) => native.push(f),
+                    Grad::Object(g) => objects.append(shard(&g, local)?)?,
                 }
             }
         }
-        Ok(if first.is_empty() {
-            Read::Grads(mask, present)
-        } else {
-            Read::First(first)
-        })
+        if !first.is_empty() {
+            return Ok(Read::First(first));
+        }
+        let present = match facts {
+            Some(_) => Present::Facts(native),
+            None => Present::Objects(objects),
+        };
+        Ok(Read::Grads(mask, present))
     }
 }
 

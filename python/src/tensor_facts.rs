@@ -26,7 +26,7 @@ use gradclip::DType;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
-use crate::loaded_libs::{mapped_files, open_loaded};
+use crate::loaded_libs::{open_loaded, torch_library};
 use crate::plan::Place;
 
 /// `AOTITorchError (*)(AtenTensorHandle, T*)`: 0 on success.
@@ -110,17 +110,6 @@ impl Shim {
     }
 }
 
-/// Where to look for `libtorch_cpu` among the loaded libraries: in `torch_lib` (torch's own
-/// library folder), by soname, then any mapped file of that name.
-fn candidates(torch_lib: Option<&str>) -> Vec<String> {
-    let own = torch_lib.map(|dir| format!("{dir}/libtorch_cpu.so"));
-    let mapped = mapped_files(|file| file.starts_with("libtorch_cpu."));
-    own.into_iter()
-        .chain(["libtorch_cpu.so".to_owned(), "libtorch_cpu.dylib".to_owned()])
-        .chain(mapped)
-        .collect()
-}
-
 /// One tensor as the engine sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Facts {
@@ -154,31 +143,20 @@ struct Reader {
 }
 
 /// A tensor's gradient read without its Python object: `c10::TensorImpl::grad() const` from the
-/// libc10 already loaded, and the shim's `aoti_torch_is_defined`.
+/// libc10 already loaded (the shim's `aoti_torch_is_defined` then tells whether there is one).
 struct Grads {
     /// Keeps libc10's handle (and so `grad`) valid.
     _lib: libloading::Library,
     grad: GradOf,
-    is_defined: Get<bool>,
 }
 
 impl Grads {
-    fn loaded(torch_lib: Option<&str>, shim: &Shim) -> Option<Grads> {
-        let own = torch_lib.map(|dir| format!("{dir}/libc10.so"));
-        let mapped = mapped_files(|file| file.starts_with("libc10."));
-        let names = own
-            .into_iter()
-            .chain(["libc10.so".to_owned(), "libc10.dylib".to_owned()])
-            .chain(mapped);
-        names.into_iter().find_map(|name| {
+    fn loaded(torch_lib: Option<&str>) -> Option<Grads> {
+        torch_library(torch_lib, "libc10").into_iter().find_map(|name| {
             let lib = open_loaded(&name)?;
             // SAFETY: `GRAD` names `c10::TensorImpl::grad() const` (see `GradOf`).
             let grad = unsafe { *lib.get::<GradOf>(GRAD).ok()? };
-            Some(Grads {
-                _lib: lib,
-                grad,
-                is_defined: shim.is_defined,
-            })
+            Some(Grads { _lib: lib, grad })
         })
     }
 }
@@ -219,7 +197,7 @@ impl TensorFacts {
     /// (another type, no getter, or the shim failed on the gradient: a tensor subclass without
     /// storage, say, which the shim logs; callers then read `.grad`).
     pub(crate) fn grad(&self, p: &Bound<'_, PyAny>) -> Option<Option<Facts>> {
-        let g = self.0.grads.as_ref()?;
+        let (s, g) = (&self.0.shim, self.0.grads.as_ref()?);
         let handle = self.tensor_of(p)?;
         // SAFETY: `handle` is the `at::Tensor` of the live object `p` (`tensor_of`; the GIL is
         // held). An `at::Tensor` is one `intrusive_ptr<TensorImpl>`, which is one pointer
@@ -235,7 +213,7 @@ impl TensorFacts {
             }
             let grad = (g.grad)(impl_);
             let mut defined = false;
-            if grad.is_null() || (g.is_defined)(grad.cast_mut(), &mut defined) != 0 {
+            if grad.is_null() || (s.is_defined)(grad.cast_mut(), &mut defined) != 0 {
                 return None;
             }
             if !defined {
@@ -293,8 +271,8 @@ impl TensorFacts {
     #[staticmethod]
     #[pyo3(signature = (torch_lib, tensor, parameter))]
     fn load(torch_lib: Option<String>, tensor: Bound<'_, PyType>, parameter: Bound<'_, PyType>) -> Option<TensorFacts> {
-        let shim = Shim::loaded(&candidates(torch_lib.as_deref()))?;
-        let grads = Grads::loaded(torch_lib.as_deref(), &shim);
+        let shim = Shim::loaded(&torch_library(torch_lib.as_deref(), "libtorch_cpu"))?;
+        let grads = Grads::loaded(torch_lib.as_deref());
         Some(TensorFacts(Arc::new(Reader {
             shim: Arc::new(shim),
             grads,

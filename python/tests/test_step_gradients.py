@@ -125,7 +125,7 @@ def test_every_regime_steps_as_torch(device, planner, monkeypatch):
         from gradclip import _engine, _native
         from gradclip.torch import _spine
 
-        facts = _engine._without_grads(_engine._FACTS) if planner == "native_grad_objects" else None
+        facts = _engine._FACTS.without_grads() if planner == "native_grad_objects" else None
         other = _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, _engine._PLANNER.native_pointers, facts)
         assert other.native_facts == (facts is not None) and (facts is None or facts.read_grads([]) is None)
         monkeypatch.setattr(_spine, "_PLANNER", other)
