@@ -261,10 +261,34 @@ class _SpyNative:
         return self.real.optim_step(*args)
 
 
+class _StepFramesTraced:
+    """While entered: dynamo traces a frame of the optimizers' ``step`` as it does any frame, as
+    a torch without frame strategies would (the step alone is then ``gradclip::whole_step_``);
+    the step's frames are skipped again on exit."""
+
+    def __enter__(self):
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        from gradclip.torch import _spine
+
+        self.code = _spine._ClippingStep.step.__code__
+        set_code_exec_strategy(self.code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
+        torch._dynamo.reset()
+        return self
+
+    def __exit__(self, *exc):
+        from gradclip.torch import _whole_step
+
+        torch._dynamo.reset()
+        assert _whole_step.skip_step_frames(self.code)
+
+
 def _compiled(opt, how, **kwargs):
-    """``torch.compile`` of ``opt.step`` itself (``"alone"``), or of a function that calls it
-    (``"inside"``: the step inlined into the caller's graph)."""
-    if how == "alone":
+    """``torch.compile`` of ``opt.step`` itself (``"alone"``, also ``"alone-traced"``: see
+    ``_StepFramesTraced``), or of a function that calls it (``"inside"``: the step inlined into
+    the caller's graph)."""
+    if how.startswith("alone"):
         return torch.compile(opt.step, **kwargs)
 
     def caller():
@@ -275,17 +299,18 @@ def _compiled(opt, how, **kwargs):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(_optimizers()))
-@pytest.mark.parametrize("how", ["alone", "inside"])
-def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(device, name, how, monkeypatch):
-    """torch.compile of gradclip's optimizers' step. Alone (``torch.compile(opt.step)``): one
-    graph around ``gradclip::whole_step_`` from the first call on (the eager step inside the
-    op, no per-tensor input). Inlined into a caller: the caller's first trace breaks at the
-    step, which runs as a frame of its own (the whole-step op, whose eager step makes the
-    states, the layout and the lists the list op takes); a caller traced once they exist has
-    the step in its graph as ``gradclip::optim_step_``, handed the parameters themselves (no
-    copy). Every step equals the eager optimizer's bits (parameters, states, norm, skipped
-    steps), also with a gradient None at one step and a tensor learning rate changed in place
-    every step."""
+@pytest.mark.parametrize("how", ["alone", "alone-traced", "inside"])
+def test_a_compiled_optimizer_step_is_the_eager_step_or_one_op_in_the_graph(device, name, how, monkeypatch):
+    """torch.compile of gradclip's optimizers' step. Alone (``torch.compile(opt.step)``): dynamo
+    leaves the step's frame untraced (no graph: the eager step, natively, from the first call
+    on); where dynamo traces that frame (``"alone-traced"``), one graph around
+    ``gradclip::whole_step_`` (the eager step inside the op, no per-tensor input). Inlined into
+    a caller: the caller's first trace breaks at the step, which runs as a frame of its own
+    (the eager step, which makes the states, the layout and the lists the list op takes); a
+    caller traced once they exist has the step in its graph as ``gradclip::optim_step_``,
+    handed the parameters themselves (no copy). Every step equals the eager optimizer's bits
+    (parameters, states, norm, skipped steps), also with a gradient None at one step and a
+    tensor learning rate changed in place every step."""
     from gradclip import _engine
 
     make = _optimizers()[name]
@@ -296,87 +321,156 @@ def test_a_compiled_optimizer_step_is_one_op_in_the_graph_and_equals_eager(devic
     from gradclip.torch import _spine
 
     monkeypatch.setattr(_spine, "_native", spy)
-    torch._dynamo.reset()
-    step = _compiled(oa, how)
-    gen = torch.Generator(device=device).manual_seed(4)
-    for i in range(5):
-        if how == "inside" and i == 2:
-            # The caller's first trace broke at the step (the lists were not made; the step
-            # ran as a frame of its own, which made them): a new trace inlines the list op.
-            torch._dynamo.reset()
-            step = _compiled(oa, how)
-        x = torch.randn(4, 16, device=device, generator=gen)
-        for m in (a, b):
-            m.zero_grad()
-            m(x).square().sum().mul(10.0).backward()
-            if i == 3:
-                m[2].bias.grad = None  # this step leaves it (and its own step count) as it is
-        for ga, gb in zip(oa.param_groups, ob.param_groups):  # a scheduler's step, in place
-            if isinstance(ga["lr"], torch.Tensor):
-                ga["lr"].fill_(1e-2 / (i + 1))
-                gb["lr"].fill_(1e-2 / (i + 1))
-        step()
-        ob.step()
-        assert _same(list(a.parameters()), list(b.parameters())), (name, i)
-        for sa, sb in zip(oa.state.values(), ob.state.values()):
-            assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), (name, i)
-        for attr in ("last_grad_norm", "skipped_steps"):
-            x_, y_ = getattr(oa, attr), getattr(ob, attr)
-            assert (x_ is None and y_ is None) or torch.equal(x_, y_), (name, i, attr, x_, y_)
-        if how == "inside" and i >= 2:  # the traced step ran the op on the parameters' own memory
-            own = [p.data_ptr() for g in oa.param_groups for p in g["params"]]
-            assert spy.addresses and spy.addresses[-1] == own, (name, i)
-    # The whole-step op runs the eager step (ob's five eager steps counted too).
-    assert spy.eager == 5 + (5 if how == "alone" else 2), spy.eager
+    traced = _StepFramesTraced() if how == "alone-traced" else None
+    if traced is not None:
+        traced.__enter__()
+    try:
+        torch._dynamo.reset()
+        step = _compiled(oa, how)
+        gen = torch.Generator(device=device).manual_seed(4)
+        for i in range(5):
+            if how == "inside" and i == 2:
+                # The caller's first trace broke at the step (the lists were not made; the step
+                # ran as a frame of its own, which made them): a new trace inlines the list op.
+                torch._dynamo.reset()
+                step = _compiled(oa, how)
+            x = torch.randn(4, 16, device=device, generator=gen)
+            for m in (a, b):
+                m.zero_grad()
+                m(x).square().sum().mul(10.0).backward()
+                if i == 3:
+                    m[2].bias.grad = None  # this step leaves it (and its own step count) as it is
+            for ga, gb in zip(oa.param_groups, ob.param_groups):  # a scheduler's step, in place
+                if isinstance(ga["lr"], torch.Tensor):
+                    ga["lr"].fill_(1e-2 / (i + 1))
+                    gb["lr"].fill_(1e-2 / (i + 1))
+            step()
+            ob.step()
+            assert _same(list(a.parameters()), list(b.parameters())), (name, i)
+            for sa, sb in zip(oa.state.values(), ob.state.values()):
+                assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), (name, i)
+            for attr in ("last_grad_norm", "skipped_steps"):
+                x_, y_ = getattr(oa, attr), getattr(ob, attr)
+                assert (x_ is None and y_ is None) or torch.equal(x_, y_), (name, i, attr, x_, y_)
+            if how == "inside" and i >= 2:  # the traced step ran the op on the parameters' own memory
+                own = [p.data_ptr() for g in oa.param_groups for p in g["params"]]
+                assert spy.addresses and spy.addresses[-1] == own, (name, i)
+        # Alone, every step is the eager one (natively; ob's five eager steps counted too).
+        assert spy.eager == 5 + (2 if how == "inside" else 5), spy.eager
+        listed = len(spy.addresses)
+        explained = torch._dynamo.explain(oa.step if how.startswith("alone") else (lambda: oa.step()))()
+    finally:
+        if traced is not None:
+            traced.__exit__()
+    if how == "inside":
+        assert listed == 3, spy.addresses  # steps 2-4 compiled, steps 0 and 1 eager
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        assert "gradclip.optim_step_" in explained.graphs[0].code
+        return
+    assert not listed and not spy.addresses, "the step alone took the list op"
     if how == "alone":
-        assert not spy.addresses, "the step alone took the list op"
-        fn, op = oa.step, "gradclip.whole_step_"
+        assert explained.graph_count == 0 and not explained.break_reasons, explained
     else:
-        assert len(spy.addresses) == 3, spy.addresses  # steps 2-4 compiled, steps 0 and 1 eager
-        fn, op = (lambda: oa.step()), "gradclip.optim_step_"
-    explained = torch._dynamo.explain(fn)()
-    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
-    assert op in explained.graphs[0].code
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        assert "gradclip.whole_step_" in explained.graphs[0].code
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_step_hook_or_an_lr_scheduler_decides_which_op(device):
-    """A compiled step alone with a step hook registered takes the list op (a hook runs in the
-    same graph and could touch the gradients); the step wrapped by an LR scheduler (as every
-    scheduler wraps ``optimizer.step``) is still the step alone. Both equal eager."""
+def test_the_step_compiled_alone_is_untraced_in_every_mode_and_equals_eager(device):
+    """``torch.compile(opt.step)`` with ``fullgraph=True``, with a closure, and with a step
+    hook: dynamo traces no frame of it (a counting backend gets no graph; the closure and the
+    hook run untraced too, as under ``torch.compiler.disable``) and every step equals eager,
+    the closure's loss returned and the hook run; across ``torch._dynamo.reset()``."""
+    from torch._dynamo.testing import CompileCounter
+
+    from gradclip.torch.optim import AdamW
+
+    a, b = _model(device, torch.float32), _model(device, torch.float32)
+    oa, ob = AdamW(a.parameters(), lr=1e-2, max_grad_norm=0.5), AdamW(b.parameters(), lr=1e-2, max_grad_norm=0.5)
+    x = torch.randn(4, 16, device=device)
+
+    def closure_of(m, o):
+        def closure():
+            o.zero_grad()
+            loss = m(x).square().sum()
+            loss.backward()
+            return loss
+
+        return closure
+
+    seen = []
+    handle = oa.register_step_post_hook(lambda *args: seen.append(1))
+    counter = CompileCounter()
+    try:
+        for i, kwargs in enumerate(({"fullgraph": True}, {}, {"fullgraph": True, "dynamic": True})):
+            torch._dynamo.reset()
+            step = torch.compile(oa.step, backend=counter, **kwargs)
+            la, lb = step(closure_of(a, oa)), ob.step(closure_of(b, ob))
+            assert torch.equal(la, lb), i
+            gen = torch.Generator(device=device).manual_seed(i)
+            _new_grads(a, b, gen)
+            assert step() is None
+            ob.step()
+            assert _same(list(a.parameters()), list(b.parameters())), i
+            assert torch.equal(oa.last_grad_norm, ob.last_grad_norm), i
+    finally:
+        handle.remove()
+    assert counter.frame_count == 0, counter.frame_count
+    assert len(seen) == 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("traced", [False, True], ids=["skipped", "traced"])
+def test_a_step_hook_or_an_lr_scheduler_decides_which_op(device, traced):
+    """The step wrapped by an LR scheduler (as every scheduler wraps ``optimizer.step``) and
+    compiled alone is still the step alone: untraced (no graph), or, where dynamo traces the
+    step's frame (``_StepFramesTraced``), one graph around ``gradclip::whole_step_``; with a step
+    hook registered a traced step takes the list op (a hook runs in the same graph and could
+    touch the gradients). All equal eager."""
     from gradclip.torch.optim import AdamW
 
     a, b = _model(device, torch.float32), _model(device, torch.float32)
     oa, ob = AdamW(a.parameters(), lr=1e-2, max_grad_norm=0.5), AdamW(b.parameters(), lr=1e-2, max_grad_norm=0.5)
     sa = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=1.0)
     sb = torch.optim.lr_scheduler.StepLR(ob, step_size=1, gamma=1.0)
-    torch._dynamo.reset()
-    step = torch.compile(oa.step)
-    gen = torch.Generator(device=device).manual_seed(9)
-    for i in range(3):
-        _new_grads(a, b, gen)
-        step()
-        ob.step()
-        sa.step()
-        sb.step()
-        assert _same(list(a.parameters()), list(b.parameters())), i
-    _new_grads(a, b, gen)
-    ex = torch._dynamo.explain(oa.step)()
-    ob.step()
-    assert _same(list(a.parameters()), list(b.parameters()))
-    assert ex.graph_break_count == 0 and "gradclip.whole_step_" in ex.graphs[0].code
-    seen = []
-    handle = oa.register_step_post_hook(lambda *args: seen.append(1))
+    frames = _StepFramesTraced() if traced else None
+    if frames is not None:
+        frames.__enter__()
     try:
-        explained = torch._dynamo.explain(oa.step)
+        torch._dynamo.reset()
+        step = torch.compile(oa.step)
+        gen = torch.Generator(device=device).manual_seed(9)
         for i in range(3):
             _new_grads(a, b, gen)
-            ex = explained()
+            step()
             ob.step()
+            sa.step()
+            sb.step()
             assert _same(list(a.parameters()), list(b.parameters())), i
-        assert seen and all("gradclip.whole_step_" not in g.code for g in ex.graphs)
+        _new_grads(a, b, gen)
+        ex = torch._dynamo.explain(oa.step)()
+        ob.step()
+        assert _same(list(a.parameters()), list(b.parameters()))
+        if traced:
+            assert ex.graph_break_count == 0 and "gradclip.whole_step_" in ex.graphs[0].code
+        else:
+            assert ex.graph_count == 0 and not ex.break_reasons, ex
+        seen = []
+        handle = oa.register_step_post_hook(lambda *args: seen.append(1))
+        try:
+            explained = torch._dynamo.explain(oa.step)
+            for i in range(3):
+                _new_grads(a, b, gen)
+                ex = explained()
+                ob.step()
+                assert _same(list(a.parameters()), list(b.parameters())), i
+            assert len(seen) == 3 and all("gradclip.whole_step_" not in g.code for g in ex.graphs)
+            assert not traced or any("gradclip.optim_step_" in g.code for g in ex.graphs)
+        finally:
+            handle.remove()
     finally:
-        handle.remove()
+        if frames is not None:
+            frames.__exit__()
 
 
 def _new_grads(a, b, gen):

@@ -1,21 +1,32 @@
-"""A compiled optimizer step that is the step alone (``torch.compile(opt.step)``) as one op
-without per-tensor inputs.
+"""The optimizer step compiled alone (``torch.compile(opt.step)``): left to run as it is, or as
+one op without per-tensor inputs.
 
 Why: torch.compile pays for every tensor a graph takes, on every call: dynamo's guards,
 Inductor's size and stride asserts, the dispatcher boxing the lists, version counters of what
 the op declares written. A step over 555 parameters hands the list op
 (``gradclip::optim_step_``) 2,775 tensors; on the development CPU 555 tensor inputs alone cost
 about 1.1 ms per call against 30 us for none (``benches/torch/entry_costs.py``), more than the
-whole eager step. The eager step reads
-its tensors in native code in one crossing; as an op it keeps doing so:
-``gradclip::whole_step_`` runs the optimizer's eager step (the same code, the same bits).
+whole eager step. And the eager step already reads its tensors in native code in one crossing
+and runs fused kernels: a graph of the step alone has nothing for Inductor to compile, only
+torch.compile's call path to add (guards, AOTAutograd's and Inductor's wrappers, the dispatcher
+back into Python: 0.05-0.4 ms of host per step on the H200, runs
+``2026-12-02-h200/e803f3d-compiled-steady-step-host`` and ``e803f3d-train-step``).
 
-When: only when the graph is the step alone, since the op's reads and writes are invisible to
-the graph and nothing may be ordered against them. That is the case when the frame dynamo
-compiles is the optimizer's ``step`` itself, or the wrapper an LR scheduler puts around it
-(which sets one attribute and calls it), and no step hook (which could touch the gradients in
-the same graph) is registered; everything else (a training step compiled whole, a step
-inlined into the caller's function) gets the list op, whose inputs and writes the graph sees.
+So the step's own frame is one dynamo leaves as it is (``skip_step_frames``): when it is the
+frame a compile starts from (``torch.compile(opt.step)``, or the step running as a frame of its
+own after its caller's trace broke), dynamo's frame callback runs it, and every frame it calls,
+untraced, as ``torch.compiler.disable`` would (no graph, no guards, no call path; everything the
+eager step takes, hooks and closures included). Traced from a caller (a training step compiled
+whole, a function that clips and steps), the same code is inlined as before: dynamo's callback
+decides for frames, not for the code it inlines.
+
+What still needs a graph of the step alone: the wrapper an LR scheduler puts around the step
+(torch's code, shared by every optimizer, so not skipped), and a torch whose dynamo has no frame
+strategies. There the step is ``gradclip::whole_step_``: the eager step as one op (the same
+code, the same bits), taken only when the graph is the step alone, since the op's reads and
+writes are invisible to the graph: the frame is the step or that wrapper (which sets one
+attribute and calls it), and no step hook (which could touch the gradients in the same graph) is
+registered. Everything else gets the list op, whose inputs and writes the graph sees.
 """
 
 from __future__ import annotations
@@ -33,9 +44,29 @@ from . import _ops
 _STEPPERS: Dict[int, "weakref.ref"] = {}
 _NUMBERS = itertools.count()
 
-#: The code of the frames that may hold the step alone: set by ``gradclip.torch._spine`` (the
-#: optimizers' ``step``).
+#: The code of the frames that may hold the step alone: the optimizers' ``step``
+#: (``skip_step_frames``).
 _STEP_CODES: set = set()
+
+
+def skip_step_frames(code) -> bool:
+    """Makes dynamo run a frame of ``code`` (an optimizer's ``step``) and the frames it calls
+    untraced whenever it meets that frame first (see the module's documentation); True when
+    this torch's dynamo took it. Code inlined from a traced caller is not affected: the
+    strategy is read by the frame callback only. torch keeps no public call for it: this is
+    what ``torch._dynamo.eval_frame.skip_code`` does, with the frames called from it skipped
+    too (with them compiled, every helper the step calls became a frame dynamo traced and
+    guarded, ~10x the step's cost on the development CPU). Not undone by
+    ``torch._dynamo.reset()``, which clears the code dynamo compiled."""
+    _STEP_CODES.add(code)
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except (ImportError, AttributeError, TypeError):
+        return False
+    return True
 
 
 def number(opt) -> int:
