@@ -12,7 +12,7 @@ steps; the gradients' setup included, the same for every row), the steady per-st
 events from after the first fifth of the steps to the end: the loop's rate once under way, the
 first step's host time before its first launch left out), host time of the step call (median),
 for gradclip's AdamW eager, torch.compile(opt.step) and torch.compile(opt.step,
-mode="reduce-overhead") (the step alone: ``gradclip::whole_step_``, the eager step as one op),
+mode="reduce-overhead") (the step alone: its frame left untraced by dynamo, the eager step),
 the step compiled inside a caller's function (the list op ``gradclip::optim_step_``, default
 and reduce-overhead), and torch's fused AdamW (no clip) eager and compiled for reference.
 
@@ -87,7 +87,7 @@ def variants(params, cuda):
 
 def compiled(opt, mode, setup):
     """``opt.step`` as the row runs it: eager (None), ``torch.compile(opt.step, mode=...)`` (the
-    step alone: ``gradclip::whole_step_``), or ``in-caller[-reduce-overhead]``: compiled inside
+    step alone: dynamo leaves its frame untraced, ``gradclip.torch._whole_step``), or ``in-caller[-reduce-overhead]``: compiled inside
     a caller's function (the list op ``gradclip::optim_step_``, traced once its lists exist:
     the first trace breaks at the step and makes them, a second compile inlines the op)."""
     if mode is None:
@@ -121,7 +121,9 @@ def main():
     for rnd, case in ((r, c) for r in range(1, args.rounds + 1) for c in ("same", "fresh_reused")):
         grads = Grads(params, 0.0)
         setup = grads.same if case == "same" else grads.fresh_reused
-        for name, make, mode in variants(params, not args.cpu):
+        # Every other round the rows run in the reverse order: a machine whose speed drifts
+        # during a round favours neither the first rows nor the last.
+        for name, make, mode in variants(params, not args.cpu)[:: 1 if rnd % 2 else -1]:
             if wanted is not None and name not in wanted:
                 continue
             opt = make()
