@@ -5,10 +5,14 @@ trained with gradclip's AdamW (clip inside), its step eager and compiled alone
 ``train_step.py --interleave`` does. Per trainer: the host time of the step call (outer), of the
 eager step inside it (``_plain_step``, timed by a wrapper around it: inner), and their
 difference (what the call adds around the step: torch.compile's entry for the compiled one),
-medians over --steps steps after 3 warmup steps.
+the native stages of the step inside (``StepLayout.last_step_ns``: states, read, params, grads,
+engine) and the garbage collector's time within the step (``gc.callbacks``), medians over
+--steps steps after 3 warmup steps. With --drain each step waits for the backward's kernels
+first (its host time then has no queued GPU work under it; clip_opt_ms then starts at the drain).
 
-  python3 benches/torch/compiled_entry.py out.json [--steps 60] [--optimizers gradclip_default,gradclip_compiled]
+  python3 benches/torch/compiled_entry.py out.json [--steps 60] [--optimizers gradclip_default,gradclip_compiled] [--drain]
 """
+import gc
 import os
 import statistics
 import sys
@@ -28,30 +32,51 @@ def main():
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--optimizers", default="gradclip_default,gradclip_compiled")
     ap.add_argument("--tiny", action="store_true", help="a small model (smoke test)")
+    ap.add_argument("--drain", action="store_true",
+                    help="wait for the backward's kernels before each step (the step then meets an idle GPU)")
     args = ap.parse_args()
     args.warmup, args.interleave = 3, True
     device = "cpu" if args.cpu else "cuda"
-    inner = {}
+    inner, stages, collected = {}, {}, {}
     plain = _spine._ClippingStep._plain_step
+    gc_ns = [0, 0]  # collector time within the current step, start of the running collection
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_ns[1] = time.perf_counter_ns()
+        else:
+            gc_ns[0] += time.perf_counter_ns() - gc_ns[1]
 
     def timed(self, closure):
+        gc_ns[0] = 0
         t = time.perf_counter()
         try:
             return plain(self, closure)
         finally:
             inner.setdefault(id(self), []).append((time.perf_counter() - t) * 1e6)
+            collected.setdefault(id(self), []).append(gc_ns[0] / 1e3)
+            layout = getattr(self, "_layout", None)
+            if layout is not None:
+                stages.setdefault(id(self), []).append(dict(layout.native.last_step_ns))
 
     _spine._ClippingStep._plain_step = timed
+    gc.callbacks.append(on_gc)
     trainers = [train_step.Trainer("moe", o, args, device) for o in args.optimizers.split(",")]
     for i in range(args.warmup + args.steps):
         for t in trainers if i % 2 == 0 else reversed(trainers):
             t.step()
     rows = []
     for t in trainers:
-        ins = inner[id(t.opt)][-len(t.host_us):]
-        rows.append(dict(model="moe", optimizer=t.opt_name, steps=len(t.host_us), outer_us=statistics.median(t.host_us),
-                         inner_us=statistics.median(ins), around_us=statistics.median(o - i for o, i in zip(t.host_us, ins)),
-                         clip_opt_ms=statistics.median(t.clip_ms) if t.clip_ms else None))
+        n = len(t.host_us)
+        ins = inner[id(t.opt)][-n:]
+        row = dict(model="moe", optimizer=t.opt_name, drain=args.drain, steps=n, outer_us=statistics.median(t.host_us),
+                   inner_us=statistics.median(ins), around_us=statistics.median(o - i for o, i in zip(t.host_us, ins)),
+                   gc_us=statistics.median(collected[id(t.opt)][-n:]), gc_max_us=max(collected[id(t.opt)][-n:]),
+                   clip_opt_ms=statistics.median(t.clip_ms) if t.clip_ms else None)
+        kept = stages.get(id(t.opt), [])[-n:]
+        if kept:  # each native stage's median over the steps
+            row.update({f"native_{k}_us": statistics.median(s[k] for s in kept) / 1e3 for k in kept[0]})
+        rows.append(row)
         record.show(rows[-1], 1)
     record.write(args.out, {**record.header(args.commit, device), "rows": rows})
 

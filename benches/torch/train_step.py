@@ -193,6 +193,8 @@ class Trainer:
         self.loss.backward()
         if self.cuda:
             ev[1].record()
+            if getattr(self.args, "drain", False):
+                ev[1].synchronize()  # the backward's kernels done: the step meets an idle GPU
         t = time.perf_counter()
         if self.torch_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, self.torch_clip, foreach=True)
