@@ -10,6 +10,10 @@ engine) and the garbage collector's time within the step (``gc.callbacks``), med
 --steps steps after 3 warmup steps. With --drain each step waits for the backward's kernels
 first (its host time then has no queued GPU work under it; clip_opt_ms then starts at the drain).
 
+An optimizer name may end in ``@serial``, ``@parallel`` or ``@auto``: that trainer's gradient
+reads forced so (``StepLayout.set_grad_reads``, ``python/src/grad_reads.rs``); each row reports
+the share of its steps whose reads went to the workers.
+
   python3 benches/torch/compiled_entry.py out.json [--steps 60] [--optimizers gradclip_default,gradclip_compiled] [--drain]
 """
 import gc
@@ -37,7 +41,7 @@ def main():
     args = ap.parse_args()
     args.warmup, args.interleave = 3, True
     device = "cpu" if args.cpu else "cuda"
-    inner, stages, collected = {}, {}, {}
+    inner, stages, collected, modes, went = {}, {}, {}, {}, {}
     plain = _spine._ClippingStep._plain_step
     gc_ns = [0, 0]  # collector time within the current step, start of the running collection
 
@@ -48,6 +52,10 @@ def main():
             gc_ns[0] += time.perf_counter_ns() - gc_ns[1]
 
     def timed(self, closure):
+        layout = getattr(self, "_layout", None)
+        mode = modes.get(id(self))
+        if mode is not None and layout is not None and layout.native.grad_reads[0] != mode:
+            layout.native.set_grad_reads(mode)
         gc_ns[0] = 0
         t = time.perf_counter()
         try:
@@ -58,10 +66,18 @@ def main():
             layout = getattr(self, "_layout", None)
             if layout is not None:
                 stages.setdefault(id(self), []).append(dict(layout.native.last_step_ns))
+                went.setdefault(id(self), []).append(layout.native.grad_reads[1] == "parallel")
 
     _spine._ClippingStep._plain_step = timed
     gc.callbacks.append(on_gc)
-    trainers = [train_step.Trainer("moe", o, args, device) for o in args.optimizers.split(",")]
+    trainers = []
+    for name in args.optimizers.split(","):
+        base, _, mode = name.partition("@")
+        t = train_step.Trainer("moe", base, args, device)
+        t.opt_name = name
+        if mode:
+            modes[id(t.opt)] = mode
+        trainers.append(t)
     for i in range(args.warmup + args.steps):
         for t in trainers if i % 2 == 0 else reversed(trainers):
             t.step()
@@ -73,6 +89,7 @@ def main():
                    inner_us=statistics.median(ins), around_us=statistics.median(o - i for o, i in zip(t.host_us, ins)),
                    gc_us=statistics.median(collected[id(t.opt)][-n:]), gc_max_us=max(collected[id(t.opt)][-n:]),
                    clip_opt_ms=statistics.median(t.clip_ms) if t.clip_ms else None)
+        row["parallel_reads"] = statistics.mean(went.get(id(t.opt), [False])[-n:])
         kept = stages.get(id(t.opt), [])[-n:]
         if kept:  # each native stage's median over the steps
             row.update({f"native_{k}_us": statistics.median(s[k] for s in kept) / 1e3 for k in kept[0]})

@@ -9,6 +9,7 @@
 mod combine;
 mod cpu;
 mod cuda;
+mod grad_reads;
 mod guards;
 mod list_step;
 mod loaded_libs;

@@ -210,3 +210,49 @@ def test_gradients_made_by_a_backward_are_read_without_their_objects(device):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}: parameter {i}")
         ours.zero_grad()
         ref.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("workers", ["openmp", "rayon"])
+def test_gradients_read_on_the_workers_equal_one_threads_reads(device, workers):
+    """A step's native gradient reads go to the CPU backend's workers when the last read was
+    slow (``python/src/grad_reads.rs``). Forced each way (and left to choose), over 200
+    parameters with gradients from a backward, a changing set of them None, on torch's OpenMP
+    team and on rayon's pool: every step's parameters, states and norm are the same bits, and
+    each layout reports the way its reads went."""
+    from gradclip import _engine, _native
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5, 7) if i % 3 else (11,) for i in range(200)]
+    base = [torch.randn(s, generator=g) for s in shapes]
+    modes = ["serial", "parallel", "auto"]
+    sets = {m: [torch.nn.Parameter(b.clone().to(device)) for b in base] for m in modes}
+    opts = {m: AdamW(sets[m], lr=1e-2, max_grad_norm=0.5, update="gradclip") for m in modes}
+    if workers == "rayon":
+        if not hasattr(_native, "use_rayon_workers"):
+            pytest.skip("this build has no worker switch")
+        _native.use_rayon_workers()
+    try:
+        for step in range(6):
+            skip = set(range(step, 200, 7)) if step % 2 else set()
+            for m in modes:
+                sum((p * p).sum() * (i % 5 + 1) * (step + 1) for i, p in enumerate(sets[m]) if i not in skip).backward()
+                opts[m].step()
+                layout = opts[m]._layout
+                if layout is not None and layout.native.grad_reads[0] != m:
+                    layout.native.set_grad_reads(m)  # from the next step on (the first made the layout)
+                opts[m].zero_grad()
+            for m in modes[1:]:
+                for i, (a, b) in enumerate(zip(sets["serial"], sets[m])):
+                    assert torch.equal(a, b), (m, step, i)
+                assert torch.equal(opts[m].last_grad_norm, opts["serial"].last_grad_norm), (m, step)
+                for sa, sb in zip(opts["serial"].state.values(), opts[m].state.values()):
+                    assert all(torch.equal(sa[k], sb[k]) for k in sa), (m, step)
+            if step >= 2:  # layouts made and modes set: the reads went the way asked
+                assert opts["serial"]._layout.native.grad_reads[1] == "serial"
+                assert opts["parallel"]._layout.native.grad_reads[1] == "parallel"
+    finally:
+        if workers == "rayon":
+            _engine._use_torchs_cpu_threads()
+    with pytest.raises(ValueError, match="none of"):
+        opts["auto"]._layout.native.set_grad_reads("threads")
