@@ -12,7 +12,9 @@ first (its host time then has no queued GPU work under it; clip_opt_ms then star
 
 An optimizer name may end in ``@serial``, ``@parallel`` or ``@auto``: that trainer's gradient
 reads forced so (``StepLayout.set_grad_reads``, ``python/src/grad_reads.rs``); each row reports
-the share of its steps whose reads went to the workers.
+the share of its steps whose reads went to the workers. A name with ``+torchzero`` clears the
+gradients with torch's ``Optimizer.zero_grad`` instead of gradclip's (``zero_us``: the median
+host time of the ``zero_grad()`` after each step).
 
   python3 benches/torch/compiled_entry.py out.json [--steps 60] [--optimizers gradclip_default,gradclip_compiled] [--drain]
 """
@@ -70,13 +72,22 @@ def main():
 
     _spine._ClippingStep._plain_step = timed
     gc.callbacks.append(on_gc)
-    trainers = []
+    trainers, zeroed = [], {}
     for name in args.optimizers.split(","):
-        base, _, mode = name.partition("@")
+        spec, _, torch_zero = name.partition("+")
+        base, _, mode = spec.partition("@")
         t = train_step.Trainer("moe", base, args, device)
         t.opt_name = name
         if mode:
             modes[id(t.opt)] = mode
+        zero = (lambda opt: lambda: torch.optim.Optimizer.zero_grad(opt))(t.opt) if torch_zero == "torchzero" else t.opt.zero_grad
+
+        def timed_zero(zero=zero, times=zeroed.setdefault(id(t.opt), [])):
+            z = time.perf_counter()
+            zero()
+            times.append((time.perf_counter() - z) * 1e6)
+
+        t.opt.zero_grad = timed_zero  # Trainer.step calls it after each step
         trainers.append(t)
     for i in range(args.warmup + args.steps):
         for t in trainers if i % 2 == 0 else reversed(trainers):
@@ -90,6 +101,7 @@ def main():
                    gc_us=statistics.median(collected[id(t.opt)][-n:]), gc_max_us=max(collected[id(t.opt)][-n:]),
                    clip_opt_ms=statistics.median(t.clip_ms) if t.clip_ms else None)
         row["parallel_reads"] = statistics.mean(went.get(id(t.opt), [False])[-n:])
+        row["zero_us"] = statistics.median(zeroed[id(t.opt)][-n:])
         kept = stages.get(id(t.opt), [])[-n:]
         if kept:  # each native stage's median over the steps
             row.update({f"native_{k}_us": statistics.median(s[k] for s in kept) / 1e3 for k in kept[0]})

@@ -146,3 +146,43 @@ def test_the_clip_records_nothing_for_autograd_with_grad_mode_on(device):
         got = gt.clip_grad_norm_(ps, 1.0)
     assert got.grad_fn is None and not got.requires_grad
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
+class _CountingParameter(torch.nn.Parameter):
+    """A parameter that counts reads of its ``.grad``."""
+
+    reads = 0
+
+    @property
+    def grad(self):
+        type(self).reads += 1
+        return super().grad
+
+    @grad.setter
+    def grad(self, value):
+        torch.nn.Parameter.grad.__set__(self, value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [AdamW, SGD, Lion])
+def test_zero_grad_sets_none_without_reading_the_gradients(device, cls):
+    """``zero_grad()`` (torch's default ``set_to_none=True``) sets every gradient to None without
+    reading ``.grad`` first (a read makes a Python object for each gradient autograd made);
+    ``set_to_none=False`` zeroes them in place as torch's does; under the profiler torch's own
+    runs, its range recorded."""
+    g = torch.Generator().manual_seed(5)
+    ps = [_CountingParameter(torch.randn(s, generator=g).to(device)) for s in [(5, 7), (7,), (3, 5)]]
+    opt = cls(ps, lr=1e-2, max_grad_norm=1.0)
+    sum((p * p).sum() for p in ps[:2]).backward()  # the last parameter gets no gradient
+    _CountingParameter.reads = 0
+    opt.zero_grad()
+    assert _CountingParameter.reads == 0
+    assert all(torch.nn.Parameter.grad.__get__(p) is None for p in ps)
+    sum((p * p).sum() for p in ps).backward()
+    held = [torch.nn.Parameter.grad.__get__(p) for p in ps]
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.nn.Parameter.grad.__get__(p) is h and not h.any() for p, h in zip(ps, held))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.zero_grad()
+    assert all(torch.nn.Parameter.grad.__get__(p) is None for p in ps)
+    assert any("zero_grad" in e.name for e in prof.events()), "torch's range under the profiler"

@@ -493,6 +493,20 @@ class _ClippingStep:
     # it is wrapped: this one runs torch's wrapper itself, when it has something to do.
     step.hooked = True
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``. With ``set_to_none=True`` (torch's default) every parameter's
+        gradient is set to None without being read first: torch's reads each ``p.grad`` to test
+        it, and a gradient autograd made has no Python object until such a read makes one (the
+        step reads gradients natively and makes none), so torch's made 811 objects to drop them:
+        442 us against 131 us after a backward over 811 parameters on the development CPU.
+        torch's own runs while the profiler records (its range names the call) and under
+        torch.compile."""
+        if not set_to_none or torch.autograd.profiler._is_profiler_enabled or torch.compiler.is_compiling():
+            return super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
     def _wrapped_step(self, closure=None):
         """The step inside torch's wrapper, grad mode off. When dynamo traces it (a step that is
         not the graph alone: ``step`` takes that one): the list op when the step can be one;
