@@ -10,11 +10,8 @@ engine) and the garbage collector's time within the step (``gc.callbacks``), med
 --steps steps after 3 warmup steps. With --drain each step waits for the backward's kernels
 first (its host time then has no queued GPU work under it; clip_opt_ms then starts at the drain).
 
-An optimizer name may end in ``@serial``, ``@parallel`` or ``@auto``: that trainer's gradient
-reads forced so (``StepLayout.set_grad_reads``, ``python/src/grad_reads.rs``); each row reports
-the share of its steps whose reads went to the workers. A name with ``+torchzero`` clears the
-gradients with torch's ``Optimizer.zero_grad`` instead of gradclip's (``zero_us``: the median
-host time of the ``zero_grad()`` after each step).
+A name with ``+torchzero`` clears the gradients with torch's ``Optimizer.zero_grad`` instead of
+gradclip's (``zero_us``: the median host time of the ``zero_grad()`` after each step).
 
   python3 benches/torch/compiled_entry.py out.json [--steps 60] [--optimizers gradclip_default,gradclip_compiled] [--drain]
 """
@@ -43,7 +40,7 @@ def main():
     args = ap.parse_args()
     args.warmup, args.interleave = 3, True
     device = "cpu" if args.cpu else "cuda"
-    inner, stages, collected, modes, went = {}, {}, {}, {}, {}
+    inner, stages, collected = {}, {}, {}
     plain = _spine._ClippingStep._plain_step
     gc_ns = [0, 0]  # collector time within the current step, start of the running collection
 
@@ -54,10 +51,6 @@ def main():
             gc_ns[0] += time.perf_counter_ns() - gc_ns[1]
 
     def timed(self, closure):
-        layout = getattr(self, "_layout", None)
-        mode = modes.get(id(self))
-        if mode is not None and layout is not None and layout.native.grad_reads[0] != mode:
-            layout.native.set_grad_reads(mode)
         gc_ns[0] = 0
         t = time.perf_counter()
         try:
@@ -68,18 +61,14 @@ def main():
             layout = getattr(self, "_layout", None)
             if layout is not None:
                 stages.setdefault(id(self), []).append(dict(layout.native.last_step_ns))
-                went.setdefault(id(self), []).append(layout.native.grad_reads[1] == "parallel")
 
     _spine._ClippingStep._plain_step = timed
     gc.callbacks.append(on_gc)
     trainers, zeroed = [], {}
     for name in args.optimizers.split(","):
-        spec, _, torch_zero = name.partition("+")
-        base, _, mode = spec.partition("@")
+        base, _, torch_zero = name.partition("+")
         t = train_step.Trainer("moe", base, args, device)
         t.opt_name = name
-        if mode:
-            modes[id(t.opt)] = mode
         zero = (lambda opt: lambda: torch.optim.Optimizer.zero_grad(opt))(t.opt) if torch_zero == "torchzero" else t.opt.zero_grad
 
         def timed_zero(zero=zero, times=zeroed.setdefault(id(t.opt), [])):
@@ -100,7 +89,6 @@ def main():
                    inner_us=statistics.median(ins), around_us=statistics.median(o - i for o, i in zip(t.host_us, ins)),
                    gc_us=statistics.median(collected[id(t.opt)][-n:]), gc_max_us=max(collected[id(t.opt)][-n:]),
                    clip_opt_ms=statistics.median(t.clip_ms) if t.clip_ms else None)
-        row["parallel_reads"] = statistics.mean(went.get(id(t.opt), [False])[-n:])
         row["zero_us"] = statistics.median(zeroed[id(t.opt)][-n:])
         kept = stages.get(id(t.opt), [])[-n:]
         if kept:  # each native stage's median over the steps

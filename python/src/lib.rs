@@ -9,7 +9,6 @@
 mod combine;
 mod cpu;
 mod cuda;
-mod grad_reads;
 mod guards;
 mod list_step;
 mod loaded_libs;

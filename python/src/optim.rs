@@ -17,13 +17,12 @@ use gradclip::NormType;
 use gradclip::cpu::Cpu;
 use gradclip::optim::{AdamConfig, ClipConfig, LionConfig, NonFinite, Parts, Rule, SgdConfig, StepCount, StepList};
 use gradclip::plan::RawTensor;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::cuda::with_engine;
-use crate::grad_reads::{GradReads, ReadMode};
 use crate::guards::AddressCheck;
 use crate::plan::Place;
 use crate::scan::Planner;
@@ -80,8 +79,6 @@ struct Kept {
     /// Whether gradients are read natively, without their Python objects (until one could
     /// not be: the shim logs what it fails on, so it is not asked again for this layout).
     native_grads: bool,
-    /// How the native reads go: on one thread or on the workers ([`GradReads`]).
-    grad_reads: GradReads,
 }
 
 /// A step's gradients as [`Kept::read_grads`] read them.
@@ -139,30 +136,6 @@ impl StepLayout {
     fn last_step_ns(&self) -> Vec<(&'static str, u64)> {
         let t = self.kept.lock().map(|k| k.timings).unwrap_or([0; 5]);
         ["states", "read", "params", "grads", "engine"].into_iter().zip(t).collect()
-    }
-
-    /// How the native gradient reads go (`"auto"`, the default: on the CPU backend's workers
-    /// when the last read was slow, see `grad_reads.rs`), and how the last one went
-    /// (`"serial"` or `"parallel"`, and its nanoseconds).
-    #[getter]
-    fn grad_reads(&self) -> (&'static str, &'static str, u64) {
-        self.kept.lock().map_or(("auto", "serial", 0), |k| {
-            let r = &k.grad_reads;
-            (r.mode.name(), r.last.0.name(), r.last.1.as_nanos() as u64)
-        })
-    }
-
-    /// Sets how the native gradient reads go: `"auto"`, `"serial"` or `"parallel"` (benchmarks
-    /// and tests; the reads are the same either way).
-    fn set_grad_reads(&self, mode: &str) -> PyResult<()> {
-        let mode = ReadMode::parse(mode)
-            .ok_or_else(|| PyValueError::new_err(format!("grad reads: {mode:?} is none of \"auto\", \"serial\", \"parallel\"")))?;
-        self.kept
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("the step layout's lock is poisoned"))?
-            .grad_reads
-            .mode = mode;
-        Ok(())
     }
 }
 
@@ -266,7 +239,6 @@ pub fn step_layout(
             slot_of,
             timings: [0; 5],
             native_grads: true,
-            grad_reads: GradReads::default(),
         }),
     }))
 }
@@ -504,65 +476,43 @@ impl Kept {
     /// those gradients, in order. Read natively with `facts`, without the gradients' Python
     /// objects (autograd makes gradients without one; reading `.grad` makes it), else by `.grad`.
     fn read_grads<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         groups: &Bound<'py, PyList>,
         local: bool,
         facts: Option<&TensorFacts>,
     ) -> PyResult<Read<'py>> {
-        // The parameters, which must be the layout's, in order.
-        let mut params = Vec::new();
+        let (mut mask, mut first, mut native, objects) = (Vec::new(), Vec::new(), Vec::new(), PyList::empty(py));
         for (g, kept) in groups.iter().zip(&self.groups) {
-            let group = g.get_item(intern!(py, "params"))?;
-            let group = group.cast::<PyList>()?;
-            if group.len() != kept.params.len() {
+            let params = g.get_item(intern!(py, "params"))?;
+            let params = params.cast::<PyList>()?;
+            if params.len() != kept.params.len() {
                 return Ok(Read::Relayout);
             }
-            for (p, kp) in group.iter().zip(&kept.params) {
+            for (p, (kp, st)) in params.iter().zip(kept.params.iter().zip(&kept.states)) {
                 if !p.is(kp) {
                     return Ok(Read::Relayout);
                 }
-                params.push(p);
-            }
-        }
-        let grads: Vec<Option<Grad<'py>>> = match facts {
-            Some(r) => {
-                let Some(handles) = params.iter().map(|p| r.handle_of(p)).collect::<Option<Vec<_>>>() else {
-                    return Ok(Read::NotNative);
-                };
-                // SAFETY: the handles of `params`' objects, which `params` keeps alive; this
-                // thread holds the GIL until the read returns and runs no Python code meanwhile,
-                // so no gradient is set, replaced or freed during it.
-                let read = unsafe { self.grad_reads.read(r, &handles) };
-                let mut out = Vec::with_capacity(read.len());
-                for g in read {
-                    match g {
+                let grad = match facts {
+                    Some(r) => match r.grad(&p) {
                         None => return Ok(Read::NotNative),
-                        Some(f) => out.push(f.map(Grad::Facts)),
-                    }
+                        Some(f) => f.map(Grad::Facts),
+                    },
+                    None => Some(p.getattr(intern!(py, "grad"))?).filter(|g| !g.is_none()).map(Grad::Object),
+                };
+                let Some(grad) = grad else {
+                    mask.push(false);
+                    continue;
+                };
+                if st.is_none() {
+                    first.push(p.clone().unbind()); // a first gradient: torch makes its state
+                    continue;
                 }
-                out
-            }
-            None => params
-                .iter()
-                .map(|p| Ok(Some(p.getattr(intern!(py, "grad"))?).filter(|g| !g.is_none()).map(Grad::Object)))
-                .collect::<PyResult<_>>()?,
-        };
-        let (mut mask, mut first, mut native, objects) = (Vec::new(), Vec::new(), Vec::new(), PyList::empty(py));
-        let states = self.groups.iter().flat_map(|k| &k.states);
-        for ((p, grad), st) in params.iter().zip(grads).zip(states) {
-            let Some(grad) = grad else {
-                mask.push(false);
-                continue;
-            };
-            if st.is_none() {
-                first.push(p.clone().unbind()); // a first gradient: torch makes its state
-                continue;
-            }
-            mask.push(true);
-            match grad {
-                Grad::Facts(f) => native.push(f),
-                Grad::Object(g) => objects.append(shard(&g, local)?)?,
+                mask.push(true);
+                match grad {
+                    Grad::Facts(f) => native.push(f),
+                    Grad::Object(g) => objects.append(shard(&g, local)?)?,
+                }
             }
         }
         if !first.is_empty() {

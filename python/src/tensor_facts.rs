@@ -128,17 +128,6 @@ pub(crate) struct Facts {
 /// CPU or the CUDA ordinal, contiguous, inference)`.
 type PyFacts = (u64, u64, i64, i64, bool, bool);
 
-/// The `at::Tensor` inside a plain tensor's or parameter's Python object
-/// ([`TensorFacts::handle_of`]), to be read by [`TensorFacts::grad_at`] on another thread.
-#[derive(Clone, Copy)]
-pub(crate) struct TensorHandle(*const c_void);
-
-// SAFETY: a handle is an address that is only read through (by `grad_at`, whose contract keeps
-// the object alive and unchanged while any thread reads it); it carries no ownership.
-unsafe impl Send for TensorHandle {}
-// SAFETY: as above: shared reads only.
-unsafe impl Sync for TensorHandle {}
-
 /// Reads [`Facts`] of plain tensors and parameters through torch's shim.
 #[pyclass(frozen, module = "gradclip._native")]
 #[derive(Clone)]
@@ -208,34 +197,15 @@ impl TensorFacts {
     /// (another type, no getter, or the shim failed on the gradient: a tensor subclass without
     /// storage, say, which the shim logs; callers then read `.grad`).
     pub(crate) fn grad(&self, p: &Bound<'_, PyAny>) -> Option<Option<Facts>> {
-        let handle = self.handle_of(p)?;
-        // SAFETY: the handle of the live object `p`, read now under the GIL (`p` is bound to it).
-        unsafe { self.grad_at(handle) }
-    }
-
-    /// The handle of `t` (its `at::Tensor`) when its type is exactly `torch.Tensor` or
-    /// `torch.nn.Parameter`, for [`TensorFacts::grad_at`] (on any thread).
-    pub(crate) fn handle_of(&self, t: &Bound<'_, PyAny>) -> Option<TensorHandle> {
-        self.tensor_of(t).map(TensorHandle)
-    }
-
-    /// [`TensorFacts::grad`] of the tensor at `handle`. Callable from any thread: it reads
-    /// torch's C++ objects only (no Python object, no reference count).
-    ///
-    /// # Safety
-    /// `handle` came from [`TensorFacts::handle_of`] on an object that is still alive, and
-    /// nothing can change or free that tensor's gradient during the call (the thread holding the
-    /// GIL waits for it and no backward runs).
-    pub(crate) unsafe fn grad_at(&self, handle: TensorHandle) -> Option<Option<Facts>> {
         let (s, g) = (&self.0.shim, self.0.grads.as_ref()?);
-        let handle = handle.0;
-        // SAFETY: `handle` is the `at::Tensor` of a live parameter (the caller's contract). An
-        // `at::Tensor` is one `intrusive_ptr<TensorImpl>`, which is one pointer
+        let handle = self.tensor_of(p)?;
+        // SAFETY: `handle` is the `at::Tensor` of the live object `p` (`tensor_of`; the GIL is
+        // held). An `at::Tensor` is one `intrusive_ptr<TensorImpl>`, which is one pointer
         // (`TensorBase::impl_`, `intrusive_ptr::target_` in torch's public headers), never null
         // (an undefined tensor points at the undefined singleton; checked anyway). `grad()`
         // returns a reference to a tensor the parameter's autograd metadata holds (or a static
-        // undefined one), alive while the parameter keeps that gradient, which nothing changes
-        // during the call (the caller's contract).
+        // undefined one), alive while the parameter keeps that gradient: read here, under the
+        // GIL, before any Python code runs.
         unsafe {
             let impl_ = *handle.cast::<*const c_void>();
             if impl_.is_null() {

@@ -62,9 +62,8 @@ pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
     }
 }
 
-/// `(0..n).map(f)` collected in order, computed in parallel on the installed workers (also for
-/// the Python binding's own parallel reads, on the same team as the backend's loops).
-pub fn map_indices<T: Copy + Default + Send + Sync>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+/// `(0..n).map(f)` collected in order, computed in parallel on the installed workers.
+pub(crate) fn map_indices<T: Copy + Default + Send + Sync>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     let w = match installed() {
         _ if n <= 1 => return (0..n).map(f).collect(),
         Some(w) => w,
