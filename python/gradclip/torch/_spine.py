@@ -497,10 +497,11 @@ class _ClippingStep:
         """torch's ``zero_grad``. With ``set_to_none=True`` (torch's default) every parameter's
         gradient is set to None without being read first: torch's reads each ``p.grad`` to test
         it, and a gradient autograd made has no Python object until such a read makes one (the
-        step reads gradients natively and makes none), so torch's made 811 objects to drop them:
-        442 us against 131 us after a backward over 811 parameters on the development CPU.
-        torch's own runs while the profiler records (its range names the call) and under
-        torch.compile."""
+        step reads gradients natively and makes none), so torch's made 811 objects to drop them
+        in the MoE training loop of ``benches/torch/train_step.py``: 1914 us against 1639-1654 us
+        on the H200's host (run ``2026-12-02-h200/6bd0a99-train-host-parallel-reads-zero-grad``;
+        most of what is left is freeing the gradients). torch's own runs while the profiler
+        records (its range names the call) and under torch.compile."""
         if not set_to_none or torch.autograd.profiler._is_profiler_enabled or torch.compiler.is_compiling():
             return super().zero_grad(set_to_none)
         for group in self.param_groups:
