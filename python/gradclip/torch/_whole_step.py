@@ -20,13 +20,16 @@ eager step takes, hooks and closures included). Traced from a caller (a training
 whole, a function that clips and steps), the same code is inlined as before: dynamo's callback
 decides for frames, not for the code it inlines.
 
-What still needs a graph of the step alone: the wrapper an LR scheduler puts around the step
-(torch's code, shared by every optimizer, so not skipped), and a torch whose dynamo has no frame
-strategies. There the step is ``gradclip::whole_step_``: the eager step as one op (the same
-code, the same bits), taken only when the graph is the step alone, since the op's reads and
-writes are invisible to the graph: the frame is the step or that wrapper (which sets one
-attribute and calls it), and no step hook (which could touch the gradients in the same graph) is
-registered. Everything else gets the list op, whose inputs and writes the graph sees.
+An LR scheduler's wrapper around the step (``opt.step`` once a scheduler exists) is torch's own
+code, which torch 2.11's dynamo does not trace: ``torch.compile`` breaks at it and the step
+inside runs as a frame of its own, so untraced as above (tested).
+
+A torch whose dynamo has no frame strategies traces the step's frame; there the step alone is
+``gradclip::whole_step_``: the eager step as one op (the same code, the same bits), taken only
+when the graph is the step alone, since the op's reads and writes are invisible to the graph:
+the frame is the step, or an LR scheduler's wrapper (which sets one attribute and calls it)
+should that torch trace it, and no step hook (which could touch the gradients in the same graph)
+is registered. Everything else gets the list op, whose inputs and writes the graph sees.
 """
 
 from __future__ import annotations
