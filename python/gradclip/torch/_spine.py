@@ -1,8 +1,8 @@
 """The one optimizer spine of ``gradclip.torch.optim`` (``_ClippingStep``): the clip, the
 engine's step over the parameter groups in one native call, torch's fused step where the engine
-does not take one, the step's eager entry (torch's wrapper only when it has work) and its two
-compiled forms (``gradclip::whole_step_`` for the step alone, ``gradclip::optim_step_`` inside a
-larger graph). Each optimizer (``optim.py``) says only what is its own: its hyperparameters as
+does not take one, the step's eager entry (torch's wrapper only when it has work) and its
+compiled forms (the step alone untraced, or ``gradclip::whole_step_`` where dynamo traces it;
+``gradclip::optim_step_`` inside a larger graph). Each optimizer (``optim.py``) says only what is its own: its hyperparameters as
 the engine takes them, its states, torch's class whose fused step it runs."""
 
 from __future__ import annotations
