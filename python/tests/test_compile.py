@@ -383,7 +383,10 @@ def test_the_step_compiled_alone_is_untraced_in_every_mode_and_equals_eager(devi
     the closure's loss returned and the hook run; across ``torch._dynamo.reset()``."""
     from torch._dynamo.testing import CompileCounter
 
+    from gradclip.torch import _spine
     from gradclip.torch.optim import AdamW
+
+    assert _spine.STEP_FRAMES_SKIPPED, "this torch took the step's frame strategy"
 
     a, b = _model(device, torch.float32), _model(device, torch.float32)
     oa, ob = AdamW(a.parameters(), lr=1e-2, max_grad_norm=0.5), AdamW(b.parameters(), lr=1e-2, max_grad_norm=0.5)
