@@ -38,6 +38,28 @@ pub(crate) struct Entry {
     inference: bool,
 }
 
+impl Entry {
+    /// Whether `self` is `other` but for its address: the same layout, perhaps moved.
+    fn same_but_address(&self, other: &Entry) -> bool {
+        let moved = Entry {
+            tensor: RawTensor {
+                addr: other.tensor.addr,
+                ..self.tensor
+            },
+            ..*self
+        };
+        moved == *other
+    }
+}
+
+/// Whether the kernels can read `len` elements of `dtype` at `addr`: whole elements, and an
+/// address of its own unless empty (a DTensor or another wrapper subclass has none; a view
+/// that starts inside an element, such as `torch.frombuffer` at an odd offset, is torch's to
+/// handle).
+pub(crate) fn readable_at(addr: u64, len: u64, dtype: DType) -> bool {
+    (addr != 0 || len == 0) && addr.is_multiple_of(dtype.size())
+}
+
 /// Reads tensor lists into plans and keeps the last one while the same list comes back.
 #[pyclass(frozen, module = "gradclip._native")]
 pub struct Planner {
@@ -68,8 +90,7 @@ struct Cache {
 /// [`Planner::entry`].
 pub(crate) fn entry_of(f: Facts) -> Option<Entry> {
     let dtype = f.dtype?;
-    let usable = f.contiguous && (f.addr != 0 || f.len == 0) && f.addr.is_multiple_of(dtype.size());
-    usable.then_some(Entry {
+    (f.contiguous && readable_at(f.addr, f.len, dtype)).then_some(Entry {
         tensor: RawTensor {
             addr: f.addr,
             len: f.len,
@@ -103,13 +124,7 @@ impl Planner {
         }
         let addr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
         let len: u64 = t.call_method0(intern!(py, "numel"))?.extract()?;
-        if addr == 0 && len > 0 {
-            // No storage of its own (a DTensor, or another wrapper subclass): not the engine's.
-            return Ok(None);
-        }
-        if !addr.is_multiple_of(DTYPES[code].size()) {
-            // A view that starts inside an element (torch.frombuffer with an odd offset, say):
-            // torch's own code handles it; the kernels read whole elements.
+        if !readable_at(addr, len, DTYPES[code]) {
             return Ok(None);
         }
         let inference = t.call_method0(intern!(py, "is_inference"))?.is_truthy()?;
@@ -203,17 +218,7 @@ impl Planner {
         }
         for (t, k) in tensors.iter().zip(key) {
             match facts.read(&t).and_then(entry_of) {
-                Some(e)
-                    if Entry {
-                        tensor: RawTensor {
-                            addr: k.tensor.addr,
-                            ..e.tensor
-                        },
-                        ..e
-                    } == *k =>
-                {
-                    out.push(e)
-                }
+                Some(e) if e.same_but_address(k) => out.push(e),
                 _ => return false,
             }
         }
@@ -226,16 +231,7 @@ impl Planner {
     /// is dropped here, so no call can use it (and the tables the new plan takes over) again.
     fn relocation_of(py: Python<'_>, cache: &Cache, entries: &[Entry]) -> Option<Plan> {
         let last = cache.last.as_ref()?;
-        let same_layout = entries.len() == cache.key.len()
-            && entries.iter().zip(&cache.key).all(|(a, b)| {
-                Entry {
-                    tensor: RawTensor {
-                        addr: a.tensor.addr,
-                        ..b.tensor
-                    },
-                    ..*b
-                } == *a
-            });
+        let same_layout = entries.len() == cache.key.len() && entries.iter().zip(&cache.key).all(|(a, b)| a.same_but_address(b));
         // SAFETY: `last` is a live object and the GIL is held (`py`).
         let only_the_cache = unsafe { pyo3::ffi::Py_REFCNT(last.as_ptr()) } == 1;
         if !same_layout || !only_the_cache {

@@ -41,7 +41,7 @@ use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 
 use crate::guards::{AddressCheck, data_ptr};
 use crate::plan::Place;
-use crate::scan::{Planner, entry_of};
+use crate::scan::{Planner, entry_of, readable_at};
 use crate::tensor_addresses::DataPtrReader;
 use crate::tensor_facts::{Facts, TensorFacts};
 
@@ -306,7 +306,7 @@ impl StepGrads {
 /// included): `g` is then read in full. Read natively when the planner has torch's C shim
 /// (then the length and dtype are checked too, for free), else by calls into torch.
 fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool, facts: Option<&TensorFacts>, reader: Option<&DataPtrReader>) -> Option<u64> {
-    let usable = |addr: u64| addr.is_multiple_of(t.dtype.size()) && (addr != 0 || t.len == 0);
+    let usable = |addr: u64| readable_at(addr, t.len, t.dtype);
     if let Some(f) = facts.and_then(|r| r.read(g)) {
         // Natively: a few C calls, no call into torch from here.
         return (f.contiguous && f.len == t.len && f.dtype == Some(t.dtype) && usable(f.addr)).then_some(f.addr);
