@@ -4,6 +4,7 @@ gradients that are views of one flat buffer (FSDP2's layout) are clipped in plac
 and the eager paths' defects that issue 18 names: the fallback runs without autograd, an empty
 generator warns as torch does, a non-tensor is named by its position."""
 
+import contextlib
 import copy
 import warnings
 
@@ -321,10 +322,7 @@ def test_a_compiled_optimizer_step_is_the_eager_step_or_one_op_in_the_graph(devi
     from gradclip.torch import _spine
 
     monkeypatch.setattr(_spine, "_native", spy)
-    traced = _StepFramesTraced() if how == "alone-traced" else None
-    if traced is not None:
-        traced.__enter__()
-    try:
+    with _StepFramesTraced() if how == "alone-traced" else contextlib.nullcontext():
         torch._dynamo.reset()
         step = _compiled(oa, how)
         gen = torch.Generator(device=device).manual_seed(4)
@@ -359,9 +357,6 @@ def test_a_compiled_optimizer_step_is_the_eager_step_or_one_op_in_the_graph(devi
         assert spy.eager == 5 + (2 if how == "inside" else 5), spy.eager
         listed = len(spy.addresses)
         explained = torch._dynamo.explain(oa.step if how.startswith("alone") else (lambda: oa.step()))()
-    finally:
-        if traced is not None:
-            traced.__exit__()
     if how == "inside":
         assert listed == 3, spy.addresses  # steps 2-4 compiled, steps 0 and 1 eager
         assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
@@ -436,10 +431,7 @@ def test_a_step_hook_or_an_lr_scheduler_decides_which_op(device, traced):
     oa, ob = AdamW(a.parameters(), lr=1e-2, max_grad_norm=0.5), AdamW(b.parameters(), lr=1e-2, max_grad_norm=0.5)
     sa = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=1.0)
     sb = torch.optim.lr_scheduler.StepLR(ob, step_size=1, gamma=1.0)
-    frames = _StepFramesTraced() if traced else None
-    if frames is not None:
-        frames.__enter__()
-    try:
+    with _StepFramesTraced() if traced else contextlib.nullcontext():
         torch._dynamo.reset()
         step = torch.compile(oa.step)
         gen = torch.Generator(device=device).manual_seed(9)
@@ -471,9 +463,6 @@ def test_a_step_hook_or_an_lr_scheduler_decides_which_op(device, traced):
             assert not traced or any("gradclip.optim_step_" in g.code for g in ex.graphs)
         finally:
             handle.remove()
-    finally:
-        if frames is not None:
-            frames.__exit__()
 
 
 def _new_grads(a, b, gen):

@@ -445,9 +445,9 @@ class _ClippingStep:
     def step(self, closure=None):
         """Clips the gradients' global norm to ``max_grad_norm`` within the update (no separate
         scale pass), then updates as torch's fused optimizer; returns the closure's loss. Under
-        ``torch.compile``: the step compiled alone runs as it is (dynamo skips its frame; wrapped
-        by an LR scheduler it is one op without per-tensor inputs, ``gradclip::whole_step_``, the
-        eager step; see ``_whole_step``); a step inlined into a
+        ``torch.compile``: the step compiled alone runs as it is (dynamo skips its frame; a torch
+        that traces the frame gets one op without per-tensor inputs, ``gradclip::whole_step_``,
+        the eager step; see ``_whole_step``); a step inlined into a
         larger graph is the list op (``gradclip::optim_step_``, the eager step's bits) once its
         lists are made, and what that op does not take (a closure, DTensors, ``update="torch"``,
         ``nonfinite="error"``, GradScaler, parameters with their first gradient) runs eagerly,
