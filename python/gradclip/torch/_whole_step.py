@@ -59,7 +59,7 @@ def skip_step_frames(code) -> bool:
     strategy is read by the frame callback only. torch keeps no public call for it: this is
     what ``torch._dynamo.eval_frame.skip_code`` does, with the frames called from it skipped
     too (with them compiled, every helper the step calls became a frame dynamo traced and
-    guarded, ~10x the step's cost on the development CPU). Not undone by
+    guarded, ~10x the step's cost on the development CPU in a probe not recorded). Not undone by
     ``torch._dynamo.reset()``, which clears the code dynamo compiled."""
     _STEP_CODES.add(code)
     try:
