@@ -390,9 +390,20 @@ _INFERENCE_WRITE = (
 
 
 def _check_writable(plan, ts: List[torch.Tensor], info=None) -> None:
-    """Refuses, before anything is written, what torch's in-place ops refuse: an inference tensor
-    outside inference mode (the plan knows whether it holds one, ``info`` its ``info`` when read;
-    a list torch handles is read)."""
+    """Refuses, for the whole list and before anything is written, what torch's in-place ops
+    refuse: an inference tensor outside inference mode (the plan knows whether it holds one,
+    ``info`` its ``info`` when read; a list torch handles is read), and a tensor some of whose
+    elements share memory (an ``expand``ed one: torch raises at its multiply, after the tensors
+    before it were written). A planned list holds neither of the latter: the engine takes
+    contiguous tensors only."""
+    if plan is None:
+        for t in ts:
+            if t.layout == torch.strided and t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
+                raise RuntimeError(
+                    f"unsupported operation: more than one element of the written-to tensor refers to a single memory "
+                    f"location (a gradient of shape {tuple(t.shape)} with strides {t.stride()}, an expanded tensor?). "
+                    "Please clone() the tensor before performing the operation. Nothing was written."
+                )
     if torch.is_inference_mode_enabled():
         return
     if plan is not None:
@@ -430,7 +441,8 @@ def _scale_group(ts: List[torch.Tensor], coef: torch.Tensor) -> None:
     rest = [t for t in rest if not _is_fp8(t.dtype)]
     if rest:
         device = rest[0].device
-        if _overlap([t for t in rest if t.is_contiguous()]) or len({t.data_ptr() for t in rest}) < len(rest):
+        dense = [t for t in rest if t.layout == torch.strided]  # a sparse tensor has no data pointer
+        if _overlap([t for t in dense if t.is_contiguous()]) or len({t.data_ptr() for t in dense}) < len(dense):
             # Aliased gradients (a parameter listed twice): one multiply per occurrence, in order,
             # as torch's CPU path does (its fused CUDA kernel races on aliased tensors).
             for t in rest:

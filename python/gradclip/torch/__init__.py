@@ -50,7 +50,7 @@ from .._engine import (  # the engine layer this face stands on
     _written,
 )
 from ..shards import Shards
-from . import _ops
+from . import _frames, _ops
 
 _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -122,10 +122,10 @@ def _refuse_non_tensors(items: list, grads: bool) -> None:
 
 
 def _opaque_to_compile(fn):
-    """Marks a public function as one torch.compile calls rather than traces: it runs native
-    code on raw addresses, which dynamo cannot trace (it would warn and break the graph anyway)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
+    """Marks an eager implementation as one torch.compile calls rather than traces, with one
+    clean graph break at the call: it runs native code on raw addresses, which dynamo cannot
+    trace (it would warn and break the graph at every native call)."""
+    return torch.compiler.disable(fn)
 
 
 def get_total_norm(
@@ -142,10 +142,13 @@ def get_total_norm(
     inputs); ``pipeline_group`` combines the norms of pipeline stages; ``norm_group`` as in
     ``clip_grad_norm_``. Under ``torch.compile`` a plain list of one device's tensors is one
     registered op in the graph (``gradclip::total_norm``)."""
-    if torch.compiler.is_compiling() and not error_if_nonfinite and pipeline_group is None and norm_group is None:
-        ts = _compilable(tensors, False)
-        if ts is not None:
-            return _ops.OPS.total_norm(ts, float(norm_type))
+    if torch.compiler.is_compiling():
+        # Read once, here: a generator handed on after a look would reach the eager call empty.
+        tensors = _as_list(tensors)
+        if not error_if_nonfinite and pipeline_group is None and norm_group is None:
+            ts = _compilable(tensors, False)
+            if ts is not None:
+                return _ops.OPS.total_norm(ts, float(norm_type))
     return _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
 
@@ -178,11 +181,13 @@ def clip_grads_with_norm_(
     second half of a sharded clip, whose ``total_norm`` was all-reduced across ranks (a DTensor
     norm, as torch's and gradclip's clips return for DTensor gradients, is taken whole). Under
     ``torch.compile``, plain gradients of one device: ``gradclip::clip_grads_with_norm_``."""
-    if torch.compiler.is_compiling() and type(total_norm) is torch.Tensor and float(max_norm) >= 0:
-        grads = _compilable(parameters, True)
-        if grads is not None:
-            _ops.OPS.clip_grads_with_norm_(grads, float(max_norm), total_norm)
-            return
+    if torch.compiler.is_compiling():
+        parameters = _as_list(parameters)  # read once (a generator), as in get_total_norm
+        if type(total_norm) is torch.Tensor and float(max_norm) >= 0:
+            grads = _compilable(parameters, True)
+            if grads is not None:
+                _ops.OPS.clip_grads_with_norm_(grads, float(max_norm), total_norm)
+                return
     _clip_grads_with_norm_(parameters, max_norm, total_norm)
 
 
@@ -263,13 +268,16 @@ def clip_grad_norm_(
     ``torch.compile`` the plain gradients of one device are one registered op in the graph
     (``gradclip::clip_grad_norm_``, the eager call's bits); the rest (DTensor, ``Shards``,
     ``error_if_nonfinite=True``, which reads the norm on the host) runs eagerly at a graph break."""
+    # `parameters` may be a generator: it is read once, here, and the list handed on.
+    generator = isinstance(parameters, types.GeneratorType)
+    items = _as_list(parameters)
     if torch.compiler.is_compiling():
         if not error_if_nonfinite and pipeline_group is None and norm_group is None and float(max_norm) >= 0:
-            grads = _compilable(parameters, True)
+            grads = _compilable(items, True)
             if grads is not None:
                 return _ops.OPS.clip_grad_norm_(grads, float(max_norm), float(norm_type))
-        return _clip_grad_norm_at_break(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
-    return _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
+        return _clip_grad_norm_at_break(items, generator, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
+    return _clip_grad_norm_(items, generator, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
 
 def _compilable(items, grads: bool):
@@ -280,7 +288,7 @@ def _compilable(items, grads: bool):
     if any(isinstance(x, Shards) for x in items):
         return None
     ts = [p.grad for p in items if p.grad is not None] if grads else items
-    if not ts or any(t is None or type(t) not in (torch.Tensor, torch.nn.Parameter) for t in ts):
+    if not ts or any(t is None or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided for t in ts):
         return None
     if any(t.device != ts[0].device for t in ts):
         return None
@@ -293,21 +301,20 @@ def _compilable(items, grads: bool):
 
 
 @_opaque_to_compile
-def _clip_grad_norm_at_break(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group=None) -> torch.Tensor:
+def _clip_grad_norm_at_break(items, generator, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group) -> torch.Tensor:
     """``clip_grad_norm_`` called, not traced, by torch.compile (what its graph does not take)."""
-    return _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
+    return _clip_grad_norm_(items, generator, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
 
-def _clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group=None) -> torch.Tensor:
-    """``clip_grad_norm_`` outside a compiled graph. The common case (a list the engine plans)
+@_frames.untraced
+def _clip_grad_norm_(items: list, generator: bool, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group) -> torch.Tensor:
+    """``clip_grad_norm_`` outside a compiled graph, over the list the caller read (``generator``:
+    it was read from a generator, for torch's warning when that was empty). The common case (a list the engine plans)
     runs as it is: native calls on tensors that record nothing for autograd, so grad mode need
     not change (``no_grad``'s context manager and ``compiler.disable``'s frame cost more host
     time than the rest of the call on a cold cache); the rest under ``no_grad``, as torch's."""
     _refuse_host_read_under_capture(error_if_nonfinite)
     max_norm = float(max_norm)
-    # `parameters` may be a generator: it is read once, here, into the list of gradients.
-    generator = isinstance(parameters, types.GeneratorType)
-    items = _as_list(parameters)
     plan, grads, sharded = _scan(items, True)
     if plan is not None and not (sharded or error_if_nonfinite or pipeline_group is not None or norm_group is not None):
         # The common case in three calls into native code (the scan, the plan's info, the clip,

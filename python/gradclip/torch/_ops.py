@@ -17,6 +17,8 @@ from typing import Callable, List
 
 import torch
 
+from . import _frames
+
 #: The registered ops, once ``register`` ran.
 OPS = None
 
@@ -44,6 +46,10 @@ def register(
     max_norm, total_norm)`` and ``step`` (the optimizer step over explicit lists,
     ``_engine._list_step``); ``result_dtype`` is the norm's dtype for a list."""
     global OPS
+    for impl in (norm, clip, scale, step):
+        # An implementation called eagerly while a compile is active (its caller's frame left to
+        # run after a graph break) is a frame dynamo would trace: never traced (see _frames).
+        _frames.run_untraced(impl.__code__)
 
     def fake_norm(tensors: List[torch.Tensor]) -> torch.Tensor:
         return torch.empty((), dtype=result_dtype(tensors), device=tensors[0].device)
@@ -120,6 +126,7 @@ def register_whole_step(run: Callable[[int], None]):
     _WHOLE_LIB = torch.library.Library("gradclip", "FRAGMENT")
     _WHOLE_LIB.define("whole_step_(Tensor(a!) token, int stepper) -> ()", tags=(torch.Tag.cudagraph_unsafe,))
 
+    @_frames.untraced
     def whole_step_(token: torch.Tensor, stepper: int) -> None:
         run(stepper)
 

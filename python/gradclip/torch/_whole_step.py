@@ -40,7 +40,7 @@ from typing import Dict
 
 import torch
 
-from . import _ops
+from . import _frames, _ops
 
 #: Optimizers whose compiled steps may run as ``gradclip::whole_step_``, by the number the op
 #: names them with (a graph keeps the number, not the object).
@@ -54,22 +54,10 @@ _STEP_CODES: set = set()
 
 def skip_step_frames(code) -> bool:
     """Makes dynamo run a frame of ``code`` (an optimizer's ``step``) and the frames it calls
-    untraced whenever it meets that frame first (see the module's documentation); True when
-    this torch's dynamo took it. Code inlined from a traced caller is not affected: the
-    strategy is read by the frame callback only. torch keeps no public call for it: this is
-    what ``torch._dynamo.eval_frame.skip_code`` does, with the frames called from it skipped
-    too (with them compiled, every helper the step calls became a frame dynamo traced and
-    guarded, ~10x the step's cost on the development CPU in a probe not recorded). Not undone by
-    ``torch._dynamo.reset()``, which clears the code dynamo compiled."""
+    untraced whenever it meets that frame first (see the module's documentation and
+    ``_frames.run_untraced``); True when this torch's dynamo took it."""
     _STEP_CODES.add(code)
-    try:
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-    except (ImportError, AttributeError, TypeError):
-        return False
-    return True
+    return _frames.run_untraced(code)
 
 
 def number(opt) -> int:
