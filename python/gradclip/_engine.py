@@ -104,9 +104,25 @@ def _python_facts(x):
     return (x.data_ptr(), x.numel(), dtype, device, x.is_contiguous(), x.is_inference())
 
 
+#: The torch releases (major.minor) on which the native reader may read a tensor's Python object
+#: by its layout (the ``at::Tensor`` right after the object header; torch 2.9 and older hold a
+#: tagged wrapper there): those CI runs the whole suite on. Any other release, older or newer,
+#: reads tensors through Python and torch's guards (the same results, more host time per call).
+#: Add a release here only together with CI's venv for it.
+OBJECT_LAYOUT_VERIFIED = ("2.11", "2.15")
+
+
+def torch_release(version: str = torch.__version__) -> str:
+    """``major.minor`` of a torch version string (``2.11.0+cu130``, ``2.12.0a0+git...``)."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
 def _tensor_facts():
     """torch's C shim as the planner's native reader of plain tensors (``_native.TensorFacts``),
-    when it reads exactly what Python reads on a set of host tensors (contiguous and not, a view
+    on a torch release whose tensor objects' layout is verified (``OBJECT_LAYOUT_VERIFIED``),
+    when the word it takes each tensor from is the ``TensorImpl`` address ``Tensor._cdata``
+    reports (a read that cannot fault: nothing is followed before it matches) and it reads
+    exactly what Python reads on a set of host tensors (contiguous and not, a view
     at an offset, an empty one, a parameter, every dtype the engine takes and one it does not, a
     sparse tensor, a meta tensor, a tensor subclass, an inference tensor, non-tensors); None
     otherwise: the planner then reads through torch's guards and Python calls. No CUDA tensor is made here (that would
@@ -114,11 +130,14 @@ def _tensor_facts():
     without their Python objects are checked too (``_native_grads_work``) and switched off alone
     when they differ."""
     load = getattr(getattr(_native, "TensorFacts", None), "load", None)
-    if load is None:
+    if load is None or torch_release() not in OBJECT_LAYOUT_VERIFIED:
         return None
     try:
         facts = load(os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "lib"), torch.Tensor, torch.nn.Parameter)
         if facts is None:
+            return None
+        probe = [torch.zeros(2), torch.nn.Parameter(torch.zeros(3)), torch.zeros(4)[1:]]
+        if facts.header_words(probe) != [t._cdata for t in probe]:
             return None
         base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
 

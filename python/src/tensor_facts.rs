@@ -13,8 +13,12 @@
 //! The shim takes a tensor handle (`at::Tensor*`); a plain tensor's or parameter's Python object
 //! holds its `at::Tensor` right after the object header (`THPVariable` in torch's public header
 //! `torch/csrc/autograd/python_variable.h`, which every C++ extension's `THPVariable_Unpack`
-//! compiles in). Only objects whose type is exactly `torch.Tensor` or `torch.nn.Parameter` are
-//! read so; `gradclip` checks at import that these reads equal Python's on a set of tensors
+//! compiles in) in the torch releases `gradclip` lists as verified (torch 2.9 and older hold a
+//! `c10::MaybeOwned<at::Tensor>` there, whose first word is a flag). Only objects whose type is
+//! exactly `torch.Tensor` or `torch.nn.Parameter` are read so, and only on a listed release;
+//! there `gradclip` first compares the word after the header with the `TensorImpl` address
+//! torch's own `Tensor._cdata` gives (`TensorFacts.header_words`, a read inside the object that
+//! cannot fault), then checks that the reads equal Python's on a set of tensors
 //! (`TensorFacts.read_all` against `gradclip._engine._python_facts`) before the planner uses
 //! them. The shim turns C++ exceptions (a tensor without storage, say) into an error status,
 //! which reads as "not the engine's".
@@ -271,6 +275,15 @@ impl TensorFacts {
     #[staticmethod]
     #[pyo3(signature = (torch_lib, tensor, parameter))]
     fn load(torch_lib: Option<String>, tensor: Bound<'_, PyType>, parameter: Bound<'_, PyType>) -> Option<TensorFacts> {
+        // Objects too small to hold a word after their header are never read (see header_words).
+        let word_fits = |ty: &Bound<'_, PyType>| {
+            ty.getattr("__basicsize__")
+                .and_then(|n| n.extract::<usize>())
+                .is_ok_and(|n| n >= size_of::<pyo3::ffi::PyObject>() + size_of::<usize>())
+        };
+        if !word_fits(&tensor) || !word_fits(&parameter) {
+            return None;
+        }
         let shim = Shim::loaded(&torch_library(torch_lib.as_deref(), "libtorch_cpu"))?;
         let grads = Grads::loaded(torch_lib.as_deref());
         Some(TensorFacts(Arc::new(Reader {
@@ -279,6 +292,23 @@ impl TensorFacts {
             tensor: tensor.unbind(),
             parameter: parameter.unbind(),
         })))
+    }
+
+    /// The word right after each object's header, where the reads take the `at::Tensor`'s one
+    /// pointer (its `TensorImpl`) from, for objects of exactly the two types; None for others.
+    /// What `gradclip` compares with `Tensor._cdata` (the `TensorImpl`'s address, from torch)
+    /// before any read goes through that word: reading it cannot fault whatever this torch's
+    /// layout, since `load` checked that both types' objects are large enough to hold it.
+    fn header_words(&self, objs: Vec<Bound<'_, PyAny>>) -> Vec<Option<usize>> {
+        objs.iter()
+            .map(|o| {
+                // SAFETY: `tensor_of` returns the address right after the header of a live object
+                // of one of the two types (the GIL is held), whose basic size holds at least one
+                // word past the header (checked in `load`); it is read as a plain word, without
+                // following it, unaligned reads allowed.
+                self.tensor_of(o).map(|at| unsafe { at.cast::<usize>().read_unaligned() })
+            })
+            .collect()
     }
 
     /// Each object's facts as `(data_ptr, numel, dtype, device, contiguous, inference)` (dtype:

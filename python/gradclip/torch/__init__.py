@@ -285,7 +285,10 @@ def _compilable(items, grads: bool):
     a compiled graph can take them as one op: all plain tensors of one device, at least one;
     None otherwise (the eager function then runs, at a graph break). Traced by dynamo."""
     items = [items] if isinstance(items, torch.Tensor) else list(items)
-    if any(isinstance(x, Shards) for x in items):
+    # A parameter of another type (FSDP2's and TP's are DTensors) runs eagerly before its
+    # gradient is looked at: dynamo 2.8 failed on an FSDP2 gradient (an internal AssertionError
+    # on one rank, a hang on the other).
+    if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in items):
         return None
     ts = [p.grad for p in items if p.grad is not None] if grads else items
     if not ts or any(t is None or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided for t in ts):
