@@ -51,24 +51,26 @@ def is_dtensor(t: Any) -> bool:
 
 
 def root_mesh(mesh):
-    """The mesh ``mesh`` was sliced from (itself when it is a root)."""
-    try:
-        return mesh._get_root_mesh()
-    except Exception:  # pragma: no cover - other torch versions: the mesh itself
-        return mesh
+    """The mesh ``mesh`` was sliced from (itself when it is a root): ``DeviceMesh._get_root_mesh``
+    (torch 2.10 and later), or the mesh registry's ``get_root_mesh`` (torch 2.8, 2.9). A torch
+    with neither raises rather than guess: a sub-mesh taken for a root puts its collectives at
+    other levels than the root's, and the ranks' orders would disagree."""
+    own = getattr(mesh, "_get_root_mesh", None)
+    if own is not None:
+        return own()
+    from torch.distributed.device_mesh import _mesh_resources
+
+    return _mesh_resources.get_root_mesh(mesh)
 
 
 def _mesh_level(mesh, d: int) -> int:
     """The level of mesh dimension ``d``: its index in the root mesh when ``mesh`` is a sub-mesh
     (``mesh2d["tp"]`` is at the level of the 2-D mesh's "tp"), so DTensors on a mesh and on its
     sub-meshes agree on the order of their collectives; else ``d``."""
-    try:
-        root = mesh._get_root_mesh()
-        names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
-        if root is not mesh and names and root_names and names[d] in root_names:
-            return root_names.index(names[d])
-    except Exception:  # pragma: no cover - other torch versions: the dimension's own index
-        pass
+    root = root_mesh(mesh)
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if root is not mesh and names and root_names and names[d] in root_names:
+        return root_names.index(names[d])
     return d
 
 

@@ -375,10 +375,12 @@ def test_the_step_compiled_alone_is_untraced_in_every_mode_and_equals_eager(devi
     """``torch.compile(opt.step)`` with ``fullgraph=True``, with a closure, and with a step
     hook: dynamo traces no frame of it (a counting backend gets no graph; the closure and the
     hook run untraced too, as under ``torch.compiler.disable``) and every step equals eager,
-    the closure's loss returned and the hook run; across ``torch._dynamo.reset()``."""
+    the closure's loss returned and the hook run; across ``torch._dynamo.reset()``. A torch
+    that raises for a fullgraph compile of no frame (2.15) gets the error before the step reads
+    or writes anything: the closure not run, parameters and states unchanged."""
     from torch._dynamo.testing import CompileCounter
 
-    from gradclip.torch import _spine
+    from gradclip.torch import _spine, _whole_step
     from gradclip.torch.optim import AdamW
 
     assert _spine.STEP_FRAMES_SKIPPED, "this torch took the step's frame strategy"
@@ -399,10 +401,23 @@ def test_the_step_compiled_alone_is_untraced_in_every_mode_and_equals_eager(devi
     seen = []
     handle = oa.register_step_post_hook(lambda *args: seen.append(1))
     counter = CompileCounter()
+    counts_fullgraph_frames = _whole_step._fullgraph_count is not None
+    refused = 0
     try:
         for i, kwargs in enumerate(({"fullgraph": True}, {}, {"fullgraph": True, "dynamic": True})):
             torch._dynamo.reset()
             step = torch.compile(oa.step, backend=counter, **kwargs)
+            if counts_fullgraph_frames and kwargs.get("fullgraph"):
+                before = [p.detach().clone() for p in a.parameters()]
+                states = {(id(p), k): v.clone() for p, st in oa.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)}
+                ran = []
+                with pytest.raises(RuntimeError, match="fullgraph=True.*The step was not taken"):
+                    step(lambda: ran.append(1))
+                assert not ran and _same(list(a.parameters()), before)
+                after = {(id(p), k): v for p, st in oa.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)}
+                assert all(torch.equal(after[k], v) for k, v in states.items())
+                refused += 1
+                continue
             la, lb = step(closure_of(a, oa)), ob.step(closure_of(b, ob))
             assert torch.equal(la, lb), i
             gen = torch.Generator(device=device).manual_seed(i)
@@ -414,7 +429,7 @@ def test_the_step_compiled_alone_is_untraced_in_every_mode_and_equals_eager(devi
     finally:
         handle.remove()
     assert counter.frame_count == 0, counter.frame_count
-    assert len(seen) == 6
+    assert len(seen) == 6 - 2 * refused
 
 
 @pytest.mark.parametrize("device", DEVICES)

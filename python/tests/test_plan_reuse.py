@@ -112,13 +112,35 @@ def test_a_cpu_plan_refuses_a_workspace():
         plan.lend_workspace(torch.zeros(1024, dtype=torch.uint8))
 
 
+LAYOUT_VERIFIED = _engine.torch_release() in _engine.OBJECT_LAYOUT_VERIFIED
+needs_native_reads = pytest.mark.skipif(
+    not LAYOUT_VERIFIED, reason=f"torch {torch.__version__} reads tensors through Python (not in OBJECT_LAYOUT_VERIFIED)"
+)
+
+
 def test_this_torch_gives_the_one_call_validator():
-    # torch 2.11 (the version CI and the H200 use) has the guard functions the validator needs,
-    # and the C shim the native reads use.
+    # Every torch gradclip supports (2.8 and later) has the guard functions the validator
+    # needs; the native reads run on the releases whose object layout CI verifies, and on no
+    # other (torch 2.9's objects hold a tagged wrapper where 2.10's hold the tensor).
     assert gt._PLANNER.validates and GUARDED.validates and not PER_TENSOR.validates
-    assert gt._PLANNER.native_facts and not GUARDED.native_facts and not PER_TENSOR.native_facts
+    assert gt._PLANNER.native_facts == LAYOUT_VERIFIED and not GUARDED.native_facts and not PER_TENSOR.native_facts
+    assert (_engine._FACTS is not None) == LAYOUT_VERIFIED
 
 
+def test_the_release_list_is_read_by_major_and_minor():
+    assert [_engine.torch_release(v) for v in ("2.11.0+cu130", "2.15.0", "2.12.0a0+git1234", "3.0.1")] == [
+        "2.11", "2.15", "2.12", "3.0"]
+
+
+@needs_native_reads
+def test_the_word_the_native_reads_follow_is_torchs_tensor_impl():
+    """On a verified release the word after a tensor object's header is the TensorImpl address
+    torch reports (``Tensor._cdata``): the check ``gradclip`` makes before reading through it."""
+    ts = [torch.zeros(3), torch.nn.Parameter(torch.ones(2)), torch.zeros(5)[2:]]
+    assert _engine._FACTS.header_words(ts + [3.0]) == [t._cdata for t in ts] + [None]
+
+
+@needs_native_reads
 @pytest.mark.parametrize("device", DEVICES)
 def test_native_reads_equal_pythons(device):
     """torch's C shim reads what Python reads (address, element count, dtype, device, contiguity)

@@ -121,8 +121,11 @@ def test_every_regime_steps_as_torch(device, planner, monkeypatch):
     (gradients from their parameters) through torch's C shim, with the shim's reads but the
     gradients by `.grad` (a torch whose gradient getter differs), and with a planner that reads
     them by calls into torch (a torch without the shim)."""
+    from gradclip import _engine, _native
+
+    if planner == "native_grad_objects" and _engine._FACTS is None:
+        pytest.skip(f"torch {torch.__version__} has no native reads (not in OBJECT_LAYOUT_VERIFIED)")
     if planner != "native":
-        from gradclip import _engine, _native
         from gradclip.torch import _spine
 
         facts = _engine._FACTS.without_grads() if planner == "native_grad_objects" else None
@@ -189,6 +192,8 @@ def test_gradients_made_by_a_backward_are_read_without_their_objects(device):
     same gradients, with a changing set of parameters left without a gradient."""
     from gradclip import _engine
 
+    if _engine._FACTS is None:
+        pytest.skip(f"torch {torch.__version__} has no native reads (not in OBJECT_LAYOUT_VERIFIED)")
     ours_p, ref_p = params(device), params(device)
     ours = AdamW(ours_p, lr=1e-2, max_grad_norm=0.5, update="gradclip")
     ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)

@@ -467,6 +467,7 @@ class _ClippingStep:
                 _whole_step.OP(self._token, self._stepper)
                 return None
             return self._hooked_step(closure)
+        _whole_step.refuse_fullgraph_of_nothing()
         if _hooks_or_profiler(self):
             return self._hooked_step(closure)
         return self._plain_step(closure)

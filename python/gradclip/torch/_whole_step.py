@@ -60,6 +60,31 @@ def skip_step_frames(code) -> bool:
     return _frames.run_untraced(code)
 
 
+try:  # torch's count of the frames a fullgraph compile compiled (-1: none under way), torch 2.12+
+    from torch._C._dynamo.eval_frame import set_fullgraph_compiled_frame_count as _fullgraph_count
+except ImportError:  # torch 2.11 and older: no such check after a fullgraph call
+    _fullgraph_count = None
+
+
+def refuse_fullgraph_of_nothing() -> None:
+    """Raises, before the step reads or writes anything, when the step runs untraced as the only
+    frame of a ``fullgraph=True`` compile that has compiled no frame: a torch that counts them
+    (2.15) raises "found no compiled frames" *after* the call, with the step already taken, so a
+    retry would step twice. Nothing is raised where the step runs inside a compiled caller (the
+    count is past 0) or under a torch that does not count. Two C calls per eager step."""
+    if _fullgraph_count is None:
+        return
+    count = _fullgraph_count(-1)
+    _fullgraph_count(count)
+    if count == 0:
+        raise RuntimeError(
+            "torch.compile(opt.step, fullgraph=True): gradclip's step runs untraced (it has nothing for Inductor to "
+            "compile: one native call with fused kernels), and this torch raises for a fullgraph compile that "
+            "compiled no frame. Compile the step without fullgraph=True (the same bits and rate), or compile a "
+            "function that calls it. The step was not taken."
+        )
+
+
 def number(opt) -> int:
     """A number for ``opt`` that the op finds it by, while it lives."""
     n = next(_NUMBERS)
