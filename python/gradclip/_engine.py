@@ -394,6 +394,23 @@ def _checked_norm(total: torch.Tensor, error_if_nonfinite: bool, norm_type: floa
     return total
 
 
+def _check_total_norm(total_norm) -> None:
+    """The checks torch's ``clip_grads_with_norm_`` makes of ``total_norm`` (by failing in its
+    arithmetic, with these exception types), made before anything is read or written: a tensor,
+    0-dim. A multi-element norm would otherwise give its first element, an empty one an internal
+    error."""
+    if not isinstance(total_norm, torch.Tensor):
+        raise TypeError(
+            f"total_norm must be a 0-dim tensor (the norm get_total_norm or clip_grad_norm_ returns); got "
+            f"{type(total_norm).__name__}. Nothing was written."
+        )
+    if total_norm.dim() != 0:
+        raise RuntimeError(
+            f"total_norm must be a 0-dim tensor; got one of shape {tuple(total_norm.shape)} (scalar tensor expected "
+            f"to be 0 dim but it has {total_norm.dim()} dimensions and {total_norm.numel()} elements). Nothing was written."
+        )
+
+
 def _check_max_norm(max_norm: float) -> float:
     """``max_norm`` as a float, or ValueError when it is negative or NaN: the engine's own rule,
     applied before anything is read or written on every path."""

@@ -34,6 +34,7 @@ from .._engine import (  # the engine layer this face stands on
     _PLANNER,
     _check_max_norm,
     _check_p,
+    _check_total_norm,
     _check_writable,
     _checked_norm,
     _clip_coef,
@@ -163,9 +164,9 @@ def _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group, norm
         distributed = _distributed()
         norm64, layout = _sharded_norm64(items, False, _check_p(norm_type), pipeline_group, norm_group)
         return distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
+    p = _check_p(norm_type)  # refused on every path, an empty list's too
     if len(ts) == 0:
         return torch.tensor(0.0)
-    p = _check_p(norm_type)
     if plan is not None:
         # The norm in its dtype from the engine (one call), checked as torch checks the value
         # it returns.
@@ -196,10 +197,11 @@ def clip_grads_with_norm_(
 def _clip_grads_with_norm_(parameters, max_norm, total_norm) -> None:
     """``clip_grads_with_norm_`` outside a compiled graph."""
     max_norm = _check_max_norm(max_norm)
-    items = _as_list(parameters)
-    plan, grads, sharded = _scan(items, True)
     if _is_dtensor(total_norm):
         total_norm = total_norm.full_tensor()
+    _check_total_norm(total_norm)
+    items = _as_list(parameters)
+    plan, grads, sharded = _scan(items, True)
     if sharded:
         distributed = _distributed()
         distributed.scale(distributed.collect(items, True), _clip_coef(max_norm, total_norm))
@@ -345,9 +347,9 @@ def _clip_read(items, plan, grads, sharded, generator, max_norm, norm_type, erro
         total = distributed.returned(layout, out[0], error_if_nonfinite, norm_type)
         distributed.scale(layout, out[1])  # the engine's clip coefficient of the global norm
         return total
+    p = _check_p(norm_type)  # refused on every path, an empty list's too
     if len(grads) == 0:
         return torch.tensor(0.0)
-    p = _check_p(norm_type)
     return _clip_scanned(plan, grads, max_norm, p, error_if_nonfinite, norm_type)
 
 
@@ -409,6 +411,7 @@ def _clip_list(grads: List[torch.Tensor], max_norm: float, p: float) -> torch.Te
 def _scale_list(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     """The op ``gradclip::clip_grads_with_norm_``: scales the tensors ``grads`` themselves."""
     max_norm = _check_max_norm(max_norm)
+    _check_total_norm(total_norm)
     plan, ts, _ = _scan(grads, False)
     _check_writable(plan, ts)
     _scale_by_norm(plan, ts, max_norm, total_norm)

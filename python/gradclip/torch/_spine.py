@@ -109,6 +109,15 @@ def _mark_static(lists: _StepLists, counts) -> None:
         torch._dynamo.mark_static_address(t, guard=True)
 
 
+def _nonfinite_step(norm_type: float, norm: torch.Tensor) -> RuntimeError:
+    """The error of a step refused for a NaN or infinite norm (``nonfinite="error"``), one
+    message for every update and path."""
+    return RuntimeError(
+        f"the gradients' norm of order {float(norm_type)} is {float(norm)} (not finite): the step was not taken and "
+        "nothing was written (nonfinite='error')"
+    )
+
+
 class _ClippingStep:
     """The one optimizer spine of ``AdamW``, ``Adam``, ``SGD`` and ``Lion`` (mixed in before the
     torch class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``): the clip, the
@@ -355,10 +364,7 @@ class _ClippingStep:
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):
                     self.last_grad_norm = norm_out.to(dtype, copy=True)
-                    raise RuntimeError(
-                        f"the gradients' norm of order {self.norm_type} is not finite: the step was not taken and nothing "
-                        "was written (nonfinite='error')"
-                    ) from None
+                    raise _nonfinite_step(self.norm_type, self.last_grad_norm) from None
                 raise
             if verdict == _native.STEP_DONE:
                 break
@@ -430,10 +436,7 @@ class _ClippingStep:
         found = _grads_norm64(params, self.norm_type, self.pipeline_group, self.norm_group) if params else None
         if found is not None and not bool(torch.isfinite(found[0])):
             self.last_grad_norm = found[0].to(found[1])
-            raise RuntimeError(
-                f"the gradients' norm of order {self.norm_type} is {float(found[0])}: the step was not taken and "
-                "nothing was written (nonfinite='error')"
-            )
+            raise _nonfinite_step(self.norm_type, self.last_grad_norm)
 
     def _no_gradients(self) -> bool:
         """A step in which no parameter has a gradient: nothing to update (as torch's step), and
@@ -623,10 +626,7 @@ class _ClippingStep:
         if self.nonfinite == "error" and outer_found is None:
             _refuse_host_read_under_capture(True)
             if not bool(torch.isfinite(self.last_grad_norm)):
-                raise RuntimeError(
-                    f"the gradients' norm of order {self.norm_type} is {float(self.last_grad_norm)}: the step "
-                    "was not taken and nothing was written (nonfinite='error')"
-                )
+                raise _nonfinite_step(self.norm_type, self.last_grad_norm)
         coef = _clip_coef(self.max_grad_norm, norm64)
         scale = 1.0 / coef if outer_scale is None else outer_scale.to(norm64.device, torch.float64) / coef
         skip = outer_found
