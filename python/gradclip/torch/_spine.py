@@ -7,6 +7,7 @@ the engine takes them, its states, torch's class whose fused step it runs."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Optional
 
 import torch
@@ -40,6 +41,53 @@ def _match_param_strides(groups) -> None:
             g = p.grad
             if g is not None and g.layout == torch.strided and g.stride() != p.stride() and not _is_dtensor(g):
                 p.grad = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
+
+
+def _refuse_unfused(fused, foreach, differentiable, where: str) -> None:
+    """ValueError for the kernels gradclip's optimizers do not run (the constructor's arguments,
+    or a param group's: ``where`` names it), before anything is made."""
+    if fused is False or foreach or differentiable:
+        raise ValueError(
+            f"{where}gradclip's optimizers run torch's fused kernel (fused=True): foreach=True, fused=False and "
+            "differentiable=True are not supported; leave them unset, or use torch.optim with "
+            "gradclip.torch.clip_grad_norm_ for those"
+        )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory span without gaps or overlaps, in some order of
+    its dimensions: torch's ``compute_non_overlapping_and_dense`` (which torch exposes to Python
+    under a different private name in each release)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@contextlib.contextmanager
+def _dense_params(groups):
+    """Runs torch's fused step with every plain parameter that is not non-overlapping and dense
+    (a view with gaps, ``base[..., 0]``) holding a dense copy of its values, copied back into
+    the view afterwards: torch's fused kernels walk a parameter's memory as if it were dense, so
+    they updated such a view wrongly and wrote the elements between its own. Its gradient and
+    states already have the copy's strides (``_match_param_strides``; torch makes states with
+    ``preserve_format``, dense for such a view). Nothing to do for the parameters of a model."""
+    views = []
+    for group in groups:
+        for p in group["params"]:
+            if type(p) in (torch.Tensor, torch.nn.Parameter) and not _dense(p):
+                views.append((p, p.data))
+                p.data = p.data.contiguous()
+    try:
+        yield
+    finally:
+        for p, view in views:
+            view.copy_(p.data)
+            p.data = view
 
 
 def _step_hooks(opt: torch.optim.Optimizer) -> bool:
@@ -127,11 +175,7 @@ class _ClippingStep:
     ``_torch_step`` and ``_after_load``."""
 
     def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip"):
-        if fused is False or foreach or differentiable:
-            raise ValueError(
-                "gradclip's optimizers run torch's fused kernel (fused=True): foreach=True, fused=False and "
-                "differentiable=True are not supported; use torch.optim with gradclip.torch.clip_grad_norm_ for those"
-            )
+        _refuse_unfused(fused, foreach, differentiable, "")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}; got {nonfinite!r}")
         if update not in UPDATES:
@@ -168,8 +212,17 @@ class _ClippingStep:
             self._token = torch.zeros(1, dtype=torch.int8, device=_local(params[0]).device)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """torch's ``add_param_group``; the first group with a parameter makes the token a
-        compiled step alone declares written (``_init_whole_step``)."""
+        """torch's ``add_param_group`` (the constructor's groups come through it too), a group
+        that asks for another kernel than torch's fused one (``fused=False``, ``foreach=True``,
+        ``differentiable=True``) refused, and the group made fused as ``load_state_dict``
+        makes it (``fused=None`` would send its step to torch's for-loop path, which refuses
+        the clip's ``grad_scale``); the first group with a parameter makes the token a compiled
+        step alone declares written (``_init_whole_step``)."""
+        if isinstance(param_group, dict):
+            at = len(getattr(self, "param_groups", ()))
+            _refuse_unfused(param_group.get("fused"), param_group.get("foreach"), param_group.get("differentiable"), f"param group {at}: ")
+            if "fused" in param_group or "foreach" in param_group:
+                param_group = {**param_group, "fused": True, "foreach": None}
         super().add_param_group(param_group)
         self._make_token(self.param_groups[-1]["params"])
 
@@ -264,12 +317,15 @@ class _ClippingStep:
         """torch's fused step without its optimizer hooks: torch wraps each optimizer class's
         ``step`` to run the step hooks, and this class's ``step`` already ran them once. A
         gradient whose strides are not its parameter's is first given them (a copy): torch's
-        fused kernels read it as if it had them (a wrong update on the CPU, an error on CUDA)."""
+        fused kernels read it as if it had them (a wrong update on the CPU, an error on CUDA).
+        A parameter that is not dense (a view such as ``base[..., 0]``) is stepped through a
+        dense copy (``_dense_params``)."""
         _match_param_strides(self.param_groups)
         step = self._TORCH.step
         if getattr(step, "hooked", False):
             step = step.__wrapped__
-        step(self)
+        with _dense_params(self.param_groups):
+            step(self)
 
     def _make_layout(self):
         """The engine's reading of the parameter groups and their states (native, kept between

@@ -215,8 +215,12 @@ class SGD(_ClippingStep, torch.optim.SGD):
                 st["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
 
     def _after_load(self) -> None:
-        """The groups fused; a loaded buffer without a ``step`` (torch's state dict) is past its
-        first step; a None buffer is dropped (the next step makes it, as torch's first step)."""
+        """The groups fused; a None buffer is dropped (the next step makes it, as torch's first
+        step). With ``update="gradclip"`` a loaded buffer without a ``step`` (torch's state dict)
+        is past its first step; with ``update="torch"`` (torch's kernel, which keeps no ``step``)
+        the states keep torch's keys: no ``step`` is added, and a loaded one is dropped (it
+        would never advance)."""
+        engine = self.update == "gradclip"
         for group in self.param_groups:
             group.update(fused=True, foreach=None, differentiable=False)
             for p in group["params"]:
@@ -225,6 +229,8 @@ class SGD(_ClippingStep, torch.optim.SGD):
                     continue
                 if st.get("momentum_buffer", 0) is None:
                     st.pop("momentum_buffer")
+                    st.pop("step", None)
+                elif not engine:
                     st.pop("step", None)
                 elif "momentum_buffer" in st and not isinstance(st.get("step"), torch.Tensor):
                     st["step"] = torch.ones((), dtype=torch.float32, device=_local(p).device)
