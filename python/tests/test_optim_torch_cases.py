@@ -113,3 +113,31 @@ def test_sgd_with_momentum_under_gradclips_update_still_counts_its_own_steps_aft
     ours = SGD(ps, lr=0.1, momentum=0.9, max_grad_norm=10.0)
     ours.load_state_dict(copy.deepcopy(theirs.state_dict()))  # a load shares tensors
     assert _sgd_states(ours) == [["momentum_buffer", "step"]]
+
+
+def test_the_clip_settings_are_in_repr_and_the_state_dict():
+    ps = [torch.nn.Parameter(torch.ones(3))]
+    opt = AdamW(ps, lr=0.1, max_grad_norm=0.25, norm_type=1.0, nonfinite="error", update="torch")
+    text = repr(opt)
+    assert text.startswith("AdamW (") and text.endswith(")")
+    for line in ("max_grad_norm: 0.25", "norm_type: 1.0", "nonfinite: error", "update: torch", "lr: 0.1"):
+        assert f"    {line}\n" in text, text
+    ps[0].grad = torch.full((3,), 2.0)
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["gradclip"] == {"max_grad_norm": 0.25, "norm_type": 1.0, "nonfinite": "error"}
+    other = AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, max_grad_norm=1.0)
+    other.load_state_dict(copy.deepcopy(sd))
+    assert (other.max_grad_norm, other.norm_type, other.nonfinite) == (0.25, 1.0, "error")
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    plain.load_state_dict(copy.deepcopy(sd))  # torch's optimizer loads it (the clip key ignored)
+    assert torch.equal(plain.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+    kept = AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, max_grad_norm=0.5)
+    kept.load_state_dict(copy.deepcopy(plain.state_dict()))  # torch's: the settings stay
+    assert kept.max_grad_norm == 0.5
+    bad = copy.deepcopy(sd)
+    bad["gradclip"]["max_grad_norm"] = -1.0
+    fresh = AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, max_grad_norm=0.5)
+    with pytest.raises(ValueError):
+        fresh.load_state_dict(bad)
+    assert fresh.max_grad_norm == 0.5 and not fresh.state  # checked before anything was loaded

@@ -272,13 +272,42 @@ class _ClippingStep:
         if "_stepper" not in self.__dict__:  # unpickled (load_state_dict keeps its number and token)
             self._init_whole_step()
 
+    #: The clip settings a state dict carries (under ``"gradclip"``, a key torch's optimizers
+    #: ignore when they load it) and ``repr`` shows; the process groups are not among them.
+    _SETTINGS = ("max_grad_norm", "norm_type", "nonfinite")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's state dict, and the clip settings under ``"gradclip"`` (which torch's
+        optimizers ignore when they load it)."""
+        out = super().state_dict()
+        out["gradclip"] = {k: getattr(self, k) for k in self._SETTINGS}
+        return out
+
+    def __repr__(self) -> str:
+        clip = "".join(f"    {k}: {getattr(self, k)}\n" for k in (*self._SETTINGS, "update"))
+        return super().__repr__()[:-1] + f"Clip\n{clip})"
+
     def load_state_dict(self, state_dict) -> None:
         """torch's ``load_state_dict``, from this optimizer's state dict or torch's (fused or not):
         the groups keep running the fused kernel (a state dict of a default ``torch.optim.AdamW``
         says ``fused=None``, which would send the step to torch's for-loop path, where the clip's
         ``grad_scale`` is refused), and each ``step`` is moved where a fused step keeps it (a
-        float32 on the parameter's device)."""
+        float32 on the parameter's device). A state dict of gradclip's restores the clip settings
+        (checked first: nothing is loaded when one is invalid); torch's leaves them as they are."""
+        settings = state_dict.get("gradclip")
+        if settings is not None:
+            max_grad_norm = settings.get("max_grad_norm", self.max_grad_norm)
+            settings = {
+                "max_grad_norm": None if max_grad_norm is None else _check_max_norm(max_grad_norm),
+                "norm_type": _check_p(settings.get("norm_type", self.norm_type)),
+                "nonfinite": settings.get("nonfinite", self.nonfinite),
+            }
+            if settings["nonfinite"] not in NONFINITE_POLICIES:
+                raise ValueError(f"the state dict's nonfinite must be one of {NONFINITE_POLICIES}; got {settings['nonfinite']!r}")
+            state_dict = {k: v for k, v in state_dict.items() if k != "gradclip"}
         super().load_state_dict(state_dict)
+        if settings is not None:
+            self.__dict__.update(settings)
         self._after_load()
         self._counts = {}
         self._layout = None
