@@ -141,3 +141,14 @@ def test_the_clip_settings_are_in_repr_and_the_state_dict():
     with pytest.raises(ValueError):
         fresh.load_state_dict(bad)
     assert fresh.max_grad_norm == 0.5 and not fresh.state  # checked before anything was loaded
+
+
+@pytest.mark.parametrize("update", UPDATES)
+def test_sgd_refuses_a_sparse_gradient_saying_what_to_use(update):
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    before = emb.weight.detach().clone()
+    opt = SGD(emb.parameters(), lr=0.1, momentum=0.9, max_grad_norm=1.0, update=update)
+    with pytest.raises(RuntimeError, match="does not take sparse gradients.*use torch.optim.SGD"):
+        opt.step()
+    assert torch.equal(emb.weight.detach(), before)

@@ -164,7 +164,12 @@ class SGD(_ClippingStep, torch.optim.SGD):
     """
 
     _TORCH = torch.optim.SGD
-    _SPARSE = "`fused` does not support sparse grad"
+    # torch's SGD steps sparse gradients on its for-loop path; gradclip's runs torch's fused
+    # kernel (or its own), which does not take them: say so, and what to use instead.
+    _SPARSE = (
+        "gradclip's SGD does not take sparse gradients (it runs torch's fused kernel, or gradclip's, and "
+        "neither does): use torch.optim.SGD for those parameters"
+    )
 
     def __init__(
         self,
