@@ -308,3 +308,21 @@ def test_inside_a_compiled_training_step():
     assert rel(float(got), float(want)) <= 1e-6
     for a, b in zip(model_a.parameters(), model_b.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_norm_differs_from_torchs_by_at_most_its_rounding(dtype):
+    """What the docs state of the difference: gradclip's norm is the f64 norm rounded once (within
+    half an ulp of the exact norm of the gradients), torch's sums per tensor in the gradients'
+    precision (up to about 1.8 ulp off on these lists): the two differ by at most 2 ulp in f32
+    and 1 ulp in bf16 and f16, on fresh random lists of 1-60 tensors."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for _ in range(60):
+        n = int(torch.randint(1, 60, (1,), generator=g))
+        scale = float(torch.rand(1, generator=g)) * 3 + 1e-3
+        ts = [(torch.randn(int(torch.randint(1, 3000, (1,), generator=g)), generator=g) * scale).to(dtype) for _ in range(n)]
+        exact = float(torch.linalg.vector_norm(torch.cat([t.double() for t in ts])))
+        ulp = torch.finfo(dtype).eps * 2.0 ** (math.frexp(exact)[1] - 1)
+        ours, theirs = float(gt.get_total_norm(ts)), float(torch.nn.utils.get_total_norm(ts))
+        assert abs(ours - exact) <= 0.5 * ulp * (1 + 1e-9), (ours, exact)
+        assert abs(ours - theirs) <= (2 if dtype == torch.float32 else 1) * ulp * (1 + 1e-9), (ours, theirs, exact)
