@@ -7,22 +7,16 @@ rank where two GPUs exist. Ranks are separate processes running `sharded_worker.
 import importlib.util
 import math
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import ranks
+
 WORLD = 2
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_worker.py")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def full_list(dtype):
@@ -34,19 +28,10 @@ def full_list(dtype):
 
 
 def run_sharded(tmp_path, backend, p, dtype):
-    port = str(free_port())
+    port = str(ranks.free_port())
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     name = str(dtype).replace("torch.", "")
-    procs = [
-        subprocess.Popen([sys.executable, WORKER, backend, port, str(r), str(WORLD), str(p), name, outs[r]])
-        for r in range(WORLD)
-    ]
-    try:
-        codes = [proc.wait(timeout=180) for proc in procs]
-    finally:
-        for proc in procs:  # a rank that hangs (no peer) must not outlive the test
-            if proc.poll() is None:
-                proc.kill()
+    codes = ranks.run_ranks([[sys.executable, WORKER, backend, port, str(r), str(WORLD), str(p), name, outs[r]] for r in range(WORLD)], 180)
     assert codes == [0] * WORLD, codes
     whole = []
     for g in full_list(dtype):

@@ -5,8 +5,6 @@ gradients (FSDP2 and a tensor-parallel shard) over two gloo ranks (``input_kinds
 Includes the compiled clip of a generator over bucket views that once clipped nothing."""
 
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import input_kinds
+import ranks
 
 DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 KINDS = input_kinds.plain_kinds(DEVICES)
@@ -48,24 +47,12 @@ def test_a_compiled_clip_of_a_generator_over_bucket_views_clips():
     assert torch.allclose(flat, before * (1.0 / (want + 1e-6)))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
 def test_dtensor_gradients_over_two_gloo_ranks(tmp_path):
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input_kinds_worker.py")
-    port, world = str(_free_port()), 2
+    port, world = str(ranks.free_port()), 2
     outs = [tmp_path / f"rank{r}.txt" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, worker, port, str(r), str(world), str(outs[r])]) for r in range(world)]
-    try:
-        codes = [p.wait(timeout=600) for p in procs]
-    finally:
-        for p in procs:  # a rank that hangs (no peer) must not outlive the test
-            if p.poll() is None:
-                p.kill()
+    codes = ranks.run_ranks([[sys.executable, worker, port, str(r), str(world), str(outs[r])] for r in range(world)], 600)
     failures = [line for o in outs if o.exists() for line in o.read_text().splitlines()]
     assert codes == [0] * world and all(o.exists() for o in outs), (codes, failures)
     assert not failures, "\n".join(failures)

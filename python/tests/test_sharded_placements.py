@@ -8,13 +8,13 @@ group. Ranks are separate processes running ``mesh_worker.py``; a rank that hang
 the test at its timeout instead of hanging the suite."""
 
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import ranks
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_worker.py")
 TIMEOUT_S = 240
@@ -32,32 +32,13 @@ ONE_GPU = pytest.mark.skipif(
 ONE_RANK = ["fsdp", "fsdp_pure", "errors", "torch_parity", "fsdp_optimizer", "fresh_gradients", "fallback"]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(tmp_path, world, scenarios, device="cpu", per_group=False, backend=""):
-    port = str(free_port())
+    port = str(ranks.free_port())
     outs = [tmp_path / f"rank{r}.txt" for r in range(world)]
     env = dict(os.environ, OMP_NUM_THREADS="1", GRADCLIP_MESH_DEVICE=device, GRADCLIP_MESH_PER_GROUP="1" if per_group else "0",
                GRADCLIP_MESH_BACKEND=backend)
-    procs = [
-        subprocess.Popen([sys.executable, WORKER, port, str(r), str(world), str(outs[r]), ",".join(scenarios)], env=env)
-        for r in range(world)
-    ]
-    try:
-        codes = []
-        for proc in procs:
-            try:
-                codes.append(proc.wait(timeout=TIMEOUT_S))
-            except subprocess.TimeoutExpired:
-                codes.append("hung")
-    finally:
-        for proc in procs:  # a rank that hangs must not outlive the test
-            if proc.poll() is None:
-                proc.kill()
+    commands = [[sys.executable, WORKER, port, str(r), str(world), str(outs[r]), ",".join(scenarios)] for r in range(world)]
+    codes = ranks.run_ranks(commands, TIMEOUT_S, env)
     assert codes == [0] * world, f"exit codes {codes} (a rank failed, or hung in a collective)"
     for out in outs:
         assert out.read_text().split(",") == list(scenarios)
