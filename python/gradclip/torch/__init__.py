@@ -282,11 +282,11 @@ def clip_grad_norm_(
     return _clip_grad_norm_(items, generator, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
 
-def _compilable(items, grads: bool):
-    """The plain tensors of ``items`` (their gradients when ``grads``, None ones left out) when
-    a compiled graph can take them as one op: all plain tensors of one device, at least one;
-    None otherwise (the eager function then runs, at a graph break). Traced by dynamo."""
-    items = [items] if isinstance(items, torch.Tensor) else list(items)
+def _compilable(items: list, grads: bool):
+    """The plain tensors of ``items`` (the list the public function read; their gradients when
+    ``grads``, None ones left out) when a compiled graph can take them as one op: all plain
+    strided tensors of one device, at least one; None otherwise (the eager function then runs,
+    at a graph break). Traced by dynamo."""
     # A parameter of another type (FSDP2's and TP's are DTensors) runs eagerly before its
     # gradient is looked at: dynamo 2.8 failed on an FSDP2 gradient (an internal AssertionError
     # on one rank, a hang on the other).
