@@ -4,6 +4,7 @@ never left running."""
 
 import socket
 import subprocess
+import time
 
 
 def free_port() -> int:
@@ -14,14 +15,15 @@ def free_port() -> int:
 
 def run_ranks(commands, timeout: float, env=None) -> list:
     """Runs one process per command (a rank each), and returns their exit codes in order, or
-    ``"hung"`` for a rank still running after ``timeout`` seconds (then killed, as is every rank
-    still running when this returns)."""
+    ``"hung"`` for a rank still running ``timeout`` seconds after the start (one deadline for
+    all: then killed, as is every rank still running when this returns)."""
+    deadline = time.monotonic() + timeout
     procs = [subprocess.Popen(cmd, env=env) for cmd in commands]
     try:
         codes = []
         for proc in procs:
             try:
-                codes.append(proc.wait(timeout=timeout))
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 codes.append("hung")
         return codes

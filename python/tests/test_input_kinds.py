@@ -52,7 +52,7 @@ def test_dtensor_gradients_over_two_gloo_ranks(tmp_path):
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input_kinds_worker.py")
     port, world = str(ranks.free_port()), 2
     outs = [tmp_path / f"rank{r}.txt" for r in range(world)]
-    codes = ranks.run_ranks([[sys.executable, worker, port, str(r), str(world), str(outs[r])] for r in range(world)], 600)
+    codes = ranks.run_ranks([[sys.executable, worker, port, str(r), str(world), str(outs[r])] for r in range(world)], 300)
     failures = [line for o in outs if o.exists() for line in o.read_text().splitlines()]
     assert codes == [0] * world and all(o.exists() for o in outs), (codes, failures)
     assert not failures, "\n".join(failures)
