@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _combine, _engine, replicas
-from .shards import Shards
+from .shards import Shards, refuse_non_tensors
 
 try:
     from torch.distributed.tensor import DTensor, Replicate
@@ -260,22 +260,6 @@ def _kept_dtensors(gs: List[Any], last: Tuple[List[Any], "Layout"]) -> Optional[
     return None
 
 
-def _refuse_non_tensors(items: Sequence[Any], grads: bool) -> None:
-    """TypeError naming, by its position (and its place in a ``Shards`` group), the first item
-    that is not a tensor, or whose gradient is neither a tensor nor None (with ``grads``):
-    before anything is read or written."""
-    what = "parameters" if grads else "tensors"
-    for i, item in enumerate(items):
-        inner = isinstance(item, Shards)
-        for k, x in enumerate(item.params if inner else (item,)):
-            where = f"{what}[{i}]" + (f" (a Shards group), its item {k}," if inner else "")
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{where} is {type(x).__name__}, not a tensor: pass tensors (or Shards groups of tensors)")
-            g = getattr(x, "grad", None) if grads else x
-            if g is not None and not isinstance(g, torch.Tensor):
-                raise TypeError(f"{where} has a .grad of type {type(g).__name__}, not a tensor")
-
-
 def collect(items: Sequence[Any], grads: bool) -> Layout:
     """The layout of ``items``: tensors (``grads`` False) or parameters (``grads`` True: their
     ``.grad``), DTensors among them, and ``Shards`` groups of the same kind."""
@@ -308,7 +292,7 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
             template.all_dtensor = all(template._flags) and None not in marks
             _LAST = (marks, template)
         return layout
-    _refuse_non_tensors(items, grads)
+    refuse_non_tensors(items, grads)
     layout = Layout()
     for item in items:
         over, counted, xs = (item.over, item.counted, item.params) if isinstance(item, Shards) else ((), True, (item,))

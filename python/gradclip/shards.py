@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence, Tuple
 
+import torch
+
 
 class Shards:
     """Gradients whose contributions to the norm are summed over the process groups ``over``
@@ -53,6 +55,22 @@ class Shards:
     def __repr__(self) -> str:
         names = [getattr(g, "group_name", repr(g)) for g in self.over]
         return f"Shards({len(self.params)} tensors, over={names}, counted={self.counted})"
+
+
+def refuse_non_tensors(items: Sequence[Any], grads: bool) -> None:
+    """TypeError naming, by its position (and its place in a ``Shards`` group), the first item
+    that is not a tensor, or whose gradient is neither a tensor nor None (with ``grads``):
+    before anything is read or written."""
+    what = "parameters" if grads else "tensors"
+    for i, item in enumerate(items):
+        inner = isinstance(item, Shards)
+        for k, x in enumerate(item.params if inner else (item,)):
+            where = f"{what}[{i}]" + (f" (a Shards group), its item {k}," if inner else "")
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{where} is {type(x).__name__}, not a tensor: pass tensors (or Shards groups of tensors)")
+            g = getattr(x, "grad", None) if grads else x
+            if g is not None and not isinstance(g, torch.Tensor):
+                raise TypeError(f"{where} has a .grad of type {type(g).__name__}, not a tensor")
 
 
 def _is_mesh(g: Any) -> bool:

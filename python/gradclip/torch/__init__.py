@@ -50,7 +50,7 @@ from .._engine import (  # the engine layer this face stands on
     _total_norm64,
     _written,
 )
-from ..shards import Shards
+from ..shards import Shards, refuse_non_tensors
 from . import _frames, _ops
 
 _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
@@ -103,23 +103,11 @@ def _scan(items: list, grads: bool):
     except AttributeError:
         if any(isinstance(x, Shards) for x in items):
             return None, None, True
-        _refuse_non_tensors(items, grads)
+        refuse_non_tensors(items, grads)
         raise
     if plan is None and any(_is_dtensor(t) for t in ts):
         return None, ts, True
     return plan, ts, False
-
-
-def _refuse_non_tensors(items: list, grads: bool) -> None:
-    """TypeError naming the first item that is not a tensor (a gradient that is not a tensor,
-    with ``grads``), by its position."""
-    what = "parameters" if grads else "tensors"
-    for i, x in enumerate(items):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{what}[{i}] is {type(x).__name__}, not a tensor: pass tensors (or Shards groups)")
-        g = x.grad if grads else x
-        if grads and g is not None and not isinstance(g, torch.Tensor):
-            raise TypeError(f"parameters[{i}].grad is {type(g).__name__}, not a tensor")
 
 
 def _opaque_to_compile(fn):

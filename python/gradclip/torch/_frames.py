@@ -12,17 +12,12 @@ functions' compiled path (a registered op in the caller's graph) is traced as be
 
 from __future__ import annotations
 
-#: The code objects given the strategy (whatever this torch's dynamo made of it).
-UNTRACED_CODES: set = set()
-
-
 def run_untraced(code) -> bool:
     """Makes dynamo run a frame of ``code`` and the frames it calls untraced whenever it meets
     that frame first; True when this torch's dynamo took it. torch keeps no public call for it:
     this is what ``torch._dynamo.eval_frame.skip_code`` does, with the frames called from it
     skipped too (with them compiled, every helper became a frame dynamo traced and guarded).
     Not undone by ``torch._dynamo.reset()``, which clears the code dynamo compiled."""
-    UNTRACED_CODES.add(code)
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy

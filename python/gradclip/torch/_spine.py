@@ -157,6 +157,18 @@ def _mark_static(lists: _StepLists, counts) -> None:
         torch._dynamo.mark_static_address(t, guard=True)
 
 
+def _checked_settings(max_grad_norm, norm_type, nonfinite) -> Dict[str, Any]:
+    """The clip settings as an optimizer keeps them (``_ClippingStep._SETTINGS``), checked (a
+    ValueError for an invalid one): the constructor's and a loaded state dict's."""
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}; got {nonfinite!r}")
+    return {
+        "max_grad_norm": None if max_grad_norm is None else _check_max_norm(max_grad_norm),
+        "norm_type": _check_p(norm_type),
+        "nonfinite": nonfinite,
+    }
+
+
 def _nonfinite_step(norm_type: float, norm: torch.Tensor) -> RuntimeError:
     """The error of a step refused for a NaN or infinite norm (``nonfinite="error"``), one
     message for every update and path."""
@@ -176,8 +188,7 @@ class _ClippingStep:
 
     def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip"):
         _refuse_unfused(fused, foreach, differentiable, "")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}; got {nonfinite!r}")
+        settings = _checked_settings(max_grad_norm, norm_type, nonfinite)
         if update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}; got {update!r}")
         self.update = update
@@ -187,9 +198,7 @@ class _ClippingStep:
         # The engine's reading of the parameter groups (_Layout), kept while the same parameters
         # and states come back; None before the first step and after load_state_dict.
         self._layout = None
-        self.max_grad_norm = None if max_grad_norm is None else _check_max_norm(max_grad_norm)
-        self.norm_type = _check_p(norm_type)
-        self.nonfinite = nonfinite
+        self.__dict__.update(settings)
         # The sharded norm's groups (see clip_grad_norm_): pipeline stages, the one all-reduce's.
         self.pipeline_group, self.norm_group = groups
         # What the steps report (``last_grad_norm``, ``skipped_steps``): a dict, which a step
@@ -296,14 +305,7 @@ class _ClippingStep:
         (checked first: nothing is loaded when one is invalid); torch's leaves them as they are."""
         settings = state_dict.get("gradclip")
         if settings is not None:
-            max_grad_norm = settings.get("max_grad_norm", self.max_grad_norm)
-            settings = {
-                "max_grad_norm": None if max_grad_norm is None else _check_max_norm(max_grad_norm),
-                "norm_type": _check_p(settings.get("norm_type", self.norm_type)),
-                "nonfinite": settings.get("nonfinite", self.nonfinite),
-            }
-            if settings["nonfinite"] not in NONFINITE_POLICIES:
-                raise ValueError(f"the state dict's nonfinite must be one of {NONFINITE_POLICIES}; got {settings['nonfinite']!r}")
+            settings = _checked_settings(*(settings.get(k, getattr(self, k)) for k in self._SETTINGS))
             state_dict = {k: v for k, v in state_dict.items() if k != "gradclip"}
         super().load_state_dict(state_dict)
         if settings is not None:

@@ -60,9 +60,9 @@ def skip_step_frames(code) -> bool:
     return _frames.run_untraced(code)
 
 
-try:  # torch's count of the frames a fullgraph compile compiled (-1: none under way), torch 2.12+
+try:  # torch's count of the frames a fullgraph compile compiled (-1: none under way): 2.15 has it
     from torch._C._dynamo.eval_frame import set_fullgraph_compiled_frame_count as _fullgraph_count
-except ImportError:  # torch 2.11 and older: no such check after a fullgraph call
+except ImportError:  # torch 2.11 has none: no such check after a fullgraph call
     _fullgraph_count = None
 
 
