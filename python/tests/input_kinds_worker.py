@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import input_kinds  # noqa: E402
+import ranks  # noqa: E402
 
 
 def main(port: str, rank: int, world: int, out: str) -> None:
@@ -59,8 +60,8 @@ def main(port: str, rank: int, world: int, out: str) -> None:
                     failure = input_kinds.check(fn, make, form, mode)
                     if failure is not None:
                         failures.append(f"rank {rank} {name}: {failure}")
-    with open(out, "w") as f:
-        f.write("".join(line + "\n" for line in failures))
+    ranks.report(out, failures)
+    dist.barrier()  # no rank tears gloo down while another still uses it (seen: an abort at exit)
     dist.destroy_process_group()
 
 

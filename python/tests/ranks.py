@@ -4,6 +4,7 @@ never left running."""
 
 import socket
 import subprocess
+import sys
 import time
 
 
@@ -16,9 +17,11 @@ def free_port() -> int:
 def run_ranks(commands, timeout: float, env=None) -> list:
     """Runs one process per command (a rank each), and returns their exit codes in order, or
     ``"hung"`` for a rank still running ``timeout`` seconds after the start (one deadline for
-    all: then killed, as is every rank still running when this returns)."""
+    all: then killed, as is every rank still running when this returns). ``env``: one
+    environment for all, or a list of one per command."""
     deadline = time.monotonic() + timeout
-    procs = [subprocess.Popen(cmd, env=env) for cmd in commands]
+    envs = env if isinstance(env, list) else [env] * len(commands)
+    procs = [subprocess.Popen(cmd, env=e) for cmd, e in zip(commands, envs)]
     try:
         codes = []
         for proc in procs:
@@ -31,3 +34,28 @@ def run_ranks(commands, timeout: float, env=None) -> list:
         for proc in procs:  # a rank that hangs must not outlive the test
             if proc.poll() is None:
                 proc.kill()
+
+
+def run_worker(worker: str, out_dir, timeout: float, *args: str, world: int = 2):
+    """Runs ``world`` ranks of the script ``worker`` (``python WORKER PORT RANK WORLD *ARGS OUT``,
+    OUT a file of ``out_dir`` per rank, on a free port); returns their exit codes (as
+    ``run_ranks``) and their OUT files."""
+    port = str(free_port())
+    outs = [out_dir / f"rank{r}.out" for r in range(world)]
+    codes = run_ranks([[sys.executable, worker, port, str(r), str(world), *args, str(outs[r])] for r in range(world)], timeout)
+    return codes, outs
+
+
+def assert_workers_pass(worker: str, out_dir, timeout: float, *args: str, world: int = 2) -> None:
+    """Runs ``run_worker`` for a worker that writes one line per failure to its OUT (``report``)
+    and asserts that every rank exited 0, wrote its OUT, and found nothing."""
+    codes, outs = run_worker(worker, out_dir, timeout, *args, world=world)
+    failures = [line for o in outs if o.exists() for line in o.read_text().splitlines()]
+    assert codes == [0] * world and all(o.exists() for o in outs), (codes, failures)
+    assert not failures, "\n".join(failures)
+
+
+def report(out: str, failures) -> None:
+    """A worker's failures, one line each, to its OUT (``assert_workers_pass`` reads them)."""
+    with open(out, "w") as f:
+        f.write("".join(line + "\n" for line in failures))

@@ -5,7 +5,6 @@ gradients (FSDP2 and a tensor-parallel shard) over two gloo ranks (``input_kinds
 Includes the compiled clip of a generator over bucket views that once clipped nothing."""
 
 import os
-import sys
 
 import pytest
 import torch
@@ -49,10 +48,4 @@ def test_a_compiled_clip_of_a_generator_over_bucket_views_clips():
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
 def test_dtensor_gradients_over_two_gloo_ranks(tmp_path):
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input_kinds_worker.py")
-    port, world = str(ranks.free_port()), 2
-    outs = [tmp_path / f"rank{r}.txt" for r in range(world)]
-    codes = ranks.run_ranks([[sys.executable, worker, port, str(r), str(world), str(outs[r])] for r in range(world)], 300)
-    failures = [line for o in outs if o.exists() for line in o.read_text().splitlines()]
-    assert codes == [0] * world and all(o.exists() for o in outs), (codes, failures)
-    assert not failures, "\n".join(failures)
+    ranks.assert_workers_pass(os.path.join(os.path.dirname(os.path.abspath(__file__)), "input_kinds_worker.py"), tmp_path, 300)

@@ -84,6 +84,17 @@ def _is_dtensor(t) -> bool:
     return _distributed().is_dtensor(t)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value, as every rank holds it (a plain tensor as it is): a norm as a
+    trainer logs it."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
 def _scan(items: list, grads: bool):
     """``(plan, tensors, sharded)``: the planner's reading of ``items`` (the kept plan of a
     repeated list), and whether the list needs the sharded path (a DTensor or a ``Shards``

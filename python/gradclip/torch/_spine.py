@@ -8,6 +8,7 @@ the engine takes them, its states, torch's class whose fused step it runs."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Dict, Optional
 
 import torch
@@ -15,7 +16,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from .. import _native
 from .._engine import STEP_KINDS, _PLANNER, _capturing, _check_max_norm, _check_p, _clip_coef, _refuse_host_read_under_capture, _result_dtype, _rule_states, _stream_of
-from . import _grads_norm64, _is_dtensor, _ops, _whole_step
+from . import _is_dtensor, _local, _ops, _step_norm, _whole_step
 
 
 #: What a step does when the gradients' norm is NaN or infinite.
@@ -101,11 +102,6 @@ def _hooks_or_profiler(opt: torch.optim.Optimizer) -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled or _step_hooks(opt))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a plain tensor as it is)."""
-    return t._local_tensor if _is_dtensor(t) else t
-
-
 class _Layout:
     """The engine's reading of an optimizer's parameter groups (native), and what the Python half
     of a step needs of it: the tensors' device, the dtype torch returns their norm in, and whether
@@ -169,6 +165,16 @@ def _checked_settings(max_grad_norm, norm_type, nonfinite) -> Dict[str, Any]:
     }
 
 
+#: Every gradclip optimizer alive (``live_optimizers``).
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def live_optimizers() -> list:
+    """The gradclip optimizers alive in this process: for an integration that must know which
+    optimizer clips a trainer's parameters (``gradclip.integrations._deferred``)."""
+    return list(_LIVE)
+
+
 def _nonfinite_step(norm_type: float, norm: torch.Tensor) -> RuntimeError:
     """The error of a step refused for a NaN or infinite norm (``nonfinite="error"``), one
     message for every update and path."""
@@ -199,12 +205,17 @@ class _ClippingStep:
         # and states come back; None before the first step and after load_state_dict.
         self._layout = None
         self.__dict__.update(settings)
-        # The sharded norm's groups (see clip_grad_norm_): pipeline stages, the one all-reduce's.
-        self.pipeline_group, self.norm_group = groups
+        # The sharded norm's groups (see clip_grad_norm_): pipeline stages, the one all-reduce's,
+        # and those the parameters are this rank's shards over (ZeRO-1/2 partitions).
+        self.pipeline_group, self.norm_group, shards_over = groups
+        self._shards_over = _step_norm.checked_shards_over(shards_over)
+        # The next step's norm when a trainer provides it (provide_grad_norm).
+        self._given_norm = None
         # What the steps report (``last_grad_norm``, ``skipped_steps``): a dict, which a step
         # traced by dynamo may write (it refuses to set an optimizer's attributes).
         self._reported: Dict[str, Optional[torch.Tensor]] = {"last_grad_norm": None, "skipped_steps": None}
         self._init_whole_step()
+        _LIVE.add(self)
 
     def _init_whole_step(self) -> None:
         """What a compiled step that is this step alone needs (``_whole_step``): the number the
@@ -234,6 +245,17 @@ class _ClippingStep:
                 param_group = {**param_group, "fused": True, "foreach": None}
         super().add_param_group(param_group)
         self._make_token(self.param_groups[-1]["params"])
+
+    @property
+    def shards_over(self) -> tuple:
+        """The process groups (or 1-D meshes) this rank's parameters are disjoint shards over
+        (a ZeRO-1/2 partition): the norm is summed over them. Settable (checked), before a step."""
+        return self._shards_over
+
+    @shards_over.setter
+    def shards_over(self, over) -> None:
+        self._shards_over = _step_norm.checked_shards_over(over)
+        self._layout = None
 
     @property
     def last_grad_norm(self) -> Optional[torch.Tensor]:
@@ -273,13 +295,15 @@ class _ClippingStep:
         clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update") if k in state}
         super().__setstate__(state)
         self.__dict__.update(clip)
-        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("pipeline_group", None), ("norm_group", None)):
+        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("pipeline_group", None), ("norm_group", None), ("_shards_over", ())):
             self.__dict__.setdefault(k, v)
         self.__dict__.setdefault("_reported", {"last_grad_norm": None, "skipped_steps": None})
+        self.__dict__.setdefault("_given_norm", None)
         self._counts = {}
         self._layout = None
         if "_stepper" not in self.__dict__:  # unpickled (load_state_dict keeps its number and token)
             self._init_whole_step()
+            _LIVE.add(self)
 
     #: The clip settings a state dict carries (under ``"gradclip"``, a key torch's optimizers
     #: ignore when they load it) and ``repr`` shows; the process groups are not among them.
@@ -376,7 +400,7 @@ class _ClippingStep:
             return None
         params = [p for g in self.param_groups for p in g["params"]]
         local = [_local(p) for p in params]
-        sharded = dtensors or self.pipeline_group is not None or self.norm_group is not None
+        sharded = dtensors or bool(self.shards_over) or self.pipeline_group is not None or self.norm_group is not None
         return _Layout(native, local[0].device, _result_dtype(local), sharded)
 
     def _gradclip_step(self) -> bool:
@@ -436,8 +460,8 @@ class _ClippingStep:
         out = torch.empty(3, dtype=torch.float64, device=device) if capturing else layout.result(stream)
         norm_out = out[0] if capturing else layout.norm
         norm_in, dtype = None, layout.result_dtype
-        if clip is not None and layout.sharded:
-            found = _grads_norm64([p for g in self.param_groups for p in g["params"]], self.norm_type, self.pipeline_group, self.norm_group)
+        if clip is not None and (layout.sharded or self._given_norm is not None):
+            found = self._grads_norm64([p for g in self.param_groups for p in g["params"]])
             if found is None:
                 return self._no_gradients()
             norm_in, dtype = found
@@ -520,10 +544,22 @@ class _ClippingStep:
         """nonfinite="error" before the first step makes any state: the norm read on the host,
         and the step refused, with nothing written, when it is NaN or infinite."""
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        found = _grads_norm64(params, self.norm_type, self.pipeline_group, self.norm_group) if params else None
+        found = self._grads_norm64(params)
         if found is not None and not bool(torch.isfinite(found[0])):
             self.last_grad_norm = found[0].to(found[1])
             raise _nonfinite_step(self.norm_type, self.last_grad_norm)
+
+    def provide_grad_norm(self, norm: torch.Tensor) -> None:
+        """The gradients' global norm for the next step, taken elsewhere (a trainer that computes
+        it anyway, over groups this optimizer does not see at once): the step clips with it
+        instead of taking its own (``last_grad_norm`` reports it). A 0-dim tensor, read on the
+        device; used by one step. It is the norm of the gradients as the step finds them: under
+        GradScaler (which steps with the loss scale still in them) the scaled norm."""
+        self._given_norm = _step_norm.checked_given(norm)
+
+    def _grads_norm64(self, params):
+        """This step's norm of ``params``' gradients (``_step_norm.step_norm64``)."""
+        return _step_norm.step_norm64(params, self.norm_type, self.pipeline_group, self.norm_group, self.shards_over, self._given_norm)
 
     def _no_gradients(self) -> bool:
         """A step in which no parameter has a gradient: nothing to update (as torch's step), and
@@ -625,6 +661,7 @@ class _ClippingStep:
             and getattr(self, "grad_scale", None) is None
             and getattr(self, "found_inf", None) is None
             and len(self._counts) == len(self.param_groups)
+            and self._given_norm is None
         )
 
     def _traced_step(self):
@@ -690,6 +727,12 @@ class _ClippingStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            return self._clipped_step(loss)
+        finally:
+            self._given_norm = None  # one step's
+
+    def _clipped_step(self, loss):
         if self.update == "gradclip" and self._gradclip_step():
             return loss
         if self.max_grad_norm is None:
@@ -697,7 +740,7 @@ class _ClippingStep:
             return loss
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         _refuse_sparse(params, self._SPARSE)
-        found = _grads_norm64(params, self.norm_type, self.pipeline_group, self.norm_group) if params else None
+        found = self._grads_norm64(params)
         if found is None:
             self.last_grad_norm = torch.zeros(())  # the norm of no gradients, as clip_grad_norm_ gives it
             self._torch_step()

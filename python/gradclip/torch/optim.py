@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ._spine import NONFINITE_POLICIES, UPDATES, _ClippingStep, _local, _refuse_sparse  # noqa: F401 (the policies, named here too)
+from . import _local
+from ._spine import NONFINITE_POLICIES, UPDATES, _ClippingStep, _refuse_sparse  # noqa: F401 (the policies, named here too)
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
@@ -45,7 +46,10 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     (reads the norm on the host and raises before anything is written), or ``"propagate"``
     (torch's behavior: the non-finite coefficient reaches the parameters). ``pipeline_group``:
     a process group over which stages' norms are combined; ``norm_group``: the group of the one
-    all-reduce of a sharded norm (``gradclip.torch.clip_grad_norm_``). ``update``: ``"gradclip"`` (default:
+    all-reduce of a sharded norm (``gradclip.torch.clip_grad_norm_``); ``shards_over``: the
+    process groups (or 1-D meshes) this rank's parameters are disjoint shards over, as a ZeRO-1/2
+    optimizer's flat partitions are over the data-parallel group (the norm is then summed over
+    them, as for a ``Shards`` group, and every rank of them must step). ``update``: ``"gradclip"`` (default:
     gradclip's engine, the norm, then the update multiplying each gradient by the coefficient as
     it reads it, with no gradient write-back, so ``.grad`` keeps the unclipped gradients; CUDA
     kernels, or the CPU backend for CPU parameters; a tensor ``lr`` and GradScaler's loss scale and
@@ -84,9 +88,10 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
         nonfinite="skip",
         pipeline_group=None,
         norm_group=None,
+        shards_over=None,
         update="gradclip",
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group), fused, foreach, differentiable, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update)
         super().__init__(
             params,
             lr,
@@ -127,9 +132,10 @@ class Adam(_ClippingStep, torch.optim.Adam):
         nonfinite="skip",
         pipeline_group=None,
         norm_group=None,
+        shards_over=None,
         update="gradclip",
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group), fused, foreach, differentiable, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update)
         super().__init__(
             params,
             lr,
@@ -189,9 +195,10 @@ class SGD(_ClippingStep, torch.optim.SGD):
         nonfinite="skip",
         pipeline_group=None,
         norm_group=None,
+        shards_over=None,
         update="gradclip",
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group), fused, foreach, differentiable, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update)
         super().__init__(
             params,
             lr,
@@ -276,6 +283,7 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
         nonfinite="skip",
         pipeline_group=None,
         norm_group=None,
+        shards_over=None,
         update="gradclip",
     ):
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
@@ -284,7 +292,7 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
             raise ValueError(f"Invalid beta parameters: {betas}")
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group), True, None, False, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), True, None, False, update)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize))
 
     def _hyper(self, group):
