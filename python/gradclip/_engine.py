@@ -509,6 +509,21 @@ _OPS_RUNNING = [0]
 #: The optimizer rules by the number the registered step op takes them as.
 STEP_KINDS = ("adam", "sgd", "lion")
 
+#: Each rule's keys in a torch param group, the engine's one table of them (``rule_keys``): the
+#: eager step reads the groups natively by it, the compiled step in Python (``group_hyper``).
+_RULE_KEYS = {kind: (h, flags) for kind, h, flags in _native.rule_keys()}
+
+
+def group_hyper(kind: str, decoupled: bool, group) -> Tuple[str, tuple, tuple]:
+    """``(kind, h, flags)``: ``group``'s four hyperparameters and three flags by rule ``kind``'s
+    keys (a missing key is torch's KeyError; the third flag, when absent, is ``decoupled``, the
+    optimizer's own). Plain dict reads, which dynamo traces (and guards) in a compiled step."""
+    keys, flag_keys = _RULE_KEYS[kind]
+    h = tuple(0.0 if k is None else float(group[k[0]] if k[1] < 0 else group[k[0]][k[1]]) for k in keys)
+    flags = [False if k is None else bool(group[k]) if i < 2 else bool(group.get(k, False)) for i, k in enumerate(flag_keys)]
+    flags[2] = flags[2] or decoupled
+    return kind, h, tuple(flags)
+
 
 def _rule_states(kind: str, h, flags) -> Tuple[Tuple[str, ...], bool]:
     """The states a rule keeps per parameter, by name, and whether it reads each parameter's own
@@ -522,12 +537,12 @@ def _list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, 
     another: ``sizes`` parameters each, ``kinds`` their rules, ``hypers`` eight floats each: lr,
     four hyperparameters, three flags; ``lrs`` a tensor learning rate or None per group; the
     states and own step counts of each parameter as ``_rule_states`` lists them; ``counts``
-    each group's two int64, steps and skipped), with the clip ``clip`` = [max_norm, p] or []:
+    one int64 tensor of a row per group, steps and skipped), with the clip ``clip`` = [max_norm, p] or []:
     the engine's norm and updates, as the eager step runs them, on what a ``ListStep`` kept of
-    the last call's lists (kept on the first group's count tensor, which is the optimizer's).
+    the last call's lists (kept on the count tensor, which is the optimizer's).
     Version counters are left as the eager step leaves them (2,775 bumps cost 155 us on the
     development host). Returns the norm (f64, 0-dim; 0 without a clip)."""
-    device = counts[0].device
+    device = counts.device
     groups, keep = [], []
     for g, n in enumerate(sizes):
         h = hypers[8 * g : 8 * g + 8]
@@ -537,10 +552,10 @@ def _list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, 
             keep.append(lr_t)
         flags = (bool(h[5]), bool(h[6]), bool(h[7]))
         lr = 0.0 if lr_t is not None else float(h[0])
-        groups.append((n, (STEP_KINDS[kinds[g]], lr, (h[1], h[2], h[3], h[4]), flags, counts[g].data_ptr(), 0 if lr_t is None else lr_t.data_ptr())))
-    cache = getattr(counts[0], "_gradclip_list_step", None)
+        groups.append((n, (STEP_KINDS[kinds[g]], lr, (h[1], h[2], h[3], h[4]), flags, counts.data_ptr() + 16 * g, 0 if lr_t is None else lr_t.data_ptr())))
+    cache = getattr(counts, "_gradclip_list_step", None)
     if cache is None:
-        cache = counts[0]._gradclip_list_step = _native.ListStep()
+        cache = counts._gradclip_list_step = _native.ListStep()
     out = torch.zeros(3, dtype=torch.float64, device=device)  # (no clip: the norm stays 0)
     policy = (float(clip[0]), float(clip[1]), nonfinite) if clip else None
     stream, on_device = _stream_of(device)

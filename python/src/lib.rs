@@ -10,6 +10,7 @@ mod combine;
 mod cpu;
 mod cuda;
 mod guards;
+mod hyper;
 mod list_step;
 mod loaded_libs;
 #[cfg(unix)]
@@ -70,6 +71,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;
     m.add_function(wrap_pyfunction!(optim::optim_step, m)?)?;
     m.add_function(wrap_pyfunction!(optim::step_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(hyper::rule_keys, m)?)?;
     m.add_class::<list_step::ListStep>()?;
     m.add_function(wrap_pyfunction!(list_step::list_step, m)?)?;
     m.add_function(wrap_pyfunction!(list_step::rule_states, m)?)?;
@@ -77,6 +79,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_RELAYOUT", optim::STEP_RELAYOUT)?;
     m.add("STEP_TORCH", optim::STEP_TORCH)?;
     m.add("STEP_NEW_STATES", optim::STEP_NEW_STATES)?;
+    m.add("STEP_LR_TENSORS", optim::STEP_LR_TENSORS)?;
     m.add_function(wrap_pyfunction!(check_max_norm, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_addresses::read_data_ptrs, m)?)?;
     #[cfg(unix)]

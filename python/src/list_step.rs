@@ -18,7 +18,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::guards::{AddressCheck, ListGuard};
-use crate::optim::{Hyper, StepInputs, read_at, read_hyper, run_step};
+use crate::hyper::{Hyper, read_hyper};
+use crate::optim::{StepInputs, read_at, run_step};
 use crate::plan::Place;
 use crate::scan::Planner;
 use crate::to_py;

@@ -3,9 +3,10 @@
 //! addresses, dtypes, lengths); each step then walks the state dict by identity, checks the
 //! parameters' addresses, reads every parameter's `.grad` here (a None gradient leaves its
 //! parameter as torch's step leaves it, its own step count included), recognizes the gradients
-//! without holding them ([`crate::step_grads`]), and runs the norm (with a clip) and one update
-//! per group: on CUDA the norm kernel
-//! and one update launch per group on torch's stream, on the CPU the CPU backend. The checks of a
+//! without holding them ([`crate::step_grads`]), reads every group's hyperparameters
+//! ([`crate::hyper`]), and runs the norm (with a clip) and the update of every group: on CUDA
+//! the norm kernel and one update launch for all the groups on torch's stream, on the CPU the
+//! CPU backend. The checks of a
 //! step's tensors (lengths, dtypes, no written part sharing a byte with another) run when its
 //! gradients' addresses change, once ([`StepList`]).
 
@@ -15,7 +16,7 @@ use std::time::Instant;
 
 use gradclip::NormType;
 use gradclip::cpu::Cpu;
-use gradclip::optim::{AdamConfig, ClipConfig, LionConfig, NonFinite, Parts, Rule, SgdConfig, StepCount, StepList};
+use gradclip::optim::{ClipConfig, GroupStep, NonFinite, Parts, StepAddresses, StepBackend, StepList};
 use gradclip::plan::RawTensor;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
@@ -24,6 +25,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::cuda::with_engine;
 use crate::guards::AddressCheck;
+use crate::hyper::{self, Hyper, read_hyper};
 use crate::plan::Place;
 use crate::scan::Planner;
 use crate::step_grads::{ListMaker, StepGrads};
@@ -38,6 +40,8 @@ pub const STEP_TORCH: u8 = 2;
 /// Some parameters have their first gradient: make their states (torch's `_init_group` over
 /// them) and call again; the payload lists them.
 pub const STEP_NEW_STATES: u8 = 3;
+/// Some group's learning rate is a tensor: call again with their device addresses (`lrs`).
+pub const STEP_LR_TENSORS: u8 = 4;
 
 /// One parameter group as read.
 struct Group {
@@ -606,58 +610,6 @@ impl ListMaker for LayoutLists<'_> {
     }
 }
 
-/// One group's settings for a step.
-pub(crate) struct Hyper {
-    pub(crate) rule: Rule,
-    /// The address of the group's two int64 (steps, skipped) on the tensors' device.
-    pub(crate) count: u64,
-    /// The address of a float64 learning rate on the tensors' device (a tensor `lr`), or 0.
-    pub(crate) lr_in: u64,
-}
-
-/// `(kind, lr, (h0, h1, h2, h3), (b0, b1, b2), count, lr_in)`, by `kind`:
-/// - `"adam"`: h = (beta1, beta2, eps, weight_decay), b = (amsgrad, maximize, decoupled);
-/// - `"sgd"`: h = (momentum, dampening, weight_decay, _), b = (nesterov, maximize, _);
-/// - `"lion"`: h = (beta1, beta2, weight_decay, _), b = (maximize, _, _).
-pub(crate) fn read_hyper(h: &Bound<'_, PyAny>) -> PyResult<Hyper> {
-    type Tuple = (String, f64, (f64, f64, f64, f64), (bool, bool, bool), u64, u64);
-    let (kind, lr, (h0, h1, h2, h3), (b0, b1, b2), count, lr_in): Tuple = h.extract()?;
-    if !count.is_multiple_of(8) {
-        return Err(PyValueError::new_err("the step count must be an int64 tensor of two elements"));
-    }
-    if !lr_in.is_multiple_of(8) {
-        return Err(PyValueError::new_err("a tensor learning rate must be passed as a float64 tensor"));
-    }
-    let rule = match kind.as_str() {
-        "adam" => Rule::Adam(AdamConfig {
-            lr,
-            betas: (h0, h1),
-            eps: h2,
-            weight_decay: h3,
-            amsgrad: b0,
-            maximize: b1,
-            decoupled_weight_decay: b2,
-        }),
-        "sgd" => Rule::Sgd(SgdConfig {
-            lr,
-            momentum: h0,
-            dampening: h1,
-            weight_decay: h2,
-            nesterov: b0,
-            maximize: b1,
-        }),
-        "lion" => Rule::Lion(LionConfig {
-            lr,
-            betas: (h0, h1),
-            weight_decay: h2,
-            maximize: b0,
-        }),
-        other => return Err(PyValueError::new_err(format!("unknown optimizer {other:?}: adam, sgd or lion"))),
-    };
-    rule.validate().map_err(to_py)?;
-    Ok(Hyper { rule, count, lr_in })
-}
-
 /// The clip of a step: `(max_norm, p, nonfinite)`.
 fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>> {
     let Some((max_norm, p, policy)) = clip else {
@@ -720,29 +672,62 @@ impl StepInputs {
     }
 }
 
-/// One optimizer step (Adam / AdamW, SGD or Lion: each group's hyper says) over an optimizer's parameter groups (`groups`: its `param_groups`,
-/// read as the layout was made; `hypers`: one [`read_hyper`] tuple per group; `inputs`: a
-/// [`StepInputs`]), on CUDA on `stream`, on the CPU with the CPU backend. `clip` = (max_norm, p, nonfinite) or None: the norm
-/// over every gradient (on CUDA to the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the
-/// global norm in the float64 at `norm_in` (sharded parameters: combined across ranks), then each
-/// group's update reads its coefficient. `loss_scale` and `found_inf`: addresses of one float32
-/// each on the tensors' device, or 0 (GradScaler's scale, divided out as every gradient is read,
-/// the clip limiting the unscaled norm; its overflow flag, which skips the step). On the CPU,
-/// `norm_out` (when not 0) gets the norm as one float64 too, also when a non-finite norm is
-/// refused (`nonfinite="error"`). Returns the
-/// verdict ([`STEP_DONE`], [`STEP_RELAYOUT`], [`STEP_TORCH`], [`STEP_NEW_STATES`]: nothing
-/// written for the last three) and a payload: on the CPU the norm (None on CUDA: it stays on
-/// the device); with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
+/// One optimizer step (Adam / AdamW, SGD or Lion: `rule` = (kind, decoupled), the optimizer's
+/// rule and whether its weight decay is AdamW's) over an optimizer's parameter groups (`groups`:
+/// its `param_groups`, read as the layout was made, each group's hyperparameters read here from
+/// its dict, [`crate::hyper`]); `counts`: the address of every group's two int64 (steps,
+/// skipped), group after group, on the tensors' device; `lrs`: for a group whose `lr` is a
+/// tensor, the address of its value as one float64 on that device (0 for the others), or None
+/// when no group's is; `inputs`: a [`StepInputs`]. On CUDA on `stream`, on the CPU with the CPU
+/// backend. `clip` = (max_norm, p, nonfinite) or None: the norm over every gradient (on CUDA to
+/// the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the global norm in the float64 at
+/// `norm_in` (sharded parameters: combined across ranks), then every group's update reads its
+/// coefficient (on CUDA one launch for all the groups). `loss_scale` and `found_inf`: addresses
+/// of one float32 each on the tensors' device, or 0 (GradScaler's scale, divided out as every
+/// gradient is read, the clip limiting the unscaled norm; its overflow flag, which skips the
+/// step). On the CPU, `norm_out` (when not 0) gets the norm as one float64 too, also when a
+/// non-finite norm is refused (`nonfinite="error"`). Returns the verdict ([`STEP_DONE`],
+/// [`STEP_RELAYOUT`], [`STEP_TORCH`], [`STEP_NEW_STATES`], [`STEP_LR_TENSORS`]: nothing written
+/// for the last four) and a payload: on the CPU the norm (None on CUDA: it stays on the device);
+/// with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
 pub fn optim_step(
     py: Python<'_>,
     layout: &Bound<'_, StepLayout>,
     groups: &Bound<'_, PyList>,
-    hypers: &Bound<'_, PyList>,
+    rule: (String, bool),
+    counts: u64,
+    lrs: Option<Vec<u64>>,
     inputs: StepInputs,
 ) -> PyResult<(u8, Option<Py<PyAny>>)> {
     let l = layout.get();
-    let hypers: Vec<Hyper> = hypers.iter().map(|h| read_hyper(&h)).collect::<PyResult<_>>()?;
+    let (kind, decoupled) = (hyper::kind_index(&rule.0)?, rule.1);
+    if counts == 0 || !counts.is_multiple_of(8) {
+        return Err(PyValueError::new_err(
+            "the step counts must be an int64 tensor of two elements per group",
+        ));
+    }
+    let mut hypers: Vec<Hyper> = Vec::with_capacity(groups.len());
+    for (i, g) in groups.iter().enumerate() {
+        let (rule, on_device) = hyper::read_group(kind, decoupled, g.cast::<PyDict>()?)?;
+        let lr_in = match (on_device, &lrs) {
+            (false, _) => 0,
+            (true, None) => return Ok((STEP_LR_TENSORS, None)),
+            (true, Some(l)) => match l.get(i) {
+                Some(&a) if a != 0 && a.is_multiple_of(8) => a,
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "group {i}'s tensor learning rate must be passed as a float64 tensor"
+                    )));
+                }
+            },
+        };
+        hypers.push(Hyper {
+            rule,
+            count: counts + 16 * i as u64,
+            lr_in,
+        });
+    }
     let inputs = inputs.checked()?;
     let mut kept = match l.kept.try_lock() {
         Ok(k) => k,
@@ -756,9 +741,6 @@ pub fn optim_step(
         Err(Miss::Torch) => return Ok((STEP_TORCH, None)),
         Err(Miss::NewStates(params)) => return Ok((STEP_NEW_STATES, Some(PyList::new(py, params)?.into_any().unbind()))),
     };
-    if hypers.iter().any(|h| h.count == 0) {
-        return Err(PyValueError::new_err("the step count must be an int64 tensor of two elements"));
-    }
     if hypers.len() != list.groups() || hypers.iter().enumerate().any(|(i, h)| h.rule.states() != list.group(i).1) {
         return Ok((STEP_RELAYOUT, None));
     }
@@ -770,91 +752,37 @@ pub fn optim_step(
     Ok((verdict, norm.map(|n| pyo3::types::PyFloat::new(py, n).into_any().unbind())))
 }
 
-/// The norm (with a clip) and every group's update of a checked step list.
+/// The norm (with a clip) and every group's update of a checked step list: one
+/// [`StepBackend::step_list`] on the tensors' backend. Returns the verdict and, on the CPU, the
+/// norm (on CUDA it stays on the device).
 pub(crate) fn run_step(py: Python<'_>, place: Place, list: &StepList, hypers: &[Hyper], inputs: Inputs) -> PyResult<(u8, Option<f64>)> {
-    let Inputs { stream, clip, .. } = inputs;
-    let (norm_out, norm_in, loss_scale, found_inf) = (inputs.norm_out, inputs.norm_in, inputs.loss_scale, inputs.found_inf);
-    match place {
+    let groups: Vec<GroupStep> = hypers
+        .iter()
+        .map(|h| GroupStep {
+            rule: h.rule,
+            count: h.count,
+            lr_in: h.lr_in,
+        })
+        .collect();
+    let addresses = StepAddresses {
+        clip: inputs.clip,
+        norm_out: inputs.norm_out,
+        norm_in: inputs.norm_in,
+        loss_scale: inputs.loss_scale,
+        found_inf: inputs.found_inf,
+    };
+    // SAFETY (both backends): the tensors are live memory of the place that the optimizer holds
+    // for the call (on CUDA, torch's caching allocator orders their reuse after this stream's
+    // work), checked by the step list; each count and input is the caller's tensor of the
+    // stated size and dtype on that device (aligned: checked).
+    let norm = match place {
         Place::Cuda(d) => {
             let device = usize::try_from(d).map_err(|_| PyValueError::new_err("a negative CUDA device"))?;
-            py.detach(|| {
-                with_engine(device, stream, None, |e| {
-                    // SAFETY: the tensors are live CUDA memory of `device` that the optimizer
-                    // holds (torch's caching allocator orders their reuse after this stream's
-                    // work), checked by the step list; each count and `norm_out` are the caller's
-                    // device tensors of the stated sizes.
-                    unsafe {
-                        if let Some(c) = &clip {
-                            if norm_in == 0 {
-                                e.clip_norm_raw(list.grads(), c, norm_out)?;
-                            } else {
-                                e.clip_from_norm_raw(norm_in, c, norm_out)?;
-                            }
-                        }
-                        let factor = e.update_factor_raw(norm_out, clip.as_ref(), loss_scale)?;
-                        for (i, h) in hypers.iter().enumerate() {
-                            e.update_list_raw(list, i, &h.rule, h.count, factor, h.lr_in, found_inf)?;
-                        }
-                        Ok((STEP_DONE, None))
-                    }
-                })
-            })
+            py.detach(|| with_engine(device, inputs.stream, None, |e| unsafe { e.step_list(list, &groups, &addresses) }))?
         }
         Place::Cpu => py
-            .detach(|| {
-                let cpu = Cpu::new();
-                // SAFETY: the tensors are live host memory the optimizer holds for the call,
-                // checked by the step list; each count is the address of the caller's two int64,
-                // each input (not 0) of its dtype (checked aligned above).
-                unsafe {
-                    // The gradients' norm as they are (scaled when they carry a loss scale).
-                    let norm = match &clip {
-                        None => None,
-                        Some(c) if norm_in == 0 => Some(cpu.total_norm_raw(list.grads(), c.norm_type, false)?.norm),
-                        Some(_) => Some((norm_in as *const f64).read()),
-                    };
-                    if let (Some(n), true) = (norm, norm_out != 0) {
-                        (norm_out as *mut f64).write(n); // before the verdict, which may refuse it
-                    }
-                    let scale = if loss_scale == 0 {
-                        1.0
-                    } else {
-                        (loss_scale as *const f32).read() as f64
-                    };
-                    let overflow = found_inf != 0 && (found_inf as *const f32).read() != 0.0;
-                    // The GPU kernel's factor and skip, on the host.
-                    let (verdict, factor) = cpu.step_verdict(norm, clip.as_ref(), scale, overflow)?;
-                    // Every group's learning rate (a tensor's read here) checked before any update.
-                    let rules: Vec<Rule> = hypers
-                        .iter()
-                        .map(|h| {
-                            if h.lr_in == 0 {
-                                h.rule
-                            } else {
-                                h.rule.with_lr((h.lr_in as *const f64).read())
-                            }
-                        })
-                        .collect();
-                    for r in &rules {
-                        r.validate()?;
-                    }
-                    for (i, (h, rule)) in hypers.iter().zip(rules).enumerate() {
-                        let words = h.count as *mut u64;
-                        let mut count = StepCount {
-                            steps: words.read(),
-                            skipped: words.add(1).read(),
-                        };
-                        if verdict.skipped {
-                            count.skipped += 1;
-                        } else {
-                            cpu.update_list_raw(list, i, &rule, &mut count, factor)?;
-                        }
-                        words.write(count.steps);
-                        words.add(1).write(count.skipped);
-                    }
-                    Ok((STEP_DONE, norm))
-                }
-            })
-            .map_err(to_py),
-    }
+            .detach(|| unsafe { Cpu::new().step_list(list, &groups, &addresses) })
+            .map_err(to_py)?,
+    };
+    Ok((STEP_DONE, norm))
 }

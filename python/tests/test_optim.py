@@ -414,36 +414,48 @@ def test_native_step_reads_groups_and_refuses_bad_input():
     assert layout is not None
     count = torch.zeros(2, dtype=torch.int64)
     groups = opt.param_groups
+    rule, none = ("adam", True), (0, None, 0, 0, 0, 0)
+
+    def step(groups=groups, counts=count.data_ptr(), lrs=None, inputs=none):
+        return _native.optim_step(layout, groups, rule, counts, lrs, inputs)
+
     # ps[1] has no state yet: its first gradient is reported (torch makes the state), nothing written.
     ps[1].grad = torch.ones(3)
-    verdict, first = _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], (0, None, 0, 0, 0, 0))
+    verdict, first = step()
     assert verdict == _native.STEP_NEW_STATES and len(first) == 1 and first[0] is ps[1]
     ps[1].grad = None
-    with pytest.raises(ValueError, match="step count"):
-        _native.optim_step(layout, groups, [hyper + (0, 0)], (0, (1.0, 2.0, "skip"), 0, 0, 0, 0))
-    with pytest.raises(ValueError, match="length 6"):
-        _native.optim_step(layout, groups, [hyper], (0, None, 0, 0, 0, 0))
-    # A learning rate tensor read from memory is checked before anything is written.
+    with pytest.raises(ValueError, match="step counts"):
+        step(counts=0, inputs=(0, (1.0, 2.0, "skip"), 0, 0, 0, 0))
+    # A group's settings are read from the group itself: a missing key is torch's KeyError, a
+    # value out of range the engine's error.
+    with pytest.raises(KeyError, match="eps"):
+        step(groups=[{k: v for k, v in groups[0].items() if k != "eps"}])
+    with pytest.raises(ValueError, match="beta1"):
+        step(groups=[{**groups[0], "betas": (1.5, 0.999)}])
+    # A tensor learning rate: its device copy asked for, then read from memory, checked before
+    # anything is written.
+    tensor_lr = [{**groups[0], "lr": torch.tensor(1e-3)}]
+    assert step(groups=tensor_lr) == (_native.STEP_LR_TENSORS, None)
     negative = torch.tensor(-1.0, dtype=torch.float64)
     with pytest.raises(ValueError, match="learning rate"):
-        _native.optim_step(layout, groups, [hyper + (count.data_ptr(), negative.data_ptr())], (0, None, 0, 0, 0, 0))
+        step(groups=tensor_lr, lrs=[negative.data_ptr()])
     misaligned = torch.zeros(3, dtype=torch.float64).data_ptr() + 4
     with pytest.raises(ValueError, match="float64"):
-        _native.optim_step(layout, groups, [hyper + (count.data_ptr(), misaligned)], (0, None, 0, 0, 0, 0))
+        step(groups=tensor_lr, lrs=[misaligned])
     assert all(torch.equal(p, torch.zeros_like(p)) for p in ps)
     assert count.tolist() == [0, 0]
-    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], (0, None, 0, 0, 0, 0)) == (_native.STEP_DONE, None)
+    assert step() == (_native.STEP_DONE, None)
     assert not torch.equal(ps[0], torch.zeros(4)) and torch.equal(ps[1], torch.zeros(3))
     assert float(opt.state[ps[0]]["step"]) == 1.0 and ps[1] not in opt.state
     # Its state made by torch, the kept layout takes it in (the rest kept) and steps both.
     ps[1].grad = torch.ones(3)
     opt._init_group({**opt.param_groups[0], "params": [ps[1]]}, [], [], [], [], [], [])
-    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], (0, None, 0, 0, 0, 0)) == (_native.STEP_DONE, None)
+    assert step() == (_native.STEP_DONE, None)
     assert [float(opt.state[p]["step"]) for p in ps] == [2.0, 1.0]
     assert not torch.equal(ps[1], torch.zeros(3))
     # A state replaced by assignment is seen: a new layout is asked for.
     opt.state[ps[0]]["exp_avg"] = torch.zeros(4)
-    assert _native.optim_step(layout, groups, [hyper + (count.data_ptr(), 0)], (0, None, 0, 0, 0, 0)) == (_native.STEP_RELAYOUT, None)
+    assert step() == (_native.STEP_RELAYOUT, None)
 
 
 @pytest.mark.parametrize("device", DEVICES)

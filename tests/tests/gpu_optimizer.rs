@@ -321,11 +321,133 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
     Ok(())
 }
 
+/// Every parameter in a group of its own, each group with other hyperparameters (Adam / AdamW
+/// with and without amsgrad, maximize and weight decay, learning rates apart; one group's rate
+/// in device memory), first all Adam (one update launch), then Adam, SGD and Lion groups in one
+/// list (a launch per kernel): the GPU's multi-group step equals the CPU backend's bit for bit
+/// over three clipped steps, every group's count advanced on both, the norm the same.
+fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
+    use cudarc::driver::DevicePtr;
+    use gradclip::cpu::Cpu;
+    use gradclip::optim::{AdamConfig, ClipConfig, GroupStep, Parts, Rule, StepAddresses, StepBackend, StepList};
+
+    let adams: Vec<Rule> = adam_configs()
+        .into_iter()
+        .enumerate()
+        .flat_map(|(k, c)| {
+            [
+                Rule::Adam(c),
+                Rule::Adam(AdamConfig {
+                    lr: c.lr * (k + 2) as f64,
+                    betas: (0.8, 0.99),
+                    ..c
+                }),
+            ]
+        })
+        .collect();
+    let others = sgd_and_lion_rules(0.1);
+    let mixed: Vec<Rule> = (0..9)
+        .map(|i| {
+            if i % 3 == 0 {
+                adams[i % adams.len()]
+            } else {
+                others[i % others.len()]
+            }
+        })
+        .collect();
+    let all_adam: Vec<Rule> = (0..9).map(|i| adams[i % adams.len()]).collect();
+    for (what, rules) in [("all Adam", &all_adam), ("Adam, SGD and Lion", &mixed)] {
+        let (mut host, dev) = adam_parts_on_both(gpu, 500);
+        let mut host_steps: Vec<f32> = (0..host.len()).map(|i| (i % 4) as f32).collect();
+        let dev_steps = gpu.stream.clone_htod(&host_steps).unwrap();
+        let mut host_counts = vec![0u64; 2 * rules.len()];
+        let dev_counts = gpu.stream.alloc_zeros::<u64>(2 * rules.len()).unwrap();
+        let dev_norm = gpu.stream.alloc_zeros::<f64>(3).unwrap();
+        let mut host_norm = [0.0f64; 3];
+        let (host_lr, dev_lr) = (2.5e-3f64, gpu.stream.clone_htod(&[2.5e-3f64]).unwrap());
+        let mut engine = gpu.engine();
+        for step in 1..=3 {
+            let (host_parts, dev_parts) = stepped_parts(gpu, &mut host, &mut host_steps, &dev, &dev_steps, 2, None);
+            // The third state (amsgrad's maximum) on both; a rule keeping fewer drops it.
+            let s = &gpu.stream;
+            let third = |parts: Vec<Parts>, at: &dyn Fn(usize) -> gradclip::plan::RawTensor| -> Vec<Parts> {
+                parts
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, mut p)| {
+                        p.states[2] = Some(at(i));
+                        p
+                    })
+                    .collect()
+            };
+            let host_vm: Vec<gradclip::plan::RawTensor> = host.iter_mut().map(|h| h[4].host_mut().raw()).collect();
+            let host_parts = third(host_parts, &|i| host_vm[i]);
+            let dev_parts = third(dev_parts, &|i| dev[i][4].raw(s));
+            let groups = |parts: &[Parts]| -> Vec<(Vec<Parts>, &'static [&'static str])> {
+                parts.iter().zip(rules.iter()).map(|(p, r)| (vec![*p], r.states())).collect()
+            };
+            let (host_list, dev_list) = (
+                StepList::new(&groups(&host_parts)).unwrap(),
+                StepList::new(&groups(&dev_parts)).unwrap(),
+            );
+            let (hc, dc) = (host_counts.as_mut_ptr() as u64, dev_counts.device_ptr(s).0);
+            let each = |counts: u64, lr: u64| -> Vec<GroupStep> {
+                rules
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| GroupStep {
+                        rule: *r,
+                        count: counts + 16 * i as u64,
+                        lr_in: if i == 2 { lr } else { 0 },
+                    })
+                    .collect()
+            };
+            let clip = Some(ClipConfig::new(0.05));
+            let at = |norm_out: u64| StepAddresses {
+                clip,
+                norm_out,
+                ..Default::default()
+            };
+            // SAFETY: the host parts, counts, rate and norm are the live vectors above, used by
+            // nothing else during the call; the device ones live device memory of the stream's
+            // context.
+            let norm = unsafe {
+                let n = Cpu::new()
+                    .step_list(
+                        &host_list,
+                        &each(hc, &host_lr as *const f64 as u64),
+                        &at(host_norm.as_mut_ptr() as u64),
+                    )
+                    .unwrap();
+                engine
+                    .step_list(&dev_list, &each(dc, dev_lr.device_ptr(s).0), &at(dev_norm.device_ptr(s).0))
+                    .unwrap();
+                n.expect("the CPU returns the norm")
+            };
+            let what = format!("{what}, step {step}");
+            ensure_adam_parts_equal(gpu, &host, &dev, &what)?;
+            let got = gpu.stream.clone_dtoh(&dev_counts).unwrap();
+            ensure(got == host_counts && host_counts.chunks(2).all(|c| c == [step, 0]), || {
+                format!("{what}: counts {got:?} vs {host_counts:?}")
+            })?;
+            ensure(gpu.stream.clone_dtoh(&dev_steps).unwrap() == host_steps, || {
+                format!("{what}: own step counts differ")
+            })?;
+            let g = gpu.stream.clone_dtoh(&dev_norm).unwrap();
+            ensure(same_bits(g[0], norm) && same_bits(host_norm[0], norm), || {
+                format!("{what}: norm {} vs {norm}", g[0])
+            })?;
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     run(
         vec![
             ("adam_step_equals_cpu_bits", adam_step_equals_cpu_bits),
             ("update_follows_moving_gradients", update_follows_moving_gradients),
+            ("many_groups_equal_cpu_bits", many_groups_equal_cpu_bits),
             ("adam_device_inputs_equal_cpu_bits", adam_device_inputs_equal_cpu_bits),
             ("adam_own_step_counts_equal_cpu_bits", adam_own_step_counts_equal_cpu_bits),
             ("sgd_and_lion_equal_cpu_bits", sgd_and_lion_equal_cpu_bits),

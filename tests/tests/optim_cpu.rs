@@ -421,7 +421,7 @@ fn own_step_counts_keep_each_parameters_bias_correction() {
         let p = [raw_parts(&mut alone[i], None)];
         let mut c = StepCount { steps: start, skipped: 0 };
         // SAFETY: as above.
-        unsafe { cpu.update_raw(&p, &cfg, &mut c, 1.0) }.unwrap();
+        unsafe { cpu.step_raw(&p, &cfg, &mut c, None, 1.0, false) }.unwrap();
         let bits = |s: &Slot<f32, f32>| [&s.param, &s.m, &s.v].map(|x| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         assert_eq!(bits(&together[i]), bits(&alone[i]), "parameter {i}");
     }
@@ -737,4 +737,116 @@ fn sgd_and_lion_refuse_bad_input_before_writing() {
     assert!(list.group_for(0, &Rule::Sgd(SgdConfig::new(0.1))).is_err());
     assert!(list.group_for(0, &adam).is_err());
     assert!(list.group_for(0, &Rule::Lion(LionConfig::new(1e-4))).is_err());
+}
+
+/// The multi-group step ([`StepBackend::step_list`]): 240 groups, each of its own Adam / AdamW
+/// hyperparameters (learning rate, betas, eps, weight decay, amsgrad, maximize; one group's rate
+/// an input read from memory), stepped at once, equal bit for bit to each group stepped alone
+/// with the whole list's norm given as `norm_in`; every count advanced; a refused step (counts
+/// shared by two groups, a group too few) writes nothing.
+#[test]
+fn many_groups_step_as_each_alone() {
+    use gradclip::optim::{GroupStep, Parts, Rule, StepAddresses, StepBackend, StepList};
+    let n = 240;
+    let lens: Vec<usize> = (0..n).map(|i| 1 + (i * 37) % 300).collect();
+    let rules: Vec<Rule> = (0..n)
+        .map(|i| {
+            Rule::Adam(AdamConfig {
+                lr: 1e-3 * (1.0 + i as f64 / 10.0),
+                betas: (0.9 - 0.001 * (i % 7) as f64, 0.999 - 0.0001 * (i % 5) as f64),
+                eps: [1e-8, 1e-6][i % 2],
+                weight_decay: [0.0, 0.01, 0.1][i % 3],
+                amsgrad: i % 4 == 1,
+                maximize: i % 5 == 2,
+                decoupled_weight_decay: i % 2 == 0,
+            })
+        })
+        .collect();
+    let (mut together, mut alone) = (slots::<f32, f32>(11, &lens), slots::<f32, f32>(11, &lens));
+    let parts = |s: &mut [Slot<f32, f32>]| -> Vec<Parts> {
+        s.iter_mut()
+            .enumerate()
+            .map(|(i, s)| {
+                let vmax = gradclip::plan::RawTensor::of::<f32>(s.vmax.as_mut_ptr() as u64, s.vmax.len());
+                let mut p = raw_parts(s, None);
+                p.states[2] = Some(vmax).filter(|_| i % 4 == 1);
+                p
+            })
+            .collect()
+    };
+    let lr_in = 7e-4f64;
+    let lr_at = &lr_in as *const f64 as u64;
+    let groups_of = |counts: &mut [u64], at: &[usize]| -> Vec<GroupStep> {
+        at.iter()
+            .map(|&i| GroupStep {
+                rule: rules[i],
+                count: counts.as_mut_ptr() as u64 + 16 * i as u64,
+                lr_in: if i == 3 { lr_at } else { 0 },
+            })
+            .collect()
+    };
+    let (mut counts, mut alone_counts) = (vec![0u64; 2 * n], vec![0u64; 2 * n]);
+    let clip = ClipConfig::new(0.5);
+    let mut cpu = Cpu::new();
+    for step in 1..=2u64 {
+        let ps = parts(&mut together);
+        let list = StepList::new(&ps.iter().zip(&rules).map(|(p, r)| (vec![*p], r.states())).collect::<Vec<_>>()).unwrap();
+        let mut norm = [0.0f64; 3];
+        let all: Vec<usize> = (0..n).collect();
+        let inputs = StepAddresses {
+            clip: Some(clip),
+            norm_out: norm.as_mut_ptr() as u64,
+            ..Default::default()
+        };
+        // SAFETY: every part, count, rate and the norm are live vectors used by nothing else.
+        let got = unsafe { cpu.step_list(&list, &groups_of(&mut counts, &all), &inputs) }
+            .unwrap()
+            .unwrap();
+        assert_eq!(got, norm[0]);
+        let global = got;
+        let ps = parts(&mut alone);
+        for i in 0..n {
+            let one = StepList::new(&[(vec![ps[i]], rules[i].states())]).unwrap();
+            let given = StepAddresses {
+                clip: Some(clip),
+                norm_in: &global as *const f64 as u64,
+                ..Default::default()
+            };
+            let mut c = alone_counts[2 * i..2 * i + 2].to_vec();
+            let g = GroupStep {
+                count: c.as_mut_ptr() as u64,
+                ..groups_of(&mut alone_counts, &[i])[0]
+            };
+            // SAFETY: as above.
+            unsafe { cpu.step_list(&one, &[g], &given) }.unwrap();
+            alone_counts[2 * i..2 * i + 2].copy_from_slice(&c);
+        }
+        let bits = |s: &[Slot<f32, f32>]| {
+            s.iter()
+                .map(|s| [&s.param, &s.m, &s.v, &s.vmax].map(|x| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&together), bits(&alone), "step {step}");
+        assert_eq!(counts, alone_counts);
+        assert!(counts.chunks(2).all(|c| c == [step, 0]), "{counts:?}");
+    }
+    // Refused before anything is written: two groups on one count, one group missing.
+    let before = snapshot(&together);
+    let ps = parts(&mut together);
+    let list = StepList::new(&ps.iter().zip(&rules).map(|(p, r)| (vec![*p], r.states())).collect::<Vec<_>>()).unwrap();
+    let all: Vec<usize> = (0..n).collect();
+    let mut shared = groups_of(&mut counts, &all);
+    shared[7].count = shared[6].count;
+    let inputs = StepAddresses {
+        clip: Some(clip),
+        ..Default::default()
+    };
+    // SAFETY: as above.
+    let e = unsafe { cpu.step_list(&list, &shared, &inputs) };
+    assert!(matches!(e, Err(Error::BadOutputAddress { .. })), "{e:?}");
+    // SAFETY: as above.
+    let e = unsafe { cpu.step_list(&list, &groups_of(&mut counts, &all[1..]), &inputs) };
+    assert!(matches!(e, Err(Error::LengthMismatch { .. })), "{e:?}");
+    assert_eq!(snapshot(&together), before);
+    assert!(counts.chunks(2).all(|c| c == [2, 0]));
 }

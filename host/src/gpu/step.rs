@@ -1,9 +1,10 @@
-//! The optimizer step on the GPU, one orchestration for every [`Rule`] ([`GpuEngine::step_raw`];
+//! The optimizer step on the GPU, one orchestration for every [`Rule`] and any number of
+//! parameter groups ([`StepBackend::step_list`]; [`GpuEngine::step_raw`] for one group;
 //! [`GpuEngine::adam_step`] and [`GpuEngine::step_with`] over cudarc buffers): with a clip, the
 //! norm kernel (its last block writes the norm, the clip coefficient and the non-finite flag to
 //! a [`DeviceNorm`]), then the rule's update kernel, which multiplies each gradient by that
 //! coefficient as it reads it and, with [`NonFinite::Skip`], leaves everything untouched on a
-//! non-finite norm. Two launches, no scale pass, no gradient write, no host synchronization
+//! non-finite norm, every parameter group in that one launch. Two launches, no scale pass, no gradient write, no host synchronization
 //! (except [`NonFinite::Error`], which reads the norm). The step count lives on the device
 //! ([`DeviceStepCount`]), so a step can be captured in a CUDA graph: under capture its tables go
 //! to memory the graph owns, as the norm's do.
@@ -11,7 +12,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
-use gradclip_kernels::abi::{UpdateCount, flags, update_flags};
+use gradclip_kernels::abi::{UpdateCount, UpdateGroup, flags, update_flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::capture::{self, Capture};
@@ -22,7 +23,10 @@ use super::launch;
 use super::output::Dest;
 use super::words::from_words;
 use crate::error::{Error, Result};
-use crate::optim::{AdamConfig, ClipConfig, KernelArgs, NonFinite, Parts, Rule, StepCount, StepList, check_clip};
+use crate::optim::backend::check_step;
+use crate::optim::{
+    AdamConfig, ClipConfig, GroupStep, KernelArgs, NonFinite, Parts, Rule, StepAddresses, StepBackend, StepCount, StepList, check_clip,
+};
 use crate::tensor_list::TensorList;
 
 /// One parameter and its Adam state in device memory of the engine's context. States and
@@ -125,20 +129,6 @@ pub struct DeviceInputs<'a> {
     pub loss_scale: Option<&'a CudaSlice<f32>>,
     /// Nonzero skips the step.
     pub found_inf: Option<&'a CudaSlice<f32>>,
-}
-
-/// The checks of an update's inputs other than its tensors (those are a [`StepList`]'s): the
-/// hyperparameters, the step count's, (with a clip) the norm output's and the device inputs'
-/// addresses.
-fn check_inputs(rule: &Rule, count: u64, norm: Option<u64>, inputs: &DeviceStepInputs) -> Result<KernelArgs> {
-    let h = rule.args()?;
-    inputs.check()?;
-    for (what, addr) in [("the step count", Some(count)), ("the norm output", norm)] {
-        if let Some(addr) = addr.filter(|&a| a == 0 || !a.is_multiple_of(8)) {
-            return Err(Error::BadOutputAddress { what, addr });
-        }
-    }
-    Ok(h)
 }
 
 impl GpuEngine {
@@ -265,14 +255,14 @@ impl GpuEngine {
         r
     }
 
-    /// The step over device addresses: [`GpuEngine::clip_norm_raw`] over the gradients (with a
-    /// clip), then [`GpuEngine::update_list_raw`]. `count` is an [`UpdateCount`] (two u64: steps,
-    /// skipped) and `norm` a 24-byte NormOutput, both in device memory of this context (`norm` is
-    /// used only with a clip or a loss scale and may be 0 otherwise; it gets the norm of the
-    /// gradients as they are, scaled when `inputs` has a loss scale, and as its coefficient the
-    /// factor the update multiplied them by). `inputs`: a learning rate, loss scale and overflow
-    /// flag in device memory ([`DeviceStepInputs`]); with a loss scale, give the clip
-    /// [`NonFinite::Skip`] (an overflow is then a skipped step, not an error).
+    /// The step of one group over device addresses ([`StepBackend::step_list`] over a list of
+    /// `parts`). `count` is an [`UpdateCount`] (two u64: steps, skipped) and `norm` a 24-byte
+    /// NormOutput, both in device memory of this context (`norm` is used only with a clip or a
+    /// loss scale and may be 0 otherwise; it gets the norm of the gradients as they are, scaled
+    /// when `inputs` has a loss scale, and as its coefficient the factor the update multiplied
+    /// them by). `inputs`: a learning rate, loss scale and overflow flag in device memory
+    /// ([`DeviceStepInputs`]); with a loss scale, give the clip [`NonFinite::Skip`] (an
+    /// overflow is then a skipped step, not an error).
     ///
     /// # Safety
     /// Every part is device memory of this context of its length and dtype, the written parts
@@ -288,22 +278,26 @@ impl GpuEngine {
         norm: u64,
         inputs: &DeviceStepInputs,
     ) -> Result<()> {
-        // Every check of the update before the norm is enqueued: nothing is written on an error.
+        inputs.check()?;
         let list = StepList::new(&[(parts.to_vec(), rule.states())])?;
-        let h = check_inputs(rule, count, (clip.is_some() || inputs.loss_scale != 0).then_some(norm), inputs)?;
-        if let Some(c) = clip {
-            // SAFETY: the caller's contract covers the gradients and `norm`.
-            unsafe { self.clip_norm_raw(list.grads(), c, norm) }?;
-        }
-        // SAFETY: the caller's contract covers `norm` and the loss scale; with a clip the
-        // NormOutput was written just above.
-        let factor = unsafe { self.update_factor_raw(norm, clip, inputs.loss_scale) }?;
-        // SAFETY: the caller's contract, checked above; `norm` was written just above.
-        unsafe { self.launch_update(&list, 0, rule, h, count, factor, inputs.lr, inputs.found_inf) }
+        let group = GroupStep {
+            rule: *rule,
+            count,
+            lr_in: inputs.lr,
+        };
+        let addresses = StepAddresses {
+            clip: clip.copied(),
+            norm_out: norm,
+            norm_in: 0,
+            loss_scale: inputs.loss_scale,
+            found_inf: inputs.found_inf,
+        };
+        // SAFETY: the caller's contract.
+        unsafe { self.step_list(&list, &[group], &addresses) }.map(|_| ())
     }
 
     /// The stage between the norm and the updates of a step: the `factor` argument of every
-    /// group's [`GpuEngine::update_list_raw`] (None without a clip or a loss scale). When the
+    /// update launch ([`StepBackend::step_list`]) (None without a clip or a loss scale). When the
     /// gradients carry a loss scale (one f32 at `loss_scale`, GradScaler's; 0: none) one
     /// one-thread launch gives the NormOutput at `norm`, as its coefficient, the factor each
     /// update multiplies the gradients by ([`gradclip_kernels::adam::gradient_factor`]: with
@@ -413,87 +407,88 @@ impl GpuEngine {
         }
         Ok(())
     }
+}
 
-    /// The update half over group `group` of a [`StepList`], checked when it was made (no
-    /// per-step check of its tensors, and its tables uploaded once while the same list comes
-    /// back); the list must have been made for the rule's states. `factor`: the NormOutput whose
-    /// coefficient multiplies each gradient as it is read and whether a non-finite norm skips
-    /// the step, as [`GpuEngine::update_factor_raw`] gives it; None: factor 1. `lr` and
-    /// `found_inf`: a learning rate (f64) and an overflow flag (f32, nonzero skips the step) in
-    /// device memory, or 0 ([`DeviceStepInputs`]).
-    ///
-    /// # Safety
-    /// As [`GpuEngine::step_raw`], for the list's tensors; the NormOutput was written before on
-    /// this stream.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn update_list_raw(
-        &mut self,
-        list: &StepList,
-        group: usize,
-        rule: &Rule,
-        count: u64,
-        factor: Option<(u64, bool)>,
-        lr: u64,
-        found_inf: u64,
-    ) -> Result<()> {
-        list.group_for(group, rule)?;
-        let inputs = DeviceStepInputs {
-            lr,
-            loss_scale: 0,
-            found_inf,
-        };
-        let h = check_inputs(rule, count, factor.map(|(n, _)| n), &inputs)?;
-        // SAFETY: the caller's contract; the list was checked when made.
-        unsafe { self.launch_update(list, group, rule, h, count, factor, lr, found_inf) }
+/// The update kernel of a rule: every group of one kernel takes one launch.
+fn kernel_of(rule: &Rule) -> Kernel {
+    match rule {
+        Rule::Adam(_) => Kernel::Adam,
+        Rule::Sgd(_) => Kernel::Sgd,
+        Rule::Lion(_) => Kernel::Lion,
     }
+}
 
-    /// The update launch of group `group` of a checked list.
-    ///
-    /// # Safety
-    /// As [`GpuEngine::update_list_raw`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn launch_update(
-        &mut self,
-        list: &StepList,
-        group: usize,
-        rule: &Rule,
-        h: KernelArgs,
-        count: u64,
-        factor: Option<(u64, bool)>,
-        lr: u64,
-        found_inf: u64,
-    ) -> Result<()> {
-        let norm = factor.map_or(0, |(n, _)| n);
-        let skip = matches!(factor, Some((_, true)));
-        let h = KernelArgs {
-            flags: h.flags | if skip { update_flags::SKIP_NONFINITE } else { 0 },
-            ..h
-        };
-        let kernel = match rule {
-            Rule::Adam(_) => Kernel::Adam,
-            Rule::Sgd(_) => Kernel::Sgd,
-            Rule::Lion(_) => Kernel::Lion,
-        };
-        let (tables, num_tasks) = self.updates.tables(&self.stream().clone(), list, group)?;
-        let parts = list.group(group).0;
-        let stream = self.stream().clone();
-        // SAFETY: the tables were planned from `parts` (checked for the rule: lengths, dtypes,
-        // its states present, valid and disjoint memory) and uploaded on this stream; the caller
-        // vouches for the memory of the parts, of `count`, of the NormOutput and of the inputs.
-        unsafe {
-            launch::update(
-                &stream,
-                self.kernels(),
-                kernel,
-                &tables,
-                num_tasks,
-                parts.len() as u64,
-                count,
-                norm,
-                &h,
-                lr,
-                found_inf,
-            )
+/// A group's entry in an update launch's group table.
+fn group_entry(g: &GroupStep) -> Result<UpdateGroup> {
+    let KernelArgs { lr, h, flags } = g.rule.args()?;
+    Ok(UpdateGroup {
+        lr,
+        h,
+        lr_in: g.lr_in,
+        count: g.count,
+        flags,
+        reserved: 0,
+    })
+}
+
+impl StepBackend for GpuEngine {
+    /// The GPU's step over every group ([`StepBackend::step_list`]): with a clip, the norm kernel
+    /// (or the norm given, made a NormOutput), the loss scale's one-thread launch when there is
+    /// one, then one update launch for all the groups of each kernel (every group of one
+    /// optimizer: a group costs an entry of the group table, not a launch). No host
+    /// synchronization (but [`NonFinite::Error`], which reads the norm); capturable otherwise.
+    unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses) -> Result<Option<f64>> {
+        // Every check before the norm is enqueued: nothing is written on an error.
+        check_step(list, groups, inputs)?;
+        let clip = inputs.clip.as_ref();
+        let norm = inputs.norm_out;
+        if (clip.is_some() || inputs.loss_scale != 0) && norm == 0 {
+            return Err(Error::BadOutputAddress {
+                what: "the norm output (a clip or a loss scale needs one)",
+                addr: norm,
+            });
         }
+        let entries: Vec<UpdateGroup> = groups.iter().map(group_entry).collect::<Result<_>>()?;
+        if let Some(c) = clip {
+            // SAFETY: the caller's contract covers the gradients, `norm` and the norm input.
+            unsafe {
+                if inputs.norm_in == 0 {
+                    self.clip_norm_raw(list.grads(), c, norm)?;
+                } else {
+                    self.clip_from_norm_raw(inputs.norm_in, c, norm)?;
+                }
+            }
+        }
+        // SAFETY: the caller's contract covers `norm` and the loss scale; with a clip the
+        // NormOutput was written just above.
+        let factor = unsafe { self.update_factor_raw(norm, clip, inputs.loss_scale) }?;
+        let (norm_at, skip) = factor.map_or((0, false), |(n, skip)| (n, skip));
+        let flags = if skip { update_flags::SKIP_NONFINITE } else { 0 };
+        let stream = self.stream().clone();
+        for kernel in [Kernel::Adam, Kernel::Sgd, Kernel::Lion] {
+            let launch: Vec<usize> = (0..groups.len()).filter(|&i| kernel_of(&groups[i].rule) == kernel).collect();
+            if launch.is_empty() {
+                continue;
+            }
+            let table: Vec<UpdateGroup> = launch.iter().map(|&i| entries[i]).collect();
+            let (tables, num_tasks, num_tensors) = self.updates.tables(&stream, list, &launch, &table)?;
+            // SAFETY: the tables were planned from the list's groups (checked for their rules:
+            // lengths, dtypes, states present, valid and disjoint memory) and uploaded on this
+            // stream; the counts are distinct (checked); the caller vouches for the memory of the
+            // parts, the counts, the NormOutput and the inputs.
+            unsafe {
+                launch::update(
+                    &stream,
+                    self.kernels(),
+                    kernel,
+                    &tables,
+                    (num_tasks, num_tensors, table.len() as u64),
+                    norm_at,
+                    flags,
+                    inputs.found_inf,
+                )
+            }?;
+        }
+        Ok(None)
     }
 }

@@ -9,6 +9,7 @@ use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
 use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 use gradclip_kernels::update::ElementUpdate;
 
+use super::backend::{GroupStep, StepAddresses, StepBackend, check_step};
 use super::{AdamConfig, ClipConfig, HostAdamTensor, HostStepTensor, NonFinite, Parts, Rule, StepCount, StepList, StepReport, check_clip};
 use crate::cpu::Cpu;
 use crate::dtype::DType;
@@ -27,6 +28,8 @@ struct Piece {
     end: u64,
     /// The step number this update takes (its parameter's count + 1).
     step: f64,
+    /// Its group's hyperparameters.
+    h: Checked,
 }
 
 /// A rule's checked hyperparameters, as its arithmetic takes them.
@@ -149,9 +152,8 @@ impl Cpu {
         unsafe { self.step_raw(&parts, rule, count, clip, loss_scale, found_inf) }
     }
 
-    /// The step over host addresses (a loss scale of 1 and no overflow: an unscaled step): the
-    /// gradients' norm (with a clip), [`Cpu::step_verdict`], then [`Cpu::update_raw`] unless the
-    /// step is skipped.
+    /// The step over host addresses of one group with its count as a value: the gradients'
+    /// norm (with a clip), [`Cpu::step_verdict`], then the update unless the step is skipped.
     ///
     /// # Safety
     /// Every part is live host memory of its length and dtype, the written parts (parameters,
@@ -175,12 +177,8 @@ impl Cpu {
             Some(c) => Some(unsafe { self.total_norm_raw(list.grads(), c.norm_type, false) }?.norm),
         };
         let (r, factor) = self.step_verdict(norm, clip, loss_scale, found_inf)?;
-        if r.skipped {
-            count.skipped += 1;
-        } else {
-            // SAFETY: the caller's contract, checked above.
-            unsafe { update_checked(list.group(0).0, h, count, factor) };
-        }
+        // SAFETY: the caller's contract, checked above.
+        unsafe { update_groups(&list, &mut [(h, count)], r.skipped, factor) };
         Ok(r)
     }
 
@@ -238,29 +236,62 @@ impl Cpu {
     pub fn clip_from_norm(&self, norm: f64, clip: &ClipConfig) -> Result<StepReport> {
         Ok(self.step_verdict(Some(norm), Some(clip), 1.0, false)?.0)
     }
+}
 
-    /// The update half over one parameter group: every gradient multiplied by `coef` as it is
-    /// read (1: no clip), `count.steps` advanced.
-    ///
-    /// # Safety
-    /// As [`Cpu::step_raw`].
-    pub unsafe fn update_raw(&self, parts: &[Parts], rule: &Rule, count: &mut StepCount, coef: f64) -> Result<()> {
-        let list = StepList::new(&[(parts.to_vec(), rule.states())])?;
-        // SAFETY: the caller's contract.
-        unsafe { self.update_list_raw(&list, 0, rule, count, coef) }
-    }
-
-    /// [`Cpu::update_raw`] over group `group` of a [`StepList`], checked when it was made (no
-    /// per-step check of its tensors); the list must have been made for the rule's states.
-    ///
-    /// # Safety
-    /// As [`Cpu::step_raw`], for the list's tensors.
-    pub unsafe fn update_list_raw(&self, list: &StepList, group: usize, rule: &Rule, count: &mut StepCount, coef: f64) -> Result<()> {
-        let h = Checked::of(rule)?;
-        let parts = list.group_for(group, rule)?;
-        // SAFETY: the caller's contract; the list was checked when made.
-        unsafe { update_checked(parts, h, count, coef) };
-        Ok(())
+impl StepBackend for Cpu {
+    /// The CPU's step over every group ([`StepBackend::step_list`]): the norm read or taken
+    /// here, every group's learning rate read and checked, then one parallel pass over every
+    /// group's parameters.
+    unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses) -> Result<Option<f64>> {
+        check_step(list, groups, inputs)?;
+        let clip = inputs.clip.as_ref();
+        // SAFETY: (every read and write) the caller's contract: each address not 0 is host memory
+        // of its size, aligned (checked).
+        unsafe {
+            let norm = match clip {
+                None => None,
+                Some(c) if inputs.norm_in == 0 => Some(self.total_norm_raw(list.grads(), c.norm_type, false)?.norm),
+                Some(_) => Some((inputs.norm_in as *const f64).read()),
+            };
+            if let (Some(n), true) = (norm, inputs.norm_out != 0) {
+                (inputs.norm_out as *mut f64).write(n); // before the verdict, which may refuse it
+            }
+            let scale = if inputs.loss_scale == 0 {
+                1.0
+            } else {
+                (inputs.loss_scale as *const f32).read() as f64
+            };
+            let overflow = inputs.found_inf != 0 && (inputs.found_inf as *const f32).read() != 0.0;
+            let (verdict, factor) = self.step_verdict(norm, clip, scale, overflow)?;
+            // Every group's learning rate (read here when it is an input) checked before any update.
+            let mut rules = Vec::with_capacity(groups.len());
+            for g in groups {
+                let rule = if g.lr_in == 0 {
+                    g.rule
+                } else {
+                    g.rule.with_lr((g.lr_in as *const f64).read())
+                };
+                rules.push(Checked::of(&rule)?);
+            }
+            let mut counts: Vec<StepCount> = groups
+                .iter()
+                .map(|g| {
+                    let w = g.count as *const u64;
+                    StepCount {
+                        steps: w.read(),
+                        skipped: w.add(1).read(),
+                    }
+                })
+                .collect();
+            let mut each: Vec<(Checked, &mut StepCount)> = rules.into_iter().zip(counts.iter_mut()).collect();
+            update_groups(list, &mut each, verdict.skipped, factor);
+            for (g, c) in groups.iter().zip(&counts) {
+                let w = g.count as *mut u64;
+                w.write(c.steps);
+                w.add(1).write(c.skipped);
+            }
+            Ok(norm)
+        }
     }
 }
 
@@ -277,39 +308,47 @@ fn check_loss_scale(loss_scale: f64) -> Result<()> {
     }
 }
 
-/// The update of parts that passed [`super::check`]: every gradient multiplied by `coef` as it is read,
-/// `count.steps` advanced, and each parameter's own step count (when it has one) stepped from and
-/// advanced, as the GPU kernel does; parameters whose gradient is absent left as they are.
+/// The update of every group of a checked list (`groups`: each group's hyperparameters, checked
+/// for the rule the group was checked for, and its count), in one parallel pass: every gradient
+/// multiplied by `coef` as it is read, each group's `count.steps` advanced, and each parameter's
+/// own step count (when it has one) stepped from and advanced, as the GPU kernel does;
+/// parameters whose gradient is absent left as they are. A `skipped` step writes nothing but
+/// each group's `count.skipped`.
 ///
 /// # Safety
-/// As [`Cpu::step_raw`], and `parts` passed [`super::check`] for the rule of `h`.
-unsafe fn update_checked(parts: &[Parts], h: Checked, count: &mut StepCount, coef: f64) {
-    // SAFETY: an own step count is one f32 of live host memory (checked; the caller's contract).
-    let step_of = |p: &Parts| {
-        1.0 + p
-            .step
-            .map_or(count.steps as f64, |s| unsafe { (s.addr as *const f32).read() } as f64)
-    };
-    let pieces: Vec<Piece> = parts
-        .iter()
-        .flat_map(|&parts| {
+/// As [`Cpu::step_raw`], for the list's tensors.
+unsafe fn update_groups(list: &StepList, groups: &mut [(Checked, &mut StepCount)], skipped: bool, coef: f64) {
+    if skipped {
+        for (_, c) in groups.iter_mut() {
+            c.skipped += 1;
+        }
+        return;
+    }
+    let mut pieces: Vec<Piece> = Vec::new();
+    for (g, (h, count)) in groups.iter().enumerate() {
+        for &parts in list.group(g).0 {
             let len = parts.grad.len; // the parameter's, or 0 for an absent gradient
-            let step = step_of(&parts);
-            (0..len.div_ceil(PIECE)).map(move |i| Piece {
+            // SAFETY: an own step count is one f32 of live host memory (checked; the caller's contract).
+            let step = 1.0
+                + parts
+                    .step
+                    .map_or(count.steps as f64, |s| unsafe { (s.addr as *const f32).read() } as f64);
+            pieces.extend((0..len.div_ceil(PIECE)).map(|i| Piece {
                 parts,
                 start: i * PIECE,
                 end: ((i + 1) * PIECE).min(len),
                 step,
-            })
-        })
-        .collect();
-    // SAFETY: check() matched every part's length and dtype to its parameter's and found no
-    // written part overlapping any other part; the pieces of one tensor are disjoint element
-    // ranges; the memory is the caller's (contract).
+                h: *h,
+            }));
+        }
+    }
+    // SAFETY: the list's checks matched every part's length and dtype to its parameter's and
+    // found no written part overlapping any other part; the pieces of one tensor are disjoint
+    // element ranges; the memory is the caller's (contract).
     crate::cpu::workers::for_each_index(pieces.len(), |i| unsafe {
         let p = &pieces[i];
         let states = p.parts.states.iter().take_while(|s| s.is_some()).count();
-        match h {
+        match p.h {
             Checked::Adam(h) => update_piece(
                 p,
                 states,
@@ -320,10 +359,12 @@ unsafe fn update_checked(parts: &[Parts], h: Checked, count: &mut StepCount, coe
             Checked::Lion(h) => update_piece(p, states, lion_scalars_f32(&h, coef), lion_scalars_f64(&h, coef)),
         }
     });
-    count.steps += 1;
-    for s in parts.iter().filter(|p| !p.grad_absent()).filter_map(|p| p.step) {
-        // SAFETY: as above; the pieces that read it have finished (the loop returned).
-        unsafe { *(s.addr as *mut f32) += 1.0 };
+    for (g, (_, count)) in groups.iter_mut().enumerate() {
+        count.steps += 1;
+        for s in list.group(g).0.iter().filter(|p| !p.grad_absent()).filter_map(|p| p.step) {
+            // SAFETY: as above; the pieces that read it have finished (the loop returned).
+            unsafe { *(s.addr as *mut f32) += 1.0 };
+        }
     }
 }
 

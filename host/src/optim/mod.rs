@@ -25,10 +25,12 @@
 //! # Ok::<(), gradclip::Error>(())
 //! ```
 
+pub mod backend;
 pub mod cpu;
 mod rule;
 mod step_list;
 
+pub use backend::{GroupStep, StepAddresses, StepBackend};
 pub use rule::{KernelArgs, LionConfig, Rule, SgdConfig};
 pub use step_list::StepList;
 

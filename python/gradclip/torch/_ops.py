@@ -94,13 +94,13 @@ def _register_step(step: Callable[..., torch.Tensor]):
     global _LIB
     _LIB = torch.library.Library("gradclip", "FRAGMENT")
     _LIB.define(
-        "optim_step_(Tensor(a!)[] params, Tensor?[] grads, Tensor(b!)[] states, Tensor(c!)[] steps, Tensor(d!)[] counts, "
+        "optim_step_(Tensor(a!)[] params, Tensor?[] grads, Tensor(b!)[] states, Tensor(c!)[] steps, Tensor(d!) counts, "
         "Tensor?[] lrs, int[] sizes, int[] kinds, float[] hypers, float[] clip, str nonfinite) -> Tensor"
     )
     _LIB.impl("optim_step_", step, "CompositeExplicitAutograd")
 
     def fake(params, grads, states, steps, counts, *rest):
-        return torch.empty((), dtype=torch.float64, device=counts[0].device)
+        return torch.empty((), dtype=torch.float64, device=counts.device)
 
     torch.library.register_fake("gradclip::optim_step_", fake, lib=_LIB)
     return torch.ops.gradclip.optim_step_.default

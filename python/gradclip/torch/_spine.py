@@ -15,7 +15,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .. import _native
-from .._engine import STEP_KINDS, _PLANNER, _capturing, _check_max_norm, _check_p, _clip_coef, _refuse_host_read_under_capture, _result_dtype, _rule_states, _stream_of
+from .._engine import STEP_KINDS, _PLANNER, group_hyper, _capturing, _check_max_norm, _check_p, _clip_coef, _refuse_host_read_under_capture, _result_dtype, _rule_states, _stream_of
 from . import _is_dtensor, _local, _ops, _step_norm, _whole_step
 
 
@@ -107,10 +107,12 @@ class _Layout:
     of a step needs of it: the tensors' device, the dtype torch returns their norm in, and whether
     the norm is global over process groups (DTensor parameters, a pipeline group)."""
 
-    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream")
+    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream", "tensor_lrs")
 
     def __init__(self, native, device, result_dtype, sharded):
         self.native, self.device, self.result_dtype, self.sharded = native, device, result_dtype, sharded
+        #: Some group's learning rate is a tensor: each step hands the engine its device copy.
+        self.tensor_lrs = False
         #: The step's tensors as a compiled step hands them to ``gradclip::optim_step_``
         #: (``_StepLists``), made after an eager step that a compiled step asked for.
         self.lists = None
@@ -175,6 +177,12 @@ def live_optimizers() -> list:
     return list(_LIVE)
 
 
+def _device_lr(lr, device) -> Optional[torch.Tensor]:
+    """A group's tensor learning rate as the engine reads it (float64 on the parameters' device),
+    or None for a number (the engine reads it from the group)."""
+    return lr.to(device=device, dtype=torch.float64) if isinstance(lr, torch.Tensor) else None
+
+
 def _nonfinite_step(norm_type: float, norm: torch.Tensor) -> RuntimeError:
     """The error of a step refused for a NaN or infinite norm (``nonfinite="error"``), one
     message for every update and path."""
@@ -188,8 +196,8 @@ class _ClippingStep:
     """The one optimizer spine of ``AdamW``, ``Adam``, ``SGD`` and ``Lion`` (mixed in before the
     torch class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``): the clip, the
     engine's step over the parameter groups, torch's step where the engine does not take one.
-    Each optimizer says what is its own: ``_hyper`` (its hyperparameters as the engine takes
-    them), ``_make_states`` (the states of parameters with their first gradient),
+    Each optimizer says what is its own: ``_RULE`` (the engine's rule that reads its groups'
+    hyperparameters), ``_make_states`` (the states of parameters with their first gradient),
     ``_torch_step`` and ``_after_load``."""
 
     def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip"):
@@ -198,9 +206,10 @@ class _ClippingStep:
         if update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}; got {update!r}")
         self.update = update
-        # gradclip's kernel counts each group's skipped steps on the device (two int64: steps,
-        # skipped); every parameter steps from its own torch "step", which the kernel advances.
-        self._counts: Dict[int, torch.Tensor] = {}
+        # gradclip's kernel counts each group's steps and skipped steps on the device (a row of
+        # two int64 per group, one tensor: ``_group_counts``); every parameter steps from its own
+        # torch "step", which the kernel advances.
+        self._counts: Optional[torch.Tensor] = None
         # The engine's reading of the parameter groups (_Layout), kept while the same parameters
         # and states come back; None before the first step and after load_state_dict.
         self._layout = None
@@ -299,7 +308,7 @@ class _ClippingStep:
             self.__dict__.setdefault(k, v)
         self.__dict__.setdefault("_reported", {"last_grad_norm": None, "skipped_steps": None})
         self.__dict__.setdefault("_given_norm", None)
-        self._counts = {}
+        self._counts = None
         self._layout = None
         if "_stepper" not in self.__dict__:  # unpickled (load_state_dict keeps its number and token)
             self._init_whole_step()
@@ -335,7 +344,7 @@ class _ClippingStep:
         if settings is not None:
             self.__dict__.update(settings)
         self._after_load()
-        self._counts = {}
+        self._counts = None
         self._layout = None
 
     def _after_load(self) -> None:
@@ -349,11 +358,9 @@ class _ClippingStep:
                     st["step"] = step.to(device=p.device, dtype=torch.float32)
 
     def _hyper(self, group):
-        """Adam's hyperparameters as the engine takes them: ``(kind, lr, h, flags)``."""
-        beta1, beta2 = group["betas"]
-        decoupled = self._DECOUPLED or group.get("decoupled_weight_decay", False)
-        h = (float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
-        return "adam", h, (bool(group["amsgrad"]), bool(group["maximize"]), bool(decoupled))
+        """``(kind, h, flags)``: ``group``'s hyperparameters as the engine takes them, by its
+        rule's keys (the engine's one table of them, which every step reads natively too)."""
+        return group_hyper(*self._RULE, group)
 
     def _make_states(self, group, params) -> None:
         """The states of ``params`` (parameters with their first gradient, or all of a group
@@ -365,8 +372,9 @@ class _ClippingStep:
     _SPARSE = "Adam does not support sparse gradients, please consider SparseAdam instead"
     #: The torch optimizer class whose fused step this one runs.
     _TORCH: type = torch.optim.Optimizer
-    #: Weight decay decoupled from the gradient (AdamW) unless the group says otherwise.
-    _DECOUPLED = False
+    #: The engine's rule and whether its weight decay is decoupled from the gradient (AdamW's)
+    #: unless a group says otherwise (Adam's ``decoupled_weight_decay``).
+    _RULE = ("adam", False)
 
     def _torch_step(self) -> None:
         """torch's fused step without its optimizer hooks: torch wraps each optimizer class's
@@ -401,7 +409,9 @@ class _ClippingStep:
         params = [p for g in self.param_groups for p in g["params"]]
         local = [_local(p) for p in params]
         sharded = dtensors or bool(self.shards_over) or self.pipeline_group is not None or self.norm_group is not None
-        return _Layout(native, local[0].device, _result_dtype(local), sharded)
+        layout = _Layout(native, local[0].device, _result_dtype(local), sharded)
+        layout.tensor_lrs = any(isinstance(g["lr"], torch.Tensor) for g in self.param_groups)
+        return layout
 
     def _gradclip_step(self) -> bool:
         """The step with gradclip's engine: with a clip, the norm over every group's gradients,
@@ -439,17 +449,12 @@ class _ClippingStep:
         # torch's allocator orders any reuse after this stream's work).
         scale_t = None if outer_scale is None else outer_scale.to(device=device, dtype=torch.float32)
         found_t = None if outer_found is None else outer_found.to(device=device, dtype=torch.float32)
-        hypers, keep = [], []
-        for i, group in enumerate(self.param_groups):
-            count = self._counts.get(i)
-            if count is None:
-                count = self._counts[i] = torch.zeros(2, dtype=torch.int64, device=device)
-                if i == 0:
-                    self._skipped = count[1]
-            lr = group["lr"]
-            lr_t = lr.to(device=device, dtype=torch.float64) if isinstance(lr, torch.Tensor) else None
-            keep.append(lr_t)
-            hypers.append((*self._hyper_of(group, lr_t is not None), count.data_ptr(), 0 if lr_t is None else lr_t.data_ptr()))
+        counts = self._group_counts(device)
+        # A tensor learning rate (on the device, float64, kept alive here until the step is
+        # enqueued) for each group that has one; None until a step finds one (the engine reads
+        # the others' hyperparameters from the groups themselves).
+        keep = [_device_lr(g["lr"], device) for g in self.param_groups] if layout.tensor_lrs else None
+        lrs = None if keep is None else [0 if t is None else t.data_ptr() for t in keep]
         # With GradScaler an overflow is expected: it skips the step, never raises.
         policy = "skip" if self.nonfinite == "error" and (scale_t is not None or found_t is not None) else self.nonfinite
         clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, policy)
@@ -468,10 +473,10 @@ class _ClippingStep:
             norm_in = norm_in.to(device=device, dtype=torch.float64).contiguous()
         inputs = (0 if scale_t is None else scale_t.data_ptr(), 0 if found_t is None else found_t.data_ptr())
         ptr = 0 if norm_in is None else norm_in.data_ptr()
-        for _ in range(4):
+        for _ in range(5):
             try:
                 with on_device:
-                    verdict, norm = _native.optim_step(layout.native, self.param_groups, hypers, (stream, clip, out.data_ptr(), ptr, *inputs))
+                    verdict, norm = _native.optim_step(layout.native, self.param_groups, self._RULE, counts.data_ptr(), lrs, (stream, clip, out.data_ptr(), ptr, *inputs))
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):
                     self.last_grad_norm = norm_out.to(dtype, copy=True)
@@ -481,6 +486,11 @@ class _ClippingStep:
                 break
             if verdict == _native.STEP_TORCH:
                 return False
+            if verdict == _native.STEP_LR_TENSORS:
+                layout.tensor_lrs = True
+                keep = [_device_lr(g["lr"], device) for g in self.param_groups]
+                lrs = [0 if t is None else t.data_ptr() for t in keep]
+                continue
             if verdict == _native.STEP_NEW_STATES:
                 # Parameters with their first gradient: torch makes their states (and checks
                 # them), the next call reads just those into the layout.
@@ -503,6 +513,21 @@ class _ClippingStep:
             if self.nonfinite == "skip":
                 self.skipped_steps = self._skipped
         return True
+
+    def _group_counts(self, device) -> torch.Tensor:
+        """Every group's (steps, skipped) on the device, a row per group of one int64 tensor
+        (one address for the engine, whatever the number of groups): made at the first step,
+        and again, keeping the rows it had, when groups were added."""
+        counts = self._counts
+        n = len(self.param_groups)
+        if counts is None or counts.shape[0] != n or counts.device != device:
+            fresh = torch.zeros((n, 2), dtype=torch.int64, device=device)
+            if counts is not None:
+                k = min(n, counts.shape[0])
+                fresh[:k] = counts[:k].to(device)
+            counts = self._counts = fresh
+            self._skipped = counts[0, 1]
+        return counts
 
     def _step_lists(self) -> _StepLists:
         """The step's tensors for the registered op, read from the groups and the state dict."""
@@ -660,7 +685,8 @@ class _ClippingStep:
             and self.nonfinite != "error"
             and getattr(self, "grad_scale", None) is None
             and getattr(self, "found_inf", None) is None
-            and len(self._counts) == len(self.param_groups)
+            and self._counts is not None
+            and self._counts.shape[0] == len(self.param_groups)
             and self._given_norm is None
         )
 
@@ -681,7 +707,7 @@ class _ClippingStep:
         grads = [p.grad for p in lists.params]
         if all(g is None for g in grads) or any(g is not None and not g.is_contiguous() for g in grads):
             return self._eager_step()
-        counts, lrs, kinds, hypers = [], [], [], []
+        lrs, kinds, hypers = [], [], []
         for i, group in enumerate(self.param_groups):
             lr_t = group["lr"] if isinstance(group["lr"], torch.Tensor) else None
             kind, lr, h, flags = self._hyper_of(group, lr_t is not None)
@@ -693,9 +719,8 @@ class _ClippingStep:
             lrs.append(None if lr_t is None else lr_t.to(device=self._layout.device, dtype=torch.float64))
             hypers.extend((lr, *h, *(float(f) for f in flags)))
             kinds.append(STEP_KINDS.index(kind))
-            counts.append(self._counts[i])
         clip = [] if self.max_grad_norm is None else [float(self.max_grad_norm), float(self.norm_type)]
-        norm = _ops.OPS.optim_step_(lists.params, grads, lists.states, lists.steps, counts, lrs, lists.sizes, kinds, hypers, clip, self.nonfinite)
+        norm = _ops.OPS.optim_step_(lists.params, grads, lists.states, lists.steps, self._counts, lrs, lists.sizes, kinds, hypers, clip, self.nonfinite)
         if clip:
             self._reported["last_grad_norm"] = norm.to(self._layout.result_dtype)
             if self.nonfinite == "skip":
@@ -719,7 +744,7 @@ class _ClippingStep:
         layout = self._layout
         if relist and layout is not None and layout.lists is None and self.update == "gradclip":
             layout.lists = self._step_lists()
-            _mark_static(layout.lists, self._counts.values())
+            _mark_static(layout.lists, [self._counts])
         return loss
 
     def _untraced_step(self, closure):

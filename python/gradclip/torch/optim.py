@@ -67,7 +67,7 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     """
 
     _TORCH = torch.optim.AdamW
-    _DECOUPLED = True
+    _RULE = ("adam", True)
 
     def __init__(
         self,
@@ -170,6 +170,7 @@ class SGD(_ClippingStep, torch.optim.SGD):
     """
 
     _TORCH = torch.optim.SGD
+    _RULE = ("sgd", False)
     # torch's SGD steps sparse gradients on its for-loop path; gradclip's runs torch's fused
     # kernel (or its own), which does not take them: say so, and what to use instead.
     _SPARSE = (
@@ -209,10 +210,6 @@ class SGD(_ClippingStep, torch.optim.SGD):
             maximize=maximize,
             fused=True,
         )
-
-    def _hyper(self, group):
-        h = (float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]), 0.0)
-        return "sgd", h, (bool(group["nesterov"]), bool(group["maximize"]), False)
 
     def _make_states(self, group, params) -> None:
         """A zero ``momentum_buffer`` (its first step makes it the gradient, as torch's does) and
@@ -269,6 +266,7 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     _SPARSE = "Lion does not support sparse gradients"
+    _RULE = ("lion", False)
 
     def __init__(
         self,
@@ -294,10 +292,6 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), True, None, False, update)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize))
-
-    def _hyper(self, group):
-        beta1, beta2 = group["betas"]
-        return "lion", (float(beta1), float(beta2), float(group["weight_decay"]), 0.0), (bool(group["maximize"]), False, False)
 
     def _make_states(self, group, params) -> None:
         """A zero ``exp_avg`` per parameter (the paper's initial momentum)."""

@@ -1,0 +1,107 @@
+//! One step over every parameter group of a [`StepList`], the same call on both backends
+//! ([`StepBackend`]: the CPU's [`crate::cpu::Cpu`] and the GPU's `GpuEngine`): each group its
+//! own [`Rule`] (hyperparameters), step count and optional device learning rate, one clip over
+//! all their gradients. On the GPU the groups of one kernel (every group of one optimizer) take
+//! one update launch whatever their number; on the CPU one parallel pass.
+
+use super::{ClipConfig, Rule, StepList};
+use crate::error::{Error, Result};
+
+/// One parameter group of a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupStep {
+    /// The group's update and hyperparameters.
+    pub rule: Rule,
+    /// The address of the group's step count: two u64 (steps, skipped) in the backend's memory,
+    /// 8-byte aligned, distinct for every group. Read when the step runs and advanced by it (its
+    /// `skipped` when the step is skipped).
+    pub count: u64,
+    /// The address of one f64 learning rate in the backend's memory, used instead of the rule's
+    /// and read when the step runs (a captured step takes each replay's), or 0.
+    pub lr_in: u64,
+}
+
+/// A step's inputs other than its tensors and groups, each an address in the backend's memory
+/// (0: none).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepAddresses {
+    /// The clip over every group's gradients, or None.
+    pub clip: Option<ClipConfig>,
+    /// Where the norm goes: on the GPU a NormOutput (three f64: the norm, the factor each
+    /// gradient is multiplied by, the non-finite flag), needed with a clip or a loss scale; on
+    /// the CPU its first f64 (the norm) when not 0. The norm of the gradients as they are
+    /// (scaled when they carry a loss scale).
+    pub norm_out: u64,
+    /// One f64: the global norm computed elsewhere (combined across ranks, or a trainer's), used
+    /// instead of the gradients' own, or 0.
+    pub norm_in: u64,
+    /// One f32: the loss scale the gradients carry (GradScaler's), divided out as each gradient
+    /// is read, the clip limiting the unscaled norm; or 0. With it, give the clip
+    /// [`super::NonFinite::Skip`].
+    pub loss_scale: u64,
+    /// One f32: nonzero skips the step (GradScaler's `found_inf`), or 0.
+    pub found_inf: u64,
+}
+
+/// A backend's step over every group of a checked [`StepList`].
+pub trait StepBackend {
+    /// One step of every group of `list` (`groups`: one per list group, in order, each with the
+    /// rule its group was checked for): with a clip, the norm over every group's gradients (or
+    /// `inputs.norm_in`), then every group's update multiplying each gradient by the one factor
+    /// as it reads it. Every check runs before anything is written; nothing is written when an
+    /// error is returned (but the norm output, under [`super::NonFinite::Error`]). Returns the
+    /// norm of the gradients as they are where the backend has it on the host (the CPU), None
+    /// where it stays on the device.
+    ///
+    /// # Safety
+    /// The list's tensors are live memory of the backend of their lengths and dtypes, the
+    /// written parts used by nothing else until the step has run; every address of `groups`
+    /// and `inputs` (not 0) is memory of the backend of its size, written before (on the GPU:
+    /// on the engine's stream), not freed before the step has run.
+    unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses) -> Result<Option<f64>>;
+}
+
+/// The checks of a step's groups and addresses that do not depend on the backend: one group per
+/// list group, each with the rule its group was checked for and valid hyperparameters, counts
+/// present, aligned and distinct, every address aligned to its size.
+pub(crate) fn check_step(list: &StepList, groups: &[GroupStep], inputs: &StepAddresses) -> Result<()> {
+    if groups.len() != list.groups() {
+        return Err(Error::LengthMismatch {
+            what: "the step's groups (one per group of the step list)",
+            expected: list.groups(),
+            found: groups.len(),
+        });
+    }
+    for (i, g) in groups.iter().enumerate() {
+        list.group_for(i, &g.rule)?;
+        g.rule.validate()?;
+        for (what, addr, must) in [
+            ("a group's step count", g.count, true),
+            ("a group's learning rate input", g.lr_in, false),
+        ] {
+            if (must && addr == 0) || !addr.is_multiple_of(8) {
+                return Err(Error::BadOutputAddress { what, addr });
+            }
+        }
+    }
+    let mut counts: Vec<u64> = groups.iter().map(|g| g.count).collect();
+    counts.sort_unstable();
+    if let Some(w) = counts.windows(2).find(|w| w[1] - w[0] < 16) {
+        return Err(Error::BadOutputAddress {
+            what: "a group's step count (each group needs its own two u64)",
+            addr: w[1],
+        });
+    }
+    super::check_clip(inputs.clip.as_ref())?;
+    for (what, addr, align) in [
+        ("the norm output", inputs.norm_out, 8),
+        ("the norm input", inputs.norm_in, 8),
+        ("the loss scale input", inputs.loss_scale, 4),
+        ("the found_inf input", inputs.found_inf, 4),
+    ] {
+        if !addr.is_multiple_of(align) {
+            return Err(Error::BadOutputAddress { what, addr });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,144 @@
+"""Many parameter groups in one step: the groups' own hyperparameters (layer-wise learning-rate
+decay, weight decay off for vectors, other betas, amsgrad, momentum), read from the groups at
+every step, against torch's optimizer with the same groups after torch's clip; a learning-rate
+schedule and tensor learning rates changing them between steps; groups added between steps; on
+CUDA, one update launch for all of them."""
+
+import pytest
+import torch
+
+from gradclip.torch import optim
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+LAYERS = 120  # two groups each: 240 groups
+
+
+def _model(device, dtype, seed, layers=LAYERS):
+    """A weight matrix and a bias vector per layer, as a ViT-like stack has them; the same
+    values twice (one model per optimizer)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [s for i in range(layers) for s in ((8 + i % 5, 16), (8 + i % 5,))]
+    values = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    return [[torch.nn.Parameter(v.to(device=device, dtype=dtype)) for v in values] for _ in range(2)]
+
+
+def _groups(params, kind, tensor_lr=False):
+    """Two groups per layer: its matrix with a learning rate decayed by depth, its vector with no
+    weight decay; the rules' other settings vary from layer to layer."""
+    out = []
+    for i in range(0, len(params), 2):
+        layer = i // 2
+        lr = 1e-2 * 0.97 ** (LAYERS - layer)
+        for j, wd in ((i, 0.05), (i + 1, 0.0)):
+            g = {"params": [params[j]], "lr": torch.tensor(lr) if tensor_lr and layer % 7 == 3 else lr, "weight_decay": wd}
+            if kind == "adamw":
+                g.update(betas=(0.9 - 0.01 * (layer % 3), 0.999 - 0.001 * (layer % 4)), eps=[1e-8, 1e-6][layer % 2], amsgrad=layer % 5 == 1)
+            else:
+                g.update(momentum=[0.0, 0.9, 0.5][layer % 3], dampening=0.0, nesterov=layer % 3 == 2)
+            out.append(g)
+    return out
+
+
+def _pair(kind, ours, ref, tensor_lr=False):
+    if kind == "adamw":
+        return optim.AdamW(_groups(ours, kind, tensor_lr), max_grad_norm=1.0), torch.optim.AdamW(_groups(ref, kind, tensor_lr), foreach=False)
+    return optim.SGD(_groups(ours, kind, tensor_lr), lr=0.1, max_grad_norm=1.0), torch.optim.SGD(_groups(ref, kind, tensor_lr), lr=0.1, foreach=False)
+
+
+def _set_grads(step, ours, ref, seed):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    for k, (a, b) in enumerate(zip(ours, ref)):
+        grad = torch.randn(a.shape, generator=g, dtype=torch.float64) * 0.5
+        none = step > 0 and k % 11 == 5 and step % 2 == 1  # some layers idle at some steps
+        a.grad = None if none else grad.to(device=a.device, dtype=a.dtype)
+        b.grad = None if none else grad.to(device=b.device, dtype=b.dtype)
+
+
+def _assert_close(ours, ref, tol, what):
+    for k, (a, b) in enumerate(zip(ours, ref)):
+        err = (a.detach().double().cpu() - b.detach().double().cpu()).abs().max().item()
+        assert err <= tol, f"{what}: parameter {k} off by {err}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_many_groups_equal_torch_after_torchs_clip(device, kind):
+    """240 groups, each with its own learning rate, weight decay and rule settings: six clipped
+    steps (some gradients None at some steps) equal torch's optimizer with the same groups after
+    torch's clip_grad_norm_, in float32, the norm reported as torch's."""
+    ours, ref = _model(device, torch.float32, 1)
+    opt, ref_opt = _pair(kind, ours, ref)
+    for step in range(6):
+        _set_grads(step, ours, ref, 1)
+        opt.step()
+        norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+        assert abs(opt.last_grad_norm.item() - norm.item()) <= 1e-5 * norm.item(), step
+        _assert_close(ours, ref, 2e-6, f"{kind} step {step}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_schedules_and_tensor_rates_change_the_groups_between_steps(device):
+    """A layer-wise schedule (LambdaLR) changes every group's rate each step, some groups' rates
+    are tensors, and a group's weight decay and betas are edited between steps: each step reads
+    the groups as they are then, as torch's does."""
+    ours, ref = _model(device, torch.float32, 2)
+    opt, ref_opt = _pair("adamw", ours, ref, tensor_lr=True)
+    lam = lambda s: 0.9**s  # noqa: E731
+    sched, ref_sched = torch.optim.lr_scheduler.LambdaLR(opt, lam), torch.optim.lr_scheduler.LambdaLR(ref_opt, lam)
+    for step in range(5):
+        _set_grads(step, ours, ref, 2)
+        if step == 3:
+            for o in (opt, ref_opt):
+                o.param_groups[4]["weight_decay"] = 0.3
+                o.param_groups[9]["betas"] = (0.5, 0.9)
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        _assert_close(ours, ref, 2e-6, f"step {step}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_groups_added_between_steps_keep_the_counts(device):
+    """A group added after some steps steps from its own start, the others keep theirs; the
+    skipped count of a non-finite step survives the new group."""
+    ours, ref = _model(device, torch.float32, 3, layers=6)
+    opt = optim.AdamW([{"params": ours[:4]}], lr=1e-2, max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW([{"params": ref[:4]}], lr=1e-2, foreach=False)
+    for step in range(6):
+        if step == 3:
+            opt.add_param_group({"params": ours[4:], "lr": 3e-3})
+            ref_opt.add_param_group({"params": ref[4:], "lr": 3e-3})
+        _set_grads(step, ours, ref, 3)
+        if step == 1:
+            ours[0].grad[0, 0] = float("nan")  # skipped: nothing written, counted
+            opt.step()
+            for p in ref:
+                p.grad = None
+            continue
+        opt.step()
+        torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]], 1.0)
+        ref_opt.step()
+        _assert_close(ours, ref, 2e-6, f"step {step}")
+    assert int(opt.skipped_steps) == 1
+    # ours[4] stepped at 3, 4 and 5; ours[5] idle at 3 and 5; ours[0] at every step but the skipped one.
+    assert [float(opt.state[ours[k]]["step"]) for k in (4, 5, 0)] == [3.0, 1.0, 5.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_one_update_launch_for_all_groups():
+    """On CUDA a clipped step over 240 groups launches the norm kernel and one update kernel,
+    as a step over one group does."""
+    ours, _ = _model("cuda", torch.bfloat16, 4)
+    opt = optim.AdamW(_groups(ours, "adamw"), max_grad_norm=1.0)
+    _set_grads(0, ours, ours, 4)
+    opt.step()  # the layout and states
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "gradclip" in e.name]
+    assert len(kernels) == 2 and "gradclip_adam" in kernels and any(k.startswith("gradclip_norm") for k in kernels), kernels
