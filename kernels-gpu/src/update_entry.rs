@@ -5,35 +5,31 @@
 //! `gradclip_loss_scale`, which makes that coefficient the whole factor of a loss-scaled step.
 //!
 //! Every optimizer kernel takes the same arguments (the host has one launch for them): the
-//! tables, the group table ([`UpdateGroup`]: each parameter group's learning rate, four
-//! hyperparameters `h` in the optimizer's order (Adam: beta1, beta2, eps, weight_decay; SGD:
-//! momentum, dampening, weight_decay, unused; Lion: beta1, beta2, weight_decay, unused), flags,
-//! device learning rate and step count), the norm output, the launch's flags, the task count,
-//! the overflow flag and the tensor count. One launch steps every group of one optimizer: a
-//! group costs a table entry, not a launch.
+//! tables, the count, the norm output, `lr`, four hyperparameters `h0..h3` in the optimizer's order
+//! (Adam: beta1, beta2, eps, weight_decay; SGD: momentum, dampening, weight_decay, unused;
+//! Lion: beta1, beta2, weight_decay, unused), the flags, the task count, the device learning rate
+//! and overflow flag, and the tensor count.
 //!
 //! # Safety (every optimizer kernel)
 //! Launched by the gradclip host with a grid of one block per task of a plan built from
 //! `tensors` (every part live device memory of its length and dtype, the states the optimizer
 //! keeps present, the written parts pairwise disjoint and disjoint from the gradients, each own
-//! step count one f32 disjoint from them all, each tensor's group an entry of `groups`),
-//! [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared memory, `counter` zero, `groups`
-//! `num_groups` entries whose counts are distinct and whose counts and learning rates (those not
-//! 0) are device memory, `norm` and `found_inf` (those not null) device memory, all written
-//! before the launch on its stream.
+//! step count one f32 disjoint from them all), [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared
+//! memory, `counter` zero, `count`, `norm`, `lr_in` and `found_inf` (those not null) device
+//! memory written before the launch on its stream.
 
-use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, SgdParams, UpdateGroup, UpdateTensorDesc, adam_flags};
+use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, SgdParams, UpdateCount, UpdateTensorDesc, adam_flags};
 use crate::adam::{gradient_factor, step_scalars_f32, step_scalars_f64};
-use crate::apply::{begin, chunk_any_f32, chunk_f64, dtypes, finish, group_lr, is_f64, step_of, task};
+use crate::apply::{begin, chunk_any_f32, chunk_f64, dtypes, finish, is_f64, step_of, task};
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 
 /// An optimizer kernel: the arguments every one takes, the step around its task (`begin`,
 /// `task`, `finish`), and `$body` for this block's task, with the tensor's descriptor `$d`, its
-/// chunk `$c`, its step number `$step`, the step's inputs `$s`, its group's learning rate `$lr`,
-/// four hyperparameters `$h` and flags `$flags` in scope.
+/// chunk `$c`, its step number `$step`, the step's inputs `$s`, the four hyperparameters `$h`
+/// and the flags `$flags` in scope.
 macro_rules! update_kernel {
-    ($(#[$doc:meta])* $name:ident, |$d:ident, $c:ident, $step:ident, $s:ident, $lr:ident, $h:ident, $flags:ident| $body:block) => {
+    ($(#[$doc:meta])* $name:ident, |$d:ident, $c:ident, $step:ident, $s:ident, $h:ident, $flags:ident| $body:block) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -43,28 +39,29 @@ macro_rules! update_kernel {
             tensors: *const UpdateTensorDesc,
             tasks: *const ChunkTask,
             counter: *mut u32,
-            groups: *const UpdateGroup,
-            num_groups: u64,
+            count: *mut UpdateCount,
             norm: *const NormOutput,
-            launch_flags: u32,
+            lr: f64,
+            h0: f64,
+            h1: f64,
+            h2: f64,
+            h3: f64,
+            $flags: u32,
             num_tasks: u64,
+            lr_in: *const f64,
             found_inf: *const f32,
             num_tensors: u64,
         ) {
-            // SAFETY: the module's contract (for begin, task, the group's entry, the walks and
-            // finish).
+            // SAFETY: the module's contract (for begin, task, the walks and finish).
             unsafe {
-                let $s = begin(norm, launch_flags, found_inf);
+                let $s = begin(count, norm, lr, $flags, lr_in, found_inf);
                 if let Some((d, $c)) = task(&$s, tensors, tasks, num_tasks) {
                     let $d = d.read();
-                    let g = groups.add($d.group as usize);
-                    let $step = step_of(g, &$d);
-                    let $lr = group_lr(g);
-                    let $h = (*g).h;
-                    let $flags = (*g).flags;
+                    let $step = step_of(&$s, &$d);
+                    let $h = [h0, h1, h2, h3];
                     $body
                 }
-                finish(&$s, tensors, counter, groups, num_groups, num_tasks, num_tensors);
+                finish(&$s, tensors, counter, count, num_tasks, num_tensors);
             }
         }
     };
@@ -74,9 +71,9 @@ update_kernel!(
     /// Adam / AdamW ([`crate::adam`]): states `exp_avg`, `exp_avg_sq` and, with amsgrad,
     /// `max_exp_avg_sq`; each parameter's bias correction from its own step count.
     gradclip_adam,
-    |d, c, step, s, lr, h, flags| {
+    |d, c, step, s, h, flags| {
         let h = AdamParams {
-            lr,
+            lr: s.lr,
             beta1: h[0],
             beta2: h[1],
             eps: h[2],
@@ -107,9 +104,9 @@ update_kernel!(
     /// SGD ([`crate::sgd`]): with momentum, state `momentum_buffer` (its first step, from the
     /// parameter's own count, takes the gradient); without, no state.
     gradclip_sgd,
-    |d, c, step, s, lr, h, flags| {
+    |d, c, step, s, h, flags| {
         let h = SgdParams {
-            lr,
+            lr: s.lr,
             momentum: h[0],
             dampening: h[1],
             weight_decay: h[2],
@@ -137,9 +134,9 @@ update_kernel!(
 update_kernel!(
     /// Lion ([`crate::lion`]): state `exp_avg` (no step count: the update has no bias correction).
     gradclip_lion,
-    |d, c, _step, s, lr, h, flags| {
+    |d, c, _step, s, h, flags| {
         let h = LionParams {
-            lr,
+            lr: s.lr,
             beta1: h[0],
             beta2: h[1],
             weight_decay: h[2],

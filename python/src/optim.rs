@@ -4,9 +4,9 @@
 //! parameters' addresses, reads every parameter's `.grad` here (a None gradient leaves its
 //! parameter as torch's step leaves it, its own step count included), recognizes the gradients
 //! without holding them ([`crate::step_grads`]), reads every group's hyperparameters
-//! ([`crate::hyper`]), and runs the norm (with a clip) and the update of every group: on CUDA
-//! the norm kernel and one update launch for all the groups on torch's stream, on the CPU the
-//! CPU backend. The checks of a
+//! ([`crate::hyper`]), and runs the norm (with a clip) and the update of every group in one
+//! [`StepBackend::step_list`]: on CUDA the norm kernel and each group's update launch on torch's
+//! stream, on the CPU the CPU backend's one parallel pass. The checks of a
 //! step's tensors (lengths, dtypes, no written part sharing a byte with another) run when its
 //! gradients' addresses change, once ([`StepList`]).
 
@@ -682,7 +682,7 @@ impl StepInputs {
 /// backend. `clip` = (max_norm, p, nonfinite) or None: the norm over every gradient (on CUDA to
 /// the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the global norm in the float64 at
 /// `norm_in` (sharded parameters: combined across ranks), then every group's update reads its
-/// coefficient (on CUDA one launch for all the groups). `loss_scale` and `found_inf`: addresses
+/// coefficient. `loss_scale` and `found_inf`: addresses
 /// of one float32 each on the tensors' device, or 0 (GradScaler's scale, divided out as every
 /// gradient is read, the clip limiting the unscaled norm; its overflow flag, which skips the
 /// step). On the CPU, `norm_out` (when not 0) gets the norm as one float64 too, also when a

@@ -323,8 +323,8 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
 
 /// Every parameter in a group of its own, each group with other hyperparameters (Adam / AdamW
 /// with and without amsgrad, maximize and weight decay, learning rates apart; one group's rate
-/// in device memory), first all Adam (one update launch), then Adam, SGD and Lion groups in one
-/// list (a launch per kernel): the GPU's multi-group step equals the CPU backend's bit for bit
+/// in device memory), first all Adam, then Adam, SGD and Lion groups in one list: the GPU's
+/// multi-group step equals the CPU backend's bit for bit
 /// over three clipped steps, every group's count advanced on both, the norm the same.
 fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
     use cudarc::driver::DevicePtr;

@@ -4,7 +4,7 @@
 //! norm kernel (its last block writes the norm, the clip coefficient and the non-finite flag to
 //! a [`DeviceNorm`]), then the rule's update kernel, which multiplies each gradient by that
 //! coefficient as it reads it and, with [`NonFinite::Skip`], leaves everything untouched on a
-//! non-finite norm, every parameter group in that one launch. Two launches, no scale pass, no gradient write, no host synchronization
+//! non-finite norm (one launch per parameter group). Two launches for one group, no scale pass, no gradient write, no host synchronization
 //! (except [`NonFinite::Error`], which reads the norm). The step count lives on the device
 //! ([`DeviceStepCount`]), so a step can be captured in a CUDA graph: under capture its tables go
 //! to memory the graph owns, as the norm's do.
@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
-use gradclip_kernels::abi::{UpdateCount, UpdateGroup, flags, update_flags};
+use gradclip_kernels::abi::{UpdateCount, flags, update_flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::capture::{self, Capture};
@@ -409,7 +409,7 @@ impl GpuEngine {
     }
 }
 
-/// The update kernel of a rule: every group of one kernel takes one launch.
+/// The update kernel of a rule.
 fn kernel_of(rule: &Rule) -> Kernel {
     match rule {
         Rule::Adam(_) => Kernel::Adam,
@@ -418,25 +418,11 @@ fn kernel_of(rule: &Rule) -> Kernel {
     }
 }
 
-/// A group's entry in an update launch's group table.
-fn group_entry(g: &GroupStep) -> Result<UpdateGroup> {
-    let KernelArgs { lr, h, flags } = g.rule.args()?;
-    Ok(UpdateGroup {
-        lr,
-        h,
-        lr_in: g.lr_in,
-        count: g.count,
-        flags,
-        reserved: 0,
-    })
-}
-
 impl StepBackend for GpuEngine {
     /// The GPU's step over every group ([`StepBackend::step_list`]): with a clip, the norm kernel
     /// (or the norm given, made a NormOutput), the loss scale's one-thread launch when there is
-    /// one, then one update launch for all the groups of each kernel (every group of one
-    /// optimizer: a group costs an entry of the group table, not a launch). No host
-    /// synchronization (but [`NonFinite::Error`], which reads the norm); capturable otherwise.
+    /// one, then each group's update launch, reading the one factor. No host synchronization (but
+    /// [`NonFinite::Error`], which reads the norm); capturable otherwise.
     unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses) -> Result<Option<f64>> {
         // Every check before the norm is enqueued: nothing is written on an error.
         check_step(list, groups, inputs)?;
@@ -448,7 +434,7 @@ impl StepBackend for GpuEngine {
                 addr: norm,
             });
         }
-        let entries: Vec<UpdateGroup> = groups.iter().map(group_entry).collect::<Result<_>>()?;
+        let args: Vec<KernelArgs> = groups.iter().map(|g| g.rule.args()).collect::<Result<_>>()?;
         if let Some(c) = clip {
             // SAFETY: the caller's contract covers the gradients, `norm` and the norm input.
             unsafe {
@@ -463,28 +449,29 @@ impl StepBackend for GpuEngine {
         // NormOutput was written just above.
         let factor = unsafe { self.update_factor_raw(norm, clip, inputs.loss_scale) }?;
         let (norm_at, skip) = factor.map_or((0, false), |(n, skip)| (n, skip));
-        let flags = if skip { update_flags::SKIP_NONFINITE } else { 0 };
         let stream = self.stream().clone();
-        for kernel in [Kernel::Adam, Kernel::Sgd, Kernel::Lion] {
-            let launch: Vec<usize> = (0..groups.len()).filter(|&i| kernel_of(&groups[i].rule) == kernel).collect();
-            if launch.is_empty() {
-                continue;
-            }
-            let table: Vec<UpdateGroup> = launch.iter().map(|&i| entries[i]).collect();
-            let (tables, num_tasks, num_tensors) = self.updates.tables(&stream, list, &launch, &table)?;
-            // SAFETY: the tables were planned from the list's groups (checked for their rules:
+        for (i, (g, h)) in groups.iter().zip(args).enumerate() {
+            let h = KernelArgs {
+                flags: h.flags | if skip { update_flags::SKIP_NONFINITE } else { 0 },
+                ..h
+            };
+            let (tables, num_tasks) = self.updates.tables(&stream, list, i)?;
+            // SAFETY: the tables were planned from the group's parts (checked for its rule:
             // lengths, dtypes, states present, valid and disjoint memory) and uploaded on this
-            // stream; the counts are distinct (checked); the caller vouches for the memory of the
-            // parts, the counts, the NormOutput and the inputs.
+            // stream; the caller vouches for the memory of the parts, the count, the NormOutput
+            // and the inputs.
             unsafe {
                 launch::update(
                     &stream,
                     self.kernels(),
-                    kernel,
+                    kernel_of(&g.rule),
                     &tables,
-                    (num_tasks, num_tensors, table.len() as u64),
+                    num_tasks,
+                    list.group(i).0.len() as u64,
+                    g.count,
                     norm_at,
-                    flags,
+                    &h,
+                    g.lr_in,
                     inputs.found_inf,
                 )
             }?;

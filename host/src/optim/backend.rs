@@ -1,8 +1,9 @@
 //! One step over every parameter group of a [`StepList`], the same call on both backends
 //! ([`StepBackend`]: the CPU's [`crate::cpu::Cpu`] and the GPU's `GpuEngine`): each group its
 //! own [`Rule`] (hyperparameters), step count and optional device learning rate, one clip over
-//! all their gradients. On the GPU the groups of one kernel (every group of one optimizer) take
-//! one update launch whatever their number; on the CPU one parallel pass.
+//! all their gradients. On the GPU each group takes one update launch (the kernels take one
+//! group's hyperparameters as arguments: benches/device/patches/one-update-launch.patch puts
+//! them in a table, for all the groups in one launch); on the CPU one parallel pass.
 
 use super::{ClipConfig, Rule, StepList};
 use crate::error::{Error, Result};
