@@ -55,7 +55,7 @@ from . import _frames, _ops
 
 _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
-__all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_", "Shards"]
+__all__ = ["clip_grad_norm_", "clip_grad_norms_", "get_total_norm", "clip_grads_with_norm_", "Shards"]
 
 
 def _as_list(tensors: _TensorOrTensors) -> List[torch.Tensor]:
@@ -417,3 +417,5 @@ def _scale_list(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Te
 
 
 _ops.register(_norm_of_list, _clip_list, _scale_list, _result_dtype, _list_step)
+
+from .clip_groups import clip_grad_norms_  # noqa: E402 (over the functions above)
