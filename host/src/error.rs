@@ -176,6 +176,12 @@ pub enum Error {
         /// That state's dtype.
         first_dtype: DType,
     },
+    /// A step's clip groups do not fit its groups (optim::StepAddresses::clip_groups).
+    #[error("clip groups: {detail}")]
+    ClipGroups {
+        /// What is wrong, naming the group or clip group by position.
+        detail: String,
+    },
     /// A hyperparameter is outside its valid range (torch's checks).
     #[error("invalid {what}: {value} (valid: {valid})")]
     InvalidHyperparameter {

@@ -678,7 +678,9 @@ impl StepInputs {
 /// its dict, [`crate::hyper`]); `counts`: the address of every group's two int64 (steps,
 /// skipped), group after group, on the tensors' device; `lrs`: for a group whose `lr` is a
 /// tensor, the address of its value as one float64 on that device (0 for the others), or None
-/// when no group's is; `inputs`: a [`StepInputs`]. On CUDA on `stream`, on the CPU with the CPU
+/// when no group's is; `inputs`: a [`StepInputs`]; `clip_groups`: named clip groups
+/// ([`ClipGroups`]: `norm_out` then holds three float64 per clip group, `norm_in` one), or None
+/// for one clip over every group. On CUDA on `stream`, on the CPU with the CPU
 /// backend. `clip` = (max_norm, p, nonfinite) or None: the norm over every gradient (on CUDA to
 /// the 3 float64 at `norm_out`), or, when `norm_in` is not 0, the global norm in the float64 at
 /// `norm_in` (sharded parameters: combined across ranks), then every group's update reads its
@@ -691,6 +693,8 @@ impl StepInputs {
 /// for the last four) and a payload: on the CPU the norm (None on CUDA: it stays on the device);
 /// with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
+// The arguments are the Python call's, one per concern of the step.
+#[allow(clippy::too_many_arguments)]
 pub fn optim_step(
     py: Python<'_>,
     layout: &Bound<'_, StepLayout>,
@@ -699,6 +703,7 @@ pub fn optim_step(
     counts: u64,
     lrs: Option<Vec<u64>>,
     inputs: StepInputs,
+    clip_groups: Option<ClipGroups>,
 ) -> PyResult<(u8, Option<Py<PyAny>>)> {
     let l = layout.get();
     let (kind, decoupled) = (hyper::kind_index(&rule.0)?, rule.1);
@@ -746,26 +751,40 @@ pub fn optim_step(
     }
     let place = kept.place;
     let started = Instant::now();
-    let r = run_step(py, place, &list, &hypers, inputs);
+    let r = run_step(py, place, &list, &hypers, inputs, &clip_groups.unwrap_or_default());
     kept.timings[4] = started.elapsed().as_nanos() as u64;
     let (verdict, norm) = r?;
     Ok((verdict, norm.map(|n| pyo3::types::PyFloat::new(py, n).into_any().unbind())))
 }
 
+/// A step's named clip groups as Python passes them: each clip group's threshold (None: measured
+/// only) and each group's clip group; both empty for one clip over every group.
+pub(crate) type ClipGroups = (Vec<Option<f64>>, Vec<usize>);
+
 /// The norm (with a clip) and every group's update of a checked step list: one
 /// [`StepBackend::step_list`] on the tensors' backend. Returns the verdict and, on the CPU, the
 /// norm (on CUDA it stays on the device).
-pub(crate) fn run_step(py: Python<'_>, place: Place, list: &StepList, hypers: &[Hyper], inputs: Inputs) -> PyResult<(u8, Option<f64>)> {
+pub(crate) fn run_step(
+    py: Python<'_>,
+    place: Place,
+    list: &StepList,
+    hypers: &[Hyper],
+    inputs: Inputs,
+    clips: &ClipGroups,
+) -> PyResult<(u8, Option<f64>)> {
     let groups: Vec<GroupStep> = hypers
         .iter()
-        .map(|h| GroupStep {
+        .enumerate()
+        .map(|(i, h)| GroupStep {
             rule: h.rule,
             count: h.count,
             lr_in: h.lr_in,
+            clip_group: clips.1.get(i).copied().unwrap_or(0),
         })
         .collect();
     let addresses = StepAddresses {
         clip: inputs.clip,
+        clip_groups: &clips.0,
         norm_out: inputs.norm_out,
         norm_in: inputs.norm_in,
         loss_scale: inputs.loss_scale,

@@ -325,7 +325,8 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
 /// with and without amsgrad, maximize and weight decay, learning rates apart; one group's rate
 /// in device memory), first all Adam, then Adam, SGD and Lion groups in one list: the GPU's
 /// multi-group step equals the CPU backend's bit for bit
-/// over three clipped steps, every group's count advanced on both, the norm the same.
+/// over three clipped steps, every group's count advanced on both, the norm the same; and the
+/// groups in two named clip groups, one clipped, one measured, each with its own norm.
 fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
     use cudarc::driver::DevicePtr;
     use gradclip::cpu::Cpu;
@@ -356,14 +357,20 @@ fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
         })
         .collect();
     let all_adam: Vec<Rule> = (0..9).map(|i| adams[i % adams.len()]).collect();
-    for (what, rules) in [("all Adam", &all_adam), ("Adam, SGD and Lion", &mixed)] {
+    // Named clip groups: the groups alternately in a clipped one and a measured one.
+    let two: &[Option<f64>] = &[Some(0.05), None];
+    for (what, rules, clip_groups) in [
+        ("all Adam", &all_adam, &[][..]),
+        ("Adam, SGD and Lion", &mixed, &[][..]),
+        ("two clip groups", &mixed, two),
+    ] {
         let (mut host, dev) = adam_parts_on_both(gpu, 500);
         let mut host_steps: Vec<f32> = (0..host.len()).map(|i| (i % 4) as f32).collect();
         let dev_steps = gpu.stream.clone_htod(&host_steps).unwrap();
         let mut host_counts = vec![0u64; 2 * rules.len()];
         let dev_counts = gpu.stream.alloc_zeros::<u64>(2 * rules.len()).unwrap();
-        let dev_norm = gpu.stream.alloc_zeros::<f64>(3).unwrap();
-        let mut host_norm = [0.0f64; 3];
+        let dev_norm = gpu.stream.alloc_zeros::<f64>(6).unwrap();
+        let mut host_norm = [0.0f64; 6];
         let (host_lr, dev_lr) = (2.5e-3f64, gpu.stream.clone_htod(&[2.5e-3f64]).unwrap());
         let mut engine = gpu.engine();
         for step in 1..=3 {
@@ -399,12 +406,14 @@ fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
                         rule: *r,
                         count: counts + 16 * i as u64,
                         lr_in: if i == 2 { lr } else { 0 },
+                        clip_group: if clip_groups.is_empty() { 0 } else { i % 2 },
                     })
                     .collect()
             };
             let clip = Some(ClipConfig::new(0.05));
             let at = |norm_out: u64| StepAddresses {
                 clip,
+                clip_groups,
                 norm_out,
                 ..Default::default()
             };
@@ -436,6 +445,14 @@ fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
             let g = gpu.stream.clone_dtoh(&dev_norm).unwrap();
             ensure(same_bits(g[0], norm) && same_bits(host_norm[0], norm), || {
                 format!("{what}: norm {} vs {norm}", g[0])
+            })?;
+            // The second clip group's norm too (its factor the measured clip's: 1).
+            ensure(clip_groups.is_empty() || (same_bits(g[3], host_norm[3]) && g[4] == 1.0), || {
+                format!(
+                    "{what}: second clip group's output {:?} vs the CPU's norm {}",
+                    &g[3..],
+                    host_norm[3]
+                )
             })?;
         }
     }

@@ -782,6 +782,7 @@ fn many_groups_step_as_each_alone() {
                 rule: rules[i],
                 count: counts.as_mut_ptr() as u64 + 16 * i as u64,
                 lr_in: if i == 3 { lr_at } else { 0 },
+                clip_group: 0,
             })
             .collect()
     };
@@ -849,4 +850,118 @@ fn many_groups_step_as_each_alone() {
     assert!(matches!(e, Err(Error::LengthMismatch { .. })), "{e:?}");
     assert_eq!(snapshot(&together), before);
     assert!(counts.chunks(2).all(|c| c == [2, 0]));
+}
+
+/// Named clip groups ([`StepAddresses::clip_groups`]): groups in three clip groups (two clipped
+/// with their own thresholds, one measured) step bit for bit as each clip group stepped alone
+/// with one clip of its threshold (the measured one with no clip), each clip group's norm in
+/// its own output; one clip group's non-finite norm skips its groups alone (their counts say
+/// so); bad clip groups are refused before anything is written.
+#[test]
+fn clip_groups_step_as_separate_clips() {
+    use gradclip::optim::{GroupStep, Parts, Rule, StepAddresses, StepBackend, StepList};
+    let n = 12;
+    let lens: Vec<usize> = (0..n).map(|i| 50 + 31 * i).collect();
+    let rule = Rule::Adam(AdamConfig::adamw(1e-2));
+    let clip_of = |i: usize| i % 3;
+    let thresholds = [Some(0.3), Some(2.0), None];
+    let (mut together, mut alone) = (slots::<f32, f32>(21, &lens), slots::<f32, f32>(21, &lens));
+    let list_of =
+        |ps: &[Parts], at: &[usize]| StepList::new(&at.iter().map(|&i| (vec![ps[i]], rule.states())).collect::<Vec<_>>()).unwrap();
+    let mut counts = vec![0u64; 2 * n];
+    let mut alone_counts = vec![0u64; 2 * n];
+    let step_all = |s: &mut [Slot<f32, f32>], counts: &mut [u64], norm: &mut [f64; 9]| {
+        let ps: Vec<Parts> = s.iter_mut().map(|s| raw_parts(s, None)).collect();
+        let all: Vec<usize> = (0..n).collect();
+        let groups: Vec<GroupStep> = all
+            .iter()
+            .map(|&i| GroupStep {
+                rule,
+                count: counts.as_mut_ptr() as u64 + 16 * i as u64,
+                lr_in: 0,
+                clip_group: clip_of(i),
+            })
+            .collect();
+        let inputs = StepAddresses {
+            clip: Some(ClipConfig::new(1.0)),
+            clip_groups: &thresholds,
+            norm_out: norm.as_mut_ptr() as u64,
+            ..Default::default()
+        };
+        // SAFETY: every part, count and the norms are live vectors used by nothing else.
+        unsafe { Cpu::new().step_list(&list_of(&ps, &all), &groups, &inputs) }
+    };
+    for step in 1..=2u64 {
+        let mut norm = [0.0f64; 9];
+        step_all(&mut together, &mut counts, &mut norm).unwrap();
+        let ps: Vec<Parts> = alone.iter_mut().map(|s| raw_parts(s, None)).collect();
+        for (k, max) in thresholds.iter().enumerate() {
+            let at: Vec<usize> = (0..n).filter(|&i| clip_of(i) == k).collect();
+            let groups: Vec<GroupStep> = at
+                .iter()
+                .map(|&i| GroupStep {
+                    rule,
+                    count: alone_counts.as_mut_ptr() as u64 + 16 * i as u64,
+                    lr_in: 0,
+                    clip_group: 0,
+                })
+                .collect();
+            let mut out = [0.0f64; 3];
+            let clip = max.map(ClipConfig::new);
+            let inputs = StepAddresses {
+                clip,
+                norm_out: out.as_mut_ptr() as u64,
+                ..Default::default()
+            };
+            // SAFETY: as above.
+            unsafe { Cpu::new().step_list(&list_of(&ps, &at), &groups, &inputs) }.unwrap();
+            let want = Cpu::new()
+                .total_norm(
+                    &at.iter().map(|&i| HostGrad::from(&together[i].grad[..])).collect::<Vec<_>>(),
+                    NormType::L2,
+                    false,
+                )
+                .unwrap()
+                .norm;
+            assert_eq!(norm[3 * k], want, "clip group {k}'s norm");
+            if clip.is_some() {
+                assert_eq!(out[0], want);
+            }
+        }
+        assert_eq!(snapshot(&together), snapshot(&alone), "step {step}");
+        assert_eq!(counts, alone_counts);
+    }
+    // A NaN in clip group 1: its groups skip (counted), the others step.
+    together[4].grad[0] = f32::NAN;
+    let mut norm = [0.0f64; 9];
+    step_all(&mut together, &mut counts, &mut norm).unwrap();
+    for i in 0..n {
+        let want = if clip_of(i) == 1 { [2, 1] } else { [3, 0] };
+        assert_eq!(counts[2 * i..2 * i + 2], want, "group {i}");
+    }
+    // Refused, nothing written: a clip group that clips nothing, a group naming no clip group.
+    let before = (snapshot(&together), counts.clone());
+    let ps: Vec<Parts> = together.iter_mut().map(|s| raw_parts(s, None)).collect();
+    let all: Vec<usize> = (0..n).collect();
+    let list = list_of(&ps, &all);
+    for (clip_groups, k_of) in [(&[Some(1.0), Some(1.0), None, Some(1.0)][..], 3usize), (&[Some(1.0)][..], 2)] {
+        let groups: Vec<GroupStep> = all
+            .iter()
+            .map(|&i| GroupStep {
+                rule,
+                count: counts.as_mut_ptr() as u64 + 16 * i as u64,
+                lr_in: 0,
+                clip_group: i % k_of,
+            })
+            .collect();
+        let inputs = StepAddresses {
+            clip: Some(ClipConfig::new(1.0)),
+            clip_groups,
+            ..Default::default()
+        };
+        // SAFETY: as above.
+        let e = unsafe { Cpu::new().step_list(&list, &groups, &inputs) };
+        assert!(matches!(e, Err(Error::ClipGroups { .. })), "{e:?}");
+    }
+    assert_eq!((snapshot(&together), counts), before);
 }

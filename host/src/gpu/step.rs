@@ -23,7 +23,7 @@ use super::launch;
 use super::output::Dest;
 use super::words::from_words;
 use crate::error::{Error, Result};
-use crate::optim::backend::check_step;
+use crate::optim::backend::{check_step, clip_plans};
 use crate::optim::{
     AdamConfig, ClipConfig, GroupStep, KernelArgs, NonFinite, Parts, Rule, StepAddresses, StepBackend, StepCount, StepList, check_clip,
 };
@@ -284,9 +284,11 @@ impl GpuEngine {
             rule: *rule,
             count,
             lr_in: inputs.lr,
+            clip_group: 0,
         };
         let addresses = StepAddresses {
             clip: clip.copied(),
+            clip_groups: &[],
             norm_out: norm,
             norm_in: 0,
             loss_scale: inputs.loss_scale,
@@ -420,37 +422,51 @@ fn kernel_of(rule: &Rule) -> Kernel {
 
 impl StepBackend for GpuEngine {
     /// The GPU's step over every group ([`StepBackend::step_list`]): with a clip, the norm kernel
-    /// (or the norm given, made a NormOutput), the loss scale's one-thread launch when there is
-    /// one, then each group's update launch, reading the one factor. No host synchronization (but
-    /// [`NonFinite::Error`], which reads the norm); capturable otherwise.
-    unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses) -> Result<Option<f64>> {
+    /// (or the norm given, made a NormOutput) of each clip (one over every group, or one per clip
+    /// group), the loss scale's one-thread launch when there is one, then each group's update
+    /// launch, reading its clip's factor. Every norm is taken before any update (so that
+    /// [`NonFinite::Error`], which reads them, refuses before anything is written). No host
+    /// synchronization otherwise; capturable.
+    unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses<'_>) -> Result<Option<f64>> {
         // Every check before the norm is enqueued: nothing is written on an error.
         check_step(list, groups, inputs)?;
-        let clip = inputs.clip.as_ref();
         let norm = inputs.norm_out;
-        if (clip.is_some() || inputs.loss_scale != 0) && norm == 0 {
+        if (inputs.clip.is_some() || inputs.loss_scale != 0) && norm == 0 {
             return Err(Error::BadOutputAddress {
                 what: "the norm output (a clip or a loss scale needs one)",
                 addr: norm,
             });
         }
         let args: Vec<KernelArgs> = groups.iter().map(|g| g.rule.args()).collect::<Result<_>>()?;
-        if let Some(c) = clip {
-            // SAFETY: the caller's contract covers the gradients, `norm` and the norm input.
+        let (clips, clip_of) = clip_plans(groups, inputs);
+        let lists: Vec<Option<TensorList>> = clips.iter().map(|c| c.grads(list)).collect::<Result<_>>()?;
+        for (k, (c, grads)) in clips.iter().zip(&lists).enumerate() {
+            let out = norm + 24 * k as u64;
+            // SAFETY: the caller's contract covers the gradients, the outputs (one NormOutput
+            // per clip) and the norms given (one f64 per clip).
             unsafe {
                 if inputs.norm_in == 0 {
-                    self.clip_norm_raw(list.grads(), c, norm)?;
+                    self.clip_norm_raw(grads.as_ref().unwrap_or(list.grads()), &c.clip, out)?;
                 } else {
-                    self.clip_from_norm_raw(inputs.norm_in, c, norm)?;
+                    self.clip_from_norm_raw(inputs.norm_in + 8 * k as u64, &c.clip, out)?;
                 }
             }
         }
-        // SAFETY: the caller's contract covers `norm` and the loss scale; with a clip the
-        // NormOutput was written just above.
-        let factor = unsafe { self.update_factor_raw(norm, clip, inputs.loss_scale) }?;
-        let (norm_at, skip) = factor.map_or((0, false), |(n, skip)| (n, skip));
+        // Each clip's factor (one without a clip: the loss scale's alone, or none).
+        let factors: Vec<Option<(u64, bool)>> = if clips.is_empty() {
+            // SAFETY: the caller's contract covers `norm` and the loss scale.
+            vec![unsafe { self.update_factor_raw(norm, None, inputs.loss_scale) }?]
+        } else {
+            let mut f = Vec::with_capacity(clips.len());
+            for (k, c) in clips.iter().enumerate() {
+                // SAFETY: as above; the clip's NormOutput was written just above.
+                f.push(unsafe { self.update_factor_raw(norm + 24 * k as u64, Some(&c.clip), inputs.loss_scale) }?);
+            }
+            f
+        };
         let stream = self.stream().clone();
         for (i, (g, h)) in groups.iter().zip(args).enumerate() {
+            let (norm_at, skip) = factors[clip_of[i]].map_or((0, false), |(n, skip)| (n, skip));
             let h = KernelArgs {
                 flags: h.flags | if skip { update_flags::SKIP_NONFINITE } else { 0 },
                 ..h

@@ -7,6 +7,8 @@
 
 use super::{ClipConfig, Rule, StepList};
 use crate::error::{Error, Result};
+use crate::norm::validate_max_norm;
+use crate::tensor_list::TensorList;
 
 /// One parameter group of a step.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -20,21 +22,29 @@ pub struct GroupStep {
     /// The address of one f64 learning rate in the backend's memory, used instead of the rule's
     /// and read when the step runs (a captured step takes each replay's), or 0.
     pub lr_in: u64,
+    /// The clip group it is clipped with: an index of [`StepAddresses::clip_groups`] (0 when the
+    /// step has one clip over every group).
+    pub clip_group: usize,
 }
 
 /// A step's inputs other than its tensors and groups, each an address in the backend's memory
 /// (0: none).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct StepAddresses {
+pub struct StepAddresses<'a> {
     /// The clip over every group's gradients, or None.
     pub clip: Option<ClipConfig>,
-    /// Where the norm goes: on the GPU a NormOutput (three f64: the norm, the factor each
-    /// gradient is multiplied by, the non-finite flag), needed with a clip or a loss scale; on
-    /// the CPU its first f64 (the norm) when not 0. The norm of the gradients as they are
-    /// (scaled when they carry a loss scale).
+    /// Named clip groups: each group's gradients clipped by the norm of its clip group's alone
+    /// ([`GroupStep::clip_group`]), with that clip group's threshold (None: measured, not
+    /// clipped); `clip` then gives the norm type and the non-finite policy, and a non-finite norm
+    /// skips (or refuses) its clip group's updates. Empty: one clip over every group, `clip`'s.
+    pub clip_groups: &'a [Option<f64>],
+    /// Where the norm goes, one per clip group, 24 bytes apart: on the GPU a NormOutput (three
+    /// f64: the norm, the factor each gradient is multiplied by, the non-finite flag), needed
+    /// with a clip or a loss scale; on the CPU its first f64 (the norm) when not 0. The norm of
+    /// the gradients as they are (scaled when they carry a loss scale).
     pub norm_out: u64,
-    /// One f64: the global norm computed elsewhere (combined across ranks, or a trainer's), used
-    /// instead of the gradients' own, or 0.
+    /// The global norm computed elsewhere (combined across ranks, or a trainer's), one f64 per
+    /// clip group, used instead of the gradients' own; or 0.
     pub norm_in: u64,
     /// One f32: the loss scale the gradients carry (GradScaler's), divided out as each gradient
     /// is read, the clip limiting the unscaled norm; or 0. With it, give the clip
@@ -59,13 +69,57 @@ pub trait StepBackend {
     /// written parts used by nothing else until the step has run; every address of `groups`
     /// and `inputs` (not 0) is memory of the backend of its size, written before (on the GPU:
     /// on the engine's stream), not freed before the step has run.
-    unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses) -> Result<Option<f64>>;
+    unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses<'_>) -> Result<Option<f64>>;
+}
+
+/// One clip of a step: its settings (a measured clip group's threshold is infinite: its
+/// coefficient is 1 for a finite norm) and the groups it clips.
+pub(crate) struct ClipPlan {
+    pub(crate) clip: ClipConfig,
+    /// The groups' indices; None: every group (the list's own gradients, planned with it).
+    pub(crate) groups: Option<Vec<usize>>,
+}
+
+impl ClipPlan {
+    /// The gradients whose norm this clip takes: the list's own for every group, else its
+    /// groups' (a list planned here).
+    pub(crate) fn grads(&self, list: &StepList) -> Result<Option<TensorList>> {
+        let Some(members) = &self.groups else {
+            return Ok(None);
+        };
+        let grads: Vec<_> = members.iter().flat_map(|&g| list.group(g).0.iter().map(|p| p.grad)).collect();
+        TensorList::new(&grads).map(Some)
+    }
+}
+
+/// The clips of a checked step ([`check_step`]): none without a clip, one over every group, or
+/// one per clip group; and each group's clip.
+pub(crate) fn clip_plans(groups: &[GroupStep], inputs: &StepAddresses<'_>) -> (Vec<ClipPlan>, Vec<usize>) {
+    let Some(clip) = inputs.clip else {
+        return (Vec::new(), vec![0; groups.len()]);
+    };
+    if inputs.clip_groups.is_empty() {
+        return (vec![ClipPlan { clip, groups: None }], vec![0; groups.len()]);
+    }
+    let plans = inputs
+        .clip_groups
+        .iter()
+        .enumerate()
+        .map(|(k, max)| ClipPlan {
+            clip: ClipConfig {
+                max_norm: max.unwrap_or(f64::INFINITY),
+                ..clip
+            },
+            groups: Some((0..groups.len()).filter(|&i| groups[i].clip_group == k).collect()),
+        })
+        .collect();
+    (plans, groups.iter().map(|g| g.clip_group).collect())
 }
 
 /// The checks of a step's groups and addresses that do not depend on the backend: one group per
 /// list group, each with the rule its group was checked for and valid hyperparameters, counts
 /// present, aligned and distinct, every address aligned to its size.
-pub(crate) fn check_step(list: &StepList, groups: &[GroupStep], inputs: &StepAddresses) -> Result<()> {
+pub(crate) fn check_step(list: &StepList, groups: &[GroupStep], inputs: &StepAddresses<'_>) -> Result<()> {
     if groups.len() != list.groups() {
         return Err(Error::LengthMismatch {
             what: "the step's groups (one per group of the step list)",
@@ -94,6 +148,28 @@ pub(crate) fn check_step(list: &StepList, groups: &[GroupStep], inputs: &StepAdd
         });
     }
     super::check_clip(inputs.clip.as_ref())?;
+    let clips = inputs.clip_groups.len();
+    let bad = |detail: String| Err(Error::ClipGroups { detail });
+    if clips > 0 && inputs.clip.is_none() {
+        return bad(format!(
+            "{clips} clip groups without a clip (its norm type and non-finite policy): give a clip"
+        ));
+    }
+    for (k, max) in inputs.clip_groups.iter().enumerate() {
+        if let Some(m) = max {
+            validate_max_norm(*m)?;
+        }
+        if !groups.iter().any(|g| g.clip_group == k) {
+            return bad(format!("clip group {k} clips no parameter group: give each clip group some group"));
+        }
+    }
+    if let Some((i, g)) = groups.iter().enumerate().find(|(_, g)| g.clip_group >= clips.max(1)) {
+        return bad(format!(
+            "group {i} names clip group {}, but the step has {}",
+            g.clip_group,
+            clips.max(1)
+        ));
+    }
     for (what, addr, align) in [
         ("the norm output", inputs.norm_out, 8),
         ("the norm input", inputs.norm_in, 8),

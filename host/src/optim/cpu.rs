@@ -9,7 +9,7 @@ use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
 use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 use gradclip_kernels::update::ElementUpdate;
 
-use super::backend::{GroupStep, StepAddresses, StepBackend, check_step};
+use super::backend::{GroupStep, StepAddresses, StepBackend, check_step, clip_plans};
 use super::{AdamConfig, ClipConfig, HostAdamTensor, HostStepTensor, NonFinite, Parts, Rule, StepCount, StepList, StepReport, check_clip};
 use crate::cpu::Cpu;
 use crate::dtype::DType;
@@ -30,6 +30,8 @@ struct Piece {
     step: f64,
     /// Its group's hyperparameters.
     h: Checked,
+    /// The factor its gradients are multiplied by as they are read.
+    coef: f64,
 }
 
 /// A rule's checked hyperparameters, as its arithmetic takes them.
@@ -177,8 +179,14 @@ impl Cpu {
             Some(c) => Some(unsafe { self.total_norm_raw(list.grads(), c.norm_type, false) }?.norm),
         };
         let (r, factor) = self.step_verdict(norm, clip, loss_scale, found_inf)?;
+        let mut one = [GroupUpdate {
+            h,
+            count,
+            skipped: r.skipped,
+            coef: factor,
+        }];
         // SAFETY: the caller's contract, checked above.
-        unsafe { update_groups(&list, &mut [(h, count)], r.skipped, factor) };
+        unsafe { update_groups(&list, &mut one) };
         Ok(r)
     }
 
@@ -239,22 +247,29 @@ impl Cpu {
 }
 
 impl StepBackend for Cpu {
-    /// The CPU's step over every group ([`StepBackend::step_list`]): the norm read or taken
-    /// here, every group's learning rate read and checked, then one parallel pass over every
-    /// group's parameters.
-    unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses) -> Result<Option<f64>> {
+    /// The CPU's step over every group ([`StepBackend::step_list`]): each clip's norm read or
+    /// taken here, every verdict and every group's learning rate checked, then one parallel pass
+    /// over every group's parameters, each with its clip's factor.
+    unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses<'_>) -> Result<Option<f64>> {
         check_step(list, groups, inputs)?;
-        let clip = inputs.clip.as_ref();
+        let (clips, clip_of) = clip_plans(groups, inputs);
         // SAFETY: (every read and write) the caller's contract: each address not 0 is host memory
         // of its size, aligned (checked).
         unsafe {
-            let norm = match clip {
-                None => None,
-                Some(c) if inputs.norm_in == 0 => Some(self.total_norm_raw(list.grads(), c.norm_type, false)?.norm),
-                Some(_) => Some((inputs.norm_in as *const f64).read()),
-            };
-            if let (Some(n), true) = (norm, inputs.norm_out != 0) {
-                (inputs.norm_out as *mut f64).write(n); // before the verdict, which may refuse it
+            let mut norms = Vec::with_capacity(clips.len());
+            for (k, c) in clips.iter().enumerate() {
+                let n = if inputs.norm_in == 0 {
+                    let grads = c.grads(list)?;
+                    self.total_norm_raw(grads.as_ref().unwrap_or(list.grads()), c.clip.norm_type, false)?
+                        .norm
+                } else {
+                    ((inputs.norm_in + 8 * k as u64) as *const f64).read()
+                };
+                if inputs.norm_out != 0 {
+                    // Before the verdicts, which may refuse it.
+                    ((inputs.norm_out + 24 * k as u64) as *mut f64).write(n);
+                }
+                norms.push(n);
             }
             let scale = if inputs.loss_scale == 0 {
                 1.0
@@ -262,7 +277,18 @@ impl StepBackend for Cpu {
                 (inputs.loss_scale as *const f32).read() as f64
             };
             let overflow = inputs.found_inf != 0 && (inputs.found_inf as *const f32).read() != 0.0;
-            let (verdict, factor) = self.step_verdict(norm, clip, scale, overflow)?;
+            // Every clip's verdict (a refusal before anything is written), one without a clip.
+            let verdicts: Vec<(bool, f64)> = if clips.is_empty() {
+                let (r, f) = self.step_verdict(None, None, scale, overflow)?;
+                vec![(r.skipped, f)]
+            } else {
+                let mut v = Vec::with_capacity(clips.len());
+                for (c, &n) in clips.iter().zip(&norms) {
+                    let (r, f) = self.step_verdict(Some(n), Some(&c.clip), scale, overflow)?;
+                    v.push((r.skipped, f));
+                }
+                v
+            };
             // Every group's learning rate (read here when it is an input) checked before any update.
             let mut rules = Vec::with_capacity(groups.len());
             for g in groups {
@@ -283,14 +309,24 @@ impl StepBackend for Cpu {
                     }
                 })
                 .collect();
-            let mut each: Vec<(Checked, &mut StepCount)> = rules.into_iter().zip(counts.iter_mut()).collect();
-            update_groups(list, &mut each, verdict.skipped, factor);
+            let mut each: Vec<GroupUpdate<'_>> = rules
+                .into_iter()
+                .zip(counts.iter_mut())
+                .zip(&clip_of)
+                .map(|((h, count), &c)| GroupUpdate {
+                    h,
+                    count,
+                    skipped: verdicts[c].0,
+                    coef: verdicts[c].1,
+                })
+                .collect();
+            update_groups(list, &mut each);
             for (g, c) in groups.iter().zip(&counts) {
                 let w = g.count as *mut u64;
                 w.write(c.steps);
                 w.add(1).write(c.skipped);
             }
-            Ok(norm)
+            Ok(norms.first().copied())
         }
     }
 }
@@ -308,37 +344,45 @@ fn check_loss_scale(loss_scale: f64) -> Result<()> {
     }
 }
 
-/// The update of every group of a checked list (`groups`: each group's hyperparameters, checked
-/// for the rule the group was checked for, and its count), in one parallel pass: every gradient
-/// multiplied by `coef` as it is read, each group's `count.steps` advanced, and each parameter's
-/// own step count (when it has one) stepped from and advanced, as the GPU kernel does;
-/// parameters whose gradient is absent left as they are. A `skipped` step writes nothing but
-/// each group's `count.skipped`.
+/// One group's update as [`update_groups`] takes it.
+struct GroupUpdate<'a> {
+    /// Its hyperparameters, checked for the rule its group was checked for.
+    h: Checked,
+    count: &'a mut StepCount,
+    /// Its clip skips the step (a non-finite norm with [`NonFinite::Skip`], or an overflow).
+    skipped: bool,
+    /// The factor its gradients are multiplied by as they are read.
+    coef: f64,
+}
+
+/// The update of every group of a checked list in one parallel pass: every gradient multiplied
+/// by its group's factor as it is read, each group's `count.steps` advanced, and each
+/// parameter's own step count (when it has one) stepped from and advanced, as the GPU kernel
+/// does; parameters whose gradient is absent left as they are. A skipped group writes nothing
+/// but its `count.skipped`.
 ///
 /// # Safety
 /// As [`Cpu::step_raw`], for the list's tensors.
-unsafe fn update_groups(list: &StepList, groups: &mut [(Checked, &mut StepCount)], skipped: bool, coef: f64) {
-    if skipped {
-        for (_, c) in groups.iter_mut() {
-            c.skipped += 1;
-        }
-        return;
-    }
+unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>]) {
     let mut pieces: Vec<Piece> = Vec::new();
-    for (g, (h, count)) in groups.iter().enumerate() {
+    for (g, u) in groups.iter().enumerate() {
+        if u.skipped {
+            continue;
+        }
         for &parts in list.group(g).0 {
             let len = parts.grad.len; // the parameter's, or 0 for an absent gradient
             // SAFETY: an own step count is one f32 of live host memory (checked; the caller's contract).
             let step = 1.0
                 + parts
                     .step
-                    .map_or(count.steps as f64, |s| unsafe { (s.addr as *const f32).read() } as f64);
+                    .map_or(u.count.steps as f64, |s| unsafe { (s.addr as *const f32).read() } as f64);
             pieces.extend((0..len.div_ceil(PIECE)).map(|i| Piece {
                 parts,
                 start: i * PIECE,
                 end: ((i + 1) * PIECE).min(len),
                 step,
-                h: *h,
+                h: u.h,
+                coef: u.coef,
             }));
         }
     }
@@ -347,6 +391,7 @@ unsafe fn update_groups(list: &StepList, groups: &mut [(Checked, &mut StepCount)
     // element ranges; the memory is the caller's (contract).
     crate::cpu::workers::for_each_index(pieces.len(), |i| unsafe {
         let p = &pieces[i];
+        let coef = p.coef;
         let states = p.parts.states.iter().take_while(|s| s.is_some()).count();
         match p.h {
             Checked::Adam(h) => update_piece(
@@ -359,8 +404,12 @@ unsafe fn update_groups(list: &StepList, groups: &mut [(Checked, &mut StepCount)
             Checked::Lion(h) => update_piece(p, states, lion_scalars_f32(&h, coef), lion_scalars_f64(&h, coef)),
         }
     });
-    for (g, (_, count)) in groups.iter_mut().enumerate() {
-        count.steps += 1;
+    for (g, u) in groups.iter_mut().enumerate() {
+        if u.skipped {
+            u.count.skipped += 1;
+            continue;
+        }
+        u.count.steps += 1;
         for s in list.group(g).0.iter().filter(|p| !p.grad_absent()).filter_map(|p| p.step) {
             // SAFETY: as above; the pieces that read it have finished (the loop returned).
             unsafe { *(s.addr as *mut f32) += 1.0 };
