@@ -693,6 +693,7 @@ impl StepInputs {
 /// for the last four) and a payload: on the CPU the norm (None on CUDA: it stays on the device);
 /// with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
+#[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None))]
 // The arguments are the Python call's, one per concern of the step.
 #[allow(clippy::too_many_arguments)]
 pub fn optim_step(

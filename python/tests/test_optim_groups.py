@@ -144,3 +144,85 @@ def test_launches_of_a_step_over_many_groups():
     norms = [k for k in kernels if k.startswith("gradclip_norm")]
     assert len(norms) == 1 and kernels.count("gradclip_adam") == len(opt.param_groups) == 240, kernels
     assert len(kernels) == 1 + 240, kernels
+
+
+def _clip_grouped(params, max_trunk=1.0):
+    """Param groups in three clip groups: the trunk's (the optimizer's threshold), a
+    multi-token-prediction head's (its own), and a measured one (None)."""
+    n = len(params)
+    return [
+        {"params": params[: n // 2], "clip_group": "trunk"},
+        {"params": params[n // 2 : n - 4], "clip_group": "mtp", "max_grad_norm": 0.3, "lr": 3e-3},
+        {"params": params[n - 4 : n - 2], "clip_group": "trunk", "weight_decay": 0.0},
+        {"params": params[n - 2 :], "clip_group": "head", "max_grad_norm": None},
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_clip_groups_equal_torch_clipping_each_apart(device):
+    """Named clip groups in the optimizer (``clip_group``, per-group ``max_grad_norm``): each
+    step equals torch's AdamW after torch's clip of each clip group by its own norm and
+    threshold (the measured group unclipped), and ``last_grad_norms`` reports each clip
+    group's norm as torch computes it."""
+    ours, ref = _model(device, torch.float32, 5, layers=10)
+    opt = optim.AdamW(_clip_grouped(ours), lr=1e-2, max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW(_clip_grouped(ref), lr=1e-2, foreach=False)
+    for step in range(5):
+        _set_grads(step, ours, ref, 5)
+        opt.step()
+        want = {}
+        for name, limit in (("trunk", 1.0), ("mtp", 0.3), ("head", None)):
+            ps = [p for g in ref_opt.param_groups if g["clip_group"] == name for p in g["params"]]
+            want[name] = torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None])
+            if limit is not None:
+                torch.nn.utils.clip_grad_norm_(ps, limit)
+        ref_opt.step()
+        got = opt.last_grad_norms
+        assert list(got) == ["trunk", "mtp", "head"]
+        for name in got:
+            assert abs(got[name].item() - want[name].item()) <= 1e-5 * want[name].item(), (step, name)
+        assert torch.equal(opt.last_grad_norm, got["trunk"])
+        _assert_close(ours, ref, 2e-6, f"step {step}")
+
+
+def test_a_nonfinite_clip_group_skips_its_own_groups():
+    """With nonfinite="skip", a NaN in one clip group leaves its param groups as they were (their
+    counts record the skip); the other clip groups step."""
+    ours, _ = _model("cpu", torch.float32, 6, layers=10)
+    opt = optim.AdamW(_clip_grouped(ours), lr=1e-2, max_grad_norm=1.0)
+    _set_grads(0, ours, ours, 6)
+    opt.step()
+    _set_grads(2, ours, ours, 6)
+    mtp = opt.param_groups[1]["params"]
+    mtp[0].grad[0] = float("nan")
+    before = [p.detach().clone() for p in ours]
+    opt.step()
+    changed = [not torch.equal(a, p.detach()) for a, p in zip(before, ours)]
+    in_mtp = [any(p is q for q in mtp) for p in ours]
+    assert all(c != m for c, m in zip(changed, in_mtp)), (changed, in_mtp)
+    assert opt._counts.tolist() == [[2, 0], [1, 1], [2, 0], [2, 0]]
+    assert not torch.isfinite(opt.last_grad_norms["mtp"]) and torch.isfinite(opt.last_grad_norms["trunk"])
+
+
+def test_clip_groups_refused_before_anything_is_written():
+    """Clip settings that do not fit are refused, naming the param groups, before anything is
+    written: two thresholds in one clip group, a name that is not a string, an invalid
+    threshold, torch's update (which clips every group by one norm), a trainer's one norm."""
+    ours, _ = _model("cpu", torch.float32, 7, layers=10)
+    with pytest.raises(TypeError, match="param group 0: clip_group must be a string"):
+        optim.AdamW([{"params": ours[:2], "clip_group": 3}], max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="param group 1"):
+        optim.AdamW([{"params": ours[:2]}, {"params": ours[2:4], "max_grad_norm": -1.0}], max_grad_norm=1.0)
+    for bad in ("mismatch", "torch", "given"):
+        groups = _clip_grouped(ours)
+        if bad == "mismatch":
+            groups[2]["max_grad_norm"] = 0.5  # trunk's other group asks for another threshold
+        opt = optim.AdamW(groups, lr=1e-2, max_grad_norm=1.0, update="torch" if bad == "torch" else "gradclip")
+        _set_grads(0, ours, ours, 7)
+        if bad == "given":
+            opt.provide_grad_norm(torch.tensor(1.0))
+        before = [p.detach().clone() for p in ours]
+        with pytest.raises((ValueError, RuntimeError), match={"mismatch": "param groups 0 and 2 are both in clip group 'trunk'", "torch": "update='torch'", "given": "provide_grad_norm"}[bad]):
+            opt.step()
+        assert all(torch.equal(a, p.detach()) for a, p in zip(before, ours)), bad
+        assert not opt.state, bad  # no state made either

@@ -8,6 +8,7 @@ the engine takes them, its states, torch's class whose fused step it runs."""
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from typing import Any, Dict, Optional
 
@@ -16,7 +17,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from .. import _native
 from .._engine import STEP_KINDS, _PLANNER, group_hyper, _capturing, _check_max_norm, _check_p, _clip_coef, _refuse_host_read_under_capture, _result_dtype, _rule_states, _stream_of
-from . import _is_dtensor, _local, _ops, _step_norm, _whole_step
+from . import _is_dtensor, _local, _ops, _step_clip_groups, _step_norm, _whole_step
 
 
 #: What a step does when the gradients' norm is NaN or infinite.
@@ -250,6 +251,7 @@ class _ClippingStep:
         if isinstance(param_group, dict):
             at = len(getattr(self, "param_groups", ()))
             _refuse_unfused(param_group.get("fused"), param_group.get("foreach"), param_group.get("differentiable"), f"param group {at}: ")
+            _step_clip_groups.check_group(param_group, at)
             if "fused" in param_group or "foreach" in param_group:
                 param_group = {**param_group, "fused": True, "foreach": None}
         super().add_param_group(param_group)
@@ -278,6 +280,16 @@ class _ClippingStep:
     @last_grad_norm.setter
     def last_grad_norm(self, value: Optional[torch.Tensor]) -> None:
         self._reported["last_grad_norm"] = value
+
+    @property
+    def last_grad_norms(self) -> Optional[Dict[str, torch.Tensor]]:
+        """With named clip groups (param groups' ``clip_group`` / ``max_grad_norm``): each clip
+        group's norm at the last step, by name (0-dim, on the device, before clipping; the first
+        clip group's is ``last_grad_norm``); None otherwise."""
+        v = self._reported.get("last_grad_norms")
+        if v is not None and any(type(n) is tuple for n in v.values()):
+            v = self._reported["last_grad_norms"] = {k: n[0].to(n[1], copy=True) if type(n) is tuple else n for k, n in v.items()}
+        return v
 
     @property
     def skipped_steps(self) -> Optional[torch.Tensor]:
@@ -429,6 +441,10 @@ class _ClippingStep:
         parameters update their local shards with the global norm of the sharded gradients (one
         all-reduce per process group), as ``clip_grad_norm_`` computes it. Capturable in a CUDA
         graph after one eager step."""
+        # The clip groups first: a refusal writes nothing (no state made either).
+        named = _step_clip_groups.read(self.param_groups, self.max_grad_norm)
+        if named is not None and self._given_norm is not None:
+            raise ValueError("provide_grad_norm gives one norm, and this optimizer's param groups are in clip groups, each clipped by its own")
         outer_scale = getattr(self, "grad_scale", None)
         outer_found = getattr(self, "found_inf", None)
         layout = self._layout
@@ -457,15 +473,22 @@ class _ClippingStep:
         lrs = None if keep is None else [0 if t is None else t.data_ptr() for t in keep]
         # With GradScaler an overflow is expected: it skips the step, never raises.
         policy = "skip" if self.nonfinite == "error" and (scale_t is not None or found_t is not None) else self.nonfinite
-        clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, policy)
+        if named is None:
+            clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, policy)
+        else:  # each clip group's threshold is the engine's clip_groups'
+            clip = (math.inf, self.norm_type, policy)
         # The engine binds the tensors' device: torch's current device is made that one first.
         stream, on_device = _stream_of(device)
         # A captured step writes a buffer of the graph's own (its replays keep writing it).
         capturing = _capturing()
-        out = torch.empty(3, dtype=torch.float64, device=device) if capturing else layout.result(stream)
-        norm_out = out[0] if capturing else layout.norm
+        # (With clip groups a NormOutput each.)
+        fresh = capturing or named is not None
+        out = torch.empty(3 * (1 if named is None else len(named.names)), dtype=torch.float64, device=device) if fresh else layout.result(stream)
+        norm_out = out[0] if fresh else layout.norm
         norm_in, dtype = None, layout.result_dtype
-        if clip is not None and (layout.sharded or self._given_norm is not None):
+        if clip is not None and named is not None and layout.sharded:
+            norm_in = _step_clip_groups.norms_in(named, self.param_groups, self._grads_norm64, device)
+        elif clip is not None and (layout.sharded or self._given_norm is not None):
             found = self._grads_norm64([p for g in self.param_groups for p in g["params"]])
             if found is None:
                 return self._no_gradients()
@@ -476,9 +499,14 @@ class _ClippingStep:
         for _ in range(5):
             try:
                 with on_device:
-                    verdict, norm = _native.optim_step(layout.native, self.param_groups, self._RULE, counts.data_ptr(), lrs, (stream, clip, out.data_ptr(), ptr, *inputs))
+                    verdict, norm = _native.optim_step(
+                        layout.native, self.param_groups, self._RULE, counts.data_ptr(), lrs, (stream, clip, out.data_ptr(), ptr, *inputs),
+                        None if named is None else (named.thresholds, named.index),
+                    )
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):
+                    if named is not None:  # the first clip group whose norm is not finite
+                        norm_out = out[3 * _step_clip_groups.first_nonfinite(out)]
                     self.last_grad_norm = norm_out.to(dtype, copy=True)
                     raise _nonfinite_step(self.norm_type, self.last_grad_norm) from None
                 raise
@@ -510,6 +538,9 @@ class _ClippingStep:
             # The conversion to the gradients' dtype waits for a read (a launch less per step),
             # except in a captured step, whose replays must write it.
             self._reported["last_grad_norm"] = norm.to(dtype) if capturing else (norm, dtype)
+            if named is not None:
+                scale = None if scale_t is None else scale_t.to(torch.float64)
+                self._reported["last_grad_norms"] = _step_clip_groups.reported(named, out, scale, dtype)
             if self.nonfinite == "skip":
                 self.skipped_steps = self._skipped
         return True
@@ -687,6 +718,7 @@ class _ClippingStep:
             and getattr(self, "found_inf", None) is None
             and self._counts is not None
             and self._counts.shape[0] == len(self.param_groups)
+            and _step_clip_groups.read(self.param_groups, self.max_grad_norm) is None
             and self._given_norm is None
         )
 
@@ -760,6 +792,12 @@ class _ClippingStep:
     def _clipped_step(self, loss):
         if self.update == "gradclip" and self._gradclip_step():
             return loss
+        if _step_clip_groups.read(self.param_groups, self.max_grad_norm) is not None:
+            why = "update='torch' runs torch's step" if self.update != "gradclip" else "its engine could not take this step (tensors on several devices, or of a kind it does not read)"
+            raise RuntimeError(
+                "this optimizer's param groups are in clip groups (clip_group / max_grad_norm), which only gradclip's own "
+                f"step clips apart, and {why}: nothing was written"
+            )
         if self.max_grad_norm is None:
             self._torch_step()
             return loss

@@ -1,0 +1,98 @@
+"""Named clip groups in the optimizers: which clip group each param group is in and each clip
+group's threshold, read from the param groups at every step (they may be edited between steps)
+and checked before anything is read or written.
+
+A param group joins clip group ``group["clip_group"]`` (a string; "default" for groups without
+one) and may set ``group["max_grad_norm"]`` (a number, or None: measured, not clipped; the
+optimizer's ``max_grad_norm`` for groups without one). Groups of one clip group share one norm and
+must agree on its threshold. Without either key in any group the optimizer clips every group by
+one norm, as it always has."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
+
+import torch
+
+from .._engine import _check_max_norm
+
+#: The clip group of param groups that name none.
+DEFAULT = "default"
+
+
+class ClipGroups(NamedTuple):
+    """The clip groups of a step, in the order their first param group comes."""
+
+    #: Their names.
+    names: tuple
+    #: Their thresholds (None: measured, not clipped).
+    thresholds: List[Optional[float]]
+    #: Each param group's clip group, by position in ``names``.
+    index: List[int]
+
+
+def check_group(group: Dict[str, Any], at: int) -> None:
+    """A param group's own clip settings as ``add_param_group`` receives them: a string name and
+    a valid threshold (or None)."""
+    name = group.get("clip_group", DEFAULT)
+    if not isinstance(name, str):
+        raise TypeError(f"param group {at}: clip_group must be a string; got {name!r}")
+    if group.get("max_grad_norm") is not None:
+        try:
+            _check_max_norm(group["max_grad_norm"])
+        except ValueError as e:
+            raise ValueError(f"param group {at}: {e}") from None
+
+
+def read(param_groups: List[Dict[str, Any]], max_grad_norm: Optional[float]) -> Optional[ClipGroups]:
+    """The clip groups of ``param_groups`` (``max_grad_norm``: the optimizer's threshold), or
+    None when no group names a clip group or a threshold of its own. Errors name the groups."""
+    if not any("clip_group" in g or "max_grad_norm" in g for g in param_groups):
+        return None
+    names: Dict[str, int] = {}
+    thresholds: List[Optional[float]] = []
+    first: List[int] = []
+    index: List[int] = []
+    for at, g in enumerate(param_groups):
+        check_group(g, at)
+        name = g.get("clip_group", DEFAULT)
+        limit = g.get("max_grad_norm", max_grad_norm)
+        limit = None if limit is None else float(limit)
+        k = names.setdefault(name, len(names))
+        if k == len(thresholds):
+            thresholds.append(limit)
+            first.append(at)
+        elif thresholds[k] != limit:
+            raise ValueError(
+                f"param groups {first[k]} and {at} are both in clip group {name!r} but ask for max_grad_norm "
+                f"{thresholds[k]} and {limit}: one clip group has one threshold (give one of them another clip_group)"
+            )
+        index.append(k)
+    return ClipGroups(tuple(names), thresholds, index)
+
+
+def norms_in(named: ClipGroups, param_groups, norm64: Callable, device) -> torch.Tensor:
+    """Each clip group's global norm (sharded parameters: over their process groups, by
+    ``norm64``, the optimizer's norm of a list of parameters) as the engine's given norms: one
+    float64 per clip group on ``device``, 0 for a clip group without gradients. Every rank takes
+    the clip groups in the same order (the param groups')."""
+    norms = []
+    for k in range(len(named.names)):
+        params = [p for g, i in zip(param_groups, named.index) if i == k for p in g["params"]]
+        found = norm64(params)
+        norms.append(torch.zeros((), dtype=torch.float64, device=device) if found is None else found[0].to(device=device, dtype=torch.float64))
+    return torch.stack(norms).contiguous()
+
+
+def first_nonfinite(out: torch.Tensor) -> int:
+    """The first clip group whose norm in the step's outputs (three float64 each) is not finite
+    (a host read: the step was refused)."""
+    norms = out[0::3].tolist()
+    return next((k for k, n in enumerate(norms) if n != n or n in (float("inf"), float("-inf"))), 0)
+
+
+def reported(named: ClipGroups, out: torch.Tensor, scale: Optional[torch.Tensor], dtype) -> Dict[str, tuple]:
+    """Each clip group's norm as ``last_grad_norms`` reports it, by name: ``(f64 norm, dtype)``
+    (converted when first read), unscaled when the gradients carried a loss scale."""
+    norms = out[0::3] if scale is None else out[0::3] / scale
+    return {name: (norms[k], dtype) for k, name in enumerate(named.names)}
