@@ -5,7 +5,7 @@ tiny tensors so that the host work (the layout, the combine, the collectives' ca
 is timed. Ranks on the CPU over gloo (no GPU needed: the combine is the engine's on either
 backend); every rank times its calls, rank 0 reports the median of its own.
 
-Cases (each an all-reduce pattern of gradclip.distributed):
+Cases (each an all-reduce pattern of gradclip.torch.distributed):
   fsdp            DTensor Shard(0) over all ranks: the one-key path (one all-reduce)
   plain_groups    a Shards over a group of all ranks plus replicated plain tensors, the per-group
                   path (no norm_group: one all-reduce per group)

@@ -1,8 +1,8 @@
 """The engine layer of gradclip's PyTorch face: one-device, plain-list operations over the
 native planner (the norm, per-tensor norms, the clip's scale, the checks torch's in-place ops
 make, the engine's workspace and CUDA calls on torch's current stream). The policies above it,
-``gradclip.torch`` (the drop-in functions), ``gradclip.torch.optim``, ``gradclip.distributed``
-and ``gradclip.shards``, import it and never each other's private names."""
+``gradclip.torch`` (the drop-in functions), ``gradclip.torch.optim``, ``gradclip.torch.distributed``
+and ``gradclip.torch.shards``, import it and never each other's private names."""
 
 from __future__ import annotations
 

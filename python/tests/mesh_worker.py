@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradclip.torch as gt
-from gradclip import replicas
+from gradclip.torch import replicas
 
 NORMS = [2.0, 1.0, math.inf, 3.0]
 MAX_NORM = 0.5
@@ -523,7 +523,7 @@ def fresh_gradients(rank, world, p):
 
     from torch.distributed.fsdp import fully_shard
 
-    from gradclip import distributed
+    from gradclip.torch import distributed
 
     mesh = init_device_mesh(DEVICE, (world,))
     torch.manual_seed(5)

@@ -1,4 +1,4 @@
-"""The sharded norm's combine as gradclip.distributed calls it (``gradclip._combine`` over
+"""The sharded norm's combine as gradclip.torch.distributed calls it (``gradclip.torch._combine`` over
 ``gradclip::sharded``): the reduction's slots and all-reduces, the key partials and the global
 norm with its clip coefficient against an f64 reference, the CPU and CUDA bits equal, and bad
 layouts refused with the key or tensor named. The collectives themselves are tested across
@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from gradclip import _combine, _native
+from gradclip import _native
+from gradclip.torch import _combine
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NORMS = [1.0, 2.0, 3.0, math.inf]

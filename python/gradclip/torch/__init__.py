@@ -50,7 +50,7 @@ from .._engine import (  # the engine layer this face stands on
     _total_norm64,
     _written,
 )
-from ..shards import Shards, refuse_non_tensors
+from .shards import Shards, refuse_non_tensors
 from . import _frames, _ops
 
 _TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
@@ -65,11 +65,11 @@ def _as_list(tensors: _TensorOrTensors) -> List[torch.Tensor]:
 
 
 def _distributed():
-    """``gradclip.distributed``, imported on first use (plain lists never import
+    """``gradclip.torch.distributed``, imported on first use (plain lists never import
     torch.distributed's tensor) and kept: an import statement per call costs more."""
     global _DISTRIBUTED
     if _DISTRIBUTED is None:
-        from .. import distributed
+        from . import distributed
 
         _DISTRIBUTED = distributed
     return _DISTRIBUTED
@@ -263,7 +263,7 @@ def clip_grad_norm_(
     process groups) are clipped by their global norm; ``pipeline_group`` (a process group)
     combines the norms of pipeline stages. The norm takes **one all-reduce** of one f64 over
     ``norm_group`` (a process group of every rank that clips) when gradclip can tell which rank
-    counts each gradient (one replica of each copy, see ``gradclip.replicas``): by default over
+    counts each gradient (one replica of each copy, see ``gradclip.torch.replicas``): by default over
     the default group when every mesh the gradients live on spans it; else one all-reduce per
     process group involved. Under
     ``torch.compile`` the plain gradients of one device are one registered op in the graph

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .._engine import _result_dtype
-from ..shards import Shards, _is_mesh, _is_process_group
+from .shards import Shards, _is_mesh, _is_process_group
 from . import _grads_norm64, _local
 
 

@@ -48,7 +48,7 @@ class Shards:
             meshes.append(mesh)
         self.over: Tuple[Any, ...] = tuple(groups)
         #: Beside each group, the 1-D mesh it was given as (None for a process group): the mesh's
-        #: root places the group (its level, and which replica counts: ``gradclip.replicas``).
+        #: root places the group (its level, and which replica counts: ``gradclip.torch.replicas``).
         self.meshes: Tuple[Any, ...] = tuple(meshes)
         self.counted = bool(counted)
 

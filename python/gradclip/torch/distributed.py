@@ -33,7 +33,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _combine, _engine, replicas
+from .. import _engine
+from . import _combine, replicas
 from .shards import Shards, refuse_non_tensors
 
 try:
