@@ -19,6 +19,7 @@ import time
 import torch
 
 import gradclip.torch.optim as gopt
+from optim_compare import per_step_ms as gpu_ms  # GPU ms per step: CUDA events, median of 5 runs
 from record import header, parser, show, write
 
 
@@ -39,27 +40,6 @@ def workload(device, scale):
 def grads(params):
     for p in params:
         p.grad = torch.randn_like(p) * 1e-2
-
-
-def gpu_ms(fn, reps, device):
-    fn()
-    runs = []
-    for _ in range(5):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                fn()
-            b.record()
-            b.synchronize()
-            runs.append(a.elapsed_time(b) / reps)
-        else:
-            t = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            runs.append((time.perf_counter() - t) * 1e3 / reps)
-    return statistics.median(runs)
 
 
 def host_ms(fn, reps, device):
