@@ -16,10 +16,8 @@ __all__ = ["clip_grad_norms_"]
 
 
 def _read_groups(groups: Mapping[str, Iterable[torch.Tensor]]) -> Dict[str, List[torch.Tensor]]:
-    """Every group read once (a generator is read here), checked: names are strings, no group is
-    empty, no parameter is in two groups."""
-    if not isinstance(groups, Mapping):
-        raise TypeError(f"groups must be a mapping of names to parameters; got {type(groups).__name__}")
+    """Every group (a mapping, as ``clip_grad_norms_`` checked it) as lists, checked: names are
+    strings, no group is empty, no parameter is in two groups."""
     out: Dict[str, List[torch.Tensor]] = {}
     seen: Dict[int, str] = {}
     for name, params in groups.items():
