@@ -388,6 +388,14 @@ pub(crate) fn dtypes(d: &UpdateTensorDesc) -> (u32, u32, u32) {
     (d.dtypes & 0xF, (d.dtypes >> 4) & 0xF, (d.dtypes >> 8) & 0xF)
 }
 
+/// The norm output of a group without a clip: factor 1, finite.
+static NO_CLIP: NormOutput = NormOutput {
+    norm: 0.0,
+    coef: 1.0,
+    nonfinite: 0,
+    skip_scale: 0,
+};
+
 /// A parameter group's step as an optimizer kernel sees it ([`group_step`]): its clip's factor
 /// and its skip.
 #[derive(Clone, Copy)]
@@ -408,19 +416,19 @@ pub(crate) struct Step {
 /// null) are device memory written before the launch on its stream.
 #[inline(always)]
 pub(crate) unsafe fn group_step(g: *const UpdateGroup, found_inf: *const f32) -> Step {
-    // SAFETY: each input not null was written before the launch on this stream (contract).
-    let (overflow, out, flags) = unsafe {
-        let norm = (*g).norm as *const NormOutput;
-        (
-            !found_inf.is_null() && found_inf.read() != 0.0,
-            if norm.is_null() { None } else { Some(norm.read()) },
-            (*g).flags,
-        )
+    // No clip reads [`NO_CLIP`]: a choice of address, not a branch (a branch on the table's
+    // values before the walk makes ptxas keep the walk's constants out of uniform registers).
+    let norm = match unsafe { (*g).norm } {
+        0 => &raw const NO_CLIP,
+        at => at as *const NormOutput,
     };
+    // SAFETY: each input not null was written before the launch on this stream (contract);
+    // NO_CLIP is a static.
+    let (overflow, out, flags) = unsafe { (!found_inf.is_null() && found_inf.read() != 0.0, norm.read(), (*g).flags) };
     // The factor is read, not computed: an f64 division here (its slow path a call) costs the
     // Adam kernel its register budget (spills, 20% slower on the H200).
-    let coef = out.map_or(1.0, |o| o.coef);
-    let nonfinite = out.is_some_and(|o| o.nonfinite != 0);
+    let coef = out.coef;
+    let nonfinite = out.nonfinite != 0;
     Step {
         coef,
         skip: overflow || (nonfinite && flags & crate::abi::update_flags::SKIP_NONFINITE != 0),
@@ -434,10 +442,14 @@ pub(crate) unsafe fn group_step(g: *const UpdateGroup, found_inf: *const f32) ->
 /// the launch on its stream.
 #[inline(always)]
 pub(crate) unsafe fn group_lr(g: *const UpdateGroup) -> f64 {
-    // SAFETY: the contract.
+    // SAFETY: the contract (the entry's own `lr` without a device one). One load from a chosen
+    // address rather than a branch (see [`group_step`]).
     unsafe {
-        let at = (*g).lr_in;
-        if at == 0 { (*g).lr } else { (at as *const f64).read() }
+        let at = match (*g).lr_in {
+            0 => &raw const (*g).lr,
+            at => at as *const f64,
+        };
+        at.read()
     }
 }
 
@@ -450,7 +462,11 @@ pub(crate) unsafe fn group_lr(g: *const UpdateGroup) -> f64 {
 /// # Safety
 /// One block per task of the plan of `tasks` over `tensors` (the launch's contract).
 #[inline(always)]
-pub(crate) unsafe fn task(tensors: *const UpdateTensorDesc, tasks: *const ChunkTask, num_tasks: u64) -> Option<(*const UpdateTensorDesc, u64)> {
+pub(crate) unsafe fn task(
+    tensors: *const UpdateTensorDesc,
+    tasks: *const ChunkTask,
+    num_tasks: u64,
+) -> Option<(*const UpdateTensorDesc, u64)> {
     if num_tasks == 0 {
         return None;
     }

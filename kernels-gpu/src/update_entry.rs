@@ -23,17 +23,20 @@
 //! written before the launch on its stream.
 
 use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, SgdParams, UpdateGroup, UpdateTensorDesc, adam_flags};
-use crate::adam::{gradient_factor, step_scalars_f32, step_scalars_f64};
+use crate::adam::{StepScalars, gradient_factor, step_scalars_f32, step_scalars_f64};
 use crate::apply::{chunk_any_f32, chunk_f64, dtypes, finish, group_lr, group_step, is_f64, step_of, task};
+use crate::device::pinned_f32;
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 
 /// An optimizer kernel: the arguments every one takes, the step around its task (`task`,
 /// `group_step`, `finish`), and `$body` for this block's task when its group's step is taken,
 /// with the tensor's descriptor `$d`, its chunk `$c`, its step number `$step`, its group's step
-/// `$s`, learning rate `$lr`, four hyperparameters `$h` and flags `$flags` in scope.
+/// `$s`, learning rate `$lr`, four hyperparameters `$h` and flags `$flags` in scope, and `$p`,
+/// what `$launch` makes of the launch's constants `$k` (the hyperparameters its groups share:
+/// see [`crate::adam::launch_constants`]) at the kernel's top, before any branch.
 macro_rules! update_kernel {
-    ($(#[$doc:meta])* $name:ident, |$d:ident, $c:ident, $step:ident, $s:ident, $lr:ident, $h:ident, $flags:ident| $body:block) => {
+    ($(#[$doc:meta])* $name:ident, launch |$k:ident| $p:ident = $launch:expr, |$d:ident, $c:ident, $step:ident, $s:ident, $lr:ident, $h:ident, $flags:ident| $body:block) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -45,6 +48,10 @@ macro_rules! update_kernel {
             counter: *mut u32,
             groups: *const UpdateGroup,
             num_groups: u64,
+            k0: f64,
+            k1: f64,
+            k2: f64,
+            k3: f64,
             num_tasks: u64,
             found_inf: *const f32,
             num_tensors: u64,
@@ -52,17 +59,21 @@ macro_rules! update_kernel {
             // SAFETY: the module's contract (for the task, its group's entry, the walks and
             // finish).
             unsafe {
+                let $k = [k0, k1, k2, k3];
+                let $p = $launch;
                 if let Some((d, $c)) = task(tensors, tasks, num_tasks) {
-                    let $d = d.read();
+                    let mut $d = d.read();
                     let g = groups.add($d.group as usize);
                     let $s = group_step(g, found_inf);
-                    if !$s.skip {
-                        let $step = step_of(g, &$d);
-                        let $lr = group_lr(g);
-                        let $h = (*g).h;
-                        let $flags = (*g).flags;
-                        $body
+                    // A skipped group's task walks nothing (no branch: see `pinned_f32`).
+                    if $s.skip {
+                        $d.len = 0;
                     }
+                    let $step = step_of(g, &$d);
+                    let $lr = group_lr(g);
+                    let $h = (*g).h;
+                    let $flags = (*g).flags;
+                    $body
                 }
                 finish(tensors, counter, groups, num_groups, num_tasks, num_tensors, found_inf);
             }
@@ -74,6 +85,7 @@ update_kernel!(
     /// Adam / AdamW ([`crate::adam`]): states `exp_avg`, `exp_avg_sq` and, with amsgrad,
     /// `max_exp_avg_sq`; each parameter's bias correction from its own step count.
     gradclip_adam,
+    launch |k| constants = adam_constants(k),
     |d, c, step, s, lr, h, flags| {
         let h = AdamParams {
             lr,
@@ -85,6 +97,9 @@ update_kernel!(
             reserved: 0,
         };
         let amsgrad = flags & adam_flags::AMSGRAD != 0;
+        // The per-element constants from the launch's (equal to the group's); the group's own
+        // step scalars computed before the walk's branches (see `pinned_f32`).
+        let u = pinned(step_scalars_f32(&h, step).with_constants_of(&constants).clipped_by(s.coef));
         if is_f64(&d) {
             let u = step_scalars_f64(&h, step).clipped_by(s.coef);
             if amsgrad {
@@ -93,7 +108,6 @@ update_kernel!(
                 chunk_f64::<2, _>(&d, c, u);
             }
         } else {
-            let u = step_scalars_f32(&h, step).clipped_by(s.coef);
             if amsgrad {
                 chunk_any_f32::<3, _>(&d, c, u, dtypes(&d));
             } else {
@@ -103,10 +117,46 @@ update_kernel!(
     }
 );
 
+/// `u` with its per-step values pinned where it is computed ([`pinned_f32`]).
+#[inline(always)]
+fn pinned(u: StepScalars<f32>) -> StepScalars<f32> {
+    StepScalars {
+        param_decay: pinned_f32(u.param_decay),
+        grad_factor: pinned_f32(u.grad_factor),
+        step_size: pinned_f32(u.step_size),
+        inv_bias_correction2_sqrt: pinned_f32(u.inv_bias_correction2_sqrt),
+        ..u
+    }
+}
+
+/// Adam's per-element constants in f32 opmath from the launch's constants `k`
+/// ([`crate::adam::launch_constants`]), pinned at the kernel's top ([`pinned_f32`]).
+#[inline(always)]
+fn adam_constants(k: [f64; 4]) -> StepScalars<f32> {
+    let h = AdamParams {
+        beta1: k[0],
+        beta2: k[1],
+        eps: k[2],
+        weight_decay: k[3],
+        ..AdamParams::default()
+    };
+    let u = step_scalars_f32(&h, 1.0);
+    StepScalars {
+        beta1: pinned_f32(u.beta1),
+        one_minus_beta1: pinned_f32(u.one_minus_beta1),
+        beta2: pinned_f32(u.beta2),
+        one_minus_beta2: pinned_f32(u.one_minus_beta2),
+        eps: pinned_f32(u.eps),
+        weight_decay: pinned_f32(u.weight_decay),
+        ..u
+    }
+}
+
 update_kernel!(
     /// SGD ([`crate::sgd`]): with momentum, state `momentum_buffer` (its first step, from the
     /// parameter's own count, takes the gradient); without, no state.
     gradclip_sgd,
+    launch |_k| _none = (),
     |d, c, step, s, lr, h, flags| {
         let h = SgdParams {
             lr,
@@ -137,6 +187,7 @@ update_kernel!(
 update_kernel!(
     /// Lion ([`crate::lion`]): state `exp_avg` (no step count: the update has no bias correction).
     gradclip_lion,
+    launch |_k| _none = (),
     |d, c, _step, s, lr, h, flags| {
         let h = LionParams {
             lr,

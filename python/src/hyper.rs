@@ -5,7 +5,8 @@
 use gradclip::optim::{AdamConfig, LionConfig, Rule, SgdConfig};
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFloat, PyInt};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyFloat, PyInt, PyString};
 
 use crate::to_py;
 
@@ -107,9 +108,35 @@ pub(crate) fn kind_index(kind: &str) -> PyResult<usize> {
         .ok_or_else(|| PyValueError::new_err(format!("unknown optimizer {kind:?}: adam, sgd or lion")))
 }
 
+/// Every key of [`RULES`] and `lr`, as Python strings made once: a step over hundreds of groups
+/// looks up a few thousand keys, and a `&str` key is a new Python string per lookup.
+fn interned<'py>(py: Python<'py>, key: &'static str) -> Bound<'py, PyString> {
+    static KEYS: PyOnceLock<Vec<(&'static str, Py<PyString>)>> = PyOnceLock::new();
+    let keys = KEYS.get_or_init(py, || {
+        let names = RULES.iter().flat_map(|r| {
+            r.h.iter()
+                .filter_map(|k| match *k {
+                    Key::Item(n) | Key::Pair(n, _) => Some(n),
+                    Key::Unused => None,
+                })
+                .chain(r.flags.iter().flatten().copied())
+        });
+        let mut all: Vec<&'static str> = names.chain(["lr"]).collect();
+        all.sort_unstable();
+        all.dedup();
+        all.into_iter().map(|n| (n, PyString::intern(py, n).unbind())).collect()
+    });
+    match keys.iter().find(|(n, _)| *n == key) {
+        Some((_, k)) => k.bind(py).clone(),
+        None => PyString::intern(py, key),
+    }
+}
+
 /// `group[key]`, or torch's KeyError.
-fn item<'py>(group: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
-    group.get_item(key)?.ok_or_else(|| PyKeyError::new_err(key.to_string()))
+fn item<'py>(group: &Bound<'py, PyDict>, key: &'static str) -> PyResult<Bound<'py, PyAny>> {
+    group
+        .get_item(interned(group.py(), key))?
+        .ok_or_else(|| PyKeyError::new_err(key.to_string()))
 }
 
 /// A group's four hyperparameters and three flags by rule `kind`'s keys; `flag2`: the third
@@ -128,7 +155,7 @@ fn read_keys(kind: usize, flag2: bool, group: &Bound<'_, PyDict>) -> PyResult<([
     for (i, (v, key)) in b.iter_mut().zip(keys.flags).enumerate() {
         if let Some(k) = key {
             // The third flag may be absent (torch's Adam before `decoupled_weight_decay`).
-            *v = match group.get_item(k)? {
+            *v = match group.get_item(interned(group.py(), k))? {
                 Some(x) => x.is_truthy()?,
                 None if i == 2 => false,
                 None => return Err(PyKeyError::new_err(k.to_string())),

@@ -127,7 +127,8 @@ pub struct UpdateTables {
 
 /// Launches an optimizer kernel (`kernel`: [`Kernel::Adam`], [`Kernel::Sgd`] or
 /// [`Kernel::Lion`], which take the same arguments): one block per task (one block when
-/// `num_tasks == 0`), every group of the tables at once.
+/// `num_tasks == 0`), every group of the tables at once; `constants`: the per-element
+/// hyperparameters the groups share ([`crate::optim::KernelArgs::launch`]).
 ///
 /// # Safety
 /// `t` holds a plan of `num_tasks` tasks over `num_tensors` parameters and `num_groups` group
@@ -143,11 +144,14 @@ pub unsafe fn update(
     ks: &KernelSet,
     kernel: Kernel,
     t: &UpdateTables,
+    constants: [f64; 4],
     (num_tasks, num_tensors, num_groups): (u64, u64, u64),
     found_inf: u64,
 ) -> Result<()> {
     let mut b = stream.launch_builder(ks.get(kernel));
     b.arg(&t.tensors).arg(&t.tasks).arg(&t.counter).arg(&t.groups).arg(&num_groups);
+    let [k0, k1, k2, k3] = constants;
+    b.arg(&k0).arg(&k1).arg(&k2).arg(&k3);
     b.arg(&num_tasks).arg(&found_inf).arg(&num_tensors);
     let cfg = LaunchConfig {
         grid_dim: (num_tasks.max(1) as u32, 1, 1),

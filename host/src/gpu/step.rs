@@ -420,12 +420,13 @@ fn kernel_of(rule: &Rule) -> Kernel {
     }
 }
 
-/// A group's entry in an update launch's group table; `factor`: its clip's NormOutput and
-/// whether a non-finite norm skips (None: no clip and no loss scale).
-fn group_entry(g: &GroupStep, factor: Option<(u64, bool)>) -> Result<UpdateGroup> {
-    let KernelArgs { lr, h, flags } = g.rule.args()?;
+/// A group's entry in an update launch's group table and the constants of its launch;
+/// `factor`: its clip's NormOutput and whether a non-finite norm skips (None: no clip and no
+/// loss scale).
+fn group_entry(g: &GroupStep, factor: Option<(u64, bool)>) -> Result<(UpdateGroup, [f64; 4])> {
+    let KernelArgs { lr, h, flags, launch } = g.rule.args()?;
     let (norm, skip) = factor.unwrap_or((0, false));
-    Ok(UpdateGroup {
+    let entry = UpdateGroup {
         lr,
         h,
         lr_in: g.lr_in,
@@ -433,16 +434,34 @@ fn group_entry(g: &GroupStep, factor: Option<(u64, bool)>) -> Result<UpdateGroup
         norm,
         flags: flags | if skip { update_flags::SKIP_NONFINITE } else { 0 },
         reserved: 0,
-    })
+    };
+    Ok((entry, launch))
+}
+
+/// The update launches of a step: each kernel's groups, by the constants their launch shares
+/// (in the order of their first group), as `(kernel, constants, groups)`.
+fn launches(groups: &[GroupStep], constants: &[[f64; 4]]) -> Vec<(Kernel, [f64; 4], Vec<usize>)> {
+    let mut out: Vec<(Kernel, [f64; 4], Vec<usize>)> = Vec::new();
+    for (i, g) in groups.iter().enumerate() {
+        let (kernel, k) = (kernel_of(&g.rule), constants[i]);
+        // Compared by bits: the kernel's per-element constants are equal, not merely close.
+        let same = |o: &(Kernel, [f64; 4], Vec<usize>)| o.0 == kernel && o.1.iter().zip(&k).all(|(a, b)| a.to_bits() == b.to_bits());
+        match out.iter_mut().find(|o| same(o)) {
+            Some(o) => o.2.push(i),
+            None => out.push((kernel, k, vec![i])),
+        }
+    }
+    out
 }
 
 impl StepBackend for GpuEngine {
     /// The GPU's step over every group ([`StepBackend::step_list`]): with a clip, the norm kernel
     /// (or the norm given, made a NormOutput) of each clip (one over every group, or one per clip
     /// group), the loss scale's one-thread launch per clip when there is one, then one update
-    /// launch for all the groups of each kernel (every group of one optimizer: a group, whatever
-    /// its hyperparameters and clip group, costs an entry of the group table, not a launch), each
-    /// group reading its clip's factor. Every norm is taken before any update (so that
+    /// launch for all the groups of each kernel that share its per-element constants (every
+    /// group of one optimizer but Adam groups with other betas, eps or L2 weight decay: a group
+    /// that differs in its learning rate, decoupled weight decay, flags or clip group costs an
+    /// entry of the group table, not a launch), each group reading its clip's factor. Every norm is taken before any update (so that
     /// [`NonFinite::Error`], which reads them, refuses before anything is written). No host
     /// synchronization otherwise; capturable.
     unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses<'_>) -> Result<Option<f64>> {
@@ -462,23 +481,21 @@ impl StepBackend for GpuEngine {
             let clip = clips.get(k).map(|c| &c.clip);
             (clip.is_some() || inputs.loss_scale != 0).then(|| (norm + 24 * k as u64, clip.is_some_and(|c| c.nonfinite == NonFinite::Skip)))
         };
-        let entries: Vec<UpdateGroup> = groups
+        let (entries, constants): (Vec<UpdateGroup>, Vec<[f64; 4]>) = groups
             .iter()
             .zip(&clip_of)
             .map(|(g, &k)| group_entry(g, factor_of(k)))
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
         // The update tables (planned and uploaded before any norm: a plan that does not fit is
-        // refused before anything is written), one launch per kernel the groups use.
+        // refused before anything is written), one launch per kernel and shared constants.
         let stream = self.stream().clone();
-        let mut launches = Vec::new();
-        for kernel in [Kernel::Adam, Kernel::Sgd, Kernel::Lion] {
-            let members: Vec<usize> = (0..groups.len()).filter(|&i| kernel_of(&groups[i].rule) == kernel).collect();
-            if members.is_empty() {
-                continue;
-            }
+        let mut planned = Vec::new();
+        for (kernel, k, members) in launches(groups, &constants) {
             let table: Vec<UpdateGroup> = members.iter().map(|&i| entries[i]).collect();
             let (tables, num_tasks, num_tensors) = self.updates.tables(&stream, list, &members, &table)?;
-            launches.push((kernel, tables, (num_tasks, num_tensors, table.len() as u64)));
+            planned.push((kernel, tables, k, (num_tasks, num_tensors, table.len() as u64)));
         }
         let lists: Vec<Option<TensorList>> = clips.iter().map(|c| c.grads(list)).collect::<Result<_>>()?;
         for (k, (c, grads)) in clips.iter().zip(&lists).enumerate() {
@@ -499,12 +516,12 @@ impl StepBackend for GpuEngine {
             // NormOutput was written just above.
             unsafe { self.update_factor_raw(norm + 24 * k as u64, clips.get(k).map(|c| &c.clip), inputs.loss_scale) }?;
         }
-        for (kernel, tables, counts) in launches {
-            // SAFETY: the tables were planned from the list's groups of this kernel (checked for
+        for (kernel, tables, k, counts) in planned {
+            // SAFETY: the tables were planned from the list's groups of this launch (checked for
             // their rules: lengths, dtypes, states present, valid and disjoint memory) and
             // uploaded on this stream; the counts are distinct (checked); the caller vouches for
             // the memory of the parts, the counts, the NormOutputs and the inputs.
-            unsafe { launch::update(&stream, self.kernels(), kernel, &tables, counts, inputs.found_inf) }?;
+            unsafe { launch::update(&stream, self.kernels(), kernel, &tables, k, counts, inputs.found_inf) }?;
         }
         Ok(None)
     }
