@@ -6,9 +6,10 @@ stack (issue 37's): 930 bf16 tensors, 0.82 G elements, in 465 groups (layer-wise
 decay; the matrices of a layer in one group with weight decay, its vectors in another without).
 
 Per row: GPU ms per step (CUDA events around --reps steps back to back, median of 5 runs), host
-ms per step (the step call's wall time, the GPU kept busy, median), and the kernels one step
-launches (torch's profiler). The host of gradclip's step is also given by stage
-(``last_step_ns``).
+ms per step (the step call's wall time, the GPU kept busy, median) with the same gradients and
+with new gradient tensors before each step (as ``zero_grad()`` and a backward leave them), and
+the kernels one step launches (torch's profiler). The host of gradclip's step is also given by
+stage (``last_step_ns``).
 
   python3 benches/torch/param_groups.py out.json [--reps 20] [--commit C]
   python3 benches/torch/param_groups.py out.json --cpu       # smoke test on the CPU, scaled down
@@ -42,13 +43,17 @@ def grads(params):
         p.grad = torch.randn_like(p) * 1e-2
 
 
-def host_ms(fn, reps, device):
-    """The call's own wall time, median over `reps` calls enqueued behind one another."""
+def host_ms(fn, reps, device, before=None):
+    """The call's own wall time, median over `reps` calls enqueued behind one another;
+    `before` (untimed) runs ahead of each call (new gradients, as ``zero_grad()`` and a backward
+    leave them)."""
     fn()
     if device == "cuda":
         torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e3)
@@ -99,9 +104,12 @@ def main():
     rec.update(tensors=len(params), elements=sum(p.numel() for p in params), groups=len(groups), rows=[])
     for name, gs in (("465 groups", groups), ("1 group", one)):
         for row, (fn, opt) in steps(params, gs).items():
-            r = {"groups": name, "step": row, "gpu_ms": gpu_ms(fn, reps, device), "host_ms": host_ms(fn, reps, device), "kernels": kernels(fn, device)}
+            r = {"groups": name, "step": row, "gpu_ms": gpu_ms(fn, reps, device), "host_ms": host_ms(fn, reps, device)}
             if opt is not None:
+                # The native step's stages in the last timed step (the same gradients).
                 r["host_stages_us"] = {k: v / 1e3 for k, v in opt._layout.native.last_step_ns}
+            r["host_ms_new_grads"] = host_ms(fn, reps, device, before=lambda: grads(params))
+            r["kernels"] = kernels(fn, device)
             rec["rows"].append(r)
             show(r, 3)
     write(args.out, rec)

@@ -10,8 +10,7 @@
 use core::arch::asm;
 
 use crate::abi::{
-    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, UpdateCount, UpdateGroup, UpdateTensorDesc, WARP_THREADS, dtype_code,
-    update_chunk_elems,
+    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, UpdateCount, UpdateTensorDesc, WARP_THREADS, dtype_code, update_chunk_elems,
 };
 use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, smem_flag, st_v4, sync_threads, thread_idx};
 use crate::dtype::{Element, F64};
@@ -388,72 +387,58 @@ pub(crate) fn dtypes(d: &UpdateTensorDesc) -> (u32, u32, u32) {
     (d.dtypes & 0xF, (d.dtypes >> 4) & 0xF, (d.dtypes >> 8) & 0xF)
 }
 
-/// The norm output of a group without a clip: factor 1, finite.
-static NO_CLIP: NormOutput = NormOutput {
-    norm: 0.0,
-    coef: 1.0,
-    nonfinite: 0,
-    skip_scale: 0,
-};
-
-/// A parameter group's step as an optimizer kernel sees it ([`group_step`]): its clip's factor
-/// and its skip.
+/// A step as one block of an optimizer kernel sees it ([`begin`]): the inputs read on the
+/// device, the skip decided, and the block's task.
 #[derive(Clone, Copy)]
 pub(crate) struct Step {
+    /// The learning rate (the device one when given).
+    pub lr: f64,
     /// The factor each gradient is multiplied by (the clip coefficient; 1 without a norm).
     pub coef: f64,
-    /// Nothing of the group is updated: an overflow, or a non-finite norm of its clip with
-    /// `SKIP_NONFINITE` in its flags.
+    /// Nothing is updated: an overflow, or a non-finite norm with `SKIP_NONFINITE`.
     pub skip: bool,
+    /// The group's count of steps taken before this one.
+    steps: u64,
 }
 
-/// The step of group `g`: reads its clip's norm output (the coefficient) and the launch's
-/// `found_inf`, and decides the skip (an overflow, or a non-finite norm with
-/// [`crate::abi::update_flags::SKIP_NONFINITE`] in the group's flags).
+/// The first half of a step of an optimizer kernel: reads the device inputs (`lr_in` instead
+/// of `lr`, the norm's coefficient, `found_inf`) and decides the skip (an overflow, or a
+/// non-finite norm with [`crate::abi::update_flags::SKIP_NONFINITE`] in `flags`).
 ///
 /// # Safety
-/// `g` is an entry of the launch's group table; its norm output and `found_inf` (those not
-/// null) are device memory written before the launch on its stream.
-#[inline(always)]
-pub(crate) unsafe fn group_step(g: *const UpdateGroup, found_inf: *const f32) -> Step {
-    // No clip reads [`NO_CLIP`]: a choice of address, not a branch (a branch on the table's
-    // values before the walk makes ptxas keep the walk's constants out of uniform registers).
-    let norm = match unsafe { (*g).norm } {
-        0 => &raw const NO_CLIP,
-        at => at as *const NormOutput,
-    };
-    // SAFETY: each input not null was written before the launch on this stream (contract);
-    // NO_CLIP is a static.
-    let (overflow, out, flags) = unsafe { (!found_inf.is_null() && found_inf.read() != 0.0, norm.read(), (*g).flags) };
-    // The factor is read, not computed: an f64 division here (its slow path a call) costs the
-    // Adam kernel its register budget (spills, 20% slower on the H200).
-    let coef = out.coef;
-    let nonfinite = out.nonfinite != 0;
-    Step {
-        coef,
-        skip: overflow || (nonfinite && flags & crate::abi::update_flags::SKIP_NONFINITE != 0),
-    }
-}
-
-/// A group's learning rate: its device one when given.
-///
-/// # Safety
-/// `g` is an entry of the launch's group table, its `lr_in` (not 0) device memory written before
+/// `count`, `norm`, `lr_in` and `found_inf` (those not null) are device memory written before
 /// the launch on its stream.
 #[inline(always)]
-pub(crate) unsafe fn group_lr(g: *const UpdateGroup) -> f64 {
-    // SAFETY: the contract (the entry's own `lr` without a device one). One load from a chosen
-    // address rather than a branch (see [`group_step`]).
-    unsafe {
-        let at = match (*g).lr_in {
-            0 => &raw const (*g).lr,
-            at => at as *const f64,
-        };
-        at.read()
+pub(crate) unsafe fn begin(
+    count: *const UpdateCount,
+    norm: *const NormOutput,
+    lr: f64,
+    flags: u32,
+    lr_in: *const f64,
+    found_inf: *const f32,
+) -> Step {
+    // SAFETY: each input not null was written before the launch on this stream (contract).
+    let (lr, overflow, out) = unsafe {
+        (
+            if lr_in.is_null() { lr } else { lr_in.read() },
+            !found_inf.is_null() && found_inf.read() != 0.0,
+            if norm.is_null() { None } else { Some(norm.read()) },
+        )
+    };
+    // The factor is read, not computed: an f64 division here (its slow path a call) costs the
+    // Adam kernel its register budget (spills, 20% slower on the H200).
+    let coef = out.map_or(1.0, |o| o.coef);
+    let nonfinite = out.is_some_and(|o| o.nonfinite != 0);
+    Step {
+        lr,
+        coef,
+        skip: overflow || (nonfinite && flags & crate::abi::update_flags::SKIP_NONFINITE != 0),
+        // SAFETY: only the last block writes it, after every block has read it ([`finish`]).
+        steps: unsafe { (*count).steps },
     }
 }
 
-/// This block's task: its tensor's place in the table and its chunk.
+/// This block's task when the step is taken: its tensor's place in the table and its chunk.
 /// The entry reads the descriptor itself: handed back by value through the `Option`, the whole
 /// descriptor was loaded up front and ptxas spilled 23 registers of the Adam kernel (92 bytes
 /// stored, 2 KB reloaded in the loops; the bf16 clipped step went from 1.05x to 1.21x of its
@@ -463,11 +448,12 @@ pub(crate) unsafe fn group_lr(g: *const UpdateGroup) -> f64 {
 /// One block per task of the plan of `tasks` over `tensors` (the launch's contract).
 #[inline(always)]
 pub(crate) unsafe fn task(
+    s: &Step,
     tensors: *const UpdateTensorDesc,
     tasks: *const ChunkTask,
     num_tasks: u64,
 ) -> Option<(*const UpdateTensorDesc, u64)> {
-    if num_tasks == 0 {
+    if s.skip || num_tasks == 0 {
         return None;
     }
     // SAFETY: the contract.
@@ -477,46 +463,40 @@ pub(crate) unsafe fn task(
     }
 }
 
-/// The step number a tensor's update takes: its own count, or its group's, plus one.
+/// The step number a tensor's update takes: its own count, or the group's, plus one.
 ///
 /// # Safety
-/// `g` is an entry of the launch's group table, its count device memory that only the last
-/// block writes, after every block's ticket; an own step count of `d` is one f32 written
-/// likewise (the launch's contract).
+/// An own step count of `d` is one f32 that only the last block writes, after every block's
+/// ticket (the launch's contract).
 #[inline(always)]
-pub(crate) unsafe fn step_of(g: *const UpdateGroup, d: &UpdateTensorDesc) -> f64 {
-    // SAFETY: the contract.
-    1.0 + unsafe {
-        if d.step == 0 {
-            (*((*g).count as *const UpdateCount)).steps as f64
-        } else {
-            (d.step as *const f32).read() as f64
-        }
+pub(crate) unsafe fn step_of(s: &Step, d: &UpdateTensorDesc) -> f64 {
+    1.0 + if d.step == 0 {
+        s.steps as f64
+    } else {
+        // SAFETY: the contract.
+        (unsafe { (d.step as *const f32).read() }) as f64
     }
 }
 
-/// The second half: the block that finishes last adds one to every group's `steps` (or
-/// `skipped`, for a group whose step is skipped) and to the own count of every parameter of a
-/// group whose step is taken (its threads striding over the groups, then over the `num_tensors`
-/// tensors).
+/// The second half: the block that finishes last adds one to `count.steps` (or
+/// `count.skipped`) and, when the step is taken, to every parameter's own count (its threads
+/// striding over the `num_tensors` tensors).
 ///
 /// # Safety
 /// As the entry points of `update_entry`: [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared
-/// memory, `counter` zero before the launch, `groups` `num_groups` entries with distinct counts
-/// (each tensor's group one of them), every block of the launch calling this once after its
-/// task.
+/// memory, `counter` zero before the launch, every block of the launch calling this once after
+/// its task.
 #[inline(always)]
 pub(crate) unsafe fn finish(
+    s: &Step,
     tensors: *const UpdateTensorDesc,
     counter: *mut u32,
-    groups: *const UpdateGroup,
-    num_groups: u64,
+    count: *mut UpdateCount,
     num_tasks: u64,
     num_tensors: u64,
-    found_inf: *const f32,
 ) {
-    // Every thread of the block has read its group's count and its tensor's step, and finished
-    // its elements, before thread 0 takes the block's ticket.
+    // Every thread of the block has read `count` and its tensor's step, and finished its
+    // elements, before thread 0 takes the block's ticket.
     // SAFETY: every thread of the block reaches this barrier.
     unsafe { sync_threads() };
     let flag = smem_flag::<BLOCK_WARPS>();
@@ -530,43 +510,35 @@ pub(crate) unsafe fn finish(
         };
         // SAFETY: the launch gives BLOCK_SMEM_BYTES of dynamic shared memory (contract).
         unsafe { flag.write_volatile(last as u32) };
-        if last && num_tasks > 0 {
-            // SAFETY: every other block has taken its ticket; the counter is reset for the next
-            // launch, which the stream orders after this one.
-            unsafe { counter.write_volatile(0) };
+        if last {
+            // SAFETY: every other block has taken its ticket, so has read `count`; the counter is
+            // reset for the next launch, which the stream orders after this one.
+            unsafe {
+                if s.skip {
+                    (*count).skipped += 1;
+                } else {
+                    (*count).steps = s.steps + 1;
+                }
+                if num_tasks > 0 {
+                    counter.write_volatile(0);
+                }
+            }
         }
     }
     // SAFETY: every thread of the block reaches this barrier.
     unsafe { sync_threads() };
     // SAFETY: written by thread 0 before the barrier just above, which orders it for every thread.
-    if unsafe { flag.read_volatile() } == 0 {
+    if s.skip || unsafe { flag.read_volatile() } == 0 {
         return;
     }
     fence_gpu();
     let mut i = thread_idx() as u64;
-    while i < num_groups {
-        // SAFETY: the table holds `num_groups` entries with distinct counts (each written by one
-        // thread); every other block has read its group's count before its ticket.
-        unsafe {
-            let g = groups.add(i as usize);
-            let c = (*g).count as *mut UpdateCount;
-            if group_step(g, found_inf).skip {
-                (*c).skipped += 1;
-            } else {
-                (*c).steps += 1;
-            }
-        }
-        i += BLOCK_THREADS as u64;
-    }
-    let mut i = thread_idx() as u64;
     while i < num_tensors {
-        // SAFETY: the table holds `num_tensors` descriptors, each of a group of the table; every
-        // block has read its tensor's step before its ticket, and this block holds the last one;
-        // each count is one f32.
+        // SAFETY: the table holds `num_tensors` descriptors; every block has read its tensor's
+        // step before its ticket, and this block holds the last one; each count is one f32.
         unsafe {
-            let d = tensors.add(i as usize);
-            let at = (*d).step as *mut f32;
-            if !at.is_null() && !group_step(groups.add((*d).group as usize), found_inf).skip {
+            let at = (*tensors.add(i as usize)).step as *mut f32;
+            if !at.is_null() {
                 at.write(at.read() + 1.0);
             }
         }

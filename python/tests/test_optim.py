@@ -401,7 +401,7 @@ def test_native_step_reads_groups_and_refuses_bad_input():
     gradient, and refuses, before anything is written, a bad step count, a malformed group's
     settings and a bad learning rate tensor."""
     from gradclip import _native
-    from gradclip.torch import _PLANNER
+    from gradclip.torch._functions import _PLANNER
 
     ps = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))]
     opt = torch.optim.AdamW(ps, fused=True)

@@ -13,14 +13,14 @@ from gradclip import _engine, _native
 # without either (every call reads every tensor through Python calls): all must be exact.
 GUARDED = _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, _engine._PLANNER.native_pointers)
 PER_TENSOR = _native.Planner(_engine._NATIVE_DTYPES)
-_current = [gt._PLANNER]
+_current = [gt._functions._PLANNER]
 
 
 @pytest.fixture(params=["native", "guarded", "per-tensor"], autouse=True)
 def planner(request):
-    _current[0] = {"native": gt._PLANNER, "guarded": GUARDED, "per-tensor": PER_TENSOR}[request.param]
+    _current[0] = {"native": gt._functions._PLANNER, "guarded": GUARDED, "per-tensor": PER_TENSOR}[request.param]
     yield _current[0]
-    _current[0] = gt._PLANNER
+    _current[0] = gt._functions._PLANNER
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
@@ -102,7 +102,7 @@ def test_result_dtype_follows_torch_promotion():
 def test_parameters_without_grad_are_skipped_by_the_scan():
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     a.grad = torch.ones(3)
-    plan, read = gt._PLANNER.scan(iter([a, b]), True)
+    plan, read = gt._functions._PLANNER.scan(iter([a, b]), True)
     assert len(read) == 1 and read[0] is a.grad and len(plan) == 1
 
 
@@ -122,8 +122,8 @@ def test_this_torch_gives_the_one_call_validator():
     # Every torch gradclip supports (2.8 and later) has the guard functions the validator
     # needs; the native reads run on the releases whose object layout CI verifies, and on no
     # other (torch 2.9's objects hold a tagged wrapper where 2.10's hold the tensor).
-    assert gt._PLANNER.validates and GUARDED.validates and not PER_TENSOR.validates
-    assert gt._PLANNER.native_facts == LAYOUT_VERIFIED and not GUARDED.native_facts and not PER_TENSOR.native_facts
+    assert gt._functions._PLANNER.validates and GUARDED.validates and not PER_TENSOR.validates
+    assert gt._functions._PLANNER.native_facts == LAYOUT_VERIFIED and not GUARDED.native_facts and not PER_TENSOR.native_facts
     assert (_engine._FACTS is not None) == LAYOUT_VERIFIED
 
 
@@ -311,14 +311,14 @@ def test_new_tensors_take_over_the_kept_plans_tables():
     its own tensors."""
     gs = grads("cuda")
     gt.get_total_norm(gs)  # plans and lends
-    plan, _ = gt._PLANNER.scan(gs, False)
+    plan, _ = gt._functions._PLANNER.scan(gs, False)
     assert plan.has_workspace
     del plan
     gs2 = [g.clone() for g in gs]  # gs alive: new addresses
-    moved, _ = gt._PLANNER.scan(gs2, False)
+    moved, _ = gt._functions._PLANNER.scan(gs2, False)
     assert moved.has_workspace, "the relocated plan should share the kept plan's workspace"
     gs3 = [g.clone() for g in gs]
-    fresh, _ = gt._PLANNER.scan(gs3, False)  # `moved` is held here
+    fresh, _ = gt._functions._PLANNER.scan(gs3, False)  # `moved` is held here
     assert fresh is not moved and not fresh.has_workspace, "a held plan's tables must stay its own"
     del moved, fresh
     # A tensor at another 16-byte phase takes a block more: other tables, of another size, so
@@ -327,7 +327,7 @@ def test_new_tensors_take_over_the_kept_plans_tables():
     gt.get_total_norm([whole])
     shifted = torch.randn(65537, device="cuda")[1:]  # 4 bytes on: two blocks
     assert shifted.data_ptr() % 16 == 4
-    plan, _ = gt._PLANNER.scan([shifted], False)
+    plan, _ = gt._functions._PLANNER.scan([shifted], False)
     assert plan is not None and not plan.has_workspace
     del plan
     want = torch.linalg.vector_norm(shifted.double())
@@ -396,7 +396,7 @@ class _Crossings:
 
                 return counted
 
-        import gradclip.torch as face
+        import gradclip.torch._functions as face
 
         for module in (_engine, face):
             monkeypatch.setattr(module, "_native", Native())

@@ -126,12 +126,12 @@ def test_every_regime_steps_as_torch(device, planner, monkeypatch):
     if planner == "native_grad_objects" and _engine._FACTS is None:
         pytest.skip(f"torch {torch.__version__} has no native reads (not in OBJECT_LAYOUT_VERIFIED)")
     if planner != "native":
-        from gradclip.torch import _spine
+        from gradclip.torch import _engine_step
 
         facts = _engine._FACTS.without_grads() if planner == "native_grad_objects" else None
         other = _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, _engine._PLANNER.native_pointers, facts)
         assert other.native_facts == (facts is not None) and (facts is None or facts.read_grads([]) is None)
-        monkeypatch.setattr(_spine, "_PLANNER", other)
+        monkeypatch.setattr(_engine_step, "_PLANNER", other)
     ours_p, ref_p = params(device), params(device)
     ours = AdamW(ours_p, lr=1e-2, max_grad_norm=0.5, update="gradclip")
     ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)

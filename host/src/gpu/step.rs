@@ -4,7 +4,7 @@
 //! norm kernel (its last block writes the norm, the clip coefficient and the non-finite flag to
 //! a [`DeviceNorm`]), then the rule's update kernel, which multiplies each gradient by that
 //! coefficient as it reads it and, with [`NonFinite::Skip`], leaves everything untouched on a
-//! non-finite norm: every parameter group in that one launch. Two launches, no scale pass, no gradient write, no host synchronization
+//! non-finite norm (one launch per parameter group). Two launches for one group, no scale pass, no gradient write, no host synchronization
 //! (except [`NonFinite::Error`], which reads the norm). The step count lives on the device
 //! ([`DeviceStepCount`]), so a step can be captured in a CUDA graph: under capture its tables go
 //! to memory the graph owns, as the norm's do.
@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
-use gradclip_kernels::abi::{UpdateCount, UpdateGroup, flags, update_flags};
+use gradclip_kernels::abi::{UpdateCount, flags, update_flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::capture::{self, Capture};
@@ -411,7 +411,7 @@ impl GpuEngine {
     }
 }
 
-/// The update kernel of a rule: every group of one kernel takes one launch.
+/// The update kernel of a rule.
 fn kernel_of(rule: &Rule) -> Kernel {
     match rule {
         Rule::Adam(_) => Kernel::Adam,
@@ -420,48 +420,11 @@ fn kernel_of(rule: &Rule) -> Kernel {
     }
 }
 
-/// A group's entry in an update launch's group table and the constants of its launch;
-/// `factor`: its clip's NormOutput and whether a non-finite norm skips (None: no clip and no
-/// loss scale).
-fn group_entry(g: &GroupStep, factor: Option<(u64, bool)>) -> Result<(UpdateGroup, [f64; 4])> {
-    let KernelArgs { lr, h, flags, launch } = g.rule.args()?;
-    let (norm, skip) = factor.unwrap_or((0, false));
-    let entry = UpdateGroup {
-        lr,
-        h,
-        lr_in: g.lr_in,
-        count: g.count,
-        norm,
-        flags: flags | if skip { update_flags::SKIP_NONFINITE } else { 0 },
-        reserved: 0,
-    };
-    Ok((entry, launch))
-}
-
-/// The update launches of a step: each kernel's groups, by the constants their launch shares
-/// (in the order of their first group), as `(kernel, constants, groups)`.
-fn launches(groups: &[GroupStep], constants: &[[f64; 4]]) -> Vec<(Kernel, [f64; 4], Vec<usize>)> {
-    let mut out: Vec<(Kernel, [f64; 4], Vec<usize>)> = Vec::new();
-    for (i, g) in groups.iter().enumerate() {
-        let (kernel, k) = (kernel_of(&g.rule), constants[i]);
-        // Compared by bits: the kernel's per-element constants are equal, not merely close.
-        let same = |o: &(Kernel, [f64; 4], Vec<usize>)| o.0 == kernel && o.1.iter().zip(&k).all(|(a, b)| a.to_bits() == b.to_bits());
-        match out.iter_mut().find(|o| same(o)) {
-            Some(o) => o.2.push(i),
-            None => out.push((kernel, k, vec![i])),
-        }
-    }
-    out
-}
-
 impl StepBackend for GpuEngine {
     /// The GPU's step over every group ([`StepBackend::step_list`]): with a clip, the norm kernel
     /// (or the norm given, made a NormOutput) of each clip (one over every group, or one per clip
-    /// group), the loss scale's one-thread launch per clip when there is one, then one update
-    /// launch for all the groups of each kernel that share its per-element constants (every
-    /// group of one optimizer but Adam groups with other betas, eps or L2 weight decay: a group
-    /// that differs in its learning rate, decoupled weight decay, flags or clip group costs an
-    /// entry of the group table, not a launch), each group reading its clip's factor. Every norm is taken before any update (so that
+    /// group), the loss scale's one-thread launch when there is one, then each group's update
+    /// launch, reading its clip's factor. Every norm is taken before any update (so that
     /// [`NonFinite::Error`], which reads them, refuses before anything is written). No host
     /// synchronization otherwise; capturable.
     unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses<'_>) -> Result<Option<f64>> {
@@ -474,29 +437,8 @@ impl StepBackend for GpuEngine {
                 addr: norm,
             });
         }
+        let args: Vec<KernelArgs> = groups.iter().map(|g| g.rule.args()).collect::<Result<_>>()?;
         let (clips, clip_of) = clip_plans(groups, inputs);
-        // Each clip's factor as the update reads it: its NormOutput (one without a clip when the
-        // gradients carry a loss scale), and whether a non-finite norm skips.
-        let factor_of = |k: usize| -> Option<(u64, bool)> {
-            let clip = clips.get(k).map(|c| &c.clip);
-            (clip.is_some() || inputs.loss_scale != 0).then(|| (norm + 24 * k as u64, clip.is_some_and(|c| c.nonfinite == NonFinite::Skip)))
-        };
-        let (entries, constants): (Vec<UpdateGroup>, Vec<[f64; 4]>) = groups
-            .iter()
-            .zip(&clip_of)
-            .map(|(g, &k)| group_entry(g, factor_of(k)))
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .unzip();
-        // The update tables (planned and uploaded before any norm: a plan that does not fit is
-        // refused before anything is written), one launch per kernel and shared constants.
-        let stream = self.stream().clone();
-        let mut planned = Vec::new();
-        for (kernel, k, members) in launches(groups, &constants) {
-            let table: Vec<UpdateGroup> = members.iter().map(|&i| entries[i]).collect();
-            let (tables, num_tasks, num_tensors) = self.updates.tables(&stream, list, &members, &table)?;
-            planned.push((kernel, tables, k, (num_tasks, num_tensors, table.len() as u64)));
-        }
         let lists: Vec<Option<TensorList>> = clips.iter().map(|c| c.grads(list)).collect::<Result<_>>()?;
         for (k, (c, grads)) in clips.iter().zip(&lists).enumerate() {
             let out = norm + 24 * k as u64;
@@ -510,18 +452,45 @@ impl StepBackend for GpuEngine {
                 }
             }
         }
-        // The loss scale's factor for each clip (or for the step, without a clip).
-        for k in 0..clips.len().max(1) {
-            // SAFETY: the caller's contract covers `norm` and the loss scale; the clip's
-            // NormOutput was written just above.
-            unsafe { self.update_factor_raw(norm + 24 * k as u64, clips.get(k).map(|c| &c.clip), inputs.loss_scale) }?;
-        }
-        for (kernel, tables, k, counts) in planned {
-            // SAFETY: the tables were planned from the list's groups of this launch (checked for
-            // their rules: lengths, dtypes, states present, valid and disjoint memory) and
-            // uploaded on this stream; the counts are distinct (checked); the caller vouches for
-            // the memory of the parts, the counts, the NormOutputs and the inputs.
-            unsafe { launch::update(&stream, self.kernels(), kernel, &tables, k, counts, inputs.found_inf) }?;
+        // Each clip's factor (one without a clip: the loss scale's alone, or none).
+        let factors: Vec<Option<(u64, bool)>> = if clips.is_empty() {
+            // SAFETY: the caller's contract covers `norm` and the loss scale.
+            vec![unsafe { self.update_factor_raw(norm, None, inputs.loss_scale) }?]
+        } else {
+            let mut f = Vec::with_capacity(clips.len());
+            for (k, c) in clips.iter().enumerate() {
+                // SAFETY: as above; the clip's NormOutput was written just above.
+                f.push(unsafe { self.update_factor_raw(norm + 24 * k as u64, Some(&c.clip), inputs.loss_scale) }?);
+            }
+            f
+        };
+        let stream = self.stream().clone();
+        for (i, (g, h)) in groups.iter().zip(args).enumerate() {
+            let (norm_at, skip) = factors[clip_of[i]].map_or((0, false), |(n, skip)| (n, skip));
+            let h = KernelArgs {
+                flags: h.flags | if skip { update_flags::SKIP_NONFINITE } else { 0 },
+                ..h
+            };
+            let (tables, num_tasks) = self.updates.tables(&stream, list, i)?;
+            // SAFETY: the tables were planned from the group's parts (checked for its rule:
+            // lengths, dtypes, states present, valid and disjoint memory) and uploaded on this
+            // stream; the caller vouches for the memory of the parts, the count, the NormOutput
+            // and the inputs.
+            unsafe {
+                launch::update(
+                    &stream,
+                    self.kernels(),
+                    kernel_of(&g.rule),
+                    &tables,
+                    num_tasks,
+                    list.group(i).0.len() as u64,
+                    g.count,
+                    norm_at,
+                    &h,
+                    g.lr_in,
+                    inputs.found_inf,
+                )
+            }?;
         }
         Ok(None)
     }

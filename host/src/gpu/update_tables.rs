@@ -1,12 +1,13 @@
-//! The optimizer kernels' tables (descriptors, tasks and the group table) of the step lists
-//! used last, kept in the engine's own memory by the list's identity, for every rule alike: an
-//! update re-plans and uploads its tensor tables only when its list changes, and its group table
-//! (hyperparameters: an LR schedule changes them every step) only when its values change.
+//! The optimizer kernels' tables (descriptors and tasks) of the parameter groups stepped last,
+//! kept in the engine's own memory by the groups' parameters, for every rule alike: an update
+//! re-plans and uploads a group's only when its tensors change (its descriptors alone when only
+//! its gradients are new).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use gradclip_kernels::abi::{ChunkTask, UpdateGroup, UpdateTensorDesc, update_chunk_elems};
+use gradclip_kernels::abi::{ChunkTask, UpdateTensorDesc, update_chunk_elems};
 
 use super::capture::{self, Capture};
 use super::launch::UpdateTables;
@@ -15,42 +16,42 @@ use crate::error::{Error, Result};
 use crate::optim::{Parts, StepList};
 use crate::plan::MAX_TASKS;
 
-/// The optimizer tables of the launches uploaded last, in the engine's own memory: counter word,
-/// tensor table, task table, group table.
+/// The optimizer tables of the parameter groups stepped last, in the engine's own memory
+/// (counter word, tensor table, task table), found by the group's parameters: a step over
+/// hundreds of groups finds each group's in one lookup, and uploads nothing when its tensors
+/// came back (its descriptors alone when only its gradients are new).
 #[derive(Debug, Default)]
 pub(crate) struct UpdateUpload {
-    lists: Vec<Uploaded>,
+    slots: Vec<Uploaded>,
+    /// Each slot's place, by [`params_key`].
+    by_params: HashMap<(usize, u64), usize>,
+    /// Advances with every lookup; a slot's `used` is its last.
+    clock: u64,
 }
 
 #[derive(Debug)]
 struct Uploaded {
-    /// The [`StepList`] and its groups (in launch order) these tables were uploaded for.
-    key: (u64, Vec<usize>),
-    /// The launch's parameters, group after group, each with its place in the group table.
-    parts: Vec<(u32, Parts)>,
-    /// The group table as uploaded.
-    table: Vec<UpdateGroup>,
+    /// [`params_key`] of `parts`.
+    key: (usize, u64),
+    parts: Vec<Parts>,
     buf: CudaSlice<u64>,
     num_tasks: u64,
+    used: u64,
 }
 
-/// Launches kept uploaded (the most recently used first).
+/// Groups' tables kept at least (a step keeps every group's: up to twice its group count).
 const KEPT_LISTS: usize = 8;
 
-/// A launch's parameters: those of `list`'s groups `groups`, each with the group's place in the
-/// launch.
-fn launch_parts(list: &StepList, groups: &[usize]) -> Vec<(u32, Parts)> {
-    let mut out = Vec::with_capacity(groups.iter().map(|&g| list.group(g).0.len()).sum());
-    for (at, &g) in groups.iter().enumerate() {
-        out.extend(list.group(g).0.iter().map(|p| (at as u32, *p)));
-    }
-    out
+/// What finds a group's slot: its parameter count and its first parameter's address (a
+/// parameter belongs to one group, and a group keeps its parameters from step to step).
+fn params_key(parts: &[Parts]) -> (usize, u64) {
+    (parts.len(), parts.first().map_or(0, |p| p.param.addr))
 }
 
 /// The kernel's tables for `parts` (checked by the caller).
-fn plan(parts: &[(u32, Parts)]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
+fn plan(parts: &[Parts]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
     let mut tasks = Vec::new();
-    for (i, (_, p)) in parts.iter().enumerate() {
+    for (i, p) in parts.iter().enumerate() {
         let n = p.param.len.div_ceil(update_chunk_elems(p.param.dtype.size()));
         if tasks.len() as u64 + n > MAX_TASKS {
             return Err(Error::TooManyTasks {
@@ -67,139 +68,144 @@ fn plan(parts: &[(u32, Parts)]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>
 }
 
 /// The tensor table of `parts`: every part's address, the length, the dtypes packed as the
-/// kernel unpacks them, the group. The task table depends only on the parameters' lengths and
-/// dtypes: a parameter whose gradient is absent keeps its tasks, with a length of 0 (they do
-/// nothing) and no step count to advance.
-fn descriptors(parts: &[(u32, Parts)]) -> Vec<UpdateTensorDesc> {
+/// kernel unpacks them. The task table depends only on the parameters' lengths and dtypes: a
+/// parameter whose gradient is absent keeps its tasks, with a length of 0 (they do nothing)
+/// and no step count to advance.
+fn descriptors(parts: &[Parts]) -> Vec<UpdateTensorDesc> {
     parts
         .iter()
-        .map(|&(group, p)| UpdateTensorDesc {
+        .map(|p| UpdateTensorDesc {
             param: p.param.addr,
             grad: p.grad.addr,
             states: p.states.map(|s| s.map_or(0, |s| s.addr)),
             len: p.grad.len, // the parameter's (checked), or 0 for an absent gradient
             dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | p.states[0].map_or(p.param.dtype, |s| s.dtype).code() << 8,
-            group,
+            reserved: 0,
             step: if p.grad_absent() { 0 } else { p.step.map_or(0, |s| s.addr) },
         })
         .collect()
 }
 
 /// True when `b` is `a` with other gradient addresses (the same tasks, new descriptors).
-fn same_but_grads(a: &[(u32, Parts)], b: &[(u32, Parts)]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.0 == b.0 && Parts { grad: b.1.grad, ..a.1 } == b.1)
+fn same_but_grads(a: &[Parts], b: &[Parts]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| Parts { grad: b.grad, ..*a } == *b)
 }
 
-/// Word offsets of a buffer's tables: `(tensors, tasks, groups, total)` (the counter is word 0).
-fn offsets(tensors: usize, tasks: usize, groups: usize) -> (usize, usize, usize, usize) {
-    let dw = tensors * size_of::<UpdateTensorDesc>() / 8;
-    let tw = (tasks * size_of::<ChunkTask>()).div_ceil(8);
-    let gw = groups * size_of::<UpdateGroup>() / 8;
-    (1, 1 + dw, 1 + dw + tw, 1 + dw + tw + gw)
+/// `parts`' tables uploaded on `stream` into `reuse` when it is large enough (its counter word
+/// is zero: every launch leaves it so, and the copies never touch it), else into a new buffer;
+/// and their task count. Every copy is ordered after the launches that read `reuse`.
+fn upload(stream: &Arc<CudaStream>, parts: &[Parts], reuse: Option<CudaSlice<u64>>) -> Result<(CudaSlice<u64>, u64)> {
+    let (descs, tasks) = plan(parts)?;
+    let (dw, tw) = (as_words(&descs), as_words(&tasks));
+    let words = 1 + dw.len() + tw.len();
+    let mut buf = match reuse.filter(|b| b.len() >= words) {
+        Some(b) => b,
+        None => stream.alloc_zeros::<u64>(words)?,
+    };
+    let mut at = 1;
+    for words in [dw, tw] {
+        if !words.is_empty() {
+            stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
+        }
+        at += words.len();
+    }
+    Ok((buf, tasks.len() as u64))
 }
 
 impl UpdateUpload {
-    /// The optimizer tables of one launch over groups `groups` of `list` (`table`: their group
-    /// entries, in that order) in device memory, their task and tensor counts: under CUDA-graph
-    /// capture, fresh ones that the graph owns (as the norm's, [`capture`]); otherwise uploaded
-    /// unless a launch kept is this one or has the same parts (its group table uploaded again
-    /// when its values differ). A new upload reuses the least recently used buffer when it is
-    /// large enough (every copy is ordered after the launches that read it on this stream).
-    pub(crate) fn tables(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        list: &StepList,
-        groups: &[usize],
-        table: &[UpdateGroup],
-    ) -> Result<(UpdateTables, u64, u64)> {
-        let parts = launch_parts(list, groups);
-        let tables_at = |base: u64, n: usize, tasks: usize| {
-            let (dw, tw, gw, _) = offsets(n, tasks, table.len());
-            UpdateTables {
-                counter: base,
-                tensors: base + 8 * dw as u64,
-                tasks: base + 8 * tw as u64,
-                groups: base + 8 * gw as u64,
-            }
-        };
-        if let Capture::Active(graph) = capture::status(stream)? {
-            let (descs, tasks) = plan(&parts)?;
-            let (dw, tw, gw, total) = offsets(descs.len(), tasks.len(), table.len());
-            let copies = [(8 * dw, as_words(&descs)), (8 * tw, as_words(&tasks)), (8 * gw, as_words(table))];
-            let base = capture::upload_words_owned_by(stream, graph, 8 * total, 8, &copies)?;
-            return Ok((tables_at(base, descs.len(), tasks.len()), tasks.len() as u64, descs.len() as u64));
-        }
-        capture::free_released(stream);
-        let key = (list.id(), groups.to_vec());
-        let lists = &mut self.lists;
-        let fits = |u: &Uploaded| u.table.len() == table.len();
-        let same = lists.iter().position(|u| fits(u) && (u.key == key || u.parts == parts));
-        // New gradients of the same parameters (a training loop's every step): only the tensor
-        // table is uploaded again, into the tables of the last such launch.
-        let moved = same
-            .is_none()
-            .then(|| lists.iter().position(|u| fits(u) && same_but_grads(&u.parts, &parts)))
-            .flatten();
-        match (same, moved) {
-            (Some(i), _) => {
-                let mut u = lists.remove(i);
-                u.key = key;
-                lists.insert(0, u);
-            }
-            (None, Some(i)) => {
-                let mut u = lists.remove(i);
-                let descs = descriptors(&parts);
-                let dw = as_words(&descs);
-                stream.memcpy_htod(dw, &mut u.buf.slice_mut(1..1 + dw.len()))?;
-                u.key = key;
-                u.parts = parts;
-                lists.insert(0, u);
-            }
-            (None, None) => {
-                let (descs, tasks) = plan(&parts)?;
-                let (_, tw, gw, total) = offsets(descs.len(), tasks.len(), table.len());
-                // The oldest buffer, when full and large enough; its counter word is zero (every
-                // launch leaves it so), and the copies below never touch it.
-                let reuse = (lists.len() >= KEPT_LISTS)
-                    .then(|| lists.pop())
-                    .flatten()
-                    .filter(|u| u.buf.len() >= total);
-                let mut buf = match reuse {
-                    Some(u) => u.buf,
-                    None => {
-                        lists.truncate(KEPT_LISTS - 1);
-                        stream.alloc_zeros::<u64>(total)?
-                    }
+    /// The optimizer tables of group `group` of `list` in device memory and their task count:
+    /// under CUDA-graph capture, fresh ones that the graph owns (as the norm's, [`capture`]);
+    /// otherwise the group's slot (found by its parameters), uploaded again when its tensors
+    /// changed. A new group takes a new slot, or the least recently used one's buffer once a
+    /// step's groups fill twice the slots (every copy is ordered after the launches that read
+    /// it on this stream).
+    pub(crate) fn tables(&mut self, stream: &Arc<CudaStream>, list: &StepList, group: usize) -> Result<(UpdateTables, u64)> {
+        let parts = list.group(group).0;
+        match capture::status(stream)? {
+            Capture::Active(graph) => {
+                let (descs, tasks) = plan(parts)?;
+                let (dw, tw) = (as_words(&descs), as_words(&tasks));
+                let tasks_at = 8 + 8 * dw.len();
+                let base = capture::upload_words_owned_by(stream, graph, tasks_at + 8 * tw.len(), 8, &[(8, dw), (tasks_at, tw)])?;
+                let tables = UpdateTables {
+                    counter: base,
+                    tensors: base + 8,
+                    tasks: base + tasks_at as u64,
                 };
-                for (at, words) in [(1, as_words(&descs)), (tw, as_words(&tasks)), (gw, as_words(table))] {
-                    if !words.is_empty() {
-                        stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
+                return Ok((tables, tasks.len() as u64));
+            }
+            Capture::None => capture::free_released(stream),
+        }
+        self.clock += 1;
+        let key = params_key(parts);
+        let at = match self.by_params.get(&key) {
+            Some(&i) => {
+                let u = &mut self.slots[i];
+                if u.parts != parts {
+                    if same_but_grads(&u.parts, parts) {
+                        // New gradients of the same parameters (a training loop's every step):
+                        // only the tensor table, ordered after the launches that read it.
+                        let descs = descriptors(parts);
+                        let dw = as_words(&descs);
+                        stream.memcpy_htod(dw, &mut u.buf.slice_mut(1..1 + dw.len()))?;
+                    } else {
+                        let old = std::mem::replace(&mut u.buf, stream.alloc_zeros::<u64>(1)?);
+                        let (buf, num_tasks) = upload(stream, parts, Some(old))?;
+                        (u.buf, u.num_tasks) = (buf, num_tasks);
+                    }
+                    u.parts = parts.to_vec();
+                }
+                i
+            }
+            None => {
+                let keep = KEPT_LISTS.max(2 * list.groups());
+                // The least recently used slot's buffer, when full (reused if large enough).
+                let oldest = (self.slots.len() >= keep)
+                    .then(|| (0..self.slots.len()).min_by_key(|&i| self.slots[i].used))
+                    .flatten();
+                match oldest {
+                    Some(i) => {
+                        let u = &mut self.slots[i];
+                        self.by_params.remove(&u.key);
+                        let old = std::mem::replace(&mut u.buf, stream.alloc_zeros::<u64>(1)?);
+                        let (buf, num_tasks) = upload(stream, parts, Some(old))?;
+                        *u = Uploaded {
+                            key,
+                            parts: parts.to_vec(),
+                            buf,
+                            num_tasks,
+                            used: 0,
+                        };
+                        self.by_params.insert(key, i);
+                        i
+                    }
+                    None => {
+                        let (buf, num_tasks) = upload(stream, parts, None)?;
+                        self.slots.push(Uploaded {
+                            key,
+                            parts: parts.to_vec(),
+                            buf,
+                            num_tasks,
+                            used: 0,
+                        });
+                        self.by_params.insert(key, self.slots.len() - 1);
+                        self.slots.len() - 1
                     }
                 }
-                lists.insert(
-                    0,
-                    Uploaded {
-                        key,
-                        parts,
-                        table: table.to_vec(),
-                        buf,
-                        num_tasks: tasks.len() as u64,
-                    },
-                );
             }
-        }
-        let u = &mut lists[0];
-        let (n, num_tasks) = (u.parts.len(), u.num_tasks as usize);
-        let (_, _, gw, _) = offsets(n, num_tasks, table.len());
-        if u.table != table {
-            // An LR schedule's new rate, say: only the group table, ordered after the launches
-            // that read the old one on this stream.
-            let words = as_words(table);
-            stream.memcpy_htod(words, &mut u.buf.slice_mut(gw..gw + words.len()))?;
-            u.table = table.to_vec();
-        }
+        };
+        let u = &mut self.slots[at];
+        u.used = self.clock;
         let (base, _g) = u.buf.device_ptr(stream);
-        Ok((tables_at(base, n, num_tasks), u.num_tasks, n as u64))
+        let descs_bytes = (u.parts.len() * size_of::<UpdateTensorDesc>()) as u64;
+        Ok((
+            UpdateTables {
+                counter: base,
+                tensors: base + 8,
+                tasks: base + 8 + descs_bytes,
+            },
+            u.num_tasks,
+        ))
     }
 }
 
@@ -237,10 +243,7 @@ mod tests {
             parts(2, wide, DType::F64, DType::F64, false),
             parts(3, narrow, DType::F32, DType::F32, false),
         ];
-        // Two groups: the first two parameters, then the others.
-        let grouped: Vec<(u32, Parts)> = list.iter().enumerate().map(|(i, p)| ((i >= 2) as u32, *p)).collect();
-        let (descs, tasks) = plan(&grouped).unwrap();
-        assert_eq!(descs.iter().map(|d| d.group).collect::<Vec<_>>(), [0, 0, 1, 1]);
+        let (descs, tasks) = plan(&list).unwrap();
         let f32_chunks = narrow.div_ceil(update_chunk_elems(4)) as u32;
         let want: Vec<(u32, u32)> = [(0, 0), (0, 1), (0, 2), (2, 0)]
             .into_iter()

@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from ..torch import _full, _local
+from ..torch._functions import _full, _local
 from ..torch._spine import live_optimizers
 
 #: Each clipping optimizer's norm still to be filled in by its next step.

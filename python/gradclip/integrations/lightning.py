@@ -91,6 +91,6 @@ class GradclipClipping(_lightning.pytorch.Callback):
         norm = self.last_grad_norm
         if self.log_name is not None and norm is not None:
             # A DTensor norm (FSDP2 gradients) is logged as the full value every rank holds.
-            from ..torch import _full
+            from ..torch._functions import _full
 
             pl_module.log(self.log_name, _full(norm), on_step=True, on_epoch=False)

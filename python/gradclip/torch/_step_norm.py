@@ -9,7 +9,7 @@ import torch
 
 from .._engine import _result_dtype
 from .shards import Shards, _is_mesh, _is_process_group
-from . import _grads_norm64, _local
+from ._functions import _grads_norm64, _local
 
 
 def checked_shards_over(over) -> tuple:

@@ -11,6 +11,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Union
 import torch
 
 from .._engine import _check_max_norm, _check_p
+from . import _functions
 
 __all__ = ["clip_grad_norms_"]
 
@@ -55,13 +56,11 @@ def _group_norm(params: List[torch.Tensor], norm_type: float, pipeline_group, no
     DTensor gradients) and as its scale reads it: the f64 norm of plain gradients, so the
     coefficient is the one ``clip_grad_norm_`` computes (not one of the norm rounded to the
     gradients' dtype); None for a group without gradients."""
-    from . import _grads_norm64, _scan, get_total_norm
-
-    _, _, sharded = _scan(params, True)
+    _, _, sharded = _functions._scan(params, True)
     if sharded or pipeline_group is not None or norm_group is not None:
-        norm = get_total_norm([p.grad for p in params if p.grad is not None], norm_type, pipeline_group=pipeline_group, norm_group=norm_group)
+        norm = _functions.get_total_norm([p.grad for p in params if p.grad is not None], norm_type, pipeline_group=pipeline_group, norm_group=norm_group)
         return norm, norm
-    found = _grads_norm64(params, norm_type)
+    found = _functions._grads_norm64(params, norm_type)
     if found is None:
         return torch.tensor(0.0), None
     norm64, dtype = found
@@ -99,25 +98,18 @@ def clip_grad_norms_(
     return _clip_groups(lists, max_norm, norm_type, error_if_nonfinite, foreach, pipeline_group, norm_group)
 
 
-def _eager(fn):
-    from . import _opaque_to_compile
-
-    return _opaque_to_compile(torch.no_grad()(fn))
-
-
-@_eager
+@_functions._opaque_to_compile
+@torch.no_grad()
 def _clip_groups(lists, max_norm, norm_type, error_if_nonfinite, foreach, pipeline_group, norm_group) -> Dict[str, torch.Tensor]:
     """``clip_grad_norms_`` once its groups are read (eager: a compiled caller breaks its graph
     here, at one call)."""
-    from . import _check_writable, _full, _scan, clip_grads_with_norm_
-
     named = _read_groups(lists)
     limits = _limits(named, max_norm)
     _check_p(norm_type)
     found = {name: _group_norm(params, norm_type, pipeline_group, norm_group) for name, params in named.items()}
     if error_if_nonfinite:
         for name, (norm, _) in found.items():
-            if not bool(torch.isfinite(_full(norm))):
+            if not bool(torch.isfinite(_functions._full(norm))):
                 raise RuntimeError(
                     f"The total norm of order {float(norm_type)} for gradients of clip group {name!r} is non-finite, "
                     "so it cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
@@ -126,9 +118,9 @@ def _clip_groups(lists, max_norm, norm_type, error_if_nonfinite, foreach, pipeli
     clipped = [name for name in named if limits[name] is not None and found[name][1] is not None]
     # Every group's gradients checked as its scale checks them, before any group is scaled.
     for name in clipped:
-        plan, grads, sharded = _scan(named[name], True)
+        plan, grads, sharded = _functions._scan(named[name], True)
         if not sharded:
-            _check_writable(plan, grads)
+            _functions._check_writable(plan, grads)
     for name in clipped:
-        clip_grads_with_norm_(named[name], limits[name], found[name][1], foreach)
+        _functions.clip_grads_with_norm_(named[name], limits[name], found[name][1], foreach)
     return {name: norm for name, (norm, _) in found.items()}

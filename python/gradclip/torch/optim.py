@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _local
-from ._spine import NONFINITE_POLICIES, UPDATES, _ClippingStep, _refuse_sparse  # noqa: F401 (the policies, named here too)
+from ._functions import _local
+from ._spine import NONFINITE_POLICIES, UPDATES, _ClippingStep  # noqa: F401 (the policies, named here too)
+from ._torch_update import _refuse_sparse
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
