@@ -220,7 +220,7 @@ def clip_stages(params, stages):
 
     def fn():
         t0 = time.perf_counter()
-        plan, grads, _ = gt._scan(params, True)
+        plan, grads, _ = gt._functions._scan(params, True)
         t1 = time.perf_counter()
         info = plan.info
         _engine._check_writable(plan, grads, info)
@@ -246,9 +246,9 @@ def guarded_planner():
     gradclip's planner does not read natively (before the shim, its planner was this one)."""
     from gradclip import _engine, _native
 
-    if not getattr(gt._PLANNER, "native_facts", False):
+    if not getattr(gt._functions._PLANNER, "native_facts", False):
         return None
-    return _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, gt._PLANNER.native_pointers)
+    return _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, gt._functions._PLANNER.native_pointers)
 
 
 def clip_rows(device, calls):
@@ -262,7 +262,7 @@ def clip_rows(device, calls):
         setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused, "backward": grads.backward}[fresh]
         stages = []
         for name, fn in [("gradclip", lambda: gt.clip_grad_norm_(params, 1.0)),
-                         ("gradclip_scan_only", lambda: gt._PLANNER.scan(params, True)),
+                         ("gradclip_scan_only", lambda: gt._functions._PLANNER.scan(params, True)),
                          *([("gradclip_scan_guarded", lambda: guarded.scan(params, True))] if guarded else []),
                          ("gradclip_stages", clip_stages(params, stages)),
                          ("torch_foreach", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))]:

@@ -28,7 +28,7 @@ def clip_grad_norm_(accelerator, parameters, max_norm, norm_type=2):
     import gradclip.torch as gt
 
     accelerator.unscale_gradients()
-    return gt._full(gt.clip_grad_norm_(parameters, max_norm, norm_type))
+    return gt._functions._full(gt.clip_grad_norm_(parameters, max_norm, norm_type))
 
 
 class Accelerator(_accelerate.Accelerator):

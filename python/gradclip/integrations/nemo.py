@@ -73,7 +73,7 @@ def clip_grad_norm_impl(
         experts = [p for p in params if id(p) in ep_param_ids]
         items = [p for p in params if id(p) not in ep_param_ids] + [gt.Shards(experts, over=[ep_mesh])]
     pipeline = None if pp_mesh is None else pp_mesh.get_group()
-    return gt._full(gt.clip_grad_norm_(items, max_norm, norm_type, error_if_nonfinite, pipeline_group=pipeline)).to(torch.float64)
+    return gt._functions._full(gt.clip_grad_norm_(items, max_norm, norm_type, error_if_nonfinite, pipeline_group=pipeline)).to(torch.float64)
 
 
 def register() -> None:

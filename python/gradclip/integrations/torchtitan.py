@@ -49,7 +49,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     if owner is not None:
         return _deferred.pending_norm(owner, params, max_norm, norm_type, where)
     pipeline = None if pp_mesh is None else pp_mesh.get_group()
-    return gt._full(gt.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, pipeline_group=pipeline))
+    return gt._functions._full(gt.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, pipeline_group=pipeline))
 
 
 def register() -> None:
