@@ -73,6 +73,9 @@ def main(port, rank, world, stage, dtype, out):
     stock = train(deepspeed.initialize, lambda m: torch.optim.AdamW(params(m), lr=LR), True, stage, dtype, rank)
     mine = train(gds.initialize, lambda m: go.AdamW(params(m), lr=LR, max_grad_norm=MAX_NORM), False, stage, dtype, rank)
     torch.save({"stock": stock, "gradclip": mine}, out)
+    # Gloo's worker threads can abort the interpreter's exit when the group is left alive
+    # (pytorch/pytorch#190489): torch asks every trainer process to destroy it.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

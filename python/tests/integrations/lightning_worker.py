@@ -126,6 +126,8 @@ def main(precision, strategy, out):
     norm = callback.last_grad_norm
     mine["last_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     torch.save({"stock": stock, "gradclip": mine}, out + os.environ.get("RANK", ""))
+    if torch.distributed.is_initialized():  # left alive, gloo can abort the exit (see deepspeed_worker.py)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
