@@ -51,8 +51,8 @@ def main():
 
     probes = {
         "none": lambda ps: None,
-        "params": lambda ps: _engine._FACTS.read_all(ps),
-        "grads": lambda ps: _engine._FACTS.read_grads(ps),
+        "params": lambda ps: _engine.facts().read_all(ps),
+        "grads": lambda ps: _engine.facts().read_grads(ps),
     }
     plain = _spine._ClippingStep._plain_step
     gc_ns = [0, 0]  # collector time within the current step, start of the running collection

@@ -23,7 +23,7 @@ import record  # noqa: E402
 from step_host import Grads, moe_shapes, one_call  # noqa: E402
 
 import gradclip.torch as gt  # noqa: E402
-from gradclip import _engine, _native  # noqa: E402
+from gradclip import _native, _torch_probe  # noqa: E402
 from gradclip.torch import optim  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def workers(name):
     if name == "rayon":
         _native.use_rayon_workers()
     else:
-        _engine._use_torchs_cpu_threads()
+        _torch_probe.use_torchs_cpu_threads()
     return _native.cpu_workers().startswith(name)
 
 

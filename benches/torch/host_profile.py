@@ -46,13 +46,13 @@ def profile(n, elems, dtype):
         params.append(p)
     grads = [p.grad for p in params]
     gt.get_total_norm(grads)  # plans the list once
-    plan, _ = gt._functions._PLANNER.scan(grads, False)
+    plan, _ = _engine.planner().scan(grads, False)
     device, dtype = plan.info[:2]
-    out, stream = _engine._out(device), _engine._raw_stream(device)
+    out, stream = _engine.norm_output(device), _engine.raw_stream(device)
     row = {"tensors": n, "elements": elems, "dtype": str(dtype).replace("torch.", "")}
-    row["scan_us"] = per_call_us(lambda: gt._functions._PLANNER.scan(grads, False))
-    row["scan_params_us"] = per_call_us(lambda: gt._functions._PLANNER.scan(params, True))
-    row["out_us"] = per_call_us(lambda: _engine._out(device))
+    row["scan_us"] = per_call_us(lambda: _engine.planner().scan(grads, False))
+    row["scan_params_us"] = per_call_us(lambda: _engine.planner().scan(params, True))
+    row["out_us"] = per_call_us(lambda: _engine.norm_output(device))
     row["native_norm_us"] = per_call_us(lambda: _native.total_norm(plan, stream, 2.0, out.data_ptr()))
     row["to_dtype_us"] = per_call_us(lambda: out[0].to(dtype))
     row["gradclip_norm_us"] = per_call_us(lambda: gt.get_total_norm(grads))

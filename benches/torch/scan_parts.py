@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_host import Grads  # noqa: E402
 
 import gradclip.torch as gt  # noqa: E402
-from gradclip import _native  # noqa: E402
+from gradclip import _engine, _native  # noqa: E402
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 params = [torch.nn.Parameter(torch.randn(1024, device=dev)) for _ in range(1000)]
@@ -56,7 +56,7 @@ for case, setup in [("same", grads_of.same), ("fresh", grads_of.fresh)]:
         guard_check=med(lambda: g.check(*[p.grad for p in params]), setup),
         data_ptrs=med(lambda: [t.data_ptr() for t in [p.grad for p in params]], setup),
         native_ptrs=med(lambda: _native.read_data_ptrs([p.grad for p in params]), setup),
-        scan=med(lambda: gt._functions._PLANNER.scan(params, True), setup),
+        scan=med(lambda: _engine.planner().scan(params, True), setup),
         clip=med(lambda: gt.clip_grad_norm_(params, 1.0), setup),
         torch_clip=med(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True), setup),
     )

@@ -36,6 +36,7 @@ import time
 import torch
 
 import gradclip.torch as gt
+from gradclip import _engine
 from gradclip.torch import optim
 
 import record  # benches/torch/record.py, beside this script
@@ -216,22 +217,22 @@ def clip_stages(params, stages):
     a038de3 a cast of the f64 result; since, written by the engine in its dtype: 0)."""
     from gradclip import _engine, _native
 
-    typed = hasattr(_engine, "_norm_out")  # the norm written in its dtype by the engine (a038de3)
+    typed = hasattr(_engine, "returned_norm_buffer")  # the norm written in its dtype by the engine (a038de3)
 
     def fn():
         t0 = time.perf_counter()
         plan, grads, _ = gt._functions._scan(params, True)
         t1 = time.perf_counter()
         info = plan.info
-        _engine._check_writable(plan, grads, info)
-        out = _engine._norm_out(info) if typed else _engine._out(info[0])
+        _engine.check_writable(plan, grads, info)
+        out = _engine.returned_norm_buffer(info) if typed else _engine.norm_output(info[0])
         t2 = time.perf_counter()
         if typed:
-            _engine._call(_native.clip_grad_norm, plan, info, 1.0, 2.0, 0, out.data_ptr())
+            _engine.call_native(_native.clip_grad_norm, plan, info, 1.0, 2.0, 0, out.data_ptr())
         else:
-            _engine._call(_native.clip_grad_norm, plan, info, 1.0, 2.0, out.data_ptr())
+            _engine.call_native(_native.clip_grad_norm, plan, info, 1.0, 2.0, out.data_ptr())
         t3 = time.perf_counter()
-        _engine._written(grads)
+        _engine.written(grads)
         t4 = time.perf_counter()
         if not typed:
             out[0].to(info[1])
@@ -246,9 +247,9 @@ def guarded_planner():
     gradclip's planner does not read natively (before the shim, its planner was this one)."""
     from gradclip import _engine, _native
 
-    if not getattr(gt._functions._PLANNER, "native_facts", False):
+    if not getattr(_engine.planner(), "native_facts", False):
         return None
-    return _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, gt._functions._PLANNER.native_pointers)
+    return _native.Planner(_engine.NATIVE_DTYPES, _engine.guards(), _engine.planner().native_pointers)
 
 
 def clip_rows(device, calls):
@@ -262,7 +263,7 @@ def clip_rows(device, calls):
         setup = {False: grads.same, True: grads.fresh, "reused": grads.fresh_reused, "backward": grads.backward}[fresh]
         stages = []
         for name, fn in [("gradclip", lambda: gt.clip_grad_norm_(params, 1.0)),
-                         ("gradclip_scan_only", lambda: gt._functions._PLANNER.scan(params, True)),
+                         ("gradclip_scan_only", lambda: _engine.planner().scan(params, True)),
                          *([("gradclip_scan_guarded", lambda: guarded.scan(params, True))] if guarded else []),
                          ("gradclip_stages", clip_stages(params, stages)),
                          ("torch_foreach", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))]:

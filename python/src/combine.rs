@@ -10,7 +10,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::cuda::on_engine;
-use crate::to_py;
+use crate::py_errors::to_py;
 
 /// The slots of a sharded norm's keys and its all-reduces (`gradclip::sharded::Reduction`).
 #[pyclass(frozen, module = "gradclip._native")]

@@ -5,7 +5,7 @@ use gradclip::cpu::Cpu;
 use pyo3::prelude::*;
 
 use crate::plan::Plan;
-use crate::{clip_options, to_py};
+use crate::py_errors::{clip_options, to_py};
 
 /// Total norm of a plan's host tensors, and with `per_tensor` each tensor's norm (else None).
 pub(crate) fn total_norm(py: Python<'_>, plan: &Plan, p: f64, per_tensor: bool) -> PyResult<(f64, Option<Vec<f64>>)> {

@@ -12,7 +12,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::plan::{LentTables, NO_STREAM, Plan};
-use crate::{clip_options, to_py};
+use crate::py_errors::{clip_options, to_py};
 
 /// One engine per (device, stream): it keeps the tables it uploaded for the last plan it ran.
 static ENGINES: Mutex<Option<HashMap<(usize, usize), GpuEngine>>> = Mutex::new(None);

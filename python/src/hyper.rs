@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyFloat, PyInt, PyString};
 
-use crate::to_py;
+use crate::py_errors::to_py;
 
 /// One group's settings for a step.
 pub(crate) struct Hyper {

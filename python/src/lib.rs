@@ -16,36 +16,19 @@ mod loaded_libs;
 #[cfg(unix)]
 mod openmp;
 mod optim;
+mod place;
 mod plan;
 mod plan_ops;
+mod py_errors;
 mod scan;
 mod step_grads;
+mod step_run;
 mod tensor_addresses;
 mod tensor_facts;
 
-use gradclip::{ClipOptions, Error, NormType};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-/// The Python exception for an engine error: bad input is a ValueError, the rest RuntimeErrors.
-fn to_py(e: Error) -> PyErr {
-    match e {
-        Error::NonFiniteNorm { .. } | Error::Cuda(_) | Error::NoGpu { .. } | Error::MissingKernel { .. } | Error::NotCapturable { .. } => {
-            PyRuntimeError::new_err(e.to_string())
-        }
-        _ => PyValueError::new_err(e.to_string()),
-    }
-}
-
-/// The options of a one-call clip. `error_if_nonfinite` is decided in Python, on the norm as
-/// torch returns it (an f16 norm can overflow where the f64 one does not), so never here.
-fn clip_options(p: f64) -> PyResult<ClipOptions> {
-    Ok(ClipOptions {
-        norm_type: NormType::from_p(p).map_err(to_py)?,
-        error_if_nonfinite: false,
-        per_tensor_norms: false,
-    })
-}
+use crate::py_errors::to_py;
 
 /// Raises ValueError unless `max_norm` is a valid clip limit (not negative, not NaN): the one
 /// rule of every clip path, the engine's and torch's fallback alike.

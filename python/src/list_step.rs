@@ -19,10 +19,10 @@ use pyo3::types::PyList;
 
 use crate::guards::{AddressCheck, ListGuard};
 use crate::hyper::{Hyper, read_hyper};
-use crate::optim::{StepInputs, read_at, run_step};
-use crate::plan::Place;
+use crate::place::Place;
+use crate::py_errors::to_py;
 use crate::scan::Planner;
-use crate::to_py;
+use crate::step_run::{StepInputs, run_step};
 
 /// The states a group's rule keeps, by name, and whether it reads each parameter's own step
 /// count (`hyper` as [`crate::optim::optim_step`] takes it): what the caller lists per parameter.
@@ -143,7 +143,7 @@ impl KeptLists {
             }
             let mut place = Some(self.place);
             for g in present.iter() {
-                match read_at(planner, &g, &mut place)? {
+                match planner.entry_at(&g, &mut place)? {
                     Some(t) => now.push(t),
                     None => return Ok(None),
                 }
@@ -194,7 +194,7 @@ struct Read {
 fn read_lists(planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyResult<Option<Read>> {
     let mut place: Option<Place> = None;
     let read = |what: &str, t: Bound<'_, PyAny>, i: usize, place: &mut Option<Place>| -> PyResult<RawTensor> {
-        read_at(planner, &t, place)?.ok_or_else(|| {
+        planner.entry_at(&t, place)?.ok_or_else(|| {
             PyValueError::new_err(format!(
                 "{what}[{i}] is not a tensor gradclip's step reads (a contiguous bf16, f16, f32 or f64 tensor on the device of the others)"
             ))

@@ -14,27 +14,24 @@ use std::collections::HashMap;
 use std::sync::{Mutex, TryLockError};
 use std::time::Instant;
 
-use gradclip::NormType;
-use gradclip::cpu::Cpu;
-use gradclip::optim::{ClipConfig, GroupStep, NonFinite, Parts, StepAddresses, StepBackend, StepList};
+use gradclip::optim::{Parts, StepList};
 use gradclip::plan::RawTensor;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::cuda::with_engine;
 use crate::guards::AddressCheck;
 use crate::hyper::{self, Hyper, read_hyper};
-use crate::plan::Place;
+use crate::place::Place;
 use crate::scan::Planner;
 use crate::step_grads::{ListMaker, StepGrads};
+use crate::step_run::{ClipGroups, StepInputs, run_step};
 use crate::tensor_facts::{Facts, TensorFacts};
-use crate::to_py;
 
 /// [`optim_step`]'s verdicts: the step ran; the layout no longer fits (make a new one and call
 /// again); the engine does not take this step (run torch's).
-pub const STEP_DONE: u8 = 0;
+pub use crate::step_run::STEP_DONE;
 pub const STEP_RELAYOUT: u8 = 1;
 pub const STEP_TORCH: u8 = 2;
 /// Some parameters have their first gradient: make their states (torch's `_init_group` over
@@ -143,14 +140,6 @@ impl StepLayout {
     }
 }
 
-/// Reads one tensor that must be the engine's and on `place`.
-pub(crate) fn read_at(planner: &Planner, t: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Option<RawTensor>> {
-    Ok(match planner.entry(t)? {
-        Some(e) if *place.get_or_insert(e.place) == e.place => Some(e.tensor),
-        _ => None,
-    })
-}
-
 /// The layout of an optimizer's parameter groups (`groups`: `(params, hyper)` per group, `hyper`
 /// as [`optim_step`] takes it;
 /// `state`: the optimizer's state dict, torch's `Optimizer.state`; `local`: the parameters are
@@ -182,7 +171,7 @@ pub fn step_layout(
         };
         for p in params.iter() {
             let lp = shard(&p, local)?;
-            let Some(param) = read_at(pl, &lp, &mut place)? else {
+            let Some(param) = pl.entry_at(&lp, &mut place)? else {
                 return Ok(None);
             };
             storages.push(lp.call_method0(intern!(py, "untyped_storage"))?.unbind());
@@ -342,7 +331,7 @@ fn read_state(
     let mut read = |t: Bound<'_, PyAny>, own: bool| -> PyResult<Option<RawTensor>> {
         // A fused optimizer's step count is a plain tensor even for DTensors.
         let lt = if own { t } else { shard(&t, local)? };
-        let Some(r) = read_at(planner, &lt, place)? else {
+        let Some(r) = planner.entry_at(&lt, place)? else {
             return Ok(None);
         };
         storages.push(lt.call_method0(intern!(py, "untyped_storage"))?.unbind());
@@ -403,7 +392,7 @@ impl Kept {
                 return Ok(false);
             };
             let param = shard(k.as_any(), local)?;
-            let Some(param) = read_at(planner, &param, &mut place)? else {
+            let Some(param) = planner.entry_at(&param, &mut place)? else {
                 return Ok(false);
             };
             match read_state(planner, dict, param, group, local, &mut place, &mut storages)? {
@@ -610,68 +599,6 @@ impl ListMaker for LayoutLists<'_> {
     }
 }
 
-/// The clip of a step: `(max_norm, p, nonfinite)`.
-fn clip_config(clip: Option<(f64, f64, String)>) -> PyResult<Option<ClipConfig>> {
-    let Some((max_norm, p, policy)) = clip else {
-        return Ok(None);
-    };
-    let nonfinite = match policy.as_str() {
-        "skip" => NonFinite::Skip,
-        "error" => NonFinite::Error,
-        "propagate" => NonFinite::Propagate,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "nonfinite must be skip, error or propagate; got {other:?}"
-            )));
-        }
-    };
-    gradclip::validate_max_norm(max_norm).map_err(to_py)?;
-    Ok(Some(ClipConfig {
-        max_norm,
-        norm_type: NormType::from_p(p).map_err(to_py)?,
-        nonfinite,
-    }))
-}
-
-/// A step's stream, clip and device inputs as Python passes them to [`optim_step`] and
-/// [`crate::list_step::list_step`]: `(stream, clip, norm_out, norm_in, loss_scale, found_inf)`,
-/// `clip` = (max_norm, p, nonfinite) or None, the rest device addresses (0: none).
-#[derive(FromPyObject)]
-pub(crate) struct StepInputs(usize, Option<(f64, f64, String)>, u64, u64, u64, u64);
-
-/// [`StepInputs`] checked: the clip's settings, the norm output and input (float64: 8-aligned),
-/// the loss scale and found_inf (float32).
-#[derive(Clone, Copy)]
-pub(crate) struct Inputs {
-    pub(crate) stream: usize,
-    pub(crate) clip: Option<ClipConfig>,
-    pub(crate) norm_out: u64,
-    pub(crate) norm_in: u64,
-    pub(crate) loss_scale: u64,
-    pub(crate) found_inf: u64,
-}
-
-impl StepInputs {
-    pub(crate) fn checked(self) -> PyResult<Inputs> {
-        let StepInputs(stream, clip, norm_out, norm_in, loss_scale, found_inf) = self;
-        let clip = clip_config(clip)?;
-        if !norm_out.is_multiple_of(8) || (norm_in != 0 && !norm_in.is_multiple_of(8)) {
-            return Err(PyValueError::new_err("the global norm and the norm output must be float64 tensors"));
-        }
-        if !loss_scale.is_multiple_of(4) || !found_inf.is_multiple_of(4) {
-            return Err(PyValueError::new_err("the loss scale and found_inf must be float32 tensors"));
-        }
-        Ok(Inputs {
-            stream,
-            clip,
-            norm_out,
-            norm_in,
-            loss_scale,
-            found_inf,
-        })
-    }
-}
-
 /// One optimizer step (Adam / AdamW, SGD or Lion: `rule` = (kind, decoupled), the optimizer's
 /// rule and whether its weight decay is AdamW's) over an optimizer's parameter groups (`groups`:
 /// its `param_groups`, read as the layout was made, each group's hyperparameters read here from
@@ -756,53 +683,4 @@ pub fn optim_step(
     kept.timings[4] = started.elapsed().as_nanos() as u64;
     let (verdict, norm) = r?;
     Ok((verdict, norm.map(|n| pyo3::types::PyFloat::new(py, n).into_any().unbind())))
-}
-
-/// A step's named clip groups as Python passes them: each clip group's threshold (None: measured
-/// only) and each group's clip group; both empty for one clip over every group.
-pub(crate) type ClipGroups = (Vec<Option<f64>>, Vec<usize>);
-
-/// The norm (with a clip) and every group's update of a checked step list: one
-/// [`StepBackend::step_list`] on the tensors' backend. Returns the verdict and, on the CPU, the
-/// norm (on CUDA it stays on the device).
-pub(crate) fn run_step(
-    py: Python<'_>,
-    place: Place,
-    list: &StepList,
-    hypers: &[Hyper],
-    inputs: Inputs,
-    clips: &ClipGroups,
-) -> PyResult<(u8, Option<f64>)> {
-    let groups: Vec<GroupStep> = hypers
-        .iter()
-        .enumerate()
-        .map(|(i, h)| GroupStep {
-            rule: h.rule,
-            count: h.count,
-            lr_in: h.lr_in,
-            clip_group: clips.1.get(i).copied().unwrap_or(0),
-        })
-        .collect();
-    let addresses = StepAddresses {
-        clip: inputs.clip,
-        clip_groups: &clips.0,
-        norm_out: inputs.norm_out,
-        norm_in: inputs.norm_in,
-        loss_scale: inputs.loss_scale,
-        found_inf: inputs.found_inf,
-    };
-    // SAFETY (both backends): the tensors are live memory of the place that the optimizer holds
-    // for the call (on CUDA, torch's caching allocator orders their reuse after this stream's
-    // work), checked by the step list; each count and input is the caller's tensor of the
-    // stated size and dtype on that device (aligned: checked).
-    let norm = match place {
-        Place::Cuda(d) => {
-            let device = usize::try_from(d).map_err(|_| PyValueError::new_err("a negative CUDA device"))?;
-            py.detach(|| with_engine(device, inputs.stream, None, |e| unsafe { e.step_list(list, &groups, &addresses) }))?
-        }
-        Place::Cpu => py
-            .detach(|| unsafe { Cpu::new().step_list(list, &groups, &addresses) })
-            .map_err(to_py)?,
-    };
-    Ok((STEP_DONE, norm))
 }

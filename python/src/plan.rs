@@ -14,14 +14,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 
-use crate::to_py;
-
-/// Where a tensor lives, as far as the fast path cares.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Place {
-    Cpu,
-    Cuda(i64),
-}
+use crate::place::Place;
+use crate::py_errors::to_py;
 
 /// A list of contiguous tensors of the engine's dtypes, all on one device and pairwise
 /// disjoint: what one native call takes. Wraps the host crate's [`TensorList`], checked and

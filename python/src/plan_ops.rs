@@ -12,7 +12,8 @@ use gradclip::DType;
 use gradclip::gpu::RawOutput;
 
 use crate::plan::Plan;
-use crate::{cpu, cuda, to_py};
+use crate::py_errors::to_py;
+use crate::{cpu, cuda};
 
 /// Refuses an output address that is not a float64 tensor's (null or misaligned).
 fn f64_at(addr: u64, what: &str) -> PyResult<u64> {

@@ -22,7 +22,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::guards::{GuardFns, ListGuard};
-use crate::plan::{Place, Plan};
+use crate::place::Place;
+use crate::plan::Plan;
 use crate::tensor_addresses::DataPtrReader;
 use crate::tensor_facts::{Facts, TensorFacts};
 
@@ -102,6 +103,14 @@ pub(crate) fn entry_of(f: Facts) -> Option<Entry> {
 }
 
 impl Planner {
+    /// Reads one tensor that must be the engine's and on `place` (the first one read fixes it).
+    pub(crate) fn entry_at(&self, t: &Bound<'_, PyAny>, place: &mut Option<Place>) -> PyResult<Option<RawTensor>> {
+        Ok(match self.entry(t)? {
+            Some(e) if *place.get_or_insert(e.place) == e.place => Some(e.tensor),
+            _ => None,
+        })
+    }
+
     /// Reads one tensor; None when the engine does not take it (dtype, layout, device kind).
     pub(crate) fn entry(&self, t: &Bound<'_, PyAny>) -> PyResult<Option<Entry>> {
         let py = t.py();

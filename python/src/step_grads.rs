@@ -40,7 +40,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 
 use crate::guards::{AddressCheck, data_ptr};
-use crate::plan::Place;
+use crate::place::Place;
 use crate::scan::{Planner, entry_of, readable_at};
 use crate::tensor_addresses::DataPtrReader;
 use crate::tensor_facts::{Facts, TensorFacts};

@@ -31,7 +31,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyType;
 
 use crate::loaded_libs::{open_loaded, torch_library};
-use crate::plan::Place;
+use crate::place::Place;
 
 /// `AOTITorchError (*)(AtenTensorHandle, T*)`: 0 on success.
 type Get<T> = unsafe extern "C" fn(*mut c_void, *mut T) -> c_int;

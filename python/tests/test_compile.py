@@ -322,9 +322,6 @@ def test_a_compiled_optimizer_step_is_the_eager_step_or_one_op_in_the_graph(devi
     oa, ob = make(a), make(b)
     spy = _SpyNative(_engine._native)
     monkeypatch.setattr(_engine, "_native", spy)
-    from gradclip.torch import _engine_step
-
-    monkeypatch.setattr(_engine_step, "_native", spy)
     with _StepFramesTraced() if how == "alone-traced" else contextlib.nullcontext():
         torch._dynamo.reset()
         step = _compiled(oa, how)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gradclip.torch as gt
-from gradclip import _engine, _native
+from gradclip import _native, _torch_probe
 from gradclip.torch import optim
 
 OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
@@ -84,7 +84,7 @@ def test_the_same_bits_on_either_workers_at_any_thread_count():
         for seed, w in enumerate(want):
             got = _outcomes(seed)
             assert all(torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)) for a, b in zip(got, w))
-        _engine._use_torchs_cpu_threads()
+        _torch_probe.use_torchs_cpu_threads()
         for n in (1, 3):
             torch.set_num_threads(n)
             for seed, w in enumerate(want):
@@ -93,5 +93,5 @@ def test_the_same_bits_on_either_workers_at_any_thread_count():
                 assert not bad, (n, seed, bad)
     finally:
         torch.set_num_threads(threads)
-        _engine._use_torchs_cpu_threads()
+        _torch_probe.use_torchs_cpu_threads()
     assert _native.cpu_workers().startswith("openmp")

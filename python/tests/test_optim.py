@@ -401,7 +401,7 @@ def test_native_step_reads_groups_and_refuses_bad_input():
     gradient, and refuses, before anything is written, a bad step count, a malformed group's
     settings and a bad learning rate tensor."""
     from gradclip import _native
-    from gradclip.torch._functions import _PLANNER
+    from gradclip._engine import planner
 
     ps = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))]
     opt = torch.optim.AdamW(ps, fused=True)
@@ -409,8 +409,8 @@ def test_native_step_reads_groups_and_refuses_bad_input():
     opt._init_group(opt.param_groups[0], [], [], [], [], [], [])
     strided = [torch.nn.Parameter(torch.zeros(8)[::2])]
     hyper = ("adam", 1e-3, (0.9, 0.999, 1e-8, 0.01), (False, False, True))
-    assert _native.step_layout(_PLANNER, {}, [(strided, hyper + (0, 0))], False) is None
-    layout = _native.step_layout(_PLANNER, opt.state, [(ps, hyper + (0, 0))], False)
+    assert _native.step_layout(planner(), {}, [(strided, hyper + (0, 0))], False) is None
+    layout = _native.step_layout(planner(), opt.state, [(ps, hyper + (0, 0))], False)
     assert layout is not None
     count = torch.zeros(2, dtype=torch.int64)
     groups = opt.param_groups

@@ -6,21 +6,21 @@ import pytest
 import torch
 
 import gradclip.torch as gt
-from gradclip import _engine, _native
+from gradclip import _engine, _native, _torch_probe
 
 # The planner gradclip.torch uses (a list read natively through torch's C shim), one that
 # recognizes a repeated list by torch's guards (what a torch without the shim gets), and one
 # without either (every call reads every tensor through Python calls): all must be exact.
-GUARDED = _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, _engine._PLANNER.native_pointers)
-PER_TENSOR = _native.Planner(_engine._NATIVE_DTYPES)
-_current = [gt._functions._PLANNER]
+GUARDED = _native.Planner(_engine.NATIVE_DTYPES, _engine.guards(), _engine.planner().native_pointers)
+PER_TENSOR = _native.Planner(_engine.NATIVE_DTYPES)
+_current = [_engine.planner()]
 
 
 @pytest.fixture(params=["native", "guarded", "per-tensor"], autouse=True)
 def planner(request):
-    _current[0] = {"native": gt._functions._PLANNER, "guarded": GUARDED, "per-tensor": PER_TENSOR}[request.param]
+    _current[0] = {"native": _engine.planner(), "guarded": GUARDED, "per-tensor": PER_TENSOR}[request.param]
     yield _current[0]
-    _current[0] = gt._functions._PLANNER
+    _current[0] = _engine.planner()
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
@@ -102,7 +102,7 @@ def test_result_dtype_follows_torch_promotion():
 def test_parameters_without_grad_are_skipped_by_the_scan():
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     a.grad = torch.ones(3)
-    plan, read = gt._functions._PLANNER.scan(iter([a, b]), True)
+    plan, read = _engine.planner().scan(iter([a, b]), True)
     assert len(read) == 1 and read[0] is a.grad and len(plan) == 1
 
 
@@ -112,7 +112,7 @@ def test_a_cpu_plan_refuses_a_workspace():
         plan.lend_workspace(torch.zeros(1024, dtype=torch.uint8))
 
 
-LAYOUT_VERIFIED = _engine.torch_release() in _engine.OBJECT_LAYOUT_VERIFIED
+LAYOUT_VERIFIED = _torch_probe.torch_release() in _torch_probe.OBJECT_LAYOUT_VERIFIED
 needs_native_reads = pytest.mark.skipif(
     not LAYOUT_VERIFIED, reason=f"torch {torch.__version__} reads tensors through Python (not in OBJECT_LAYOUT_VERIFIED)"
 )
@@ -122,13 +122,13 @@ def test_this_torch_gives_the_one_call_validator():
     # Every torch gradclip supports (2.8 and later) has the guard functions the validator
     # needs; the native reads run on the releases whose object layout CI verifies, and on no
     # other (torch 2.9's objects hold a tagged wrapper where 2.10's hold the tensor).
-    assert gt._functions._PLANNER.validates and GUARDED.validates and not PER_TENSOR.validates
-    assert gt._functions._PLANNER.native_facts == LAYOUT_VERIFIED and not GUARDED.native_facts and not PER_TENSOR.native_facts
-    assert (_engine._FACTS is not None) == LAYOUT_VERIFIED
+    assert _engine.planner().validates and GUARDED.validates and not PER_TENSOR.validates
+    assert _engine.planner().native_facts == LAYOUT_VERIFIED and not GUARDED.native_facts and not PER_TENSOR.native_facts
+    assert (_engine.facts() is not None) == LAYOUT_VERIFIED
 
 
 def test_the_release_list_is_read_by_major_and_minor():
-    assert [_engine.torch_release(v) for v in ("2.11.0+cu130", "2.15.0", "2.12.0a0+git1234", "3.0.1")] == [
+    assert [_torch_probe.torch_release(v) for v in ("2.11.0+cu130", "2.15.0", "2.12.0a0+git1234", "3.0.1")] == [
         "2.11", "2.15", "2.12", "3.0"]
 
 
@@ -137,7 +137,7 @@ def test_the_word_the_native_reads_follow_is_torchs_tensor_impl():
     """On a verified release the word after a tensor object's header is the TensorImpl address
     torch reports (``Tensor._cdata``): the check ``gradclip`` makes before reading through it."""
     ts = [torch.zeros(3), torch.nn.Parameter(torch.ones(2)), torch.zeros(5)[2:]]
-    assert _engine._FACTS.header_words(ts + [3.0]) == [t._cdata for t in ts] + [None]
+    assert _engine.facts().header_words(ts + [3.0]) == [t._cdata for t in ts] + [None]
 
 
 @needs_native_reads
@@ -146,7 +146,7 @@ def test_native_reads_equal_pythons(device):
     """torch's C shim reads what Python reads (address, element count, dtype, device, contiguity)
     on tensors of the device, and nothing for what it must not read through a tensor's object
     layout (a subclass, a sparse tensor, non-tensors); on CUDA the ordinal is the tensor's."""
-    facts = _engine._FACTS
+    facts = _engine.facts()
     assert facts is not None
 
     class Sub(torch.Tensor):
@@ -159,7 +159,7 @@ def test_native_reads_equal_pythons(device):
     with torch.inference_mode():
         objs.insert(0, torch.ones(6, device=device))
     got = facts.read_all(objs)
-    assert got == [_engine._python_facts(x) for x in objs]
+    assert got == [_torch_probe.python_facts(x) for x in objs]
     assert got[-4:] == [None] * 4 and got[3][4] is False and got[2][0] == base.data_ptr() + 16 * 4
     assert got[1][3] == (-1 if device == "cpu" else base.device.index)
     assert got[0][5] is True and got[1][5] is False  # the inference tensor, then a plain one
@@ -207,7 +207,7 @@ def test_an_inference_tensor_among_new_gradients_is_refused_before_any_write(dev
 @pytest.mark.parametrize("device", DEVICES)
 def test_validator_sees_every_change_the_full_read_sees(device):
     gs = [torch.randn(4, 4, device=device), torch.randn(8, device=device)]
-    valid = _engine._make_validator(gs)
+    valid = _torch_probe.make_validator(gs)
     assert valid(gs) and valid(list(gs))
     edits = [
         lambda g: g.__setitem__(1, torch.randn(8, device=device)),
@@ -220,7 +220,7 @@ def test_validator_sees_every_change_the_full_read_sees(device):
     ]
     for edit in edits:
         g = [t.clone() for t in gs]
-        v = _engine._make_validator(g)
+        v = _torch_probe.make_validator(g)
         edit(g)
         assert not v(g)
 
@@ -311,14 +311,14 @@ def test_new_tensors_take_over_the_kept_plans_tables():
     its own tensors."""
     gs = grads("cuda")
     gt.get_total_norm(gs)  # plans and lends
-    plan, _ = gt._functions._PLANNER.scan(gs, False)
+    plan, _ = _engine.planner().scan(gs, False)
     assert plan.has_workspace
     del plan
     gs2 = [g.clone() for g in gs]  # gs alive: new addresses
-    moved, _ = gt._functions._PLANNER.scan(gs2, False)
+    moved, _ = _engine.planner().scan(gs2, False)
     assert moved.has_workspace, "the relocated plan should share the kept plan's workspace"
     gs3 = [g.clone() for g in gs]
-    fresh, _ = gt._functions._PLANNER.scan(gs3, False)  # `moved` is held here
+    fresh, _ = _engine.planner().scan(gs3, False)  # `moved` is held here
     assert fresh is not moved and not fresh.has_workspace, "a held plan's tables must stay its own"
     del moved, fresh
     # A tensor at another 16-byte phase takes a block more: other tables, of another size, so
@@ -327,7 +327,7 @@ def test_new_tensors_take_over_the_kept_plans_tables():
     gt.get_total_norm([whole])
     shifted = torch.randn(65537, device="cuda")[1:]  # 4 bytes on: two blocks
     assert shifted.data_ptr() % 16 == 4
-    plan, _ = gt._functions._PLANNER.scan([shifted], False)
+    plan, _ = _engine.planner().scan([shifted], False)
     assert plan is not None and not plan.has_workspace
     del plan
     want = torch.linalg.vector_norm(shifted.double())
@@ -380,7 +380,7 @@ class _Crossings:
 
                 return counted
 
-        real = _engine._PLANNER
+        real = _engine.planner()
 
         class Planner:
             def __getattr__(self, name):
@@ -396,11 +396,9 @@ class _Crossings:
 
                 return counted
 
-        import gradclip.torch._functions as face
-
-        for module in (_engine, face):
-            monkeypatch.setattr(module, "_native", Native())
-            monkeypatch.setattr(module, "_PLANNER", Planner())
+        monkeypatch.setattr(_engine, "_native", Native())
+        counted_planner = _torch_probe.probed()._replace(planner=Planner())
+        monkeypatch.setattr(_torch_probe, "probed", lambda: counted_planner)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -121,17 +121,16 @@ def test_every_regime_steps_as_torch(device, planner, monkeypatch):
     (gradients from their parameters) through torch's C shim, with the shim's reads but the
     gradients by `.grad` (a torch whose gradient getter differs), and with a planner that reads
     them by calls into torch (a torch without the shim)."""
-    from gradclip import _engine, _native
+    from gradclip import _engine, _native, _torch_probe
 
-    if planner == "native_grad_objects" and _engine._FACTS is None:
+    if planner == "native_grad_objects" and _engine.facts() is None:
         pytest.skip(f"torch {torch.__version__} has no native reads (not in OBJECT_LAYOUT_VERIFIED)")
     if planner != "native":
-        from gradclip.torch import _engine_step
-
-        facts = _engine._FACTS.without_grads() if planner == "native_grad_objects" else None
-        other = _native.Planner(_engine._NATIVE_DTYPES, _engine._GUARDS, _engine._PLANNER.native_pointers, facts)
+        facts = _engine.facts().without_grads() if planner == "native_grad_objects" else None
+        other = _native.Planner(_engine.NATIVE_DTYPES, _engine.guards(), _engine.planner().native_pointers, facts)
         assert other.native_facts == (facts is not None) and (facts is None or facts.read_grads([]) is None)
-        monkeypatch.setattr(_engine_step, "_PLANNER", other)
+        probed = _torch_probe.probed()
+        monkeypatch.setattr(_torch_probe, "probed", lambda: probed._replace(planner=other))
     ours_p, ref_p = params(device), params(device)
     ours = AdamW(ours_p, lr=1e-2, max_grad_norm=0.5, update="gradclip")
     ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)
@@ -174,14 +173,14 @@ def test_native_data_pointer_reader():
     for tensors (a view at an offset, an empty tensor, CUDA ones), nothing for what has none (a
     sparse tensor, a wrapper subclass, non-tensors) without failing; and the planner uses it."""
     from gradclip import _native
-    from gradclip._engine import _PLANNER
+    from gradclip._engine import planner
 
     dense = [torch.randn(5), torch.nn.Parameter(torch.randn(2, 3)), torch.randn(9)[4:], torch.empty(0)]
     if torch.cuda.is_available():
         dense.append(torch.randn(7, device="cuda")[2:])
     none = [torch.randn(3, 3).to_sparse(), "a string", None, 3]
     assert _native.read_data_ptrs(dense + none) == [t.data_ptr() for t in dense] + [None] * len(none)
-    assert _PLANNER.native_pointers
+    assert planner().native_pointers
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -190,23 +189,23 @@ def test_gradients_made_by_a_backward_are_read_without_their_objects(device):
     read. The step reads them natively (torch's gradient getter, then the C shim), which reads
     what `.grad` reads on the device, and steps as gradclip's clip + torch's fused AdamW on the
     same gradients, with a changing set of parameters left without a gradient."""
-    from gradclip import _engine
+    from gradclip import _engine, _torch_probe
 
-    if _engine._FACTS is None:
+    if _engine.facts() is None:
         pytest.skip(f"torch {torch.__version__} has no native reads (not in OBJECT_LAYOUT_VERIFIED)")
     ours_p, ref_p = params(device), params(device)
     ours = AdamW(ours_p, lr=1e-2, max_grad_norm=0.5, update="gradclip")
     ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)
     ours._torch_step = None  # every step the engine's (torch's step would fail here)
-    assert _engine._FACTS.read_grads([]) is not None, "this torch gives the gradient getter"
+    assert _engine.facts().read_grads([]) is not None, "this torch gives the gradient getter"
     for step in range(8):
         skip = {step % 3 + 3} if step % 2 else set()  # some steps, a parameter gets no gradient
         for ps in (ours_p, ref_p):
             sum(((p * p).sum() * (i + 1) * (step + 1)) for i, p in enumerate(ps) if i not in skip).backward()
-        native = _engine._FACTS.read_grads(ours_p)  # before any `.grad` read made an object
+        native = _engine.facts().read_grads(ours_p)  # before any `.grad` read made an object
         before = [p.detach().clone() for p in ours_p]
         ours.step()  # on gradients without Python objects
-        assert native == [False if p.grad is None else _engine._python_facts(p.grad) for p in ours_p]
+        assert native == [False if p.grad is None else _torch_probe.python_facts(p.grad) for p in ours_p]
         gt.clip_grad_norm_(ref_p, 0.5)
         ref.step()
         for i, (a, b, old) in enumerate(zip(ours_p, ref_p, before)):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gradclip.torch as gt
+from gradclip import _engine
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 NORMS = [1.0, 2.0, 3.0, math.inf]
@@ -196,7 +197,7 @@ def test_mixed_list_splits_between_engine_and_torch(device):
         q = torch.nn.Parameter(torch.zeros(x.shape, dtype=x.dtype, device=device))
         q.grad = x.to(device)
         params.append(q)
-    plan, rest = gt._functions._PLANNER.split([q.grad for q in params])
+    plan, rest = _engine.planner().split([q.grad for q in params])
     assert plan is not None and len(plan) == 3 and [t.is_contiguous() and not t.is_complex() for t in rest] == [False, False]
     for p in NORMS:
         want = torch.nn.utils.get_total_norm([q.grad.cpu().to(torch.complex128 if q.grad.is_complex() else torch.float64) for q in params], p)

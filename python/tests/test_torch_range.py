@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from gradclip import _engine
+from gradclip import _torch_probe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -19,7 +19,7 @@ def _tested():
 
 
 def _release(version):
-    return tuple(int(x) for x in _engine.torch_release(version).split("."))
+    return tuple(int(x) for x in _torch_probe.torch_release(version).split("."))
 
 
 def test_the_declared_lower_bound_is_the_oldest_tested_torch():
@@ -32,9 +32,9 @@ def test_the_declared_lower_bound_is_the_oldest_tested_torch():
 
 
 def test_native_layout_reads_are_allowed_only_on_tested_releases():
-    tested = {_engine.torch_release(v) for v in _tested().values()}
-    assert set(_engine.OBJECT_LAYOUT_VERIFIED) <= tested
-    assert _engine.torch_release(_tested()["oldest"]) not in _engine.OBJECT_LAYOUT_VERIFIED  # 2.8 lacks the shim's reads
+    tested = {_torch_probe.torch_release(v) for v in _tested().values()}
+    assert set(_torch_probe.OBJECT_LAYOUT_VERIFIED) <= tested
+    assert _torch_probe.torch_release(_tested()["oldest"]) not in _torch_probe.OBJECT_LAYOUT_VERIFIED  # 2.8 lacks the shim's reads
 
 
 def test_this_torch_is_one_gradclip_supports():

@@ -20,14 +20,13 @@ import torch.distributed as dist
 
 from .. import _engine
 
-_native = _engine._native
 
 # A norm computed without a clip still gets a NormOutput: its coefficient is 1 for this limit.
 NO_CLIP = math.inf
 
 
 class Combine:
-    """A reduction (``_native.Reduction``) with its process groups by position, an optional
+    """A reduction (``_engine.reduction``) with its process groups by position, an optional
     ``final`` group (pipeline stages) that reduces the folded total once the keys are combined
     (stages hold different keys, so it cannot reduce the slots), and the key tables of the norm
     entries it combines, uploaded once per device and entry keys (a repeated layout makes none)."""
@@ -35,7 +34,7 @@ class Combine:
     __slots__ = ("reduction", "groups", "final", "all_reduces", "num_slots", "_tables", "_gathers")
 
     def __init__(self, keys: Sequence[Sequence[int]], groups: Sequence[Any], final: Any = None):
-        self.reduction = _native.Reduction([list(k) for k in keys], len(groups))
+        self.reduction = _engine.reduction([list(k) for k in keys], len(groups))
         self.groups = list(groups)
         self.final = final if final is not None and final.size() > 1 else None
         self.all_reduces = self.reduction.all_reduces()
@@ -67,7 +66,7 @@ class Combine:
 
 def _where(device: torch.device):
     """``(ordinal or -1, stream, context)`` of a native combine call on ``device``."""
-    stream, ctx = _engine._stream_of(device)
+    stream, ctx = _engine.stream_of(device)
     return (device.index if device.type == "cuda" else -1), stream, ctx
 
 
@@ -77,7 +76,7 @@ def partial_of(norm: torch.Tensor, p: float) -> torch.Tensor:
     part = torch.empty(1, dtype=torch.float64, device=norm.device)
     ordinal, stream, ctx = _where(norm.device)
     with ctx:
-        _native.to_partial(ordinal, stream, norm.data_ptr(), part.data_ptr(), p)
+        _engine.to_partial(ordinal, stream, norm.data_ptr(), part.data_ptr(), p)
     return part
 
 
@@ -90,7 +89,7 @@ def key_partials(c: Combine, norms: torch.Tensor, keys: Tuple[Optional[int], ...
     num_indexed = tables.numel() - (c.num_slots + 1)
     ordinal, stream, ctx = _where(device)
     with ctx:
-        _native.key_partials(
+        _engine.key_partials(
             ordinal, stream, norms.data_ptr(), norms.numel(), tables.data_ptr(), num_indexed, c.num_slots, part.data_ptr(), p
         )
     return part
@@ -135,7 +134,7 @@ def total(c: Combine, part: torch.Tensor, p: float, max_norm: float = NO_CLIP) -
     out = torch.empty(3, dtype=torch.float64, device=part.device)
     ordinal, stream, ctx = _where(part.device)
     with ctx:
-        _native.keys_total(ordinal, stream, part.data_ptr(), num_slots, p, max_norm, out.data_ptr())
+        _engine.keys_total(ordinal, stream, part.data_ptr(), num_slots, p, max_norm, out.data_ptr())
     return out
 
 
@@ -153,21 +152,21 @@ def norm_entries(ts: List[torch.Tensor], keys: List[Optional[int]], p: float) ->
     each tensor it does not take (non-contiguous, complex, fp8: computed by torch, combined here
     like any other entry)."""
     one = len(set(keys)) == 1
-    plan, scanned = _engine._PLANNER.scan(ts, False)
+    plan, scanned = _engine.planner().scan(ts, False)
     if plan is not None:
         if one:
-            return _engine._plan_norm(plan, p).reshape(1), keys[:1]
-        return _engine._plan_tensor_norms(plan, p), keys
-    plan, rest = _engine._PLANNER.split(scanned)
+            return _engine.plan_norm(plan, p).reshape(1), keys[:1]
+        return _engine.plan_tensor_norms(plan, p), keys
+    plan, rest = _engine.planner().split(scanned)
     rest_ids = {id(t) for t in rest}
     taken_keys = [k for t, k in zip(scanned, keys) if id(t) not in rest_ids]
     parts, out_keys = [], []
     if plan is not None:
         if one:
-            parts.append(_engine._plan_norm(plan, p).reshape(1))
+            parts.append(_engine.plan_norm(plan, p).reshape(1))
             out_keys.append(taken_keys[0])
         else:
-            parts.append(_engine._plan_tensor_norms(plan, p))
+            parts.append(_engine.plan_tensor_norms(plan, p))
             out_keys.extend(taken_keys)
     for t, k in zip(scanned, keys):
         if id(t) in rest_ids:

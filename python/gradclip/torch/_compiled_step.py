@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .._engine import STEP_KINDS, _rule_states
+from .._engine import rule_states, STEP_KINDS
 from . import _ops, _step_clip_groups, _whole_step
 
 
@@ -129,7 +129,7 @@ class _CompiledStep:
         params, states, steps, sizes, hypers, stateless = [], [], [], [], [], []
         for group in self.param_groups:
             kind, h, flags = self._hyper(group)
-            keys, own = _rule_states(kind, h, flags)
+            keys, own = rule_states(kind, h, flags)
             hypers.append((kind, h, flags))
             n = 0
             for p in group["params"]:

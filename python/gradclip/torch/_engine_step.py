@@ -9,8 +9,7 @@ from typing import Optional
 
 import torch
 
-from .. import _native
-from .._engine import _PLANNER, _capturing, _result_dtype, _stream_of, group_hyper
+from .._engine import StepVerdict, capturing, group_hyper, optim_step, planner, result_dtype, step_layout, stream_of
 from . import _step_clip_groups, _step_norm
 from ._functions import _is_dtensor, _local
 
@@ -90,13 +89,13 @@ class _EngineStep:
                 self._make_states(group, params)
             dtensors = dtensors or any(_is_dtensor(p) for p in params)
         groups = [(g["params"], (*self._hyper_of(g), 0, 0)) for g in self.param_groups]
-        native = _native.step_layout(_PLANNER, self.state, groups, dtensors)
+        native = step_layout(planner(), self.state, groups, dtensors)
         if native is None:
             return None
         params = [p for g in self.param_groups for p in g["params"]]
         local = [_local(p) for p in params]
         sharded = dtensors or bool(self.shards_over) or self.pipeline_group is not None or self.norm_group is not None
-        layout = _Layout(native, local[0].device, _result_dtype(local), sharded)
+        layout = _Layout(native, local[0].device, result_dtype(local), sharded)
         layout.tensor_lrs = any(isinstance(g["lr"], torch.Tensor) for g in self.param_groups)
         return layout
 
@@ -153,11 +152,11 @@ class _EngineStep:
         else:  # each clip group's threshold is the engine's clip_groups'
             clip = (math.inf, self.norm_type, policy)
         # The engine binds the tensors' device: torch's current device is made that one first.
-        stream, on_device = _stream_of(device)
+        stream, on_device = stream_of(device)
         # A captured step writes a buffer of the graph's own (its replays keep writing it).
-        capturing = _capturing()
+        in_capture = capturing()
         # (With clip groups a NormOutput each.)
-        fresh = capturing or named is not None
+        fresh = in_capture or named is not None
         out = torch.empty(3 * (1 if named is None else len(named.names)), dtype=torch.float64, device=device) if fresh else layout.result(stream)
         norm_out = out[0] if fresh else layout.norm
         norm_in, dtype = None, layout.result_dtype
@@ -174,7 +173,7 @@ class _EngineStep:
         for _ in range(5):
             try:
                 with on_device:
-                    verdict, norm = _native.optim_step(
+                    verdict, norm = optim_step(
                         layout.native, self.param_groups, self._RULE, counts.data_ptr(), lrs, (stream, clip, out.data_ptr(), ptr, *inputs),
                         None if named is None else (named.thresholds, named.index),
                     )
@@ -185,16 +184,16 @@ class _EngineStep:
                     self.last_grad_norm = norm_out.to(dtype, copy=True)
                     raise _nonfinite_step(self.norm_type, self.last_grad_norm) from None
                 raise
-            if verdict == _native.STEP_DONE:
+            if verdict == StepVerdict.DONE:
                 break
-            if verdict == _native.STEP_TORCH:
+            if verdict == StepVerdict.TORCH:
                 return False
-            if verdict == _native.STEP_LR_TENSORS:
+            if verdict == StepVerdict.LR_TENSORS:
                 layout.tensor_lrs = True
                 keep = [_device_lr(g["lr"], device) for g in self.param_groups]
                 lrs = [0 if t is None else t.data_ptr() for t in keep]
                 continue
-            if verdict == _native.STEP_NEW_STATES:
+            if verdict == StepVerdict.NEW_STATES:
                 # Parameters with their first gradient: torch makes their states (and checks
                 # them), the next call reads just those into the layout.
                 self._init_states(norm)
@@ -212,7 +211,7 @@ class _EngineStep:
                 norm = norm / scale_t.to(torch.float64)
             # The conversion to the gradients' dtype waits for a read (a launch less per step),
             # except in a captured step, whose replays must write it.
-            self._reported["last_grad_norm"] = norm.to(dtype) if capturing else (norm, dtype)
+            self._reported["last_grad_norm"] = norm.to(dtype) if in_capture else (norm, dtype)
             if named is not None:
                 scale = None if scale_t is None else scale_t.to(torch.float64)
                 self._reported["last_grad_norms"] = _step_clip_groups.reported(named, out, scale, dtype)

@@ -11,27 +11,26 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
-from .. import _native
 from .._engine import (  # the engine layer this face stands on
-    _OPS_RUNNING,
-    _PLANNER,
-    _check_max_norm,
-    _check_p,
-    _check_total_norm,
-    _check_writable,
-    _checked_norm,
-    _clip_coef,
-    _call,
-    _clip_grads,
-    _list_step,
-    _norm_out,
-    _plan_norm_as,
-    _refuse_host_read_under_capture,
-    _result_dtype,
-    _returned_norm,
-    _scale_plan,
-    _total_norm64,
-    _written,
+    check_max_norm,
+    check_p,
+    check_total_norm,
+    check_writable,
+    checked_norm,
+    clip_coef,
+    clip_grads,
+    list_step,
+    OPS_RUNNING,
+    plan_clip,
+    plan_norm_as,
+    planner,
+    refuse_host_read_under_capture,
+    result_dtype,
+    returned_norm,
+    returned_norm_buffer,
+    scale_plan,
+    total_norm64,
+    written,
 )
 from .shards import Shards, refuse_non_tensors
 from . import _frames, _ops
@@ -92,7 +91,7 @@ def _scan(items: list, grads: bool):
         if g is not None and type(g) is not torch.Tensor and _is_dtensor(g):
             return None, None, True
     try:
-        plan, ts = _PLANNER.scan(items, grads)
+        plan, ts = planner().scan(items, grads)
     except AttributeError:
         if any(isinstance(x, Shards) for x in items):
             return None, None, True
@@ -138,22 +137,22 @@ def get_total_norm(
 @torch.no_grad()
 def _get_total_norm(tensors, norm_type, error_if_nonfinite, pipeline_group, norm_group=None) -> torch.Tensor:
     """``get_total_norm`` outside a compiled graph (and for what the graph does not take)."""
-    _refuse_host_read_under_capture(error_if_nonfinite)
+    refuse_host_read_under_capture(error_if_nonfinite)
     items = _as_list(tensors)
     plan, ts, sharded = _scan(items, False)
     if sharded or pipeline_group is not None or norm_group is not None:
         distributed = _distributed()
-        norm64, layout = _sharded_norm64(items, False, _check_p(norm_type), pipeline_group, norm_group)
+        norm64, layout = _sharded_norm64(items, False, check_p(norm_type), pipeline_group, norm_group)
         return distributed.returned(layout, norm64, error_if_nonfinite, norm_type)
-    p = _check_p(norm_type)  # refused on every path, an empty list's too
+    p = check_p(norm_type)  # refused on every path, an empty list's too
     if len(ts) == 0:
         return torch.tensor(0.0)
     if plan is not None:
         # The norm in its dtype from the engine (one call), checked as torch checks the value
         # it returns.
-        return _checked_norm(_plan_norm_as(plan, p, plan.info), error_if_nonfinite, norm_type)
-    total64, dtype = _total_norm64(plan, ts, p)
-    return _returned_norm(total64, dtype, error_if_nonfinite, norm_type)
+        return checked_norm(plan_norm_as(plan, p, plan.info), error_if_nonfinite, norm_type)
+    total64, dtype = total_norm64(plan, ts, p)
+    return returned_norm(total64, dtype, error_if_nonfinite, norm_type)
 
 
 def clip_grads_with_norm_(
@@ -177,17 +176,17 @@ def clip_grads_with_norm_(
 @torch.no_grad()
 def _clip_grads_with_norm_(parameters, max_norm, total_norm) -> None:
     """``clip_grads_with_norm_`` outside a compiled graph."""
-    max_norm = _check_max_norm(max_norm)
+    max_norm = check_max_norm(max_norm)
     if _is_dtensor(total_norm):
         total_norm = total_norm.full_tensor()
-    _check_total_norm(total_norm)
+    check_total_norm(total_norm)
     items = _as_list(parameters)
     plan, grads, sharded = _scan(items, True)
     if sharded:
         distributed = _distributed()
-        distributed.scale(distributed.collect(items, True), _clip_coef(max_norm, total_norm))
+        distributed.scale(distributed.collect(items, True), clip_coef(max_norm, total_norm))
         return
-    _check_writable(plan, grads)
+    check_writable(plan, grads)
     _scale_by_norm(plan, grads, max_norm, total_norm)
 
 
@@ -196,10 +195,10 @@ def _scale_by_norm(plan, grads: List[torch.Tensor], max_norm: float, total_norm:
     the ones it does not take), by the clip coefficient of ``total_norm``: with a plan, the kept
     plan (and its tables) of a repeated list, one launch and no per-call planning."""
     if plan is not None:
-        _scale_plan(plan, _clip_coef(max_norm, total_norm))
-        _written(grads)
+        scale_plan(plan, clip_coef(max_norm, total_norm))
+        written(grads)
     else:
-        _clip_grads(grads, max_norm, total_norm)
+        clip_grads(grads, max_norm, total_norm)
 
 
 def _sharded_norm64(items: list, grads: bool, p: float, pipeline_group=None, norm_group=None):
@@ -219,14 +218,14 @@ def _grads_norm64(params: list, norm_type: float, pipeline_group=None, norm_grou
     gradient's device, with the dtype torch would return it in; None when no parameter has a
     gradient. Nothing waits for it: the norm half of a clip, for callers that apply the
     coefficient themselves (``gradclip.torch.optim``)."""
-    p = _check_p(norm_type)
+    p = check_p(norm_type)
     plan, grads, sharded = _scan(params, True)
     if sharded or pipeline_group is not None or norm_group is not None:
         norm64, layout = _sharded_norm64(params, True, p, pipeline_group, norm_group)
         return norm64, layout.result_dtype()
     if len(grads) == 0:
         return None
-    return _total_norm64(plan, grads, p)
+    return total_norm64(plan, grads, p)
 
 
 def clip_grad_norm_(
@@ -299,13 +298,13 @@ def _clip_grad_norm_(items: list, generator: bool, max_norm, norm_type, error_if
     runs as it is: native calls on tensors that record nothing for autograd, so grad mode need
     not change (``no_grad``'s context manager and ``compiler.disable``'s frame cost more host
     time than the rest of the call on a cold cache); the rest under ``no_grad``, as torch's."""
-    _refuse_host_read_under_capture(error_if_nonfinite)
+    refuse_host_read_under_capture(error_if_nonfinite)
     max_norm = float(max_norm)
     plan, grads, sharded = _scan(items, True)
     if plan is not None and not (sharded or error_if_nonfinite or pipeline_group is not None or norm_group is not None):
         # The common case in three calls into native code (the scan, the plan's info, the clip,
         # which checks max_norm before it reads anything).
-        return _clip_plan(plan, grads, max_norm, _check_p(norm_type))
+        return _clip_plan(plan, grads, max_norm, check_p(norm_type))
     with torch.no_grad():
         return _clip_read(items, plan, grads, sharded, generator, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
@@ -313,13 +312,13 @@ def _clip_grad_norm_(items: list, generator: bool, max_norm, norm_type, error_if
 def _clip_read(items, plan, grads, sharded, generator, max_norm, norm_type, error_if_nonfinite, pipeline_group, norm_group):
     """The clip of a list read by ``_scan`` that is not the common case: sharded, fallback,
     empty, or checked for a finite norm on the host."""
-    _check_max_norm(max_norm)
+    check_max_norm(max_norm)
     if generator and not items:
         warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=4)
     if sharded or pipeline_group is not None or norm_group is not None:
         distributed = _distributed()
         layout = distributed.collect(items, True)
-        p = _check_p(norm_type)
+        p = check_p(norm_type)
         if not error_if_nonfinite:
             norm64 = distributed.clip_one_key(layout, p, max_norm, pipeline_group, norm_group)
             if norm64 is not None:
@@ -328,7 +327,7 @@ def _clip_read(items, plan, grads, sharded, generator, max_norm, norm_type, erro
         total = distributed.returned(layout, out[0], error_if_nonfinite, norm_type)
         distributed.scale(layout, out[1])  # the engine's clip coefficient of the global norm
         return total
-    p = _check_p(norm_type)  # refused on every path, an empty list's too
+    p = check_p(norm_type)  # refused on every path, an empty list's too
     if len(grads) == 0:
         return torch.tensor(0.0)
     return _clip_scanned(plan, grads, max_norm, p, error_if_nonfinite, norm_type)
@@ -338,10 +337,10 @@ def _clip_plan(plan, grads: List[torch.Tensor], max_norm: float, p: float) -> to
     """The whole clip of a planned list in one native call (norm and scale, no host
     synchronization on CUDA), the plan's info read once: returns the norm as torch does."""
     info = plan.info
-    _check_writable(plan, grads, info)
-    norm = _norm_out(info)
-    _call(_native.clip_grad_norm, plan, info, max_norm, p, 0, norm.data_ptr())
-    _written(grads)
+    check_writable(plan, grads, info)
+    norm = returned_norm_buffer(info)
+    plan_clip(plan, info, max_norm, p, 0, norm.data_ptr())
+    written(grads)
     return norm
 
 
@@ -350,11 +349,11 @@ def _clip_scanned(plan, grads: List[torch.Tensor], max_norm: float, p: float, er
     the ones it does not take), returning the norm as torch does."""
     if plan is not None and not error_if_nonfinite:
         return _clip_plan(plan, grads, max_norm, p)
-    _check_writable(plan, grads)
+    check_writable(plan, grads)
     # The norm, the decision on the value returned (error_if_nonfinite), then the scale with the
     # coefficient of the f64 norm: the same bits as the one-call path when nothing is raised.
-    total64, dtype = _total_norm64(plan, grads, p)
-    total = _returned_norm(total64, dtype, error_if_nonfinite, norm_type)
+    total64, dtype = total_norm64(plan, grads, p)
+    total = returned_norm(total64, dtype, error_if_nonfinite, norm_type)
     _scale_by_norm(plan, grads, max_norm, total64)
     return total
 
@@ -363,12 +362,12 @@ def _as_op(fn):
     """``fn`` as a registered op's implementation: no autograd, no workspace loan."""
 
     def run(*args):
-        _OPS_RUNNING[0] += 1
+        OPS_RUNNING[0] += 1
         try:
             with torch.no_grad():
                 return fn(*args)
         finally:
-            _OPS_RUNNING[0] -= 1
+            OPS_RUNNING[0] -= 1
 
     return run
 
@@ -382,8 +381,8 @@ def _norm_of_list(tensors: List[torch.Tensor], p: float) -> torch.Tensor:
 @_as_op
 def _clip_list(grads: List[torch.Tensor], max_norm: float, p: float) -> torch.Tensor:
     """The op ``gradclip::clip_grad_norm_``: clips the tensors ``grads`` themselves."""
-    max_norm = _check_max_norm(max_norm)
-    p = _check_p(p)
+    max_norm = check_max_norm(max_norm)
+    p = check_p(p)
     plan, ts, _ = _scan(grads, False)
     return _clip_scanned(plan, ts, max_norm, p, False, p)
 
@@ -391,11 +390,11 @@ def _clip_list(grads: List[torch.Tensor], max_norm: float, p: float) -> torch.Te
 @_as_op
 def _scale_list(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     """The op ``gradclip::clip_grads_with_norm_``: scales the tensors ``grads`` themselves."""
-    max_norm = _check_max_norm(max_norm)
-    _check_total_norm(total_norm)
+    max_norm = check_max_norm(max_norm)
+    check_total_norm(total_norm)
     plan, ts, _ = _scan(grads, False)
-    _check_writable(plan, ts)
+    check_writable(plan, ts)
     _scale_by_norm(plan, ts, max_norm, total_norm)
 
 
-_ops.register(_norm_of_list, _clip_list, _scale_list, _result_dtype, _list_step)
+_ops.register(_norm_of_list, _clip_list, _scale_list, result_dtype, list_step)

@@ -44,7 +44,7 @@ def register(
     """Registers the ops over the eager list implementations ``norm(tensors, p)``,
     ``clip(grads, max_norm, p)`` (both returning the norm as torch does), ``scale(grads,
     max_norm, total_norm)`` and ``step`` (the optimizer step over explicit lists,
-    ``_engine._list_step``); ``result_dtype`` is the norm's dtype for a list."""
+    ``_engine.list_step``); ``result_dtype`` is the norm's dtype for a list."""
     global OPS
     for impl in (norm, clip, scale, step):
         # An implementation called eagerly while a compile is active (its caller's frame left to

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from .._engine import _check_max_norm, _check_p
+from .._engine import check_max_norm, check_p
 from . import _step_clip_groups, _step_norm, _whole_step
 from ._compiled_step import _CompiledStep
 from ._engine_step import _EngineStep
@@ -60,8 +60,8 @@ def _checked_settings(max_grad_norm, norm_type, nonfinite) -> Dict[str, Any]:
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}; got {nonfinite!r}")
     return {
-        "max_grad_norm": None if max_grad_norm is None else _check_max_norm(max_grad_norm),
-        "norm_type": _check_p(norm_type),
+        "max_grad_norm": None if max_grad_norm is None else check_max_norm(max_grad_norm),
+        "norm_type": check_p(norm_type),
         "nonfinite": nonfinite,
     }
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from .._engine import _check_max_norm
+from .._engine import check_max_norm
 
 #: The clip group of param groups that name none.
 DEFAULT = "default"
@@ -39,7 +39,7 @@ def check_group(group: Dict[str, Any], at: int) -> None:
         raise TypeError(f"param group {at}: clip_group must be a string; got {name!r}")
     if group.get("max_grad_norm") is not None:
         try:
-            _check_max_norm(group["max_grad_norm"])
+            check_max_norm(group["max_grad_norm"])
         except ValueError as e:
             raise ValueError(f"param group {at}: {e}") from None
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .._engine import _result_dtype
+from .._engine import result_dtype
 from .shards import Shards, _is_mesh, _is_process_group
 from ._functions import _grads_norm64, _local
 
@@ -45,7 +45,7 @@ def step_norm64(params, norm_type, pipeline_group, norm_group, shards_over, give
         local = [_local(p.grad) for p in params if p.grad is not None]
         if not local:
             return None
-        return given.to(device=local[0].device, dtype=torch.float64), _result_dtype(local)
+        return given.to(device=local[0].device, dtype=torch.float64), result_dtype(local)
     if shards_over:
         return _grads_norm64([Shards(params, over=shards_over)], norm_type, pipeline_group, norm_group)
     if not params:

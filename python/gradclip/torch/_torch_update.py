@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from .._engine import _clip_coef, _refuse_host_read_under_capture
+from .._engine import clip_coef, refuse_host_read_under_capture
 from ._engine_step import _nonfinite_step
 from ._functions import _is_dtensor
 
@@ -124,10 +124,10 @@ class _TorchUpdate:
             norm64 = norm64 / outer_scale.to(device=norm64.device, dtype=torch.float64)
         self.last_grad_norm = norm64.to(dtype)
         if self.nonfinite == "error" and outer_found is None:
-            _refuse_host_read_under_capture(True)
+            refuse_host_read_under_capture(True)
             if not bool(torch.isfinite(self.last_grad_norm)):
                 raise _nonfinite_step(self.norm_type, self.last_grad_norm)
-        coef = _clip_coef(self.max_grad_norm, norm64)
+        coef = clip_coef(self.max_grad_norm, norm64)
         scale = 1.0 / coef if outer_scale is None else outer_scale.to(norm64.device, torch.float64) / coef
         skip = outer_found
         if self.nonfinite == "skip":

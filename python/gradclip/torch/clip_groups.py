@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Union
 
 import torch
 
-from .._engine import _check_max_norm, _check_p
+from .._engine import check_max_norm, check_p, check_writable
 from . import _functions
 
 __all__ = ["clip_grad_norms_"]
@@ -41,14 +41,14 @@ def _limits(names, max_norm) -> Dict[str, Optional[float]]:
     """Each group's threshold (None: measured, not clipped), checked: a mapping names every group
     and no other."""
     if not isinstance(max_norm, Mapping):
-        return {n: _check_max_norm(max_norm) for n in names}
+        return {n: check_max_norm(max_norm) for n in names}
     unknown = [k for k in max_norm if k not in names]
     if unknown:
         raise ValueError(f"max_norm names clip groups that are not given: {unknown} (the groups: {list(names)})")
     missing = [n for n in names if n not in max_norm]
     if missing:
         raise ValueError(f"max_norm has no threshold for clip groups {missing}: give each a number, or None to measure it without clipping")
-    return {n: None if max_norm[n] is None else _check_max_norm(max_norm[n]) for n in names}
+    return {n: None if max_norm[n] is None else check_max_norm(max_norm[n]) for n in names}
 
 
 def _group_norm(params: List[torch.Tensor], norm_type: float, pipeline_group, norm_group):
@@ -105,7 +105,7 @@ def _clip_groups(lists, max_norm, norm_type, error_if_nonfinite, foreach, pipeli
     here, at one call)."""
     named = _read_groups(lists)
     limits = _limits(named, max_norm)
-    _check_p(norm_type)
+    check_p(norm_type)
     found = {name: _group_norm(params, norm_type, pipeline_group, norm_group) for name, params in named.items()}
     if error_if_nonfinite:
         for name, (norm, _) in found.items():
@@ -120,7 +120,7 @@ def _clip_groups(lists, max_norm, norm_type, error_if_nonfinite, foreach, pipeli
     for name in clipped:
         plan, grads, sharded = _functions._scan(named[name], True)
         if not sharded:
-            _functions._check_writable(plan, grads)
+            check_writable(plan, grads)
     for name in clipped:
         _functions.clip_grads_with_norm_(named[name], limits[name], found[name][1], foreach)
     return {name: norm for name, (norm, _) in found.items()}

@@ -224,7 +224,7 @@ class Layout:
         self._locals = [pc.local for pc in pcs]
         keys = set(self._keys_of)
         self.one_key = next(iter(keys)) if len(keys) == 1 and None not in keys and not self.partial else None
-        self._dtype = _engine._result_dtype(self._locals) if self._locals else torch.get_default_dtype()
+        self._dtype = _engine.result_dtype(self._locals) if self._locals else torch.get_default_dtype()
         return self
 
     def local_tensors(self) -> List[torch.Tensor]:
@@ -400,7 +400,7 @@ def _one_key(layout: Layout, pipeline_group, norm_group):
     key = layout.one_key
     if key is None:
         return None
-    plan, ts = _engine._PLANNER.scan(layout.local_tensors(), False)
+    plan, ts = _engine.planner().scan(layout.local_tensors(), False)
     if plan is None:
         return None
     info = plan.info
@@ -424,7 +424,7 @@ def _one_key_output(plan, info, c: _combine.Combine, counted: bool, p: float, ma
     """The one-key path's NormOutput: the norm kernel (nothing on a replica), its partial, the
     all-reduces, the global norm and coefficient."""
     if counted:
-        part = _combine.partial_of(_engine._plan_norm(plan, p, info), p)
+        part = _combine.partial_of(_engine.plan_norm(plan, p, info), p)
     else:  # a replica: another rank counts these gradients, this one reads nothing for the norm
         part = _combine.zero_partials(c, torch.device("cuda", info[0]))
     _combine.all_reduce(c, part, p)
@@ -442,16 +442,16 @@ def clip_one_key(layout: Layout, p: float, max_norm: float, pipeline_group=None,
     if found is None:
         return None
     plan, info, ts, c, counted = found
-    _engine._check_writable(plan, ts, info)
+    _engine.check_writable(plan, ts, info)
     if not c.groups:
-        out = _engine._out(info[0])
-        _engine._call(_engine._native.clip_grad_norm, plan, info, max_norm, p, out.data_ptr())
-        _engine._written(ts)
+        out = _engine.norm_output(info[0])
+        _engine.plan_clip(plan, info, max_norm, p, out.data_ptr())
+        _engine.written(ts)
         return out[0]
     out = _one_key_output(plan, info, c, counted, p, max_norm)
     # The engine copies the coefficient into its own result slot for the scale kernel.
-    _engine._scale_plan(plan, out[1])
-    _engine._written(ts)
+    _engine.scale_plan(plan, out[1])
+    _engine.written(ts)
     return out[0]
 
 
@@ -463,14 +463,14 @@ def norm_one_key(layout: Layout, p: float, pipeline_group=None, norm_group=None)
         return None
     plan, info, _, c, counted = found
     if not c.groups and counted:
-        return _engine._plan_norm(plan, p, info)
+        return _engine.plan_norm(plan, p, info)
     return _one_key_output(plan, info, c, counted, p, _combine.NO_CLIP)[0]
 
 
 def returned(layout: Layout, norm64: torch.Tensor, error_if_nonfinite: bool, norm_type: float):
     """The norm as torch returns it: in the gradients' dtype, a DTensor (replicated, so
     ``full_tensor()`` costs nothing) when the gradients are DTensors."""
-    total = _engine._returned_norm(norm64, layout.result_dtype(), error_if_nonfinite, norm_type)
+    total = _engine.returned_norm(norm64, layout.result_dtype(), error_if_nonfinite, norm_type)
     if layout.mesh is not None:
         mesh = layout.mesh
         if total.device.type != mesh.device_type:
@@ -511,15 +511,15 @@ def scale(layout: Layout, coef: torch.Tensor) -> None:
         by_device[pc.local.device].append(pc.local)
     planned = []
     for ts in by_device.values():
-        plan, ts = _engine._PLANNER.scan(ts, False)
-        _engine._check_writable(plan, ts)
+        plan, ts = _engine.planner().scan(ts, False)
+        _engine.check_writable(plan, ts)
         planned.append((plan, ts))
     for plan, ts in planned:
         if plan is not None:
-            _engine._scale_plan(plan, coef.to(ts[0].device))
-            _engine._written(ts)
+            _engine.scale_plan(plan, coef.to(ts[0].device))
+            _engine.written(ts)
         else:
-            _engine._scale_group(ts, coef.to(ts[0].device))
+            _engine.scale_group(ts, coef.to(ts[0].device))
 
 
 def local_norm_of(total_norm) -> torch.Tensor:
