@@ -117,6 +117,69 @@ def all_reduce(c: Combine, part: torch.Tensor, p: float) -> None:
             part.index_copy_(0, idx, sub)
 
 
+def _merged_order(combines: Sequence[Combine]) -> Optional[List[Any]]:
+    """The process groups of several reductions in one order that keeps each reduction's own
+    (so every slot is reduced over its groups in the order a call of its own takes: the same
+    bits), or None when their orders disagree."""
+    order: List[Any] = []
+    for c in combines:
+        at = -1
+        for g, _ in c.all_reduces:
+            group = c.groups[g]
+            pos = next((i for i, o in enumerate(order) if o is group), None)
+            if pos is None:
+                order.append(group)
+                pos = len(order) - 1
+            if pos < at:
+                return None
+            at = pos
+    return order
+
+
+def all_reduce_together(found: Sequence[Tuple[Combine, torch.Tensor]], p: float) -> None:
+    """``all_reduce`` of every ``(combine, partials)`` of ``found`` (the clip groups of one call),
+    in place, with one all-reduce per process group for all of them: each group's slots of every
+    partials vector gathered into one buffer (copies, no arithmetic), reduced, and put back.
+    Every rank passes the same reductions in the same order. Partials on several devices, or
+    reductions whose group orders disagree, take an all-reduce each (the same results)."""
+    if len(found) == 1:
+        all_reduce(found[0][0], found[0][1], p)
+        return
+    order = _merged_order([c for c, _ in found])
+    if order is None or len({part.device for _, part in found}) > 1:
+        for c, part in found:
+            all_reduce(c, part, p)
+        return
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    for group in order:
+        pieces = [
+            part[start:end]
+            for c, part in found
+            for g, runs in c.all_reduces
+            if c.groups[g] is group
+            for start, end in runs
+        ]
+        buf = torch.cat(pieces)
+        dist.all_reduce(buf, op=op, group=group)
+        at = 0
+        for piece in pieces:
+            piece.copy_(buf[at : at + piece.numel()])
+            at += piece.numel()
+
+
+def totals(found: Sequence[Tuple[Combine, torch.Tensor]], p: float) -> List[torch.Tensor]:
+    """``total`` (for no clip) of every ``(combine, partials)`` of ``found``, all-reduced, with
+    one all-reduce over a ``final`` group (pipeline stages) for all of them when they share it."""
+    finals = {id(c.final) for c, _ in found}
+    if len(found) == 1 or finals == {id(None)} or len(finals) > 1:
+        return [total(c, part, p) for c, part in found]
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    fold_p = math.inf if math.isinf(p) else 1.0
+    folded = torch.cat([key_partials(_FOLD, part, (0,) * c.num_slots, fold_p) for c, part in found])
+    dist.all_reduce(folded, op=op, group=found[0][0].final)
+    return [_total_of(folded[i : i + 1], 1, p, NO_CLIP) for i in range(len(found))]
+
+
 # The fold of a combined partials vector into one partial: every slot an entry of one key, summed
 # (or maxed) as they are (to_partial is the identity for p = 1 and inf, which fold as sum and max).
 _FOLD = Combine([[]], [])
@@ -131,6 +194,12 @@ def total(c: Combine, part: torch.Tensor, p: float, max_norm: float = NO_CLIP) -
         part = key_partials(_FOLD, part, (0,) * num_slots, math.inf if math.isinf(p) else 1.0)
         dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=c.final)
         num_slots = 1
+    return _total_of(part, num_slots, p, max_norm)
+
+
+def _total_of(part: torch.Tensor, num_slots: int, p: float, max_norm: float) -> torch.Tensor:
+    """The NormOutput of ``num_slots`` combined partials (``keys_total``)."""
+    part = part.contiguous()
     out = torch.empty(3, dtype=torch.float64, device=part.device)
     ordinal, stream, ctx = _where(part.device)
     with ctx:

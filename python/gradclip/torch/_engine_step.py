@@ -161,7 +161,7 @@ class _EngineStep:
         norm_out = out[0] if fresh else layout.norm
         norm_in, dtype = None, layout.result_dtype
         if clip is not None and named is not None and layout.sharded:
-            norm_in = _step_clip_groups.norms_in(named, self.param_groups, self._grads_norm64, device)
+            norm_in = _step_clip_groups.norms_in(named, self.param_groups, self._grads_norms64, device)
         elif clip is not None and (layout.sharded or self._given_norm is not None):
             found = self._grads_norm64([p for g in self.param_groups for p in g["params"]])
             if found is None:
@@ -255,6 +255,10 @@ class _EngineStep:
     def _grads_norm64(self, params):
         """This step's norm of ``params``' gradients (``_step_norm.step_norm64``)."""
         return _step_norm.step_norm64(params, self.norm_type, self.pipeline_group, self.norm_group, self.shards_over, self._given_norm)
+
+    def _grads_norms64(self, param_lists):
+        """This step's norms of each clip group's parameters, sharded (``_step_norm.step_norms64``)."""
+        return _step_norm.step_norms64(param_lists, self.norm_type, self.pipeline_group, self.norm_group, self.shards_over, self._given_norm)
 
     def _no_gradients(self) -> bool:
         """A step in which no parameter has a gradient: nothing to update (as torch's step), and

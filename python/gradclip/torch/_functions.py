@@ -212,6 +212,16 @@ def _sharded_norm64(items: list, grads: bool, p: float, pipeline_group=None, nor
     return norm64, layout
 
 
+def _sharded_norms64(item_lists: list, grads: bool, p: float, pipeline_group=None, norm_group=None) -> list:
+    """``_sharded_norm64`` of each list of ``item_lists`` (named clip groups, in the order every
+    rank gives them; an empty list counts nothing and still takes part), all in the collectives
+    of one: ``[(norm64, layout)]``."""
+    distributed = _distributed()
+    layouts = [distributed.collect(items, grads) for items in item_lists]
+    outs = distributed.global_norms(layouts, p, pipeline_group, norm_group)
+    return [(out[0], layout) for out, layout in zip(outs, layouts)]
+
+
 def _grads_norm64(params: list, norm_type: float, pipeline_group=None, norm_group=None):
     """The global p-norm of the gradients of ``params`` (None grads skipped; DTensor and
     ``Shards`` gradients over their process groups) as a 0-dim f64 tensor on the first

@@ -71,16 +71,16 @@ def read(param_groups: List[Dict[str, Any]], max_grad_norm: Optional[float]) -> 
     return ClipGroups(tuple(names), thresholds, index)
 
 
-def norms_in(named: ClipGroups, param_groups, norm64: Callable, device) -> torch.Tensor:
+def norms_in(named: ClipGroups, param_groups, norms64: Callable, device) -> torch.Tensor:
     """Each clip group's global norm (sharded parameters: over their process groups, by
-    ``norm64``, the optimizer's norm of a list of parameters) as the engine's given norms: one
-    float64 per clip group on ``device``, 0 for a clip group without gradients. Every rank takes
-    the clip groups in the same order (the param groups')."""
-    norms = []
-    for k in range(len(named.names)):
-        params = [p for g, i in zip(param_groups, named.index) if i == k for p in g["params"]]
-        found = norm64(params)
-        norms.append(torch.zeros((), dtype=torch.float64, device=device) if found is None else found[0].to(device=device, dtype=torch.float64))
+    ``norms64``, the optimizer's norms of a list of parameter lists, in one step's collectives)
+    as the engine's given norms: one float64 per clip group on ``device``, 0 for a clip group
+    without gradients. Every rank takes the clip groups in the same order (the param groups')."""
+    lists = [[p for g, i in zip(param_groups, named.index) if i == k for p in g["params"]] for k in range(len(named.names))]
+    norms = [
+        torch.zeros((), dtype=torch.float64, device=device) if found is None else found[0].to(device=device, dtype=torch.float64)
+        for found in norms64(lists)
+    ]
     return torch.stack(norms).contiguous()
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .._engine import result_dtype
+from .._engine import check_p, result_dtype
 from .shards import Shards, _is_mesh, _is_process_group
-from ._functions import _grads_norm64, _local
+from ._functions import _grads_norm64, _local, _sharded_norms64
 
 
 def checked_shards_over(over) -> tuple:
@@ -51,3 +51,15 @@ def step_norm64(params, norm_type, pipeline_group, norm_group, shards_over, give
     if not params:
         return None
     return _grads_norm64(params, norm_type, pipeline_group, norm_group)
+
+
+def step_norms64(param_lists, norm_type, pipeline_group, norm_group, shards_over, given) -> list:
+    """``step_norm64`` of each named clip group's parameters (``param_lists``, in the order
+    every rank gives them) in a sharded step, all in the collectives of one: one all-reduce per
+    process group for every clip group, a clip group without gradients on this rank taking part
+    (its norm 0 here, never None). ``given`` (one norm for the step) is used for each."""
+    if given is not None:
+        return [step_norm64(params, norm_type, pipeline_group, norm_group, shards_over, given) for params in param_lists]
+    items = [[Shards(params, over=shards_over)] if shards_over else params for params in param_lists]
+    found = _sharded_norms64(items, True, check_p(norm_type), pipeline_group, norm_group)
+    return [(norm64, layout.result_dtype()) for norm64, layout in found]

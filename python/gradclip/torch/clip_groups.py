@@ -2,7 +2,8 @@
 one call (``clip_grad_norms_``), as Megatron-LM clips a multi-token-prediction head apart from the
 trunk or xtuner clips Muon- and AdamW-updated parameters apart. Each group's norm and clip are
 ``get_total_norm`` and ``clip_grads_with_norm_`` of its gradients (the same bits as a call per
-group); every check, and every norm, comes before the first gradient is written."""
+group), the sharded groups' norms in one all-reduce per process group for all of them; every
+check, and every norm, comes before the first gradient is written."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from .._engine import check_max_norm, check_p, check_writable
 from . import _functions
+from .shards import Shards
 
 __all__ = ["clip_grad_norms_"]
 
@@ -27,11 +29,14 @@ def _read_groups(groups: Mapping[str, Iterable[torch.Tensor]]) -> Dict[str, List
         items = [params] if isinstance(params, torch.Tensor) else list(params)
         if not items:
             raise ValueError(f"clip group {name!r} has no parameters")
+        # A Shards item (this rank's parameters of a sharded model) counts as its parameters.
+        flat = [q for x in items for q in (x.params if isinstance(x, Shards) else (x,))]
         for i, p in enumerate(items):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"clip group {name!r}: item {i} is a {type(p).__name__}, not a tensor")
+            if not isinstance(p, (torch.Tensor, Shards)):
+                raise TypeError(f"clip group {name!r}: item {i} is a {type(p).__name__}, not a tensor or Shards")
+        for i, p in enumerate(flat):
             other = seen.setdefault(id(p), name)
-            if other != name or sum(q is p for q in items) > 1:
+            if other != name or sum(q is p for q in flat) > 1:
                 raise ValueError(f"clip group {name!r}: parameter {i} is also in clip group {other!r} (each parameter is clipped by one group)")
         out[name] = items
     return out
@@ -51,20 +56,30 @@ def _limits(names, max_norm) -> Dict[str, Optional[float]]:
     return {n: None if max_norm[n] is None else check_max_norm(max_norm[n]) for n in names}
 
 
-def _group_norm(params: List[torch.Tensor], norm_type: float, pipeline_group, norm_group):
-    """``(returned, for_scale)``: a group's norm as returned (0-dim, torch's dtype; a DTensor for
-    DTensor gradients) and as its scale reads it: the f64 norm of plain gradients, so the
+def _group_norms(named: Dict[str, List[torch.Tensor]], norm_type: float, pipeline_group, norm_group) -> Dict[str, tuple]:
+    """``(returned, for_scale)`` per group: its norm as returned (0-dim, torch's dtype; a DTensor
+    for DTensor gradients) and as its scale reads it: the f64 norm of plain gradients, so the
     coefficient is the one ``clip_grad_norm_`` computes (not one of the norm rounded to the
-    gradients' dtype); None for a group without gradients."""
-    _, _, sharded = _functions._scan(params, True)
+    gradients' dtype); None for a group without gradients. Sharded groups (or any group, with
+    ``pipeline_group`` / ``norm_group``) take their norms together: one all-reduce per process
+    group for all of them, each norm the bits of ``get_total_norm`` of its gradients."""
+    p = check_p(norm_type)
+    sharded = any(_functions._scan(params, True)[2] for params in named.values())
     if sharded or pipeline_group is not None or norm_group is not None:
-        norm = _functions.get_total_norm([p.grad for p in params if p.grad is not None], norm_type, pipeline_group=pipeline_group, norm_group=norm_group)
-        return norm, norm
-    found = _functions._grads_norm64(params, norm_type)
-    if found is None:
-        return torch.tensor(0.0), None
-    norm64, dtype = found
-    return norm64.to(dtype), norm64
+        # Read from the parameters: one without a gradient on this rank still gives its key.
+        distributed = _functions._distributed()
+        found = _functions._sharded_norms64(list(named.values()), True, p, pipeline_group, norm_group)
+        norms = [distributed.returned(layout, norm64, False, norm_type) for norm64, layout in found]
+        return {name: (norm, norm) for name, norm in zip(named, norms)}
+    out = {}
+    for name, params in named.items():
+        found = _functions._grads_norm64(params, norm_type)
+        if found is None:
+            out[name] = (torch.tensor(0.0), None)
+        else:
+            norm64, dtype = found
+            out[name] = (norm64.to(dtype), norm64)
+    return out
 
 
 def clip_grad_norms_(
@@ -84,7 +99,7 @@ def clip_grad_norms_(
     where torch's clip would return one), in the dtype torch returns it in; a group whose
     parameters have no gradient has norm 0. Sharded gradients (DTensor, ``Shards``) and
     ``pipeline_group`` / ``norm_group`` are taken as ``clip_grad_norm_`` takes them; every rank
-    must give the same names in the same order (one all-reduce per group and process group).
+    must give the same names in the same order (one all-reduce per process group for all groups).
 
     Refused before anything is written: a group that is empty or not a set of tensors, a
     parameter in two groups, a threshold for an unknown name or none for a group, an invalid
@@ -106,7 +121,7 @@ def _clip_groups(lists, max_norm, norm_type, error_if_nonfinite, foreach, pipeli
     named = _read_groups(lists)
     limits = _limits(named, max_norm)
     check_p(norm_type)
-    found = {name: _group_norm(params, norm_type, pipeline_group, norm_group) for name, params in named.items()}
+    found = _group_norms(named, norm_type, pipeline_group, norm_group)
     if error_if_nonfinite:
         for name, (norm, _) in found.items():
             if not bool(torch.isfinite(_functions._full(norm))):

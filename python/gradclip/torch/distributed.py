@@ -152,10 +152,17 @@ class Layout:
         else:
             self.pieces.append(_Piece(g, g, self.key_at(over) if counted else None))
 
-    def _add_dtensor(self, g, over: Sequence[Any], counted: bool) -> None:
-        mesh, placements = g.device_mesh, tuple(g.placements)
+    def add_key_of(self, param) -> None:
+        """Registers the key of a DTensor parameter whose gradient this rank does not hold (an
+        MoE expert without tokens here): its slot and groups take part in the all-reduces as on
+        the ranks that hold one, so no rank waits on a collective another skips."""
+        dims, _ = self._dims_of(param.device_mesh, tuple(param.placements))
         if self.mesh is None:
-            self.mesh = mesh
+            self.mesh = param.device_mesh
+        self.key_at([(lv, g) for lv, g in dims])
+
+    def _dims_of(self, mesh, placements: tuple):
+        """``(reduced dimensions as (level, group), partial)`` of a DTensor spec (kept per spec)."""
         cached = self._mesh_keys.get((id(mesh), placements))
         if cached is None:
             root = root_mesh(mesh)
@@ -168,7 +175,13 @@ class Layout:
             partial = any(pl.is_partial() for pl in placements)
             cached = (tuple((_mesh_level(mesh, d), mesh.get_group(d)) for d in dims), partial)
             self._mesh_keys[(id(mesh), placements)] = cached
-        dims, partial = cached
+        return cached
+
+    def _add_dtensor(self, g, over: Sequence[Any], counted: bool) -> None:
+        mesh, placements = g.device_mesh, tuple(g.placements)
+        if self.mesh is None:
+            self.mesh = mesh
+        dims, partial = self._dims_of(mesh, placements)
         local = g._local_tensor
         source = local
         if partial and counted:
@@ -280,14 +293,19 @@ def collect(items: Sequence[Any], grads: bool) -> Layout:
     except AttributeError:
         gs = None
     if gs is not None:
-        if last is not None and len(last[0]) == len(marks) and all(map(operator.is_, last[0], marks)):
+        # DTensor parameters without a gradient here still give their keys (``add_key_of``):
+        # such a layout depends on more than the marks, so it is neither reused nor kept.
+        idle = [item for item, g in zip(items, gs) if g is None and is_dtensor(item)] if grads else []
+        if not idle and last is not None and len(last[0]) == len(marks) and all(map(operator.is_, last[0], marks)):
             return last[1].with_gradients(gs)
         layout = Layout()
         for g in gs:
             if g is not None:
                 layout.add(g, (), True)
+        for param in idle:
+            layout.add_key_of(param)
         layout.seal()
-        if not layout.partial:
+        if not layout.partial and not idle:
             template = layout.template()
             # Only DTensors (no plain tensor, no None): the next call may take _kept_dtensors.
             template.all_dtensor = all(template._flags) and None not in marks
@@ -369,11 +387,9 @@ def _entries(layout: Layout, p: float, counts=None):
     return (norms[0] if len(norms) == 1 else torch.cat(norms)), keys
 
 
-def global_norm(layout: Layout, p: float, pipeline_group=None, norm_group=None, max_norm: float = _combine.NO_CLIP) -> torch.Tensor:
-    """The NormOutput of every counted gradient on every rank (three f64 on this rank's device:
-    the global norm, its clip coefficient for ``max_norm``, flags), with no host sync: one
-    all-reduce when ``replicas`` can tell which rank counts each key, else one per process group
-    (the pipeline group's included). The arithmetic is the engine's (``_combine``)."""
+def _partials(layout: Layout, p: float, pipeline_group=None, norm_group=None) -> Tuple[_combine.Combine, torch.Tensor]:
+    """This rank's half of ``global_norm``: the reduction and the partials vector it all-reduces
+    (zeros where this rank counts nothing: it still takes part in every all-reduce)."""
     plan = counting(layout, pipeline_group, norm_group)
     if plan is not None:
         c = _one_collective_combine(layout, plan)
@@ -384,11 +400,27 @@ def global_norm(layout: Layout, p: float, pipeline_group=None, norm_group=None, 
         found = _entries(layout, p)
         everyone = list(layout.groups.values()) + ([pipeline_group] if pipeline_group is not None else [])
     if found is None:
-        part = _combine.zero_partials(c, _combine.collective_device(everyone))
-    else:
-        part = _combine.key_partials(c, found[0], tuple(found[1]), p)
+        return c, _combine.zero_partials(c, _combine.collective_device(everyone))
+    return c, _combine.key_partials(c, found[0], tuple(found[1]), p)
+
+
+def global_norm(layout: Layout, p: float, pipeline_group=None, norm_group=None, max_norm: float = _combine.NO_CLIP) -> torch.Tensor:
+    """The NormOutput of every counted gradient on every rank (three f64 on this rank's device:
+    the global norm, its clip coefficient for ``max_norm``, flags), with no host sync: one
+    all-reduce when ``replicas`` can tell which rank counts each key, else one per process group
+    (the pipeline group's included). The arithmetic is the engine's (``_combine``)."""
+    c, part = _partials(layout, p, pipeline_group, norm_group)
     _combine.all_reduce(c, part, p)
     return _combine.total(c, part, p, max_norm)
+
+
+def global_norms(layouts: Sequence[Layout], p: float, pipeline_group=None, norm_group=None) -> List[torch.Tensor]:
+    """``global_norm`` (no clip) of each of ``layouts`` (named clip groups, in the order every
+    rank gives them), all in the collectives of one: one all-reduce per process group for all
+    of them (and one over the pipeline group), each norm the bits of its own ``global_norm``."""
+    found = [_partials(layout, p, pipeline_group, norm_group) for layout in layouts]
+    _combine.all_reduce_together(found, p)
+    return _combine.totals(found, p)
 
 
 def _one_key(layout: Layout, pipeline_group, norm_group):
