@@ -141,3 +141,8 @@ def main(mode, out):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # Gloo's worker threads left alive can abort the interpreter's exit (pytorch/pytorch#190489):
+    # torch asks every trainer process to destroy its group.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
