@@ -236,7 +236,10 @@ class Layout:
         self._keys_of = [pc.key for pc in pcs]
         self._locals = [pc.local for pc in pcs]
         keys = set(self._keys_of)
-        self.one_key = next(iter(keys)) if len(keys) == 1 and None not in keys and not self.partial else None
+        # One key in the layout itself, not only among this rank's gradients: the keys are the
+        # same on every rank (a key without gradients here still counts), so every rank takes
+        # the same path, with the same collectives.
+        self.one_key = next(iter(keys)) if len(keys) == 1 and None not in keys and not self.partial and len(self.keys) == 1 else None
         self._dtype = _engine.result_dtype(self._locals) if self._locals else torch.get_default_dtype()
         return self
 
