@@ -1,6 +1,6 @@
 """One rank of ``test_clip_groups_sharded.py``: named clip groups over FSDP2 gradients (DTensors
 on a gloo mesh) and over ``Shards`` (plain process groups), in ``clip_grad_norms_`` and in the
-optimizers' ``clip_group``. Each call's all-reduces are counted (one per process group for all
+optimizers' ``clip_group`` (FSDP2 parameters, and ``shards_over`` partitions). Each call's all-reduces are counted (one per process group for all
 clip groups), each group's norm is compared with the f64 norm of its gradients summed over the
 ranks by hand, and, where every rank has the group's gradients, with ``get_total_norm`` of them
 alone (the same bits). A clip group whose gradients are None on one rank only (an MoE expert
@@ -153,6 +153,31 @@ def check_shards(rank, world, failures):
             failures.append(f"rank {rank} Shards clip groups: group {n} norm {float(norm)} against {want[n]}")
 
 
+def check_optimizer_shards(rank, world, failures):
+    """The optimizers' clip groups over this rank's partitions (``shards_over``, ZeRO-1/2's flat
+    shards): one all-reduce per step for three clip groups, each norm that of the whole."""
+    g = torch.Generator().manual_seed(4)
+    full = {n: [torch.randn(k, generator=g) for k in sizes] for n, sizes in (("trunk", (40, 8)), ("head", (10,)), ("idle", (30,)))}
+    groups = {n: [torch.nn.Parameter(t.chunk(world)[rank].clone()) for t in ts] for n, ts in full.items()}
+    opt = go.AdamW([{"params": ps, "clip_group": n, "max_grad_norm": MAX_NORM[n]} for n, ps in groups.items()], lr=1e-2, shards_over=dist.group.WORLD)
+    for step in range(2):
+        want = {}
+        for n, ts in full.items():
+            gs = [torch.randn(t.shape, generator=g) * (step + 1) for t in ts]
+            idle = n == "idle" and rank == 1  # this rank's share of the group has no gradient
+            for p, gfull in zip(groups[n], gs):
+                p.grad = None if idle else gfull.chunk(world)[rank].clone()
+            shares = [gfull.chunk(world)[r] for gfull in gs for r in range(world) if not (n == "idle" and r == 1)]
+            want[n] = math.sqrt(sum(float(x.double().square().sum()) for x in shares))
+        with counted_all_reduces() as calls:
+            opt.step()
+        if len(calls) != 1:
+            failures.append(f"rank {rank} AdamW shards_over clip groups step {step}: {len(calls)} all-reduces, not 1")
+        for n, norm in opt.last_grad_norms.items():
+            if not math.isclose(float(norm), want[n], rel_tol=1e-6):
+                failures.append(f"rank {rank} AdamW shards_over clip groups step {step}: group {n} norm {float(norm)} against {want[n]}")
+
+
 def main(port: str, rank: int, world: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -164,6 +189,7 @@ def main(port: str, rank: int, world: int, out: str) -> None:
         check_functions(rank, mesh, failures, idle)
         check_optimizer(rank, mesh, failures, idle)
     check_shards(rank, world, failures)
+    check_optimizer_shards(rank, world, failures)
     ranks.report(out, failures)
     dist.barrier()  # no rank tears gloo down while another still uses it
     dist.destroy_process_group()

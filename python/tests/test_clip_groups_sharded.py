@@ -1,8 +1,8 @@
 """Named clip groups over sharded gradients on two gloo ranks (``clip_groups_worker.py``): FSDP2
-DTensors in ``clip_grad_norms_`` and in the optimizers' ``clip_group``, and ``Shards`` groups;
-every clip group's partials in one all-reduce per process group (counted), each norm the f64
-norm of its gradients over the ranks (and ``get_total_norm``'s bits), a group without gradients
-on one rank taking part rather than hanging the other."""
+DTensors in ``clip_grad_norms_`` and in the optimizers' ``clip_group``, ``Shards`` groups and
+``shards_over`` partitions; every clip group's partials in one all-reduce per process group
+(counted), each norm the f64 norm of its gradients over the ranks (and ``get_total_norm``'s
+bits), a group without gradients on one rank taking part rather than hanging the other."""
 
 import os
 
