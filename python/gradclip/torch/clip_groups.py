@@ -31,12 +31,14 @@ def _read_groups(groups: Mapping[str, Iterable[torch.Tensor]]) -> Dict[str, List
             raise ValueError(f"clip group {name!r} has no parameters")
         # A Shards item (this rank's parameters of a sharded model) counts as its parameters.
         flat = [q for x in items for q in (x.params if isinstance(x, Shards) else (x,))]
+        seen_here: Dict[int, int] = {}
         for i, p in enumerate(items):
             if not isinstance(p, (torch.Tensor, Shards)):
                 raise TypeError(f"clip group {name!r}: item {i} is a {type(p).__name__}, not a tensor or Shards")
         for i, p in enumerate(flat):
+            # One lookup per parameter (a group of 50,000 experts' tensors is read in linear time).
             other = seen.setdefault(id(p), name)
-            if other != name or sum(q is p for q in flat) > 1:
+            if other != name or seen_here.setdefault(id(p), i) != i:
                 raise ValueError(f"clip group {name!r}: parameter {i} is also in clip group {other!r} (each parameter is clipped by one group)")
         out[name] = items
     return out
