@@ -95,6 +95,11 @@ def key_partials(c: Combine, norms: torch.Tensor, keys: Tuple[Optional[int], ...
     return part
 
 
+def _reduce_op(p: float):
+    """How the ranks combine partials of the p-norm: the maximum for p = inf, else the sum."""
+    return dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+
+
 def zero_partials(c: Combine, device: torch.device) -> torch.Tensor:
     """The partials of a rank that counts nothing (it still takes part in every all-reduce)."""
     return torch.zeros(max(c.num_slots, 1), dtype=torch.float64, device=device)
@@ -104,7 +109,7 @@ def all_reduce(c: Combine, part: torch.Tensor, p: float) -> None:
     """Every all-reduce of ``c`` on ``part``, in place, in the reduction's order (every rank
     issues the same ones, one per group): a sum, or the maximum for p = inf. A group whose slots
     are apart reduces them gathered (copies, no arithmetic)."""
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    op = _reduce_op(p)
     whole = part.numel()
     for i, (g, runs) in enumerate(c.all_reduces):
         if len(runs) == 1:
@@ -150,7 +155,7 @@ def all_reduce_together(found: Sequence[Tuple[Combine, torch.Tensor]], p: float)
         for c, part in found:
             all_reduce(c, part, p)
         return
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    op = _reduce_op(p)
     for group in order:
         pieces = [
             part[start:end]
@@ -173,7 +178,7 @@ def totals(found: Sequence[Tuple[Combine, torch.Tensor]], p: float) -> List[torc
     finals = {id(c.final) for c, _ in found}
     if len(found) == 1 or finals == {id(None)} or len(finals) > 1:
         return [total(c, part, p) for c, part in found]
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    op = _reduce_op(p)
     fold_p = math.inf if math.isinf(p) else 1.0
     folded = torch.cat([key_partials(_FOLD, part, (0,) * c.num_slots, fold_p) for c, part in found])
     dist.all_reduce(folded, op=op, group=found[0][0].final)
@@ -192,7 +197,7 @@ def total(c: Combine, part: torch.Tensor, p: float, max_norm: float = NO_CLIP) -
     num_slots = c.num_slots
     if c.final is not None:
         part = key_partials(_FOLD, part, (0,) * num_slots, math.inf if math.isinf(p) else 1.0)
-        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=c.final)
+        dist.all_reduce(part, op=_reduce_op(p), group=c.final)
         num_slots = 1
     return _total_of(part, num_slots, p, max_norm)
 
