@@ -277,9 +277,9 @@ pub struct UpdateTensorDesc {
     pub len: u64,
     /// [`dtype_code`]s: the parameter's in bits 0-3, the gradient's in 4-7, the states' in 8-11.
     pub dtypes: u32,
-    /// Keeps the struct free of padding.
-    pub reserved: u32,
-    /// The parameter's own step count, one f32 (torch's `state["step"]`), or 0: the launch's
+    /// Its parameter group: the index of its [`UpdateGroup`] in the launch's group table.
+    pub group: u32,
+    /// The parameter's own step count, one f32 (torch's `state["step"]`), or 0: its group's
     /// [`UpdateCount`]. Read as the steps taken before this one; the launch's last block adds one
     /// when the step is taken. A parameter that skipped steps (its gradient was None) keeps its
     /// own count (Adam's bias correction, SGD's first momentum step), as in torch.
@@ -295,6 +295,24 @@ pub struct UpdateCount {
     pub steps: u64,
     /// Steps skipped.
     pub skipped: u64,
+}
+
+/// One parameter group of an update launch (a launch steps every group of one kernel that
+/// shares the launch's per-element constants, flags and clip: groups that differ in learning
+/// rate or in the hyperparameters a step uses once cost no launch of their own): its learning
+/// rate, hyperparameters, device learning rate and step count.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct UpdateGroup {
+    /// The learning rate (unless `lr_in`).
+    pub lr: f64,
+    /// The four hyperparameters in the optimizer's order (see `update_entry`).
+    pub h: [f64; 4],
+    /// One f64 of device memory holding the learning rate, read when the step runs (an LR
+    /// schedule that writes it on the device; a captured step takes each replay's), or 0.
+    pub lr_in: u64,
+    /// The group's [`UpdateCount`] in device memory (each group its own).
+    pub count: u64,
 }
 
 /// Hyperparameters of one Adam / AdamW step (torch's names and meanings).
@@ -352,6 +370,7 @@ const _: () = {
     assert!(core::mem::size_of::<AdamParams>() == 48);
     assert!(core::mem::size_of::<UpdateTensorDesc>() == 64);
     assert!(core::mem::size_of::<UpdateCount>() == 16);
+    assert!(core::mem::size_of::<UpdateGroup>() == 56);
     assert!(update_chunk_elems(2) <= u32::MAX as u64 && update_chunk_elems(8) <= u32::MAX as u64);
     assert!(core::mem::size_of::<TensorDesc>() == 40);
     assert!(core::mem::size_of::<ChunkTask>() == 8);

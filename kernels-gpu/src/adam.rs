@@ -88,6 +88,16 @@ pub fn mode_of(h: &AdamParams) -> u32 {
     m
 }
 
+/// The hyperparameters Adam uses per element (beta1, beta2, eps, and the weight decay when it
+/// is added to the gradient; 0 otherwise), in the kernels' order: one GPU update launch steps
+/// the groups that share them, taking them as kernel arguments
+/// ([`StepScalars::with_constants_of`]); groups that differ in the rest (learning rate,
+/// decoupled weight decay, flags, clip group) share a launch.
+pub fn launch_constants(h: &AdamParams) -> [f64; 4] {
+    let l2 = h.flags & adam_flags::DECOUPLED == 0;
+    [h.beta1, h.beta2, h.eps, if l2 { h.weight_decay } else { 0.0 }]
+}
+
 /// The factor a step multiplies every gradient by: the clip coefficient of the unscaled
 /// gradients' norm (`norm / loss_scale`, torch's `min(1, max_norm / (norm + 1e-6))`; 1 without a
 /// clip) divided by the loss scale the gradients carry (GradScaler's; 1 without one). With a loss
@@ -215,6 +225,24 @@ macro_rules! opmath {
         }
 
         impl StepScalars<$t> {
+            /// These scalars with the per-element constants (betas, eps, the L2 weight decay)
+            /// of `launch`, the scalars of the hyperparameters one GPU launch shares: equal to
+            /// this group's (the host groups launches by [`launch_constants`]), but kernel
+            /// arguments, which ptxas keeps in uniform registers; read from the group table they
+            /// took five of the 80 registers per thread and the bf16 step spilled (1.4x slower).
+            #[inline(always)]
+            pub fn with_constants_of(self, launch: &Self) -> Self {
+                StepScalars {
+                    beta1: launch.beta1,
+                    one_minus_beta1: launch.one_minus_beta1,
+                    beta2: launch.beta2,
+                    one_minus_beta2: launch.one_minus_beta2,
+                    eps: launch.eps,
+                    weight_decay: launch.weight_decay,
+                    ..self
+                }
+            }
+
             /// These scalars for gradients clipped by `coef` (rounded to opmath once, as a clip
             /// multiplies an opmath gradient by it).
             #[inline(always)]

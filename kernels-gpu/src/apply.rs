@@ -10,9 +10,10 @@
 use core::arch::asm;
 
 use crate::abi::{
-    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, UpdateCount, UpdateTensorDesc, WARP_THREADS, dtype_code, update_chunk_elems,
+    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, UpdateCount, UpdateGroup, UpdateTensorDesc, WARP_THREADS, dtype_code,
+    update_chunk_elems,
 };
-use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, smem_flag, st_v4, sync_threads, thread_idx};
+use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, opaque_u64, smem_flag, st_v4, sync_threads, thread_idx};
 use crate::dtype::{Element, F64};
 use crate::update::ElementUpdate;
 
@@ -165,6 +166,7 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
         out[0][k] = u.update(widen_at::<P>(p, k), widen_at::<G>(g, k), &mut st);
         (out[1][k], out[2][k], out[3][k]) = (st[0], st[1], st[2]);
     }
+    let i = opaque_u64(i);
     // SAFETY: the contract.
     unsafe {
         store_group::<P>(d.param, i, &out[0]);
@@ -200,42 +202,54 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
     let end = d.len.min(start + update_chunk_elems(P::SIZE));
     let state = |n: usize| if N > n { d.states[n] } else { 0 };
     if (d.param | d.grad | state(0) | state(1) | state(2)) & 15 == 0 {
+        // The chunk's parts from its first element, walked by 32-bit offsets (a chunk is far
+        // below 2^32 elements): a 64-bit index and end took two more registers in the loop,
+        // which the bf16 step's pipelined loop spilled.
+        let at = |a: u64, size: u64| if a == 0 { 0 } else { a + start * size };
+        let c = UpdateTensorDesc {
+            param: at(d.param, P::SIZE),
+            grad: at(d.grad, G::SIZE),
+            states: [at(state(0), S::SIZE), at(state(1), S::SIZE), at(state(2), S::SIZE)],
+            ..*d
+        };
+        let len = (end.max(start) - start) as u32;
         // Consecutive threads take consecutive groups (coalesced); `stride` apart per thread. A
         // loop with a run-time count, so that a long chunk is not unrolled into spills.
-        let stride = BLOCK_THREADS as u64 * GROUP;
-        let mut i = start + thread_idx() as u64 * GROUP;
+        let stride = BLOCK_THREADS * GROUP as u32;
+        let group = GROUP as u32;
+        let mut i = thread_idx() * group;
         // All-16-bit parts with at most two states: software-pipelined, the next group's loads in
         // flight while this one is computed (a group's arithmetic outlasts a warp's share of the
         // memory latency; the raw group is 16 registers). With f32 parts, or Adam's third state,
         // a prefetched group spills at 3 blocks per SM, measured slower: one group at a time.
-        // SAFETY: (every load and update) the group at i is full (`i + GROUP <= end`), inside
-        // every part, whose bases are 16-byte aligned, and starts at a multiple of GROUP; it
-        // belongs to this thread alone.
+        // SAFETY: (every load and update) the group at i is full (`i + GROUP <= len`), inside
+        // every part of the chunk, whose bases are 16-byte aligned (a chunk starts at a multiple
+        // of GROUP), and starts at a multiple of GROUP; it belongs to this thread alone.
         unsafe {
             if P::SIZE == 2 && G::SIZE == 2 && S::SIZE == 2 && PIPELINE_16BIT && N <= 2 {
-                if i + GROUP <= end {
-                    let mut this = load_parts::<P, G, S, N>(d, i);
-                    while i + stride + GROUP <= end {
-                        let next = load_parts::<P, G, S, N>(d, i + stride);
-                        update_parts::<P, G, S, N, U>(d, i, u, &this);
+                if i + group <= len {
+                    let mut this = load_parts::<P, G, S, N>(&c, i as u64);
+                    while i + stride + group <= len {
+                        let next = load_parts::<P, G, S, N>(&c, (i + stride) as u64);
+                        update_parts::<P, G, S, N, U>(&c, i as u64, u, &this);
                         this = next;
                         i += stride;
                     }
-                    update_parts::<P, G, S, N, U>(d, i, u, &this);
+                    update_parts::<P, G, S, N, U>(&c, i as u64, u, &this);
                     i += stride;
                 }
             } else {
-                while i + GROUP <= end {
-                    update_parts::<P, G, S, N, U>(d, i, u, &load_parts::<P, G, S, N>(d, i));
+                while i + group <= len {
+                    update_parts::<P, G, S, N, U>(&c, i as u64, u, &load_parts::<P, G, S, N>(&c, i as u64));
                     i += stride;
                 }
             }
         }
         // The tensor's last, partial group, if this thread holds it.
-        if i < end {
-            for j in i..end {
-                // SAFETY: j < d.len; element j belongs to this thread alone.
-                unsafe { element_f32::<P, G, S, N, U>(d, j, u) };
+        if i < len {
+            for j in i..len {
+                // SAFETY: start + j < d.len; element j of the chunk belongs to this thread alone.
+                unsafe { element_f32::<P, G, S, N, U>(&c, j as u64, u) };
             }
         }
     } else {
@@ -387,40 +401,31 @@ pub(crate) fn dtypes(d: &UpdateTensorDesc) -> (u32, u32, u32) {
     (d.dtypes & 0xF, (d.dtypes >> 4) & 0xF, (d.dtypes >> 8) & 0xF)
 }
 
-/// A step as one block of an optimizer kernel sees it ([`begin`]): the inputs read on the
-/// device, the skip decided, and the block's task.
+/// A launch's step as an optimizer kernel sees it ([`launch_step`]): its clip's factor and its
+/// skip, the same for every group of the launch.
 #[derive(Clone, Copy)]
 pub(crate) struct Step {
-    /// The learning rate (the device one when given).
-    pub lr: f64,
     /// The factor each gradient is multiplied by (the clip coefficient; 1 without a norm).
     pub coef: f64,
     /// Nothing is updated: an overflow, or a non-finite norm with `SKIP_NONFINITE`.
     pub skip: bool,
-    /// The group's count of steps taken before this one.
-    steps: u64,
 }
 
-/// The first half of a step of an optimizer kernel: reads the device inputs (`lr_in` instead
-/// of `lr`, the norm's coefficient, `found_inf`) and decides the skip (an overflow, or a
-/// non-finite norm with [`crate::abi::update_flags::SKIP_NONFINITE`] in `flags`).
+/// The step of a launch: reads its clip's norm output (the coefficient) and `found_inf`, and
+/// decides the skip (an overflow, or a non-finite norm with
+/// [`crate::abi::update_flags::SKIP_NONFINITE`] in `flags`). Kernel arguments, as everything
+/// the walk takes per element: ptxas keeps what they alone decide in uniform registers (read from
+/// the group table, the coefficient and the flags took per-thread registers and the bf16 Adam
+/// step spilled, 1.2x slower).
 ///
 /// # Safety
-/// `count`, `norm`, `lr_in` and `found_inf` (those not null) are device memory written before
-/// the launch on its stream.
+/// `norm` and `found_inf` (those not null) are device memory written before the launch on its
+/// stream.
 #[inline(always)]
-pub(crate) unsafe fn begin(
-    count: *const UpdateCount,
-    norm: *const NormOutput,
-    lr: f64,
-    flags: u32,
-    lr_in: *const f64,
-    found_inf: *const f32,
-) -> Step {
+pub(crate) unsafe fn launch_step(norm: *const NormOutput, flags: u32, found_inf: *const f32) -> Step {
     // SAFETY: each input not null was written before the launch on this stream (contract).
-    let (lr, overflow, out) = unsafe {
+    let (overflow, out) = unsafe {
         (
-            if lr_in.is_null() { lr } else { lr_in.read() },
             !found_inf.is_null() && found_inf.read() != 0.0,
             if norm.is_null() { None } else { Some(norm.read()) },
         )
@@ -430,11 +435,26 @@ pub(crate) unsafe fn begin(
     let coef = out.map_or(1.0, |o| o.coef);
     let nonfinite = out.is_some_and(|o| o.nonfinite != 0);
     Step {
-        lr,
         coef,
         skip: overflow || (nonfinite && flags & crate::abi::update_flags::SKIP_NONFINITE != 0),
-        // SAFETY: only the last block writes it, after every block has read it ([`finish`]).
-        steps: unsafe { (*count).steps },
+    }
+}
+
+/// A group's learning rate: its device one when given.
+///
+/// # Safety
+/// `g` is an entry of the launch's group table, its `lr_in` (not 0) device memory written before
+/// the launch on its stream.
+#[inline(always)]
+pub(crate) unsafe fn group_lr(g: *const UpdateGroup) -> f64 {
+    // SAFETY: the contract (the entry's own `lr` without a device one). One load from a chosen
+    // address rather than a branch (see [`group_step`]).
+    unsafe {
+        let at = match (*g).lr_in {
+            0 => &raw const (*g).lr,
+            at => at as *const f64,
+        };
+        at.read()
     }
 }
 
@@ -463,40 +483,45 @@ pub(crate) unsafe fn task(
     }
 }
 
-/// The step number a tensor's update takes: its own count, or the group's, plus one.
+/// The step number a tensor's update takes: its own count, or its group's, plus one.
 ///
 /// # Safety
-/// An own step count of `d` is one f32 that only the last block writes, after every block's
-/// ticket (the launch's contract).
+/// `g` is an entry of the launch's group table, its count device memory that only the last
+/// block writes, after every block's ticket; an own step count of `d` is one f32 written
+/// likewise (the launch's contract).
 #[inline(always)]
-pub(crate) unsafe fn step_of(s: &Step, d: &UpdateTensorDesc) -> f64 {
-    1.0 + if d.step == 0 {
-        s.steps as f64
-    } else {
-        // SAFETY: the contract.
-        (unsafe { (d.step as *const f32).read() }) as f64
+pub(crate) unsafe fn step_of(g: *const UpdateGroup, d: &UpdateTensorDesc) -> f64 {
+    // SAFETY: the contract.
+    1.0 + unsafe {
+        if d.step == 0 {
+            (*((*g).count as *const UpdateCount)).steps as f64
+        } else {
+            (d.step as *const f32).read() as f64
+        }
     }
 }
 
-/// The second half: the block that finishes last adds one to `count.steps` (or
-/// `count.skipped`) and, when the step is taken, to every parameter's own count (its threads
-/// striding over the `num_tensors` tensors).
+/// The second half: the block that finishes last adds one to every group's `steps` (or
+/// `skipped`) and, when the step is taken, to every parameter's own count (its threads striding
+/// over the groups, then over the `num_tensors` tensors).
 ///
 /// # Safety
 /// As the entry points of `update_entry`: [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared
-/// memory, `counter` zero before the launch, every block of the launch calling this once after
-/// its task.
+/// memory, `counter` zero before the launch, `groups` `num_groups` entries with distinct counts
+/// (each tensor's group one of them), every block of the launch calling this once after its
+/// task.
 #[inline(always)]
 pub(crate) unsafe fn finish(
     s: &Step,
     tensors: *const UpdateTensorDesc,
     counter: *mut u32,
-    count: *mut UpdateCount,
+    groups: *const UpdateGroup,
+    num_groups: u64,
     num_tasks: u64,
     num_tensors: u64,
 ) {
-    // Every thread of the block has read `count` and its tensor's step, and finished its
-    // elements, before thread 0 takes the block's ticket.
+    // Every thread of the block has read its group's count and its tensor's step, and finished
+    // its elements, before thread 0 takes the block's ticket.
     // SAFETY: every thread of the block reaches this barrier.
     unsafe { sync_threads() };
     let flag = smem_flag::<BLOCK_WARPS>();
@@ -510,28 +535,36 @@ pub(crate) unsafe fn finish(
         };
         // SAFETY: the launch gives BLOCK_SMEM_BYTES of dynamic shared memory (contract).
         unsafe { flag.write_volatile(last as u32) };
-        if last {
-            // SAFETY: every other block has taken its ticket, so has read `count`; the counter is
-            // reset for the next launch, which the stream orders after this one.
-            unsafe {
-                if s.skip {
-                    (*count).skipped += 1;
-                } else {
-                    (*count).steps = s.steps + 1;
-                }
-                if num_tasks > 0 {
-                    counter.write_volatile(0);
-                }
-            }
+        if last && num_tasks > 0 {
+            // SAFETY: every other block has taken its ticket; the counter is reset for the next
+            // launch, which the stream orders after this one.
+            unsafe { counter.write_volatile(0) };
         }
     }
     // SAFETY: every thread of the block reaches this barrier.
     unsafe { sync_threads() };
     // SAFETY: written by thread 0 before the barrier just above, which orders it for every thread.
-    if s.skip || unsafe { flag.read_volatile() } == 0 {
+    if unsafe { flag.read_volatile() } == 0 {
         return;
     }
     fence_gpu();
+    let mut i = thread_idx() as u64;
+    while i < num_groups {
+        // SAFETY: the table holds `num_groups` entries with distinct counts (each written by one
+        // thread); every other block has read its group's count before its ticket.
+        unsafe {
+            let c = (*groups.add(i as usize)).count as *mut UpdateCount;
+            if s.skip {
+                (*c).skipped += 1;
+            } else {
+                (*c).steps += 1;
+            }
+        }
+        i += BLOCK_THREADS as u64;
+    }
+    if s.skip {
+        return;
+    }
     let mut i = thread_idx() as u64;
     while i < num_tensors {
         // SAFETY: the table holds `num_tensors` descriptors; every block has read its tensor's

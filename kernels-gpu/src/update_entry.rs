@@ -5,31 +5,41 @@
 //! `gradclip_loss_scale`, which makes that coefficient the whole factor of a loss-scaled step.
 //!
 //! Every optimizer kernel takes the same arguments (the host has one launch for them): the
-//! tables, the count, the norm output, `lr`, four hyperparameters `h0..h3` in the optimizer's order
-//! (Adam: beta1, beta2, eps, weight_decay; SGD: momentum, dampening, weight_decay, unused;
-//! Lion: beta1, beta2, weight_decay, unused), the flags, the task count, the device learning rate
-//! and overflow flag, and the tensor count.
+//! tables, the group table ([`UpdateGroup`]: each parameter group's learning rate, four
+//! hyperparameters `h` in the optimizer's order (Adam: beta1, beta2, eps, weight_decay; SGD:
+//! momentum, dampening, weight_decay, unused; Lion: beta1, beta2, weight_decay, unused), device
+//! learning rate and step count), the launch's clip (its norm output), flags and per-element
+//! constants (see [`crate::adam::launch_constants`]), the task count, the overflow flag and the
+//! tensor count. One launch steps every group that shares the launch's arguments: groups that
+//! differ in learning rate, weight decay (decoupled, or SGD's and Lion's) or momentum cost a
+//! table entry, not a launch.
 //!
 //! # Safety (every optimizer kernel)
 //! Launched by the gradclip host with a grid of one block per task of a plan built from
 //! `tensors` (every part live device memory of its length and dtype, the states the optimizer
 //! keeps present, the written parts pairwise disjoint and disjoint from the gradients, each own
-//! step count one f32 disjoint from them all), [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared
-//! memory, `counter` zero, `count`, `norm`, `lr_in` and `found_inf` (those not null) device
-//! memory written before the launch on its stream.
+//! step count one f32 disjoint from them all, each tensor's group an entry of `groups`),
+//! [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared memory, `counter` zero, `groups`
+//! `num_groups` entries whose counts are distinct and whose counts and learning rates (those not
+//! 0) are device memory, `norm` and `found_inf` (those not null) device memory, all written
+//! before the launch on its stream.
 
-use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, SgdParams, UpdateCount, UpdateTensorDesc, adam_flags};
-use crate::adam::{gradient_factor, step_scalars_f32, step_scalars_f64};
-use crate::apply::{begin, chunk_any_f32, chunk_f64, dtypes, finish, is_f64, step_of, task};
+use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, SgdParams, UpdateGroup, UpdateTensorDesc, adam_flags};
+use crate::adam::{StepScalars, gradient_factor, step_scalars_f32, step_scalars_f64};
+use crate::apply::{chunk_any_f32, chunk_f64, dtypes, finish, group_lr, is_f64, launch_step, step_of, task};
+use crate::device::pinned_f32;
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 
-/// An optimizer kernel: the arguments every one takes, the step around its task (`begin`,
-/// `task`, `finish`), and `$body` for this block's task, with the tensor's descriptor `$d`, its
-/// chunk `$c`, its step number `$step`, the step's inputs `$s`, the four hyperparameters `$h`
-/// and the flags `$flags` in scope.
+/// An optimizer kernel: the arguments every one takes, the step around its task
+/// (`launch_step`, `task`, `finish`), and `$body` for this block's task when the step is taken,
+/// with the tensor's descriptor `$d`, its chunk `$c`, its step number `$step`, the launch's step
+/// `$s` and flags `$flags`, the group's learning rate `$lr` and four hyperparameters `$h` in
+/// scope, and `$p`,
+/// what `$launch` makes of the launch's constants `$k` (the hyperparameters its groups share:
+/// see [`crate::adam::launch_constants`]) at the kernel's top, before any branch.
 macro_rules! update_kernel {
-    ($(#[$doc:meta])* $name:ident, |$d:ident, $c:ident, $step:ident, $s:ident, $h:ident, $flags:ident| $body:block) => {
+    ($(#[$doc:meta])* $name:ident, launch |$k:ident| $p:ident = $launch:expr, |$d:ident, $c:ident, $step:ident, $s:ident, $lr:ident, $h:ident, $flags:ident| $body:block) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -39,29 +49,33 @@ macro_rules! update_kernel {
             tensors: *const UpdateTensorDesc,
             tasks: *const ChunkTask,
             counter: *mut u32,
-            count: *mut UpdateCount,
+            groups: *const UpdateGroup,
+            num_groups: u64,
             norm: *const NormOutput,
-            lr: f64,
-            h0: f64,
-            h1: f64,
-            h2: f64,
-            h3: f64,
             $flags: u32,
+            k0: f64,
+            k1: f64,
+            k2: f64,
+            k3: f64,
             num_tasks: u64,
-            lr_in: *const f64,
             found_inf: *const f32,
             num_tensors: u64,
         ) {
-            // SAFETY: the module's contract (for begin, task, the walks and finish).
+            // SAFETY: the module's contract (for the task, its group's entry, the walks and
+            // finish).
             unsafe {
-                let $s = begin(count, norm, lr, $flags, lr_in, found_inf);
+                let $k = [k0, k1, k2, k3];
+                let $p = $launch;
+                let $s = launch_step(norm, $flags, found_inf);
                 if let Some((d, $c)) = task(&$s, tensors, tasks, num_tasks) {
                     let $d = d.read();
-                    let $step = step_of(&$s, &$d);
-                    let $h = [h0, h1, h2, h3];
+                    let g = groups.add($d.group as usize);
+                    let $step = step_of(g, &$d);
+                    let $lr = group_lr(g);
+                    let $h = (*g).h;
                     $body
                 }
-                finish(&$s, tensors, counter, count, num_tasks, num_tensors);
+                finish(&$s, tensors, counter, groups, num_groups, num_tasks, num_tensors);
             }
         }
     };
@@ -71,9 +85,10 @@ update_kernel!(
     /// Adam / AdamW ([`crate::adam`]): states `exp_avg`, `exp_avg_sq` and, with amsgrad,
     /// `max_exp_avg_sq`; each parameter's bias correction from its own step count.
     gradclip_adam,
-    |d, c, step, s, h, flags| {
+    launch |k| constants = adam_constants(k),
+    |d, c, step, s, lr, h, flags| {
         let h = AdamParams {
-            lr: s.lr,
+            lr,
             beta1: h[0],
             beta2: h[1],
             eps: h[2],
@@ -82,6 +97,9 @@ update_kernel!(
             reserved: 0,
         };
         let amsgrad = flags & adam_flags::AMSGRAD != 0;
+        // The per-element constants from the launch's (equal to the group's); the group's own
+        // step scalars computed before the walk's branches (see `pinned_f32`).
+        let u = pinned(step_scalars_f32(&h, step).with_constants_of(&constants).clipped_by(s.coef));
         if is_f64(&d) {
             let u = step_scalars_f64(&h, step).clipped_by(s.coef);
             if amsgrad {
@@ -90,7 +108,6 @@ update_kernel!(
                 chunk_f64::<2, _>(&d, c, u);
             }
         } else {
-            let u = step_scalars_f32(&h, step).clipped_by(s.coef);
             if amsgrad {
                 chunk_any_f32::<3, _>(&d, c, u, dtypes(&d));
             } else {
@@ -100,13 +117,49 @@ update_kernel!(
     }
 );
 
+/// `u` with its per-step values pinned where it is computed ([`pinned_f32`]).
+#[inline(always)]
+fn pinned(u: StepScalars<f32>) -> StepScalars<f32> {
+    StepScalars {
+        param_decay: pinned_f32(u.param_decay),
+        grad_factor: pinned_f32(u.grad_factor),
+        step_size: pinned_f32(u.step_size),
+        inv_bias_correction2_sqrt: pinned_f32(u.inv_bias_correction2_sqrt),
+        ..u
+    }
+}
+
+/// Adam's per-element constants in f32 opmath from the launch's constants `k`
+/// ([`crate::adam::launch_constants`]), pinned at the kernel's top ([`pinned_f32`]).
+#[inline(always)]
+fn adam_constants(k: [f64; 4]) -> StepScalars<f32> {
+    let h = AdamParams {
+        beta1: k[0],
+        beta2: k[1],
+        eps: k[2],
+        weight_decay: k[3],
+        ..AdamParams::default()
+    };
+    let u = step_scalars_f32(&h, 1.0);
+    StepScalars {
+        beta1: pinned_f32(u.beta1),
+        one_minus_beta1: pinned_f32(u.one_minus_beta1),
+        beta2: pinned_f32(u.beta2),
+        one_minus_beta2: pinned_f32(u.one_minus_beta2),
+        eps: pinned_f32(u.eps),
+        weight_decay: pinned_f32(u.weight_decay),
+        ..u
+    }
+}
+
 update_kernel!(
     /// SGD ([`crate::sgd`]): with momentum, state `momentum_buffer` (its first step, from the
     /// parameter's own count, takes the gradient); without, no state.
     gradclip_sgd,
-    |d, c, step, s, h, flags| {
+    launch |_k| _none = (),
+    |d, c, step, s, lr, h, flags| {
         let h = SgdParams {
-            lr: s.lr,
+            lr,
             momentum: h[0],
             dampening: h[1],
             weight_decay: h[2],
@@ -134,9 +187,10 @@ update_kernel!(
 update_kernel!(
     /// Lion ([`crate::lion`]): state `exp_avg` (no step count: the update has no bias correction).
     gradclip_lion,
-    |d, c, _step, s, h, flags| {
+    launch |_k| _none = (),
+    |d, c, _step, s, lr, h, flags| {
         let h = LionParams {
-            lr: s.lr,
+            lr,
             beta1: h[0],
             beta2: h[1],
             weight_decay: h[2],

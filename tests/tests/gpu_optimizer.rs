@@ -326,7 +326,9 @@ fn update_follows_moving_gradients(gpu: &Gpu) -> TestResult {
 /// in device memory), first all Adam, then Adam, SGD and Lion groups in one list: the GPU's
 /// multi-group step equals the CPU backend's bit for bit
 /// over three clipped steps, every group's count advanced on both, the norm the same; and the
-/// groups in two named clip groups, one clipped, one measured, each with its own norm.
+/// groups in two named clip groups, one clipped, one measured, each with its own norm. Groups
+/// that differ in learning rate, weight decay or step count share an update launch; groups
+/// with other betas take their own (nine in one step, beyond the tables the engine keeps).
 fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
     use cudarc::driver::DevicePtr;
     use gradclip::cpu::Cpu;
@@ -357,10 +359,22 @@ fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
         })
         .collect();
     let all_adam: Vec<Rule> = (0..9).map(|i| adams[i % adams.len()]).collect();
+    // Nine groups of nine update launches (Adam's betas are per-element constants of a
+    // launch): more launches in one step than the engine keeps tables for by default.
+    let nine_launches: Vec<Rule> = (0..9)
+        .map(|i| match adams[i % adams.len()] {
+            Rule::Adam(c) => Rule::Adam(AdamConfig {
+                betas: (0.8 + 0.01 * i as f64, 0.99),
+                ..c
+            }),
+            r => r,
+        })
+        .collect();
     // Named clip groups: the groups alternately in a clipped one and a measured one.
     let two: &[Option<f64>] = &[Some(0.05), None];
     for (what, rules, clip_groups) in [
         ("all Adam", &all_adam, &[][..]),
+        ("nine launches", &nine_launches, &[][..]),
         ("Adam, SGD and Lion", &mixed, &[][..]),
         ("two clip groups", &mixed, two),
     ] {

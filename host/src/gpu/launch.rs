@@ -7,7 +7,6 @@ use gradclip_kernels::abi::{BLOCK_SMEM_BYTES, BLOCK_THREADS, DType, NormParams, 
 use super::kernels::{Kernel, KernelSet};
 use crate::error::Result;
 use crate::norm::NormType;
-use crate::optim::KernelArgs;
 
 /// Device addresses of one plan's tables.
 #[derive(Clone, Copy, Debug)]
@@ -122,50 +121,63 @@ pub struct UpdateTables {
     pub tasks: u64,
     /// One u32, zero between launches (the last-block ticket).
     pub counter: u64,
+    /// The launch's [`gradclip_kernels::abi::UpdateGroup`]s.
+    pub groups: u64,
 }
 
-/// Launches an optimizer kernel (`kernel`: [`Kernel::Adam`], [`Kernel::Sgd`] or
-/// [`Kernel::Lion`], which take the same arguments): one block per task (one block when
-/// `num_tasks == 0`).
+/// What one update launch shares beyond its group table: the kernel, its clip's NormOutput (0:
+/// none), the flags and the per-element constants ([`crate::optim::KernelArgs::launch`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UpdateLaunch {
+    /// [`Kernel::Adam`], [`Kernel::Sgd`] or [`Kernel::Lion`] (they take the same arguments).
+    pub kernel: Kernel,
+    /// The NormOutput whose factor multiplies every gradient, or 0.
+    pub norm: u64,
+    /// The optimizer's flags and the update's ([`gradclip_kernels::abi::update_flags`]).
+    pub flags: u32,
+    /// The per-element constants of the launch's groups.
+    pub constants: [f64; 4],
+}
+
+impl UpdateLaunch {
+    /// Whether groups of `other` can share this launch: the same kernel, clip and flags, and
+    /// constants equal by bits (the kernel's per-element values are equal, not merely close).
+    pub fn same_as(&self, other: &Self) -> bool {
+        let bits = |k: &[f64; 4]| k.map(f64::to_bits);
+        (self.kernel, self.norm, self.flags, bits(&self.constants)) == (other.kernel, other.norm, other.flags, bits(&other.constants))
+    }
+}
+
+/// Launches an optimizer kernel: one block per task (one block when `num_tasks == 0`), every
+/// group of the tables at once.
 ///
 /// # Safety
-/// `t` holds a plan of `num_tasks` tasks over `num_tensors` parameters uploaded on `stream` (or
-/// ordered before it) whose parts (the states the kernel's optimizer keeps present) are live
-/// device memory of the stream's context of their lengths and dtypes, the written parts pairwise
-/// disjoint and disjoint from the gradients, until the launch completes; `t.counter` is zero;
-/// `count` (an [`gradclip_kernels::abi::UpdateCount`]) and `norm` (a NormOutput, or 0 for no
-/// clip) are device memory of the context written before on the stream.
-// The kernel's inputs, passed through one by one as its signature lists them.
-#[allow(clippy::too_many_arguments)]
+/// `t` holds a plan of `num_tasks` tasks over `num_tensors` parameters and `num_groups` group
+/// entries uploaded on `stream` (or ordered before it) whose parts (the states the kernel's
+/// optimizer keeps present) are live device memory of the stream's context of their lengths and
+/// dtypes, the written parts pairwise disjoint and disjoint from the gradients, until the launch
+/// completes; `t.counter` is zero; every group's count (an
+/// [`gradclip_kernels::abi::UpdateCount`], distinct for each group) and learning rate (when not
+/// 0), `l.norm` (a NormOutput, when not 0) and `found_inf` (when not 0) are device memory of the
+/// context written before on the stream.
 pub unsafe fn update(
     stream: &CudaStream,
     ks: &KernelSet,
-    kernel: Kernel,
+    l: &UpdateLaunch,
     t: &UpdateTables,
-    num_tasks: u64,
-    num_tensors: u64,
-    count: u64,
-    norm: u64,
-    h: &KernelArgs,
-    lr_in: u64,
+    (num_tasks, num_tensors, num_groups): (u64, u64, u64),
     found_inf: u64,
 ) -> Result<()> {
-    let mut b = stream.launch_builder(ks.get(kernel));
-    b.arg(&t.tensors).arg(&t.tasks).arg(&t.counter).arg(&count).arg(&norm);
-    b.arg(&h.lr)
-        .arg(&h.h[0])
-        .arg(&h.h[1])
-        .arg(&h.h[2])
-        .arg(&h.h[3])
-        .arg(&h.flags)
-        .arg(&num_tasks)
-        .arg(&lr_in)
-        .arg(&found_inf)
-        .arg(&num_tensors);
+    let mut b = stream.launch_builder(ks.get(l.kernel));
+    b.arg(&t.tensors).arg(&t.tasks).arg(&t.counter).arg(&t.groups).arg(&num_groups);
+    b.arg(&l.norm).arg(&l.flags);
+    let [k0, k1, k2, k3] = &l.constants;
+    b.arg(k0).arg(k1).arg(k2).arg(k3);
+    b.arg(&num_tasks).arg(&found_inf).arg(&num_tensors);
     let cfg = LaunchConfig {
         grid_dim: (num_tasks.max(1) as u32, 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),
-        // The last block's flag (its threads then advance the parameters' own step counts).
+        // The last block's flag (its threads then advance the step counts).
         shared_mem_bytes: BLOCK_SMEM_BYTES,
     };
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.

@@ -4,7 +4,7 @@
 //! norm kernel (its last block writes the norm, the clip coefficient and the non-finite flag to
 //! a [`DeviceNorm`]), then the rule's update kernel, which multiplies each gradient by that
 //! coefficient as it reads it and, with [`NonFinite::Skip`], leaves everything untouched on a
-//! non-finite norm (one launch per parameter group). Two launches for one group, no scale pass, no gradient write, no host synchronization
+//! non-finite norm: every parameter group in that one launch. Two launches, no scale pass, no gradient write, no host synchronization
 //! (except [`NonFinite::Error`], which reads the norm). The step count lives on the device
 //! ([`DeviceStepCount`]), so a step can be captured in a CUDA graph: under capture its tables go
 //! to memory the graph owns, as the norm's do.
@@ -12,14 +12,14 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
-use gradclip_kernels::abi::{UpdateCount, flags, update_flags};
+use gradclip_kernels::abi::{UpdateCount, UpdateGroup, flags, update_flags};
 
 use super::buffers::{DeviceGrad, DeviceGradMut};
 use super::capture::{self, Capture};
 use super::device_norm::DeviceNorm;
 use super::engine::GpuEngine;
 use super::kernels::Kernel;
-use super::launch;
+use super::launch::{self, UpdateLaunch};
 use super::output::Dest;
 use super::words::from_words;
 use crate::error::{Error, Result};
@@ -411,7 +411,7 @@ impl GpuEngine {
     }
 }
 
-/// The update kernel of a rule.
+/// The update kernel of a rule: every group of one kernel takes one launch.
 fn kernel_of(rule: &Rule) -> Kernel {
     match rule {
         Rule::Adam(_) => Kernel::Adam,
@@ -420,11 +420,48 @@ fn kernel_of(rule: &Rule) -> Kernel {
     }
 }
 
+/// A group's entry in an update launch's group table, and what its launch shares with the
+/// group's peers there; `factor`: its clip's NormOutput and whether a non-finite norm skips
+/// (None: no clip and no loss scale).
+fn group_entry(g: &GroupStep, factor: Option<(u64, bool)>) -> Result<(UpdateGroup, UpdateLaunch)> {
+    let KernelArgs { lr, h, flags, launch } = g.rule.args()?;
+    let (norm, skip) = factor.unwrap_or((0, false));
+    let entry = UpdateGroup {
+        lr,
+        h,
+        lr_in: g.lr_in,
+        count: g.count,
+    };
+    let shared = UpdateLaunch {
+        kernel: kernel_of(&g.rule),
+        norm,
+        flags: flags | if skip { update_flags::SKIP_NONFINITE } else { 0 },
+        constants: launch,
+    };
+    Ok((entry, shared))
+}
+
+/// The update launches of a step: the groups that can share one ([`UpdateLaunch::same_as`]),
+/// in the order of their first group, as `(launch, groups)`.
+fn launches(shared: &[UpdateLaunch]) -> Vec<(UpdateLaunch, Vec<usize>)> {
+    let mut out: Vec<(UpdateLaunch, Vec<usize>)> = Vec::new();
+    for (i, l) in shared.iter().enumerate() {
+        match out.iter_mut().find(|o| o.0.same_as(l)) {
+            Some(o) => o.1.push(i),
+            None => out.push((*l, vec![i])),
+        }
+    }
+    out
+}
+
 impl StepBackend for GpuEngine {
     /// The GPU's step over every group ([`StepBackend::step_list`]): with a clip, the norm kernel
     /// (or the norm given, made a NormOutput) of each clip (one over every group, or one per clip
-    /// group), the loss scale's one-thread launch when there is one, then each group's update
-    /// launch, reading its clip's factor. Every norm is taken before any update (so that
+    /// group), the loss scale's one-thread launch per clip when there is one, then one update
+    /// launch for all the groups of each kernel that share its per-element constants (every
+    /// group of one optimizer but Adam groups with other betas, eps or L2 weight decay: a group
+    /// that differs in its learning rate, decoupled weight decay, flags or clip group costs an
+    /// entry of the group table, not a launch), each group reading its clip's factor. Every norm is taken before any update (so that
     /// [`NonFinite::Error`], which reads them, refuses before anything is written). No host
     /// synchronization otherwise; capturable.
     unsafe fn step_list(&mut self, list: &StepList, groups: &[GroupStep], inputs: &StepAddresses<'_>) -> Result<Option<f64>> {
@@ -437,8 +474,32 @@ impl StepBackend for GpuEngine {
                 addr: norm,
             });
         }
-        let args: Vec<KernelArgs> = groups.iter().map(|g| g.rule.args()).collect::<Result<_>>()?;
         let (clips, clip_of) = clip_plans(groups, inputs);
+        // Each clip's factor as the update reads it (what `update_factor_raw` hands back): its
+        // NormOutput (the step's one, without a clip, when the gradients carry a loss scale) and
+        // whether a non-finite norm skips.
+        let factor_of = |k: usize| -> Option<(u64, bool)> {
+            match clips.get(k) {
+                Some(c) => Some((norm + 24 * k as u64, c.clip.nonfinite == NonFinite::Skip)),
+                None => (inputs.loss_scale != 0).then_some((norm, false)),
+            }
+        };
+        let (entries, shared): (Vec<UpdateGroup>, Vec<UpdateLaunch>) = groups
+            .iter()
+            .zip(&clip_of)
+            .map(|(g, &k)| group_entry(g, factor_of(k)))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
+        // The update tables, planned and uploaded before any norm (a plan that does not fit is
+        // refused before anything is written): one launch for every group that shares one.
+        let stream = self.stream().clone();
+        let launches = launches(&shared);
+        let mut planned = Vec::with_capacity(launches.len());
+        for (l, members) in &launches {
+            let table: Vec<UpdateGroup> = members.iter().map(|&i| entries[i]).collect();
+            planned.push((*l, self.updates.tables(&stream, list, members, &table, launches.len())?));
+        }
         let lists: Vec<Option<TensorList>> = clips.iter().map(|c| c.grads(list)).collect::<Result<_>>()?;
         for (k, (c, grads)) in clips.iter().zip(&lists).enumerate() {
             let out = norm + 24 * k as u64;
@@ -452,45 +513,19 @@ impl StepBackend for GpuEngine {
                 }
             }
         }
-        // Each clip's factor (one without a clip: the loss scale's alone, or none).
-        let factors: Vec<Option<(u64, bool)>> = if clips.is_empty() {
-            // SAFETY: the caller's contract covers `norm` and the loss scale.
-            vec![unsafe { self.update_factor_raw(norm, None, inputs.loss_scale) }?]
-        } else {
-            let mut f = Vec::with_capacity(clips.len());
-            for (k, c) in clips.iter().enumerate() {
-                // SAFETY: as above; the clip's NormOutput was written just above.
-                f.push(unsafe { self.update_factor_raw(norm + 24 * k as u64, Some(&c.clip), inputs.loss_scale) }?);
-            }
-            f
-        };
-        let stream = self.stream().clone();
-        for (i, (g, h)) in groups.iter().zip(args).enumerate() {
-            let (norm_at, skip) = factors[clip_of[i]].map_or((0, false), |(n, skip)| (n, skip));
-            let h = KernelArgs {
-                flags: h.flags | if skip { update_flags::SKIP_NONFINITE } else { 0 },
-                ..h
-            };
-            let (tables, num_tasks) = self.updates.tables(&stream, list, i)?;
-            // SAFETY: the tables were planned from the group's parts (checked for its rule:
-            // lengths, dtypes, states present, valid and disjoint memory) and uploaded on this
-            // stream; the caller vouches for the memory of the parts, the count, the NormOutput
-            // and the inputs.
-            unsafe {
-                launch::update(
-                    &stream,
-                    self.kernels(),
-                    kernel_of(&g.rule),
-                    &tables,
-                    num_tasks,
-                    list.group(i).0.len() as u64,
-                    g.count,
-                    norm_at,
-                    &h,
-                    g.lr_in,
-                    inputs.found_inf,
-                )
-            }?;
+        // The loss scale's factor for each clip (or for the step, without a clip).
+        for k in 0..clips.len().max(1) {
+            // SAFETY: the caller's contract covers `norm` and the loss scale; the clip's
+            // NormOutput was written just above.
+            let factor = unsafe { self.update_factor_raw(norm + 24 * k as u64, clips.get(k).map(|c| &c.clip), inputs.loss_scale) }?;
+            debug_assert_eq!(factor, factor_of(k), "the launches were planned with another factor");
+        }
+        for (l, (tables, counts)) in &planned {
+            // SAFETY: the tables were planned from the list's groups of this launch (checked for
+            // their rules: lengths, dtypes, states present, valid and disjoint memory) and
+            // uploaded on this stream; the groups' counts are distinct (checked); the caller
+            // vouches for the memory of the parts, the counts, the NormOutputs and the inputs.
+            unsafe { launch::update(&stream, self.kernels(), l, tables, *counts, inputs.found_inf) }?;
         }
         Ok(None)
     }

@@ -1,13 +1,14 @@
-//! The optimizer kernels' tables (descriptors and tasks) of the parameter groups stepped last,
-//! kept in the engine's own memory by the groups' parameters, for every rule alike: an update
-//! re-plans and uploads a group's only when its tensors change (its descriptors alone when only
-//! its gradients are new).
+//! The optimizer kernels' tables (descriptors, tasks and the group table) of the update
+//! launches of the steps taken last, kept in the engine's own memory by the launch's
+//! parameters, for every rule alike: a launch re-plans and uploads its tensor tables only when
+//! its tensors change (its descriptors alone when only its gradients are new), and its group
+//! table (learning rates: a schedule changes them every step) only when its values change.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use gradclip_kernels::abi::{ChunkTask, UpdateTensorDesc, update_chunk_elems};
+use gradclip_kernels::abi::{ChunkTask, UpdateGroup, UpdateTensorDesc, update_chunk_elems};
 
 use super::capture::{self, Capture};
 use super::launch::UpdateTables;
@@ -16,15 +17,15 @@ use crate::error::{Error, Result};
 use crate::optim::{Parts, StepList};
 use crate::plan::MAX_TASKS;
 
-/// The optimizer tables of the parameter groups stepped last, in the engine's own memory
-/// (counter word, tensor table, task table), found by the group's parameters: a step over
-/// hundreds of groups finds each group's in one lookup, and uploads nothing when its tensors
-/// came back (its descriptors alone when only its gradients are new).
+/// The optimizer tables of the launches of the steps taken last, in the engine's own memory
+/// (counter word, tensor table, task table, group table), found by the launch's parameters: a
+/// step finds each launch's in one lookup, and uploads nothing when its tensors and
+/// hyperparameters came back (its descriptors alone when only its gradients are new).
 #[derive(Debug, Default)]
 pub(crate) struct UpdateUpload {
     slots: Vec<Uploaded>,
     /// Each slot's place, by [`params_key`].
-    by_params: HashMap<(usize, u64), usize>,
+    by_params: HashMap<(usize, usize, u64), usize>,
     /// Advances with every lookup; a slot's `used` is its last.
     clock: u64,
 }
@@ -32,26 +33,40 @@ pub(crate) struct UpdateUpload {
 #[derive(Debug)]
 struct Uploaded {
     /// [`params_key`] of `parts`.
-    key: (usize, u64),
-    parts: Vec<Parts>,
+    key: (usize, usize, u64),
+    /// The launch's parameters, group after group, each with its group's place in the launch.
+    parts: Vec<(u32, Parts)>,
+    /// The group table as uploaded.
+    groups: Vec<UpdateGroup>,
     buf: CudaSlice<u64>,
     num_tasks: u64,
     used: u64,
 }
 
-/// Groups' tables kept at least (a step keeps every group's: up to twice its group count).
-const KEPT_LISTS: usize = 8;
+/// Launches' tables kept at least (a step keeps every launch's: up to twice its launch count).
+const KEPT_LAUNCHES: usize = 8;
 
-/// What finds a group's slot: its parameter count and its first parameter's address (a
-/// parameter belongs to one group, and a group keeps its parameters from step to step).
-fn params_key(parts: &[Parts]) -> (usize, u64) {
-    (parts.len(), parts.first().map_or(0, |p| p.param.addr))
+/// What finds a launch's slot: its group count, its parameter count and its first parameter's
+/// address (a parameter belongs to one group, and a group keeps its parameters from step to
+/// step).
+fn params_key(groups: usize, parts: &[(u32, Parts)]) -> (usize, usize, u64) {
+    (groups, parts.len(), parts.first().map_or(0, |p| p.1.param.addr))
+}
+
+/// A launch's parameters: those of `list`'s groups `members`, each with its group's place in the
+/// launch (its entry in the group table).
+fn launch_parts(list: &StepList, members: &[usize]) -> Vec<(u32, Parts)> {
+    let mut out = Vec::with_capacity(members.iter().map(|&g| list.group(g).0.len()).sum());
+    for (at, &g) in members.iter().enumerate() {
+        out.extend(list.group(g).0.iter().map(|p| (at as u32, *p)));
+    }
+    out
 }
 
 /// The kernel's tables for `parts` (checked by the caller).
-fn plan(parts: &[Parts]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
+fn plan(parts: &[(u32, Parts)]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
     let mut tasks = Vec::new();
-    for (i, p) in parts.iter().enumerate() {
+    for (i, (_, p)) in parts.iter().enumerate() {
         let n = p.param.len.div_ceil(update_chunk_elems(p.param.dtype.size()));
         if tasks.len() as u64 + n > MAX_TASKS {
             return Err(Error::TooManyTasks {
@@ -68,143 +83,180 @@ fn plan(parts: &[Parts]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
 }
 
 /// The tensor table of `parts`: every part's address, the length, the dtypes packed as the
-/// kernel unpacks them. The task table depends only on the parameters' lengths and dtypes: a
-/// parameter whose gradient is absent keeps its tasks, with a length of 0 (they do nothing)
-/// and no step count to advance.
-fn descriptors(parts: &[Parts]) -> Vec<UpdateTensorDesc> {
+/// kernel unpacks them, the group. The task table depends only on the parameters' lengths and
+/// dtypes: a parameter whose gradient is absent keeps its tasks, with a length of 0 (they do
+/// nothing) and no step count to advance.
+fn descriptors(parts: &[(u32, Parts)]) -> Vec<UpdateTensorDesc> {
     parts
         .iter()
-        .map(|p| UpdateTensorDesc {
+        .map(|&(group, p)| UpdateTensorDesc {
             param: p.param.addr,
             grad: p.grad.addr,
             states: p.states.map(|s| s.map_or(0, |s| s.addr)),
             len: p.grad.len, // the parameter's (checked), or 0 for an absent gradient
             dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | p.states[0].map_or(p.param.dtype, |s| s.dtype).code() << 8,
-            reserved: 0,
+            group,
             step: if p.grad_absent() { 0 } else { p.step.map_or(0, |s| s.addr) },
         })
         .collect()
 }
 
 /// True when `b` is `a` with other gradient addresses (the same tasks, new descriptors).
-fn same_but_grads(a: &[Parts], b: &[Parts]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| Parts { grad: b.grad, ..*a } == *b)
+fn same_but_grads(a: &[(u32, Parts)], b: &[(u32, Parts)]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.0 == b.0 && Parts { grad: b.1.grad, ..a.1 } == b.1)
 }
 
-/// `parts`' tables uploaded on `stream` into `reuse` when it is large enough (its counter word
-/// is zero: every launch leaves it so, and the copies never touch it), else into a new buffer;
-/// and their task count. Every copy is ordered after the launches that read `reuse`.
-fn upload(stream: &Arc<CudaStream>, parts: &[Parts], reuse: Option<CudaSlice<u64>>) -> Result<(CudaSlice<u64>, u64)> {
+/// Word offsets in a launch's buffer: `(tasks, groups, total)` (the counter is word 0, the
+/// tensor table starts at word 1).
+fn offsets(tensors: usize, tasks: usize, groups: usize) -> (usize, usize, usize) {
+    let dw = tensors * size_of::<UpdateTensorDesc>() / 8;
+    let tw = (tasks * size_of::<ChunkTask>()).div_ceil(8);
+    let gw = groups * size_of::<UpdateGroup>() / 8;
+    (1 + dw, 1 + dw + tw, 1 + dw + tw + gw)
+}
+
+/// The launch's tables uploaded on `stream` into `reuse` when it is large enough (its counter
+/// word is zero: every launch leaves it so, and the copies never touch it), else into a new
+/// buffer; and their task count. Every copy is ordered after the launches that read `reuse`.
+fn upload(
+    stream: &Arc<CudaStream>,
+    parts: &[(u32, Parts)],
+    groups: &[UpdateGroup],
+    reuse: Option<CudaSlice<u64>>,
+) -> Result<(CudaSlice<u64>, u64)> {
     let (descs, tasks) = plan(parts)?;
-    let (dw, tw) = (as_words(&descs), as_words(&tasks));
-    let words = 1 + dw.len() + tw.len();
+    let (tasks_at, groups_at, words) = offsets(descs.len(), tasks.len(), groups.len());
     let mut buf = match reuse.filter(|b| b.len() >= words) {
         Some(b) => b,
         None => stream.alloc_zeros::<u64>(words)?,
     };
-    let mut at = 1;
-    for words in [dw, tw] {
+    for (at, words) in [(1, as_words(&descs)), (tasks_at, as_words(&tasks)), (groups_at, as_words(groups))] {
         if !words.is_empty() {
             stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
         }
-        at += words.len();
     }
     Ok((buf, tasks.len() as u64))
 }
 
+/// A launch's tables as the kernel takes them: its buffer at `base`, and their counts
+/// `(tasks, tensors, groups)`.
+pub(crate) type LaunchTables = (UpdateTables, (u64, u64, u64));
+
+/// The tables' addresses in a buffer at `base` laid out by [`offsets`].
+fn tables_at(base: u64, tensors: usize, tasks: usize, groups: usize) -> UpdateTables {
+    let (tasks_at, groups_at, _) = offsets(tensors, tasks, groups);
+    UpdateTables {
+        counter: base,
+        tensors: base + 8,
+        tasks: base + 8 * tasks_at as u64,
+        groups: base + 8 * groups_at as u64,
+    }
+}
+
 impl UpdateUpload {
-    /// The optimizer tables of group `group` of `list` in device memory and their task count:
-    /// under CUDA-graph capture, fresh ones that the graph owns (as the norm's, [`capture`]);
-    /// otherwise the group's slot (found by its parameters), uploaded again when its tensors
-    /// changed. A new group takes a new slot, or the least recently used one's buffer once a
-    /// step's groups fill twice the slots (every copy is ordered after the launches that read
-    /// it on this stream).
-    pub(crate) fn tables(&mut self, stream: &Arc<CudaStream>, list: &StepList, group: usize) -> Result<(UpdateTables, u64)> {
-        let parts = list.group(group).0;
+    /// The tables of one update launch over `list`'s groups `members` (`groups`: their entries,
+    /// in that order) in device memory, and their counts: under CUDA-graph capture, fresh ones
+    /// that the graph owns (as the norm's, [`capture`]); otherwise the launch's slot (found by
+    /// its parameters), uploaded again in the parts that changed. A new launch takes a new
+    /// slot, or the least recently used one's buffer once the slots number twice the step's
+    /// `launches` (so no launch of one step takes another's: every slot used in this step is
+    /// newer than at least `launches` others; every copy is ordered after the launches that read
+    /// the buffer on this stream).
+    pub(crate) fn tables(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        list: &StepList,
+        members: &[usize],
+        groups: &[UpdateGroup],
+        launches: usize,
+    ) -> Result<LaunchTables> {
+        let parts = launch_parts(list, members);
         match capture::status(stream)? {
             Capture::Active(graph) => {
-                let (descs, tasks) = plan(parts)?;
-                let (dw, tw) = (as_words(&descs), as_words(&tasks));
-                let tasks_at = 8 + 8 * dw.len();
-                let base = capture::upload_words_owned_by(stream, graph, tasks_at + 8 * tw.len(), 8, &[(8, dw), (tasks_at, tw)])?;
-                let tables = UpdateTables {
-                    counter: base,
-                    tensors: base + 8,
-                    tasks: base + tasks_at as u64,
-                };
-                return Ok((tables, tasks.len() as u64));
+                let (descs, tasks) = plan(&parts)?;
+                let (tasks_at, groups_at, words) = offsets(descs.len(), tasks.len(), groups.len());
+                let regions = [
+                    (8, as_words(&descs)),
+                    (8 * tasks_at, as_words(&tasks)),
+                    (8 * groups_at, as_words(groups)),
+                ];
+                let base = capture::upload_words_owned_by(stream, graph, 8 * words, 8, &regions)?;
+                let counts = (tasks.len() as u64, descs.len() as u64, groups.len() as u64);
+                return Ok((tables_at(base, descs.len(), tasks.len(), groups.len()), counts));
             }
             Capture::None => capture::free_released(stream),
         }
         self.clock += 1;
-        let key = params_key(parts);
+        let key = params_key(members.len(), &parts);
         let at = match self.by_params.get(&key) {
             Some(&i) => {
                 let u = &mut self.slots[i];
                 if u.parts != parts {
-                    if same_but_grads(&u.parts, parts) {
+                    if same_but_grads(&u.parts, &parts) {
                         // New gradients of the same parameters (a training loop's every step):
                         // only the tensor table, ordered after the launches that read it.
-                        let descs = descriptors(parts);
+                        let descs = descriptors(&parts);
                         let dw = as_words(&descs);
                         stream.memcpy_htod(dw, &mut u.buf.slice_mut(1..1 + dw.len()))?;
                     } else {
                         let old = std::mem::replace(&mut u.buf, stream.alloc_zeros::<u64>(1)?);
-                        let (buf, num_tasks) = upload(stream, parts, Some(old))?;
-                        (u.buf, u.num_tasks) = (buf, num_tasks);
+                        let (buf, num_tasks) = upload(stream, &parts, groups, Some(old))?;
+                        (u.buf, u.num_tasks, u.groups) = (buf, num_tasks, groups.to_vec());
                     }
-                    u.parts = parts.to_vec();
+                    u.parts = parts;
+                }
+                if u.groups != groups {
+                    // New hyperparameters (a learning-rate schedule's every step): the group
+                    // table alone.
+                    let (_, groups_at, _) = offsets(u.parts.len(), u.num_tasks as usize, groups.len());
+                    let gw = as_words(groups);
+                    stream.memcpy_htod(gw, &mut u.buf.slice_mut(groups_at..groups_at + gw.len()))?;
+                    u.groups = groups.to_vec();
                 }
                 i
             }
             None => {
-                let keep = KEPT_LISTS.max(2 * list.groups());
+                let keep = KEPT_LAUNCHES.max(2 * launches);
                 // The least recently used slot's buffer, when full (reused if large enough).
                 let oldest = (self.slots.len() >= keep)
                     .then(|| (0..self.slots.len()).min_by_key(|&i| self.slots[i].used))
                     .flatten();
-                match oldest {
+                let reuse = match oldest {
                     Some(i) => {
-                        let u = &mut self.slots[i];
-                        self.by_params.remove(&u.key);
-                        let old = std::mem::replace(&mut u.buf, stream.alloc_zeros::<u64>(1)?);
-                        let (buf, num_tasks) = upload(stream, parts, Some(old))?;
-                        *u = Uploaded {
-                            key,
-                            parts: parts.to_vec(),
-                            buf,
-                            num_tasks,
-                            used: 0,
-                        };
-                        self.by_params.insert(key, i);
-                        i
+                        self.by_params.remove(&self.slots[i].key);
+                        Some((i, std::mem::replace(&mut self.slots[i].buf, stream.alloc_zeros::<u64>(1)?)))
                     }
-                    None => {
-                        let (buf, num_tasks) = upload(stream, parts, None)?;
-                        self.slots.push(Uploaded {
-                            key,
-                            parts: parts.to_vec(),
-                            buf,
-                            num_tasks,
-                            used: 0,
-                        });
-                        self.by_params.insert(key, self.slots.len() - 1);
-                        self.slots.len() - 1
-                    }
+                    None => None,
+                };
+                let (at, old) = match reuse {
+                    Some((i, old)) => (i, Some(old)),
+                    None => (self.slots.len(), None),
+                };
+                let (buf, num_tasks) = upload(stream, &parts, groups, old)?;
+                let slot = Uploaded {
+                    key,
+                    parts,
+                    groups: groups.to_vec(),
+                    buf,
+                    num_tasks,
+                    used: 0,
+                };
+                if at == self.slots.len() {
+                    self.slots.push(slot);
+                } else {
+                    self.slots[at] = slot;
                 }
+                self.by_params.insert(key, at);
+                at
             }
         };
         let u = &mut self.slots[at];
         u.used = self.clock;
         let (base, _g) = u.buf.device_ptr(stream);
-        let descs_bytes = (u.parts.len() * size_of::<UpdateTensorDesc>()) as u64;
+        let (tensors, tasks) = (u.parts.len(), u.num_tasks as usize);
         Ok((
-            UpdateTables {
-                counter: base,
-                tensors: base + 8,
-                tasks: base + 8 + descs_bytes,
-            },
-            u.num_tasks,
+            tables_at(base, tensors, tasks, groups.len()),
+            (u.num_tasks, tensors as u64, groups.len() as u64),
         ))
     }
 }
@@ -243,6 +295,7 @@ mod tests {
             parts(2, wide, DType::F64, DType::F64, false),
             parts(3, narrow, DType::F32, DType::F32, false),
         ];
+        let list: Vec<(u32, Parts)> = list.into_iter().map(|p| (0, p)).collect();
         let (descs, tasks) = plan(&list).unwrap();
         let f32_chunks = narrow.div_ceil(update_chunk_elems(4)) as u32;
         let want: Vec<(u32, u32)> = [(0, 0), (0, 1), (0, 2), (2, 0)]
@@ -254,8 +307,8 @@ mod tests {
             descs[0].dtypes,
             DType::Bf16.code() | DType::Bf16.code() << 4 | DType::F32.code() << 8
         );
-        assert_eq!((descs[0].states[2], descs[1].states[2]), (list[0].states[2].unwrap().addr, 0));
-        assert_eq!((descs[2].grad, descs[2].len), (list[2].grad.addr, wide));
+        assert_eq!((descs[0].states[2], descs[1].states[2]), (list[0].1.states[2].unwrap().addr, 0));
+        assert_eq!((descs[2].grad, descs[2].len), (list[2].1.grad.addr, wide));
     }
 
     #[test]

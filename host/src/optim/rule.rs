@@ -140,8 +140,9 @@ impl From<LionConfig> for Rule {
     }
 }
 
-/// The arguments every optimizer kernel takes after its tables (see `update_entry` in the kernel
-/// crate): the learning rate, four hyperparameters in the optimizer's order and its flags.
+/// A group's entry of an optimizer kernel's group table (see `update_entry` in the kernel crate):
+/// the learning rate, four hyperparameters in the optimizer's order and its flags, and the
+/// constants its launch shares.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KernelArgs {
     /// The learning rate.
@@ -151,6 +152,11 @@ pub struct KernelArgs {
     pub h: [f64; 4],
     /// The optimizer's flag bits.
     pub flags: u32,
+    /// The hyperparameters the kernel uses per element, which one launch takes as its arguments
+    /// (Adam: [`gradclip_kernels::adam::launch_constants`]; none for SGD and Lion, whose
+    /// kernels take every value from the group table without spilling): groups of one kernel
+    /// with equal constants share one launch.
+    pub launch: [f64; 4],
 }
 
 /// Adam's states without and with amsgrad, SGD's with momentum, Lion's.
@@ -231,6 +237,7 @@ impl Rule {
                     lr: h.lr,
                     h: [h.beta1, h.beta2, h.eps, h.weight_decay],
                     flags: h.flags,
+                    launch: gradclip_kernels::adam::launch_constants(&h),
                 }
             }
             Rule::Sgd(c) => {
@@ -239,6 +246,7 @@ impl Rule {
                     lr: h.lr,
                     h: [h.momentum, h.dampening, h.weight_decay, 0.0],
                     flags: h.flags,
+                    launch: [0.0; 4],
                 }
             }
             Rule::Lion(c) => {
@@ -247,6 +255,7 @@ impl Rule {
                     lr: h.lr,
                     h: [h.beta1, h.beta2, h.weight_decay, 0.0],
                     flags: h.flags,
+                    launch: [0.0; 4],
                 }
             }
         })
