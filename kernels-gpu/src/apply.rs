@@ -166,6 +166,8 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
         out[0][k] = u.update(widen_at::<P>(p, k), widen_at::<G>(g, k), &mut st);
         (out[1][k], out[2][k], out[3][k]) = (st[0], st[1], st[2]);
     }
+    // The store addresses computed again from the offset, not kept from the loads across the
+    // arithmetic (ptxas spilled those three 64-bit addresses in the bf16 Adam step's loop).
     let i = opaque_u64(i);
     // SAFETY: the contract.
     unsafe {

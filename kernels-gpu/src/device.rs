@@ -124,17 +124,6 @@ pub fn fence_gpu() {
     unsafe { asm!("fence.acq_rel.gpu;", options(nostack, preserves_flags)) }
 }
 
-/// `x`, computed where it stands: an asm move that LLVM may not sink into the branches below it.
-/// A value the kernel's arguments alone decide, computed at the kernel's top, stays in a uniform
-/// register (ptxas); sunk into the per-dtype paths it took a per-thread register in each.
-#[inline(always)]
-pub fn pinned_f32(x: f32) -> f32 {
-    let r: f32;
-    // SAFETY: a register move; no memory, no other effect.
-    unsafe { asm!("mov.b32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(nomem, nostack, preserves_flags)) };
-    r
-}
-
 /// `x`, as a value LLVM cannot see through: an address computed from it again is not the one
 /// computed before from `x` (a walk's store addresses are recomputed from the base and the
 /// offset, not kept from its loads across the group's arithmetic: 64-bit registers the bf16

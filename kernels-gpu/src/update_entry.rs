@@ -27,7 +27,6 @@
 use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, SgdParams, UpdateGroup, UpdateTensorDesc, adam_flags};
 use crate::adam::{StepScalars, gradient_factor, step_scalars_f32, step_scalars_f64};
 use crate::apply::{chunk_any_f32, chunk_f64, dtypes, finish, group_lr, is_f64, launch_step, step_of, task};
-use crate::device::pinned_f32;
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 
@@ -99,7 +98,7 @@ update_kernel!(
         let amsgrad = flags & adam_flags::AMSGRAD != 0;
         // The per-element constants from the launch's (equal to the group's); the group's own
         // step scalars computed before the walk's branches (see `pinned_f32`).
-        let u = pinned(step_scalars_f32(&h, step).with_constants_of(&constants).clipped_by(s.coef));
+        let u = step_scalars_f32(&h, step).with_constants_of(&constants).clipped_by(s.coef);
         if is_f64(&d) {
             let u = step_scalars_f64(&h, step).clipped_by(s.coef);
             if amsgrad {
@@ -117,20 +116,8 @@ update_kernel!(
     }
 );
 
-/// `u` with its per-step values pinned where it is computed ([`pinned_f32`]).
-#[inline(always)]
-fn pinned(u: StepScalars<f32>) -> StepScalars<f32> {
-    StepScalars {
-        param_decay: pinned_f32(u.param_decay),
-        grad_factor: pinned_f32(u.grad_factor),
-        step_size: pinned_f32(u.step_size),
-        inv_bias_correction2_sqrt: pinned_f32(u.inv_bias_correction2_sqrt),
-        ..u
-    }
-}
-
 /// Adam's per-element constants in f32 opmath from the launch's constants `k`
-/// ([`crate::adam::launch_constants`]), pinned at the kernel's top ([`pinned_f32`]).
+/// ([`crate::adam::launch_constants`]).
 #[inline(always)]
 fn adam_constants(k: [f64; 4]) -> StepScalars<f32> {
     let h = AdamParams {
@@ -140,16 +127,7 @@ fn adam_constants(k: [f64; 4]) -> StepScalars<f32> {
         weight_decay: k[3],
         ..AdamParams::default()
     };
-    let u = step_scalars_f32(&h, 1.0);
-    StepScalars {
-        beta1: pinned_f32(u.beta1),
-        one_minus_beta1: pinned_f32(u.one_minus_beta1),
-        beta2: pinned_f32(u.beta2),
-        one_minus_beta2: pinned_f32(u.one_minus_beta2),
-        eps: pinned_f32(u.eps),
-        weight_decay: pinned_f32(u.weight_decay),
-        ..u
-    }
+    step_scalars_f32(&h, 1.0)
 }
 
 update_kernel!(
