@@ -128,22 +128,37 @@ def test_groups_added_between_steps_keep_the_counts(device):
     assert [float(opt.state[ours[k]]["step"]) for k in (4, 5, 0)] == [3.0, 1.0, 5.0]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
-def test_launches_of_a_step_over_many_groups():
-    """On CUDA a clipped step over 240 groups launches the norm kernel once and the update kernel
-    once per group: nothing per tensor, no host-side norm."""
-    ours, _ = _model("cuda", torch.bfloat16, 4)
-    opt = optim.AdamW(_groups(ours, "adamw"), max_grad_norm=1.0)
-    _set_grads(0, ours, ours, 4)
+def _cuda_kernels(opt):
+    """The gradclip kernels one step of ``opt`` launches (after a first step made the layout)."""
     opt.step()  # the layout and states
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         opt.step()
         torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "gradclip" in e.name]
-    norms = [k for k in kernels if k.startswith("gradclip_norm")]
-    assert len(norms) == 1 and kernels.count("gradclip_adam") == len(opt.param_groups) == 240, kernels
-    assert len(kernels) == 1 + 240, kernels
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "gradclip" in e.name]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_launches_of_a_step_over_many_groups():
+    """On CUDA a clipped step over 240 groups launches the norm kernel once and the update kernel
+    once for all the groups that differ only in learning rate and weight decay (decoupled); groups
+    with other betas, eps or amsgrad (what the kernel uses per element) take a launch of their
+    own: nothing per group, nothing per tensor, no host-side norm."""
+    ours, _ = _model("cuda", torch.bfloat16, 4)
+    for kind in ("lr and weight decay", "other betas, eps, amsgrad"):
+        groups = _groups(ours, "adamw")
+        if kind == "lr and weight decay":
+            for g in groups:
+                g.update(betas=(0.9, 0.999), eps=1e-8, amsgrad=False)
+        sets = {(g["betas"], g["eps"], g["amsgrad"]) for g in groups}
+        opt = optim.AdamW(groups, max_grad_norm=1.0)
+        _set_grads(0, ours, ours, 4)
+        kernels = _cuda_kernels(opt)
+        norms = [k for k in kernels if k.startswith("gradclip_norm")]
+        launches = 1 if kind == "lr and weight decay" else len(sets)
+        assert len(opt.param_groups) == 240 and (kind == "lr and weight decay") == (launches == 1) and launches < 240
+        assert len(norms) == 1 and kernels.count("gradclip_adam") == launches, (kind, kernels)
+        assert len(kernels) == 1 + launches, (kind, kernels)
 
 
 def _clip_grouped(params, max_trunk=1.0):
@@ -226,3 +241,39 @@ def test_clip_groups_refused_before_anything_is_written():
             opt.step()
         assert all(torch.equal(a, p.detach()) for a, p in zip(before, ours)), bad
         assert not opt.state, bad  # no state made either
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_a_captured_step_over_many_groups_follows_device_learning_rates():
+    """A step over 240 groups captured in a CUDA graph (one update launch: every group's learning
+    rate a float64 tensor on the device, read by the kernel when the graph replays): a schedule
+    that writes new rates into those tensors between replays steps as an eager twin given the
+    same rates, bit for bit."""
+    ours, twin = _model("cuda", torch.bfloat16, 6)
+
+    def groups(params):
+        gs = _groups(params, "adamw")
+        for g in gs:
+            g.update(lr=torch.tensor(g["lr"], dtype=torch.float64, device="cuda"), betas=(0.9, 0.999), eps=1e-8, amsgrad=False)
+        return gs
+
+    opt, ref = optim.AdamW(groups(ours), max_grad_norm=1.0), optim.AdamW(groups(twin), max_grad_norm=1.0)
+    _set_grads(0, ours, twin, 6)
+    opt.step()
+    ref.step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(s)
+    for step in range(1, 5):
+        for o in (opt, ref):
+            for k, g in enumerate(o.param_groups):
+                g["lr"].fill_(1e-2 * 0.9**step * (1 + k % 3))
+        graph.replay()
+        ref.step()
+        torch.cuda.synchronize()
+        for k, (a, b) in enumerate(zip(ours, twin)):
+            assert torch.equal(a, b), f"replay {step}: parameter {k} differs from the eager step"
+    assert float(opt.state[ours[0]]["step"]) == float(ref.state[twin[0]]["step"]) == 5.0

@@ -101,8 +101,9 @@ class _EngineStep:
 
     def _gradclip_step(self) -> bool:
         """The step with gradclip's engine: with a clip, the norm over every group's gradients,
-        then one update per group that multiplies each gradient by the coefficient as it reads it
-        (no scale pass, no gradient write); on CUDA the norm kernel and one Adam launch per group,
+        then the update that multiplies each gradient by the coefficient as it reads it (no scale
+        pass, no gradient write); on CUDA the norm kernel and one Adam launch for every group
+        (groups with other betas, eps or amsgrad take one each: the kernel's per-element constants),
         on the CPU the CPU backend (the same arithmetic). The gradients are read in native code
         in one call per step, whether they are the tensors of the last step or new ones
         (``zero_grad(set_to_none=True)``); a parameter whose gradient is None is left as torch

@@ -4,7 +4,8 @@ and one of two updates.
 
 ``update="gradclip"`` (the default): gradclip's engine. The gradients' global norm (one launch on
 CUDA, f64, no host synchronization, global over DTensor and ``Shards`` gradients), then one update
-kernel per parameter group that multiplies each gradient by the clip coefficient as it reads it:
+launch for every parameter group (their learning rates and weight decays in a device table) that
+multiplies each gradient by the clip coefficient as it reads it:
 no scale pass and no gradient write, so ``.grad`` keeps the unclipped gradients. torch's update
 formulas in f32 (f64 for f64 parameters) with the step's constants rounded once: close to torch's
 step, not its bits. A step is read in native code in one call (every parameter's ``.grad``, new
