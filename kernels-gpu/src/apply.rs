@@ -3,7 +3,7 @@
 //! loads its elements of the parameter, the gradient and the optimizer's `N` states (16-byte
 //! vectors when every part is aligned, software-pipelined when they are all 16-bit), widens them
 //! to opmath, applies the optimizer's [`ElementUpdate`] (the arithmetic the CPU backend runs) and
-//! rounds back. [`begin`], [`task`] and [`finish`] are the step around it: the device inputs
+//! rounds back. [`launch_step`], [`task`] and [`finish`] are the step around it: the device inputs
 //! read, the skip decided, the block's task, and the last block advancing the step counts (so a
 //! step is capturable).
 
