@@ -8,21 +8,27 @@ use crate::abi::Partial;
 use crate::dtype::{Element, f64_key};
 use crate::math;
 
-/// A norm's running state. `p` is the norm order, needed by the general p-norm only.
-pub trait Accumulator: Copy {
-    /// The empty sum: merging it with any state gives that state back, bit for bit.
+/// A state that lanes, warps and blocks combine in a fixed tree ([`crate::model`] on the host,
+/// the device's block reduction): every norm's accumulator, and the optimizer step's tally.
+pub trait Reduce: Copy {
+    /// The empty state: merging it with any state gives that state back, bit for bit. `p` is
+    /// the norm order, needed by the general p-norm only.
     fn identity(p: f64) -> Self;
+    /// Combines two states.
+    fn merge(self, other: Self) -> Self;
+    /// Packs the state for storage between kernels.
+    fn encode(self) -> Partial;
+    /// Unpacks a state stored by [`Reduce::encode`].
+    fn decode(partial: &Partial, p: f64) -> Self;
+}
+
+/// A norm's running state. `p` is the norm order, needed by the general p-norm only.
+pub trait Accumulator: Reduce {
     /// Adds one element.
     fn push<E: Element>(&mut self, bits: E::Bits);
     /// Called once after a lane's last element (lets a lane keep a cheaper native-width state).
     #[inline(always)]
     fn seal<E: Element>(&mut self) {}
-    /// Combines two states.
-    fn merge(self, other: Self) -> Self;
-    /// Packs the state for storage between kernels.
-    fn encode(self) -> Partial;
-    /// Unpacks a state stored by [`Accumulator::encode`].
-    fn decode(partial: &Partial, p: f64) -> Self;
     /// The norm of everything pushed and merged.
     fn norm(self) -> f64;
 }
@@ -60,14 +66,10 @@ impl L1 {
     }
 }
 
-impl Accumulator for L1 {
+impl Reduce for L1 {
     #[inline(always)]
     fn identity(_: f64) -> Self {
         L1 { sum: 0.0 }
-    }
-    #[inline(always)]
-    fn push<E: Element>(&mut self, bits: E::Bits) {
-        self.sum += E::widen(bits).abs();
     }
     #[inline(always)]
     fn merge(self, o: Self) -> Self {
@@ -84,6 +86,13 @@ impl Accumulator for L1 {
         L1 {
             sum: f64::from_bits(p.words[0]),
         }
+    }
+}
+
+impl Accumulator for L1 {
+    #[inline(always)]
+    fn push<E: Element>(&mut self, bits: E::Bits) {
+        self.sum += E::widen(bits).abs();
     }
     #[inline(always)]
     fn norm(self) -> f64 {
@@ -126,32 +135,13 @@ impl L2 {
     }
 }
 
-impl Accumulator for L2 {
+impl Reduce for L2 {
     #[inline(always)]
     fn identity(_: f64) -> Self {
         L2 {
             big: 0.0,
             med: 0.0,
             small: 0.0,
-        }
-    }
-    #[inline(always)]
-    fn push<E: Element>(&mut self, bits: E::Bits) {
-        let x = E::widen(bits);
-        if !E::WIDE {
-            self.med = add_exact_square(self.med, x);
-            return;
-        }
-        let a = x.abs();
-        if a > TBIG {
-            let s = a * SBIG;
-            self.big += s * s;
-        } else if a < TSML {
-            let s = a * SSML;
-            self.small += s * s;
-        } else {
-            // NaN lands here too and poisons the sum, as it must.
-            self.med += a * a;
         }
     }
     #[inline(always)]
@@ -176,6 +166,29 @@ impl Accumulator for L2 {
             small: f64::from_bits(p.words[2]),
         }
     }
+}
+
+impl Accumulator for L2 {
+    #[inline(always)]
+    fn push<E: Element>(&mut self, bits: E::Bits) {
+        let x = E::widen(bits);
+        if !E::WIDE {
+            self.med = add_exact_square(self.med, x);
+            return;
+        }
+        let a = x.abs();
+        if a > TBIG {
+            let s = a * SBIG;
+            self.big += s * s;
+        } else if a < TSML {
+            let s = a * SSML;
+            self.small += s * s;
+        } else {
+            // NaN lands here too and poisons the sum, as it must.
+            self.med += a * a;
+        }
+    }
+    #[inline(always)]
     fn norm(self) -> f64 {
         let L2 { mut big, med, small } = self;
         let med_present = med > 0.0 || med.is_nan();
@@ -209,25 +222,10 @@ pub struct Inf {
     key: u64,
 }
 
-impl Accumulator for Inf {
+impl Reduce for Inf {
     #[inline(always)]
     fn identity(_: f64) -> Self {
         Inf { native: 0, key: 0 }
-    }
-    #[inline(always)]
-    fn push<E: Element>(&mut self, bits: E::Bits) {
-        let a = E::abs_bits(bits);
-        if a > self.native {
-            self.native = a;
-        }
-    }
-    #[inline(always)]
-    fn seal<E: Element>(&mut self) {
-        let k = f64_key(E::abs_bits_to_f64(self.native));
-        if k > self.key {
-            self.key = k;
-        }
-        self.native = 0;
     }
     #[inline(always)]
     fn merge(self, o: Self) -> Self {
@@ -248,6 +246,24 @@ impl Accumulator for Inf {
             native: 0,
             key: p.words[0],
         }
+    }
+}
+
+impl Accumulator for Inf {
+    #[inline(always)]
+    fn push<E: Element>(&mut self, bits: E::Bits) {
+        let a = E::abs_bits(bits);
+        if a > self.native {
+            self.native = a;
+        }
+    }
+    #[inline(always)]
+    fn seal<E: Element>(&mut self) {
+        let k = f64_key(E::abs_bits_to_f64(self.native));
+        if k > self.key {
+            self.key = k;
+        }
+        self.native = 0;
     }
     #[inline(always)]
     fn norm(self) -> f64 {
@@ -294,7 +310,7 @@ impl PNorm {
     }
 }
 
-impl Accumulator for PNorm {
+impl Reduce for PNorm {
     #[inline(always)]
     fn identity(p: f64) -> Self {
         PNorm {
@@ -302,21 +318,6 @@ impl Accumulator for PNorm {
             e: 0.0,
             flags: 0,
             p,
-        }
-    }
-    #[inline(always)]
-    fn push<E: Element>(&mut self, bits: E::Bits) {
-        let a = E::widen(bits).abs();
-        if a == 0.0 {
-            return;
-        }
-        if a.is_nan() {
-            self.flags |= SAW_NAN;
-        } else if a == f64::INFINITY {
-            self.flags |= SAW_INF;
-        } else {
-            let y = self.p * math::log2(a);
-            self.add_log_term(y);
         }
     }
     #[inline(always)]
@@ -347,6 +348,25 @@ impl Accumulator for PNorm {
             p: norm_p,
         }
     }
+}
+
+impl Accumulator for PNorm {
+    #[inline(always)]
+    fn push<E: Element>(&mut self, bits: E::Bits) {
+        let a = E::widen(bits).abs();
+        if a == 0.0 {
+            return;
+        }
+        if a.is_nan() {
+            self.flags |= SAW_NAN;
+        } else if a == f64::INFINITY {
+            self.flags |= SAW_INF;
+        } else {
+            let y = self.p * math::log2(a);
+            self.add_log_term(y);
+        }
+    }
+    #[inline(always)]
     fn norm(self) -> f64 {
         if self.flags & SAW_NAN != 0 {
             f64::NAN

@@ -10,11 +10,15 @@
 use core::arch::asm;
 
 use crate::abi::{
-    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, UpdateCount, UpdateGroup, UpdateTensorDesc, WARP_THREADS, dtype_code,
+    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, Partial, UpdateCount, UpdateGroup, UpdateTensorDesc, WARP_THREADS, dtype_code,
     update_chunk_elems,
 };
-use crate::device::{atomic_add_u32, block_idx, fence_gpu, ld_nc_v4, ld_v4, opaque_u64, smem_flag, st_v4, sync_threads, thread_idx};
+use crate::device::{
+    atomic_add_u32, block_idx, block_reduce, fence_gpu, ld_cg_partial, ld_nc_v4, ld_v4, opaque_u64, smem_flag, st_v4, sync_threads, thread_idx,
+};
 use crate::dtype::{Element, F64};
+use crate::accum::Reduce;
+use crate::tally::{RECORD_WORDS, StepTally, Tally};
 use crate::update::ElementUpdate;
 
 /// Warps of a block (the shared-memory layout of [`smem_flag`]).
@@ -145,16 +149,23 @@ unsafe fn load_parts<P: Element, G: Element, S: Element, const N: usize>(d: &Upd
     }
 }
 
-/// Updates the group at element `i` from its raw values and stores it.
+/// `x` as the parameter keeps it: rounded to `P` and widened back (the tally's "after").
+#[inline(always)]
+fn stored<P: Element>(x: f32) -> f32 {
+    if P::SIZE == 4 { x } else { P::to_f32(P::from_f32(x)) }
+}
+
+/// Updates the group at element `i` from its raw values and stores it (and tallies it in `t`).
 ///
 /// # Safety
 /// As [`load_parts`], the group written by no other thread.
 #[inline(always)]
-unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32>>(
+unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32>, T: Tally>(
     d: &UpdateTensorDesc,
     i: u64,
     u: &U,
     raw: &[Raw; PARTS],
+    t: &mut T,
 ) {
     let [p, g, s0, s1, s2] = raw;
     let mut out = [[0.0f32; GROUP as usize]; 1 + MAX_STATES];
@@ -163,8 +174,12 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
     for k in 0..GROUP as usize {
         let w = |r: &Raw, n: usize| if N > n { widen_at::<S>(r, k) } else { 0.0 };
         let mut st = [w(s0, 0), w(s1, 1), w(s2, 2)];
-        out[0][k] = u.update(widen_at::<P>(p, k), widen_at::<G>(g, k), &mut st);
+        let (before, grad) = (widen_at::<P>(p, k), widen_at::<G>(g, k));
+        out[0][k] = u.update(before, grad, &mut st);
         (out[1][k], out[2][k], out[3][k]) = (st[0], st[1], st[2]);
+        if T::ON {
+            t.push_f32(before, stored::<P>(out[0][k]), grad);
+        }
     }
     // The store addresses computed again from the offset, not kept from the loads across the
     // arithmetic (ptxas spilled those three 64-bit addresses in the bf16 Adam step's loop).
@@ -193,10 +208,11 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
 /// disjoint from everything else of the launch, the gradient not written during it) and `chunk`
 /// is one of its tasks.
 #[inline(always)]
-unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32> + Copy>(
+unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32> + Copy, T: Tally>(
     d: &UpdateTensorDesc,
     chunk: u64,
     u: U,
+    t: &mut T,
 ) {
     // The count of states a compile-time constant for the update too (Adam's amsgrad test folds).
     let u = &u.for_states(N);
@@ -228,21 +244,21 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
         // every part of the chunk, whose bases are 16-byte aligned (a chunk starts at a multiple
         // of GROUP), and starts at a multiple of GROUP; it belongs to this thread alone.
         unsafe {
-            if P::SIZE == 2 && G::SIZE == 2 && S::SIZE == 2 && PIPELINE_16BIT && N <= 2 {
+            if P::SIZE == 2 && G::SIZE == 2 && S::SIZE == 2 && PIPELINE_16BIT && N <= 2 && !T::ON {
                 if i + group <= len {
                     let mut this = load_parts::<P, G, S, N>(&c, i as u64);
                     while i + stride + group <= len {
                         let next = load_parts::<P, G, S, N>(&c, (i + stride) as u64);
-                        update_parts::<P, G, S, N, U>(&c, i as u64, u, &this);
+                        update_parts::<P, G, S, N, U, T>(&c, i as u64, u, &this, t);
                         this = next;
                         i += stride;
                     }
-                    update_parts::<P, G, S, N, U>(&c, i as u64, u, &this);
+                    update_parts::<P, G, S, N, U, T>(&c, i as u64, u, &this, t);
                     i += stride;
                 }
             } else {
                 while i + group <= len {
-                    update_parts::<P, G, S, N, U>(&c, i as u64, u, &load_parts::<P, G, S, N>(&c, i as u64));
+                    update_parts::<P, G, S, N, U, T>(&c, i as u64, u, &load_parts::<P, G, S, N>(&c, i as u64), t);
                     i += stride;
                 }
             }
@@ -251,7 +267,7 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
         if i < len {
             for j in i..len {
                 // SAFETY: start + j < d.len; element j of the chunk belongs to this thread alone.
-                unsafe { element_f32::<P, G, S, N, U>(&c, j as u64, u) };
+                unsafe { element_f32::<P, G, S, N, U, T>(&c, j as u64, u, t) };
             }
         }
     } else {
@@ -270,7 +286,7 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
                 let i = first + k as u64 * BLOCK_THREADS as u64;
                 if i < end {
                     // SAFETY: as the loads; element i belongs to this thread alone.
-                    unsafe { update_f32_at::<P, S, N, U>(d, i, u, v) };
+                    unsafe { update_f32_at::<P, S, N, U, T>(d, i, u, v, t) };
                 }
             }
             first += (UNROLL * BLOCK_THREADS as usize) as u64;
@@ -310,14 +326,18 @@ unsafe fn load_f32<P: Element, G: Element, S: Element, const N: usize>(d: &Updat
 /// # Safety
 /// `i < d.len`; element `i` of the written parts belongs to this thread alone.
 #[inline(always)]
-unsafe fn update_f32_at<P: Element, S: Element, const N: usize, U: ElementUpdate<f32>>(
+unsafe fn update_f32_at<P: Element, S: Element, const N: usize, U: ElementUpdate<f32>, T: Tally>(
     d: &UpdateTensorDesc,
     i: u64,
     u: &U,
     v: &[f32; PARTS],
+    t: &mut T,
 ) {
     let mut st = [v[2], v[3], v[4]];
     let p = u.update(v[0], v[1], &mut st);
+    if T::ON {
+        t.push_f32(v[0], stored::<P>(p), v[1]);
+    }
     // SAFETY: the contract.
     unsafe {
         store::<P>(d.param, i, P::from_f32(p));
@@ -338,9 +358,14 @@ unsafe fn update_f32_at<P: Element, S: Element, const N: usize, U: ElementUpdate
 /// # Safety
 /// As [`update_f32_at`].
 #[inline(always)]
-unsafe fn element_f32<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32>>(d: &UpdateTensorDesc, i: u64, u: &U) {
+unsafe fn element_f32<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32>, T: Tally>(
+    d: &UpdateTensorDesc,
+    i: u64,
+    u: &U,
+    t: &mut T,
+) {
     // SAFETY: the contract.
-    unsafe { update_f32_at::<P, S, N, U>(d, i, u, &load_f32::<P, G, S, N>(d, i)) }
+    unsafe { update_f32_at::<P, S, N, U, T>(d, i, u, &load_f32::<P, G, S, N>(d, i), t) }
 }
 
 /// One task of an f64 parameter (every part f64).
@@ -348,7 +373,7 @@ unsafe fn element_f32<P: Element, G: Element, S: Element, const N: usize, U: Ele
 /// # Safety
 /// As [`chunk_f32`].
 #[inline(always)]
-pub(crate) unsafe fn chunk_f64<const N: usize, U: ElementUpdate<f64> + Copy>(d: &UpdateTensorDesc, chunk: u64, u: U) {
+pub(crate) unsafe fn chunk_f64<const N: usize, U: ElementUpdate<f64> + Copy, T: Tally>(d: &UpdateTensorDesc, chunk: u64, u: U, t: &mut T) {
     let u = u.for_states(N);
     let start = chunk * update_chunk_elems(8);
     let end = d.len.min(start + update_chunk_elems(8));
@@ -359,7 +384,11 @@ pub(crate) unsafe fn chunk_f64<const N: usize, U: ElementUpdate<f64> + Copy>(d: 
         unsafe {
             let state = |n: usize| if N > n { F64::widen(load::<F64>(d.states[n], i)) } else { 0.0 };
             let mut st = [state(0), state(1), state(2)];
-            let p = u.update(F64::widen(load::<F64>(d.param, i)), F64::widen(load::<F64>(d.grad, i)), &mut st);
+            let (before, grad) = (F64::widen(load::<F64>(d.param, i)), F64::widen(load::<F64>(d.grad, i)));
+            let p = u.update(before, grad, &mut st);
+            if T::ON {
+                t.push_f64(before, p, grad);
+            }
             store::<F64>(d.param, i, F64::from_f64(p));
             if N > 0 {
                 store::<F64>(d.states[0], i, F64::from_f64(st[0]));
@@ -381,14 +410,15 @@ pub(crate) unsafe fn chunk_f64<const N: usize, U: ElementUpdate<f64> + Copy>(d: 
 /// # Safety
 /// As [`chunk_f32`], with `dtypes` the parts' own.
 #[inline(always)]
-pub(crate) unsafe fn chunk_any_f32<const N: usize, U: ElementUpdate<f32> + Copy>(
+pub(crate) unsafe fn chunk_any_f32<const N: usize, U: ElementUpdate<f32> + Copy, T: Tally>(
     d: &UpdateTensorDesc,
     chunk: u64,
     u: U,
     dtypes: (u32, u32, u32),
+    t: &mut T,
 ) {
     // SAFETY: (every arm) the caller's contract; the dtypes named are the parts' own.
-    unsafe { crate::with_update_dtypes!(dtypes, (P, G, St) => chunk_f32::<P, G, St, N, U>(d, chunk, u), _ => {}) }
+    unsafe { crate::with_update_dtypes!(dtypes, (P, G, St) => chunk_f32::<P, G, St, N, U, T>(d, chunk, u, t), _ => {}) }
 }
 
 /// Whether `d`'s parameter is f64 (its task takes [`chunk_f64`], else [`chunk_any_f32`]).
@@ -485,6 +515,20 @@ pub(crate) unsafe fn task(
     }
 }
 
+/// This block's task, taken or not: its tensor's place in the table and its chunk.
+///
+/// # Safety
+/// One block per task of the plan of `tasks` over `tensors`, `num_tasks > 0` (the launch's
+/// contract).
+#[inline(always)]
+pub(crate) unsafe fn task_at(tensors: *const UpdateTensorDesc, tasks: *const ChunkTask) -> (*const UpdateTensorDesc, u64) {
+    // SAFETY: the contract.
+    unsafe {
+        let t = tasks.add(block_idx() as usize).read();
+        (tensors.add(t.tensor as usize), t.chunk as u64)
+    }
+}
+
 /// The step number a tensor's update takes: its own count, or its group's, plus one.
 ///
 /// # Safety
@@ -513,14 +557,18 @@ pub(crate) unsafe fn step_of(g: *const UpdateGroup, d: &UpdateTensorDesc) -> f64
 /// (each tensor's group one of them), every block of the launch calling this once after its
 /// task.
 #[inline(always)]
+// The launch's tables and counts, passed through as the entry points take them.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn finish(
     s: &Step,
     tensors: *const UpdateTensorDesc,
+    tasks: *const ChunkTask,
     counter: *mut u32,
     groups: *const UpdateGroup,
     num_groups: u64,
     num_tasks: u64,
     num_tensors: u64,
+    tally: Option<&TallyOut>,
 ) {
     // Every thread of the block has read its group's count and its tensor's step, and finished
     // its elements, before thread 0 takes the block's ticket.
@@ -550,6 +598,11 @@ pub(crate) unsafe fn finish(
         return;
     }
     fence_gpu();
+    if let Some(out) = tally {
+        // SAFETY: the last block: every block wrote its task's record before its ticket (the
+        // fence above and theirs order them); the caller's contract covers the rest.
+        unsafe { write_records(s, out, tensors, tasks, num_tasks, num_tensors) };
+    }
     let mut i = thread_idx() as u64;
     while i < num_groups {
         // SAFETY: the table holds `num_groups` entries with distinct counts (each written by one
@@ -576,6 +629,121 @@ pub(crate) unsafe fn finish(
             if !at.is_null() {
                 at.write(at.read() + 1.0);
             }
+        }
+        i += BLOCK_THREADS as u64;
+    }
+}
+
+/// Where a step with telemetry writes ([`crate::tally`]): one [`Partial`] per task (the block's
+/// tally), and each tensor's record of [`RECORD_WORDS`] f64 at row `rows[i]` of `records`.
+#[derive(Clone, Copy)]
+pub(crate) struct TallyOut {
+    /// `num_tasks` partials, written by the blocks and read by the last one.
+    pub scratch: *mut Partial,
+    /// Each tensor's row in `records`.
+    pub rows: *const u32,
+    /// The step's records.
+    pub records: *mut f64,
+}
+
+/// The block's tally of its task, reduced over the block, as its record in `out.scratch`
+/// (the empty tally when the block had no task).
+///
+/// # Safety
+/// Every thread of the block calls it once after its task, with the launch's shared memory;
+/// `out.scratch` holds one partial per task of the launch.
+#[inline(always)]
+pub(crate) unsafe fn keep_block_tally(t: StepTally, out: &TallyOut, num_tasks: u64) {
+    // SAFETY: every thread of the block reaches this call (the contract).
+    let total = unsafe { block_reduce::<StepTally, BLOCK_WARPS>(t, 0.0) };
+    if thread_idx() == 0 && num_tasks > 0 {
+        // Word by word: a whole-struct volatile store goes through local memory.
+        let words = total.encode().words;
+        // SAFETY: block_idx < num_tasks partials (the contract); this block's alone.
+        let at = unsafe { out.scratch.add(block_idx() as usize) } as *mut u64;
+        // Indexed (not an iterator) so the words stay in registers.
+        #[allow(clippy::needless_range_loop)]
+        for k in 0..4 {
+            // SAFETY: word k < 4 of this block's partial.
+            unsafe { at.add(k).write_volatile(words[k]) };
+        }
+    }
+    // The block reduction's shared memory is the last block's flag's neighbour: free again.
+    // SAFETY: every thread of the block reaches this barrier.
+    unsafe { sync_threads() };
+}
+
+/// The tally of a task on a skipped step: nothing is updated, so each element's update is 0
+/// and its parameter the one stored; the gradient's non-finite elements are counted.
+///
+/// # Safety
+/// As [`chunk_f32`] (nothing is written).
+#[inline(always)]
+pub(crate) unsafe fn tally_unchanged(d: &UpdateTensorDesc, chunk: u64, t: &mut StepTally) {
+    let wide = is_f64(d);
+    let per = update_chunk_elems(if wide { 8 } else { dtype_size(d.dtypes & 0xF) });
+    let (start, mut i) = (chunk * per, chunk * per + thread_idx() as u64);
+    let end = d.len.min(start + per);
+    while i < end {
+        // SAFETY: i < d.len: element i of the parameter and the gradient (the contract).
+        unsafe {
+            if wide {
+                let p = F64::widen(load::<F64>(d.param, i));
+                t.push(p, p, F64::widen(load::<F64>(d.grad, i)));
+            } else {
+                let [p, g, ..] = crate::with_update_dtypes!(dtypes(d), (P, G, St) => load_f32::<P, G, St, 0>(d, i), _ => [0.0; PARTS]);
+                t.push_f32(p, p, g);
+            }
+        }
+        i += BLOCK_THREADS as u64;
+    }
+}
+
+/// The bytes of an element of the dtype `code` (the update walk's dtypes).
+#[inline(always)]
+fn dtype_size(code: u32) -> u64 {
+    if code == dtype_code::F32 { 4 } else { 2 }
+}
+
+/// The last block: each tensor's record from its tasks' partials, merged in task order (the same
+/// order on every run), to its row; its element count is its length (0 for an absent gradient,
+/// and for every tensor of a skipped step).
+///
+/// # Safety
+/// Every block of the launch has written its partial to `out.scratch`; `out.rows` holds
+/// `num_tensors` rows, each distinct and inside `out.records`; the task table lists each
+/// tensor's tasks together, in tensor order.
+#[inline(always)]
+unsafe fn write_records(s: &Step, out: &TallyOut, tensors: *const UpdateTensorDesc, tasks: *const ChunkTask, num_tasks: u64, num_tensors: u64) {
+    let mut i = thread_idx() as u64;
+    while i < num_tensors {
+        // SAFETY: (every access) the tables and the records as the contract describes them.
+        unsafe {
+            // The tensor's first task: the task table is sorted by tensor.
+            let (mut lo, mut hi) = (0u64, num_tasks);
+            while lo < hi {
+                let mid = (lo + hi) / 2;
+                if ((*tasks.add(mid as usize)).tensor as u64) < i {
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+            let mut total = StepTally::default();
+            let mut k = lo;
+            while k < num_tasks && (*tasks.add(k as usize)).tensor as u64 == i {
+                total = total.merge(StepTally::decode(&ld_cg_partial(out.scratch.add(k as usize)), 0.0));
+                k += 1;
+            }
+            let elements = if s.skip { 0 } else { (*tensors.add(i as usize)).len };
+            let row = out.records.add(*out.rows.add(i as usize) as usize * RECORD_WORDS);
+            // Constant indices: a loop over the record kept it in local memory.
+            let r = total.record(elements);
+            row.write(r[0]);
+            row.add(1).write(r[1]);
+            row.add(2).write(r[2]);
+            row.add(3).write(r[3]);
+            row.add(4).write(r[4]);
         }
         i += BLOCK_THREADS as u64;
     }

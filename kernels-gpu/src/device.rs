@@ -6,7 +6,7 @@ use core::arch::nvptx;
 use core::marker::PhantomData;
 
 use crate::abi::{Partial, WARP_THREADS};
-use crate::accum::Accumulator;
+use crate::accum::Reduce;
 use crate::dtype::Element;
 use crate::lane::{Source, SourceMut};
 
@@ -64,7 +64,7 @@ fn shfl_down_partial(p: Partial, off: u32) -> Partial {
 /// Lane 0 ends with the shuffle-down tree of the warp's values, offsets `first_off`, ..., 2, 1.
 /// Must be called by all 32 lanes.
 #[inline(always)]
-pub fn warp_reduce<A: Accumulator>(mut a: A, p: f64, first_off: u32) -> A {
+pub fn warp_reduce<A: Reduce>(mut a: A, p: f64, first_off: u32) -> A {
     let mut off = first_off;
     while off > 0 {
         let other = A::decode(&shfl_down_partial(a.encode(), off), p);
@@ -80,7 +80,7 @@ pub fn warp_reduce<A: Accumulator>(mut a: A, p: f64, first_off: u32) -> A {
 /// All threads of a block of `WARPS` warps call it together, with `WARPS` [`Partial`]s of dynamic
 /// shared memory given at launch.
 #[inline(always)]
-pub unsafe fn block_reduce<A: Accumulator, const WARPS: u32>(a: A, p: f64) -> A {
+pub unsafe fn block_reduce<A: Reduce, const WARPS: u32>(a: A, p: f64) -> A {
     let a = warp_reduce(a, p, WARP_THREADS / 2);
     let smem = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<Partial>();
     let lane = thread_idx() % WARP_THREADS;

@@ -51,6 +51,7 @@ pub mod model;
 pub mod norms;
 pub mod scale;
 pub mod sgd;
+pub mod tally;
 pub mod update;
 
 #[cfg(target_arch = "nvptx64")]

@@ -5,14 +5,14 @@
 //! (lane l takes lane l+off); a block then combines its warps' totals the same way inside warp 0.
 
 use crate::abi::{BLOCK_THREADS, Partial, WARP_THREADS};
-use crate::accum::Accumulator;
+use crate::accum::{Accumulator, Reduce};
 use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{Source, accumulate_lane};
 
 /// The shuffle-down tree over a power-of-two number of values; returns what lane 0 ends with.
 #[inline(always)]
-pub fn warp_tree<A: Accumulator>(v: &mut [A]) -> A {
+pub fn warp_tree<A: Reduce>(v: &mut [A]) -> A {
     let mut off = v.len() / 2;
     while off > 0 {
         for l in 0..off {
@@ -25,7 +25,7 @@ pub fn warp_tree<A: Accumulator>(v: &mut [A]) -> A {
 
 /// A block's reduction: each warp's tree, then the tree of the warp totals.
 #[inline(always)]
-pub fn block_tree<A: Accumulator, const WARPS: usize>(lanes: &mut [A]) -> A {
+pub fn block_tree<A: Reduce, const WARPS: usize>(lanes: &mut [A]) -> A {
     let mut totals = [lanes[0]; WARPS];
     for (w, t) in totals.iter_mut().enumerate() {
         let w0 = w * WARP_THREADS as usize;

@@ -24,9 +24,13 @@
 //! 0) are device memory, `norm` and `found_inf` (those not null) device memory, all written
 //! before the launch on its stream.
 
-use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, SgdParams, UpdateGroup, UpdateTensorDesc, adam_flags};
+use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, Partial, SgdParams, UpdateGroup, UpdateTensorDesc, adam_flags};
 use crate::adam::{StepScalars, gradient_factor, step_scalars_f32, step_scalars_f64};
-use crate::apply::{chunk_any_f32, chunk_f64, dtypes, finish, group_lr, is_f64, launch_step, step_of, task};
+use crate::accum::Reduce;
+use crate::apply::{
+    TallyOut, chunk_any_f32, chunk_f64, dtypes, finish, group_lr, is_f64, keep_block_tally, launch_step, step_of, tally_unchanged, task, task_at,
+};
+use crate::tally::{NoTally, StepTally, Tally};
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 
@@ -38,11 +42,12 @@ use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 /// what `$launch` makes of the launch's constants `$k` (the hyperparameters its groups share:
 /// see [`crate::adam::launch_constants`]) at the kernel's top, before any branch.
 macro_rules! update_kernel {
-    ($(#[$doc:meta])* $name:ident, launch |$k:ident| $p:ident = $launch:expr, |$d:ident, $c:ident, $step:ident, $s:ident, $lr:ident, $h:ident, $flags:ident| $body:block) => {
+    ($(#[$doc:meta])* $name:ident, $stats:ident, launch |$k:ident| $p:ident = $launch:expr,
+     |$d:ident, $c:ident, $step:ident, $s:ident, $lr:ident, $h:ident, $flags:ident, $t:ident| $body:block) => {
         $(#[$doc])*
         ///
         /// # Safety
-        /// See the module's documentation.
+        /// See the module's documentation (`scratch`, `rows` and `records` are not read).
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $name(
             tensors: *const UpdateTensorDesc,
@@ -51,7 +56,7 @@ macro_rules! update_kernel {
             groups: *const UpdateGroup,
             num_groups: u64,
             norm: *const NormOutput,
-            $flags: u32,
+            flags: u32,
             k0: f64,
             k1: f64,
             k2: f64,
@@ -59,22 +64,99 @@ macro_rules! update_kernel {
             num_tasks: u64,
             found_inf: *const f32,
             num_tensors: u64,
+            _scratch: *mut Partial,
+            _rows: *const u32,
+            _records: *mut f64,
         ) {
-            // SAFETY: the module's contract (for the task, its group's entry, the walks and
-            // finish).
+            // SAFETY: the module's contract.
             unsafe {
-                let $k = [k0, k1, k2, k3];
-                let $p = $launch;
-                let $s = launch_step(norm, $flags, found_inf);
-                if let Some((d, $c)) = task(&$s, tensors, tasks, num_tasks) {
-                    let $d = d.read();
-                    let g = groups.add($d.group as usize);
-                    let $step = step_of(g, &$d);
-                    let $lr = group_lr(g);
-                    let $h = (*g).h;
-                    $body
+                $name::run::<NoTally>(tensors, tasks, counter, groups, num_groups, norm, flags, [k0, k1, k2, k3], num_tasks, found_inf, num_tensors, None)
+            }
+        }
+
+        $(#[$doc])*
+        /// With the step's telemetry ([`crate::tally`]): each task's tally in `scratch` (one
+        /// partial per task), each tensor's record at row `rows[i]` of `records`.
+        ///
+        /// # Safety
+        /// See the module's documentation.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $stats(
+            tensors: *const UpdateTensorDesc,
+            tasks: *const ChunkTask,
+            counter: *mut u32,
+            groups: *const UpdateGroup,
+            num_groups: u64,
+            norm: *const NormOutput,
+            flags: u32,
+            k0: f64,
+            k1: f64,
+            k2: f64,
+            k3: f64,
+            num_tasks: u64,
+            found_inf: *const f32,
+            num_tensors: u64,
+            scratch: *mut Partial,
+            rows: *const u32,
+            records: *mut f64,
+        ) {
+            let out = TallyOut { scratch, rows, records };
+            // SAFETY: the module's contract.
+            unsafe {
+                $name::run::<StepTally>(tensors, tasks, counter, groups, num_groups, norm, flags, [k0, k1, k2, k3], num_tasks, found_inf, num_tensors, Some(out))
+            }
+        }
+
+        #[allow(non_snake_case)]
+        mod $name {
+            use super::*;
+
+            /// Both entry points' step, `T` what it tallies.
+            ///
+            /// # Safety
+            /// See the module's documentation.
+            #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) unsafe fn run<T: Tally>(
+                tensors: *const UpdateTensorDesc,
+                tasks: *const ChunkTask,
+                counter: *mut u32,
+                groups: *const UpdateGroup,
+                num_groups: u64,
+                norm: *const NormOutput,
+                $flags: u32,
+                $k: [f64; 4],
+                num_tasks: u64,
+                found_inf: *const f32,
+                num_tensors: u64,
+                out: Option<TallyOut>,
+            ) {
+                // SAFETY: the module's contract (for the task, its group's entry, the walks and
+                // finish).
+                unsafe {
+                    let $p = $launch;
+                    let $s = launch_step(norm, $flags, found_inf);
+                    let mut tally = T::default();
+                    let $t = &mut tally;
+                    let mut unchanged = StepTally::default();
+                    if let Some((d, $c)) = task(&$s, tensors, tasks, num_tasks) {
+                        let $d = d.read();
+                        let g = groups.add($d.group as usize);
+                        let $step = step_of(g, &$d);
+                        let $lr = group_lr(g);
+                        let $h = (*g).h;
+                        $body
+                    } else if T::ON && num_tasks > 0 {
+                        // A skipped step's telemetry: the gradients as they are, nothing updated.
+                        let (d, chunk) = task_at(tensors, tasks);
+                        tally_unchanged(&d.read(), chunk, &mut unchanged);
+                    }
+                    let out = out.filter(|_| T::ON);
+                    if let Some(o) = &out {
+                        keep_block_tally(tally.tally().merge(unchanged), o, num_tasks);
+                    }
+                    finish(&$s, tensors, tasks, counter, groups, num_groups, num_tasks, num_tensors, out.as_ref());
                 }
-                finish(&$s, tensors, counter, groups, num_groups, num_tasks, num_tensors);
             }
         }
     };
@@ -84,8 +166,9 @@ update_kernel!(
     /// Adam / AdamW ([`crate::adam`]): states `exp_avg`, `exp_avg_sq` and, with amsgrad,
     /// `max_exp_avg_sq`; each parameter's bias correction from its own step count.
     gradclip_adam,
+    gradclip_adam_stats,
     launch |k| constants = adam_constants(k),
-    |d, c, step, s, lr, h, flags| {
+    |d, c, step, s, lr, h, flags, t| {
         let h = AdamParams {
             lr,
             beta1: h[0],
@@ -102,15 +185,15 @@ update_kernel!(
         if is_f64(&d) {
             let u = step_scalars_f64(&h, step).clipped_by(s.coef);
             if amsgrad {
-                chunk_f64::<3, _>(&d, c, u);
+                chunk_f64::<3, _, _>(&d, c, u, t);
             } else {
-                chunk_f64::<2, _>(&d, c, u);
+                chunk_f64::<2, _, _>(&d, c, u, t);
             }
         } else {
             if amsgrad {
-                chunk_any_f32::<3, _>(&d, c, u, dtypes(&d));
+                chunk_any_f32::<3, _, _>(&d, c, u, dtypes(&d), t);
             } else {
-                chunk_any_f32::<2, _>(&d, c, u, dtypes(&d));
+                chunk_any_f32::<2, _, _>(&d, c, u, dtypes(&d), t);
             }
         }
     }
@@ -134,8 +217,9 @@ update_kernel!(
     /// SGD ([`crate::sgd`]): with momentum, state `momentum_buffer` (its first step, from the
     /// parameter's own count, takes the gradient); without, no state.
     gradclip_sgd,
+    gradclip_sgd_stats,
     launch |_k| _none = (),
-    |d, c, step, s, lr, h, flags| {
+    |d, c, step, s, lr, h, flags, t| {
         let h = SgdParams {
             lr,
             momentum: h[0],
@@ -147,16 +231,16 @@ update_kernel!(
         if is_f64(&d) {
             let u = sgd_scalars_f64(&h, step, s.coef);
             if momentum {
-                chunk_f64::<1, _>(&d, c, u);
+                chunk_f64::<1, _, _>(&d, c, u, t);
             } else {
-                chunk_f64::<0, _>(&d, c, u);
+                chunk_f64::<0, _, _>(&d, c, u, t);
             }
         } else {
             let u = sgd_scalars_f32(&h, step, s.coef);
             if momentum {
-                chunk_any_f32::<1, _>(&d, c, u, dtypes(&d));
+                chunk_any_f32::<1, _, _>(&d, c, u, dtypes(&d), t);
             } else {
-                chunk_any_f32::<0, _>(&d, c, u, dtypes(&d));
+                chunk_any_f32::<0, _, _>(&d, c, u, dtypes(&d), t);
             }
         }
     }
@@ -165,8 +249,9 @@ update_kernel!(
 update_kernel!(
     /// Lion ([`crate::lion`]): state `exp_avg` (no step count: the update has no bias correction).
     gradclip_lion,
+    gradclip_lion_stats,
     launch |_k| _none = (),
-    |d, c, _step, s, lr, h, flags| {
+    |d, c, _step, s, lr, h, flags, t| {
         let h = LionParams {
             lr,
             beta1: h[0],
@@ -175,9 +260,9 @@ update_kernel!(
             flags,
         };
         if is_f64(&d) {
-            chunk_f64::<1, _>(&d, c, lion_scalars_f64(&h, s.coef));
+            chunk_f64::<1, _, _>(&d, c, lion_scalars_f64(&h, s.coef), t);
         } else {
-            chunk_any_f32::<1, _>(&d, c, lion_scalars_f32(&h, s.coef), dtypes(&d));
+            chunk_any_f32::<1, _, _>(&d, c, lion_scalars_f32(&h, s.coef), dtypes(&d), t);
         }
     }
 );

@@ -18,7 +18,7 @@
 use core::marker::PhantomData;
 
 use gradclip_kernels::abi::{NormParams, Partial, flags};
-use gradclip_kernels::accum::{Accumulator, Inf, L1, L2, PNorm, clip_coefficient};
+use gradclip_kernels::accum::{Accumulator, Inf, L1, L2, PNorm, Reduce, clip_coefficient};
 use gradclip_kernels::dtype::Element;
 use gradclip_kernels::geometry::Frame;
 use gradclip_kernels::lane::Source;

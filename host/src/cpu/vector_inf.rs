@@ -7,7 +7,7 @@
 //! elements are contiguous, and that maximum is a single pass the compiler vectorizes. Equal to
 //! the model bit for bit (property tests below).
 
-use gradclip_kernels::accum::{Accumulator, Inf};
+use gradclip_kernels::accum::{Inf, Reduce};
 use gradclip_kernels::dtype::{Element, f64_key};
 use gradclip_kernels::geometry::Frame;
 
@@ -90,7 +90,7 @@ fn key_of<E: Element>(abs: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use gradclip_kernels::accum::{Accumulator, Inf};
+    use gradclip_kernels::accum::{Inf, Reduce};
     use gradclip_kernels::dtype::{self as k, Element};
     use proptest::prelude::*;
 
