@@ -25,6 +25,10 @@ pub enum Kernel {
     Adam,
     Sgd,
     Lion,
+    /// The optimizer kernels with the step's telemetry ([`gradclip_kernels::tally`]).
+    AdamStats,
+    SgdStats,
+    LionStats,
     LossScale,
     NormToPartial,
     NormFromPartial,
@@ -48,6 +52,9 @@ impl Kernel {
         Kernel::Adam,
         Kernel::Sgd,
         Kernel::Lion,
+        Kernel::AdamStats,
+        Kernel::SgdStats,
+        Kernel::LionStats,
         Kernel::LossScale,
         Kernel::NormToPartial,
         Kernel::NormFromPartial,
@@ -84,6 +91,16 @@ impl Kernel {
         }
     }
 
+    /// The optimizer kernel `self` with the step's telemetry (itself for any other kernel).
+    pub const fn with_stats(self) -> Kernel {
+        match self {
+            Kernel::Adam => Kernel::AdamStats,
+            Kernel::Sgd => Kernel::SgdStats,
+            Kernel::Lion => Kernel::LionStats,
+            other => other,
+        }
+    }
+
     /// The PTX entry-point name.
     pub const fn name(self) -> &'static str {
         match self {
@@ -93,6 +110,9 @@ impl Kernel {
             Kernel::Adam => "gradclip_adam",
             Kernel::Sgd => "gradclip_sgd",
             Kernel::Lion => "gradclip_lion",
+            Kernel::AdamStats => "gradclip_adam_stats",
+            Kernel::SgdStats => "gradclip_sgd_stats",
+            Kernel::LionStats => "gradclip_lion_stats",
             Kernel::LossScale => "gradclip_loss_scale",
             Kernel::NormToPartial => "gradclip_norm_to_partial",
             Kernel::NormFromPartial => "gradclip_norm_from_partial",

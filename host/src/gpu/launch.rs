@@ -123,6 +123,11 @@ pub struct UpdateTables {
     pub counter: u64,
     /// The launch's [`gradclip_kernels::abi::UpdateGroup`]s.
     pub groups: u64,
+    /// With the step's telemetry: one [`gradclip_kernels::abi::Partial`] per task, written and
+    /// read by the launch (0 without).
+    pub scratch: u64,
+    /// With the step's telemetry: each tensor's row (one u32) in the step's records (0 without).
+    pub rows: u64,
 }
 
 /// What one update launch shares beyond its group table: the kernel, its clip's NormOutput (0:
@@ -149,7 +154,8 @@ impl UpdateLaunch {
 }
 
 /// Launches an optimizer kernel: one block per task (one block when `num_tasks == 0`), every
-/// group of the tables at once.
+/// group of the tables at once; with `records` (not 0) its telemetry entry, which writes each
+/// tensor's record ([`gradclip_kernels::tally`]) at its row of `records`.
 ///
 /// # Safety
 /// `t` holds a plan of `num_tasks` tasks over `num_tensors` parameters and `num_groups` group
@@ -159,7 +165,9 @@ impl UpdateLaunch {
 /// completes; `t.counter` is zero; every group's count (an
 /// [`gradclip_kernels::abi::UpdateCount`], distinct for each group) and learning rate (when not
 /// 0), `l.norm` (a NormOutput, when not 0) and `found_inf` (when not 0) are device memory of the
-/// context written before on the stream.
+/// context written before on the stream; with `records`, `t.scratch` holds a partial per task and
+/// `t.rows` a distinct row per tensor, each row five f64 of `records`, device memory of the
+/// context used by nothing else until the launch completes.
 pub unsafe fn update(
     stream: &CudaStream,
     ks: &KernelSet,
@@ -167,13 +175,16 @@ pub unsafe fn update(
     t: &UpdateTables,
     (num_tasks, num_tensors, num_groups): (u64, u64, u64),
     found_inf: u64,
+    records: u64,
 ) -> Result<()> {
-    let mut b = stream.launch_builder(ks.get(l.kernel));
+    let kernel = if records == 0 { l.kernel } else { l.kernel.with_stats() };
+    let mut b = stream.launch_builder(ks.get(kernel));
     b.arg(&t.tensors).arg(&t.tasks).arg(&t.counter).arg(&t.groups).arg(&num_groups);
     b.arg(&l.norm).arg(&l.flags);
     let [k0, k1, k2, k3] = &l.constants;
     b.arg(k0).arg(k1).arg(k2).arg(k3);
     b.arg(&num_tasks).arg(&found_inf).arg(&num_tensors);
+    b.arg(&t.scratch).arg(&t.rows).arg(&records);
     let cfg = LaunchConfig {
         grid_dim: (num_tasks.max(1) as u32, 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),

@@ -293,6 +293,7 @@ impl GpuEngine {
             norm_in: 0,
             loss_scale: inputs.loss_scale,
             found_inf: inputs.found_inf,
+            stats_out: 0,
         };
         // SAFETY: the caller's contract.
         unsafe { self.step_list(&list, &[group], &addresses) }.map(|_| ())
@@ -498,7 +499,7 @@ impl StepBackend for GpuEngine {
         let mut planned = Vec::with_capacity(launches.len());
         for (l, members) in &launches {
             let table: Vec<UpdateGroup> = members.iter().map(|&i| entries[i]).collect();
-            planned.push((*l, self.updates.tables(&stream, list, members, &table, launches.len())?));
+            planned.push((*l, self.updates.tables(&stream, list, members, &table, launches.len(), inputs.stats_out != 0)?));
         }
         let lists: Vec<Option<TensorList>> = clips.iter().map(|c| c.grads(list)).collect::<Result<_>>()?;
         for (k, (c, grads)) in clips.iter().zip(&lists).enumerate() {
@@ -525,7 +526,7 @@ impl StepBackend for GpuEngine {
             // their rules: lengths, dtypes, states present, valid and disjoint memory) and
             // uploaded on this stream; the groups' counts are distinct (checked); the caller
             // vouches for the memory of the parts, the counts, the NormOutputs and the inputs.
-            unsafe { launch::update(&stream, self.kernels(), l, tables, *counts, inputs.found_inf) }?;
+            unsafe { launch::update(&stream, self.kernels(), l, tables, *counts, inputs.found_inf, inputs.stats_out) }?;
         }
         Ok(None)
     }

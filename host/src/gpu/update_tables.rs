@@ -1,14 +1,15 @@
-//! The optimizer kernels' tables (descriptors, tasks and the group table) of the update
-//! launches of the steps taken last, kept in the engine's own memory by the launch's
-//! parameters, for every rule alike: a launch re-plans and uploads its tensor tables only when
-//! its tensors change (its descriptors alone when only its gradients are new), and its group
-//! table (learning rates: a schedule changes them every step) only when its values change.
+//! The optimizer kernels' tables (descriptors, tasks and the group table, and with telemetry
+//! each tensor's row and a partial per task) of the update launches of the steps taken last,
+//! kept in the engine's own memory by the launch's parameters, for every rule alike: a launch
+//! re-plans and uploads its tensor tables only when its tensors change (its descriptors alone
+//! when only its gradients are new), and its group table (learning rates: a schedule changes
+//! them every step) only when its values change.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use gradclip_kernels::abi::{ChunkTask, UpdateGroup, UpdateTensorDesc, update_chunk_elems};
+use gradclip_kernels::abi::{ChunkTask, Partial, UpdateGroup, UpdateTensorDesc, update_chunk_elems};
 
 use super::capture::{self, Capture};
 use super::launch::UpdateTables;
@@ -18,9 +19,10 @@ use crate::optim::{Parts, StepList};
 use crate::plan::MAX_TASKS;
 
 /// The optimizer tables of the launches of the steps taken last, in the engine's own memory
-/// (counter word, tensor table, task table, group table), found by the launch's parameters: a
-/// step finds each launch's in one lookup, and uploads nothing when its tensors and
-/// hyperparameters came back (its descriptors alone when only its gradients are new).
+/// (counter word, tensor table, task table, group table; with telemetry, the rows and the
+/// partials), found by the launch's parameters: a step finds each launch's in one lookup, and
+/// uploads nothing when its tensors and hyperparameters came back (its descriptors alone when
+/// only its gradients are new).
 #[derive(Debug, Default)]
 pub(crate) struct UpdateUpload {
     slots: Vec<Uploaded>,
@@ -38,6 +40,8 @@ struct Uploaded {
     parts: Vec<(u32, Parts)>,
     /// The group table as uploaded.
     groups: Vec<UpdateGroup>,
+    /// Each tensor's row in the step's telemetry records, when the buffer has room for them.
+    rows: Option<Vec<u32>>,
     buf: CudaSlice<u64>,
     num_tasks: u64,
     used: u64,
@@ -61,6 +65,23 @@ fn launch_parts(list: &StepList, members: &[usize]) -> Vec<(u32, Parts)> {
         out.extend(list.group(g).0.iter().map(|p| (at as u32, *p)));
     }
     out
+}
+
+/// Each tensor's row of a launch over `list`'s groups `members`: its place in the list.
+fn launch_rows(list: &StepList, members: &[usize]) -> Vec<u32> {
+    let mut first = Vec::with_capacity(list.groups());
+    let mut at = 0u32;
+    for g in 0..list.groups() {
+        first.push(at);
+        at += list.group(g).0.len() as u32;
+    }
+    members
+        .iter()
+        .flat_map(|&g| {
+            let at = first[g];
+            (0..list.group(g).0.len() as u32).map(move |i| at + i)
+        })
+        .collect()
 }
 
 /// The kernel's tables for `parts` (checked by the caller).
@@ -106,13 +127,40 @@ fn same_but_grads(a: &[(u32, Parts)], b: &[(u32, Parts)]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.0 == b.0 && Parts { grad: b.1.grad, ..a.1 } == b.1)
 }
 
-/// Word offsets in a launch's buffer: `(tasks, groups, total)` (the counter is word 0, the
-/// tensor table starts at word 1).
-fn offsets(tensors: usize, tasks: usize, groups: usize) -> (usize, usize, usize) {
+/// Word offsets in a launch's buffer (the counter is word 0, the tensor table starts at word 1).
+#[derive(Clone, Copy)]
+struct Offsets {
+    tasks: usize,
+    groups: usize,
+    /// With telemetry: each tensor's row (two to a word), then a partial per task.
+    rows: usize,
+    scratch: usize,
+    total: usize,
+}
+
+fn offsets(tensors: usize, tasks: usize, groups: usize, stats: bool) -> Offsets {
     let dw = tensors * size_of::<UpdateTensorDesc>() / 8;
     let tw = (tasks * size_of::<ChunkTask>()).div_ceil(8);
     let gw = groups * size_of::<UpdateGroup>() / 8;
-    (1 + dw, 1 + dw + tw, 1 + dw + tw + gw)
+    let (rw, sw) = if stats {
+        (tensors.div_ceil(2), tasks * size_of::<Partial>() / 8)
+    } else {
+        (0, 0)
+    };
+    let (tasks, groups) = (1 + dw, 1 + dw + tw);
+    let rows = groups + gw;
+    Offsets {
+        tasks,
+        groups,
+        rows,
+        scratch: rows + rw,
+        total: rows + rw + sw,
+    }
+}
+
+/// Rows as u64 words (two u32 to a word, the first in the low half, as the device reads them).
+fn row_words(rows: &[u32]) -> Vec<u64> {
+    rows.chunks(2).map(|c| c[0] as u64 | (c.get(1).copied().unwrap_or(0) as u64) << 32).collect()
 }
 
 /// The launch's tables uploaded on `stream` into `reuse` when it is large enough (its counter
@@ -122,15 +170,17 @@ fn upload(
     stream: &Arc<CudaStream>,
     parts: &[(u32, Parts)],
     groups: &[UpdateGroup],
+    rows: Option<&[u32]>,
     reuse: Option<CudaSlice<u64>>,
 ) -> Result<(CudaSlice<u64>, u64)> {
     let (descs, tasks) = plan(parts)?;
-    let (tasks_at, groups_at, words) = offsets(descs.len(), tasks.len(), groups.len());
-    let mut buf = match reuse.filter(|b| b.len() >= words) {
+    let o = offsets(descs.len(), tasks.len(), groups.len(), rows.is_some());
+    let mut buf = match reuse.filter(|b| b.len() >= o.total) {
         Some(b) => b,
-        None => stream.alloc_zeros::<u64>(words)?,
+        None => stream.alloc_zeros::<u64>(o.total)?,
     };
-    for (at, words) in [(1, as_words(&descs)), (tasks_at, as_words(&tasks)), (groups_at, as_words(groups))] {
+    let rw = rows.map(row_words).unwrap_or_default();
+    for (at, words) in [(1, as_words(&descs)), (o.tasks, as_words(&tasks)), (o.groups, as_words(groups)), (o.rows, &rw[..])] {
         if !words.is_empty() {
             stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
         }
@@ -142,26 +192,28 @@ fn upload(
 /// `(tasks, tensors, groups)`.
 pub(crate) type LaunchTables = (UpdateTables, (u64, u64, u64));
 
-/// The tables' addresses in a buffer at `base` laid out by [`offsets`].
-fn tables_at(base: u64, tensors: usize, tasks: usize, groups: usize) -> UpdateTables {
-    let (tasks_at, groups_at, _) = offsets(tensors, tasks, groups);
+/// The tables' addresses in a buffer at `base` laid out as `o`.
+fn tables_at(base: u64, o: Offsets, stats: bool) -> UpdateTables {
+    let at = |words: usize| base + 8 * words as u64;
     UpdateTables {
         counter: base,
         tensors: base + 8,
-        tasks: base + 8 * tasks_at as u64,
-        groups: base + 8 * groups_at as u64,
+        tasks: at(o.tasks),
+        groups: at(o.groups),
+        scratch: if stats { at(o.scratch) } else { 0 },
+        rows: if stats { at(o.rows) } else { 0 },
     }
 }
 
 impl UpdateUpload {
     /// The tables of one update launch over `list`'s groups `members` (`groups`: their entries,
-    /// in that order) in device memory, and their counts: under CUDA-graph capture, fresh ones
-    /// that the graph owns (as the norm's, [`capture`]); otherwise the launch's slot (found by
-    /// its parameters), uploaded again in the parts that changed. A new launch takes a new
-    /// slot, or the least recently used one's buffer once the slots number twice the step's
-    /// `launches` (so no launch of one step takes another's: every slot used in this step is
-    /// newer than at least `launches` others; every copy is ordered after the launches that read
-    /// the buffer on this stream).
+    /// in that order; `stats`: with room for the step's telemetry) in device memory, and their
+    /// counts: under CUDA-graph capture, fresh ones that the graph owns (as the norm's,
+    /// [`capture`]); otherwise the launch's slot (found by its parameters), uploaded again in
+    /// the parts that changed. A new launch takes a new slot, or the least recently used one's
+    /// buffer once the slots number twice the step's `launches` (so no launch of one step takes
+    /// another's: every slot used in this step is newer than at least `launches` others; every
+    /// copy is ordered after the launches that read the buffer on this stream).
     pub(crate) fn tables(
         &mut self,
         stream: &Arc<CudaStream>,
@@ -169,20 +221,24 @@ impl UpdateUpload {
         members: &[usize],
         groups: &[UpdateGroup],
         launches: usize,
+        stats: bool,
     ) -> Result<LaunchTables> {
         let parts = launch_parts(list, members);
+        let rows = stats.then(|| launch_rows(list, members));
         match capture::status(stream)? {
             Capture::Active(graph) => {
                 let (descs, tasks) = plan(&parts)?;
-                let (tasks_at, groups_at, words) = offsets(descs.len(), tasks.len(), groups.len());
+                let o = offsets(descs.len(), tasks.len(), groups.len(), stats);
+                let rw = rows.as_deref().map(row_words).unwrap_or_default();
                 let regions = [
                     (8, as_words(&descs)),
-                    (8 * tasks_at, as_words(&tasks)),
-                    (8 * groups_at, as_words(groups)),
+                    (8 * o.tasks, as_words(&tasks)),
+                    (8 * o.groups, as_words(groups)),
+                    (8 * o.rows, &rw[..]),
                 ];
-                let base = capture::upload_words_owned_by(stream, graph, 8 * words, 8, &regions)?;
+                let base = capture::upload_words_owned_by(stream, graph, 8 * o.total, 8, &regions)?;
                 let counts = (tasks.len() as u64, descs.len() as u64, groups.len() as u64);
-                return Ok((tables_at(base, descs.len(), tasks.len(), groups.len()), counts));
+                return Ok((tables_at(base, o, stats), counts));
             }
             Capture::None => capture::free_released(stream),
         }
@@ -191,8 +247,8 @@ impl UpdateUpload {
         let at = match self.by_params.get(&key) {
             Some(&i) => {
                 let u = &mut self.slots[i];
-                if u.parts != parts {
-                    if same_but_grads(&u.parts, &parts) {
+                if u.parts != parts || u.rows.is_some() != stats {
+                    if same_but_grads(&u.parts, &parts) && u.rows.is_some() == stats {
                         // New gradients of the same parameters (a training loop's every step):
                         // only the tensor table, ordered after the launches that read it.
                         let descs = descriptors(&parts);
@@ -200,18 +256,24 @@ impl UpdateUpload {
                         stream.memcpy_htod(dw, &mut u.buf.slice_mut(1..1 + dw.len()))?;
                     } else {
                         let old = std::mem::replace(&mut u.buf, stream.alloc_zeros::<u64>(1)?);
-                        let (buf, num_tasks) = upload(stream, &parts, groups, Some(old))?;
-                        (u.buf, u.num_tasks, u.groups) = (buf, num_tasks, groups.to_vec());
+                        let (buf, num_tasks) = upload(stream, &parts, groups, rows.as_deref(), Some(old))?;
+                        (u.buf, u.num_tasks, u.groups, u.rows) = (buf, num_tasks, groups.to_vec(), rows.clone());
                     }
                     u.parts = parts;
                 }
+                let o = offsets(u.parts.len(), u.num_tasks as usize, groups.len(), stats);
                 if u.groups != groups {
                     // New hyperparameters (a learning-rate schedule's every step): the group
                     // table alone.
-                    let (_, groups_at, _) = offsets(u.parts.len(), u.num_tasks as usize, groups.len());
                     let gw = as_words(groups);
-                    stream.memcpy_htod(gw, &mut u.buf.slice_mut(groups_at..groups_at + gw.len()))?;
+                    stream.memcpy_htod(gw, &mut u.buf.slice_mut(o.groups..o.groups + gw.len()))?;
                     u.groups = groups.to_vec();
+                }
+                if let Some(r) = rows.filter(|r| u.rows.as_ref() != Some(r)) {
+                    // The same tensors at other places of the step's list.
+                    let rw = row_words(&r);
+                    stream.memcpy_htod(&rw, &mut u.buf.slice_mut(o.rows..o.rows + rw.len()))?;
+                    u.rows = Some(r);
                 }
                 i
             }
@@ -232,11 +294,12 @@ impl UpdateUpload {
                     Some((i, old)) => (i, Some(old)),
                     None => (self.slots.len(), None),
                 };
-                let (buf, num_tasks) = upload(stream, &parts, groups, old)?;
+                let (buf, num_tasks) = upload(stream, &parts, groups, rows.as_deref(), old)?;
                 let slot = Uploaded {
                     key,
                     parts,
                     groups: groups.to_vec(),
+                    rows,
                     buf,
                     num_tasks,
                     used: 0,
@@ -254,10 +317,8 @@ impl UpdateUpload {
         u.used = self.clock;
         let (base, _g) = u.buf.device_ptr(stream);
         let (tensors, tasks) = (u.parts.len(), u.num_tasks as usize);
-        Ok((
-            tables_at(base, tensors, tasks, groups.len()),
-            (u.num_tasks, tensors as u64, groups.len() as u64),
-        ))
+        let o = offsets(tensors, tasks, groups.len(), stats);
+        Ok((tables_at(base, o, stats), (u.num_tasks, tensors as u64, groups.len() as u64)))
     }
 }
 

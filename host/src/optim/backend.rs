@@ -52,6 +52,11 @@ pub struct StepAddresses<'a> {
     pub loss_scale: u64,
     /// One f32: nonzero skips the step (GradScaler's `found_inf`), or 0.
     pub found_inf: u64,
+    /// The step's telemetry, or 0: five f64 per tensor of the list, in the list's order
+    /// ([`gradclip_kernels::tally::StepTally::record`]: the sums of the squared updates and of
+    /// the squared parameters after the step, the largest finite |g|, the count of non-finite
+    /// gradient elements, the elements updated), written by the update itself (no extra pass).
+    pub stats_out: u64,
 }
 
 /// A backend's step over every group of a checked [`StepList`].
@@ -175,6 +180,7 @@ pub(crate) fn check_step(list: &StepList, groups: &[GroupStep], inputs: &StepAdd
         ("the norm input", inputs.norm_in, 8),
         ("the loss scale input", inputs.loss_scale, 4),
         ("the found_inf input", inputs.found_inf, 4),
+        ("the telemetry output", inputs.stats_out, 8),
     ] {
         if !addr.is_multiple_of(align) {
             return Err(Error::BadOutputAddress { what, addr });

@@ -7,6 +7,8 @@ use gradclip_kernels::adam::{step_scalars_f32, step_scalars_f64};
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
 use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
+use gradclip_kernels::accum::Reduce;
+use gradclip_kernels::tally::{NoTally, RECORD_WORDS, StepTally, Tally};
 use gradclip_kernels::update::ElementUpdate;
 
 use super::backend::{GroupStep, StepAddresses, StepBackend, check_step, clip_plans};
@@ -32,6 +34,10 @@ struct Piece {
     h: Checked,
     /// The factor its gradients are multiplied by as they are read.
     coef: f64,
+    /// Its tensor's place in the step list (its row of the step's telemetry).
+    row: usize,
+    /// Its group skips the step: the piece is only tallied, nothing is written.
+    unchanged: bool,
 }
 
 /// A rule's checked hyperparameters, as its arithmetic takes them.
@@ -186,7 +192,7 @@ impl Cpu {
             coef: factor,
         }];
         // SAFETY: the caller's contract, checked above.
-        unsafe { update_groups(&list, &mut one) };
+        unsafe { update_groups(&list, &mut one, false) };
         Ok(r)
     }
 
@@ -320,7 +326,10 @@ impl StepBackend for Cpu {
                     coef: verdicts[c].1,
                 })
                 .collect();
-            update_groups(list, &mut each);
+            let tallies = update_groups(list, &mut each, inputs.stats_out != 0);
+            if inputs.stats_out != 0 {
+                write_records(list, &each, &tallies, inputs.stats_out as *mut f64);
+            }
             for (g, c) in groups.iter().zip(&counts) {
                 let w = g.count as *mut u64;
                 w.write(c.steps);
@@ -359,14 +368,17 @@ struct GroupUpdate<'a> {
 /// by its group's factor as it is read, each group's `count.steps` advanced, and each
 /// parameter's own step count (when it has one) stepped from and advanced, as the GPU kernel
 /// does; parameters whose gradient is absent left as they are. A skipped group writes nothing
-/// but its `count.skipped`.
+/// but its `count.skipped`. With `tally`, each piece's [`StepTally`] (a skipped group's pieces
+/// too, nothing updated) with its tensor's row, as the pieces come (see [`write_records`]).
 ///
 /// # Safety
 /// As [`Cpu::step_raw`], for the list's tensors.
-unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>]) {
+unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>], tally: bool) -> Vec<(usize, StepTally)> {
     let mut pieces: Vec<Piece> = Vec::new();
+    let mut row = 0;
     for (g, u) in groups.iter().enumerate() {
-        if u.skipped {
+        if u.skipped && !tally {
+            row += list.group(g).0.len();
             continue;
         }
         for &parts in list.group(g).0 {
@@ -383,27 +395,30 @@ unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>]) {
                 step,
                 h: u.h,
                 coef: u.coef,
+                row,
+                unchanged: u.skipped,
             }));
+            row += 1;
         }
     }
     // SAFETY: the list's checks matched every part's length and dtype to its parameter's and
     // found no written part overlapping any other part; the pieces of one tensor are disjoint
     // element ranges; the memory is the caller's (contract).
-    crate::cpu::workers::for_each_index(pieces.len(), |i| unsafe {
-        let p = &pieces[i];
-        let coef = p.coef;
-        let states = p.parts.states.iter().take_while(|s| s.is_some()).count();
-        match p.h {
-            Checked::Adam(h) => update_piece(
-                p,
-                states,
-                step_scalars_f32(&h, p.step).clipped_by(coef),
-                step_scalars_f64(&h, p.step).clipped_by(coef),
-            ),
-            Checked::Sgd(h) => update_piece(p, states, sgd_scalars_f32(&h, p.step, coef), sgd_scalars_f64(&h, p.step, coef)),
-            Checked::Lion(h) => update_piece(p, states, lion_scalars_f32(&h, coef), lion_scalars_f64(&h, coef)),
-        }
-    });
+    let tallies = if tally {
+        crate::cpu::workers::map_indices(pieces.len(), |i| unsafe {
+            let mut t = StepTally::default();
+            if pieces[i].unchanged {
+                tally_unchanged(&pieces[i], &mut t);
+            } else {
+                update_piece(&pieces[i], &mut t);
+            }
+            t
+        })
+    } else {
+        crate::cpu::workers::for_each_index(pieces.len(), |i| unsafe { update_piece(&pieces[i], &mut NoTally) });
+        Vec::new()
+    };
+    let tallies = pieces.iter().map(|p| p.row).zip(tallies).collect();
     for (g, u) in groups.iter_mut().enumerate() {
         if u.skipped {
             u.count.skipped += 1;
@@ -415,6 +430,61 @@ unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>]) {
             unsafe { *(s.addr as *mut f32) += 1.0 };
         }
     }
+    tallies
+}
+
+/// The step's telemetry: each tensor's record at its row of `out` (five f64 per tensor of the
+/// list, [`StepTally::record`]), its pieces' tallies merged in order; its element count its
+/// length when its group stepped, 0 when the group skipped.
+///
+/// # Safety
+/// `out` is host memory of five f64 per tensor of `list`, used by nothing else.
+unsafe fn write_records(list: &StepList, groups: &[GroupUpdate<'_>], tallies: &[(usize, StepTally)], out: *mut f64) {
+    let mut totals: Vec<(StepTally, u64)> = Vec::new();
+    for (g, u) in groups.iter().enumerate() {
+        totals.extend(list.group(g).0.iter().map(|p| (StepTally::default(), if u.skipped { 0 } else { p.grad.len })));
+    }
+    for &(row, t) in tallies {
+        totals[row].0 = totals[row].0.merge(t);
+    }
+    for (row, (t, elements)) in totals.into_iter().enumerate() {
+        for (w, v) in t.record(elements).into_iter().enumerate() {
+            // SAFETY: row < the list's tensors, w < RECORD_WORDS (the caller's contract).
+            unsafe { out.add(row * RECORD_WORDS + w).write(v) };
+        }
+    }
+}
+
+/// A skipped group's piece: its parameters and gradients tallied as they are.
+///
+/// # Safety
+/// As [`update_range`] (nothing is written).
+unsafe fn tally_unchanged(p: &Piece, t: &mut StepTally) {
+    let (param, grad) = (p.parts.param.dtype, p.parts.grad.dtype);
+    // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
+    unsafe {
+        if param == DType::F64 {
+            tally_range::<F64, F64, f64>(p, t)
+        } else {
+            let s = p.parts.states[0].map_or(param, |s| s.dtype);
+            gradclip_kernels::with_update_dtypes!((param.code(), grad.code(), s.code()),
+                (P, G, _St) => tally_range::<P, G, f32>(p, t), _ => {})
+        }
+    }
+}
+
+/// [`tally_unchanged`] for the parts' dtypes.
+///
+/// # Safety
+/// As [`update_range`].
+unsafe fn tally_range<P: Opmath<T>, G: Opmath<T>, T: Into<f64>>(p: &Piece, t: &mut StepTally) {
+    for i in p.start..p.end {
+        // SAFETY: i < len of every part (the caller's contract).
+        unsafe {
+            let before: f64 = P::widen_to(*at::<P>(&p.parts.param, i)).into();
+            t.push(before, before, G::widen_to(*at::<G>(&p.parts.grad, i)).into());
+        }
+    }
 }
 
 /// Dispatches a piece to the walk of its count of states (the GPU's compile-time count, so the
@@ -422,14 +492,43 @@ unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>]) {
 ///
 /// # Safety
 /// As [`update_range`]; the piece's first `states` states are present.
-unsafe fn update_piece<U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy>(p: &Piece, states: usize, u32: U32, u64: U64) {
+unsafe fn update_states<U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy, Tl: Tally>(
+    p: &Piece,
+    states: usize,
+    u32: U32,
+    u64: U64,
+    t: &mut Tl,
+) {
     // SAFETY (every arm): the caller's contract.
     unsafe {
         match states {
-            0 => update_dtypes::<0, _, _>(p, u32, u64),
-            1 => update_dtypes::<1, _, _>(p, u32, u64),
-            2 => update_dtypes::<2, _, _>(p, u32, u64),
-            _ => update_dtypes::<3, _, _>(p, u32, u64),
+            0 => update_dtypes::<0, _, _, _>(p, u32, u64, t),
+            1 => update_dtypes::<1, _, _, _>(p, u32, u64, t),
+            2 => update_dtypes::<2, _, _, _>(p, u32, u64, t),
+            _ => update_dtypes::<3, _, _, _>(p, u32, u64, t),
+        }
+    }
+}
+
+/// A piece's update by its rule, tallied in `t`.
+///
+/// # Safety
+/// As [`update_range`].
+unsafe fn update_piece<Tl: Tally>(p: &Piece, t: &mut Tl) {
+    let coef = p.coef;
+    let states = p.parts.states.iter().take_while(|s| s.is_some()).count();
+    // SAFETY (every arm): the caller's contract.
+    unsafe {
+        match p.h {
+            Checked::Adam(h) => update_states(
+                p,
+                states,
+                step_scalars_f32(&h, p.step).clipped_by(coef),
+                step_scalars_f64(&h, p.step).clipped_by(coef),
+                t,
+            ),
+            Checked::Sgd(h) => update_states(p, states, sgd_scalars_f32(&h, p.step, coef), sgd_scalars_f64(&h, p.step, coef), t),
+            Checked::Lion(h) => update_states(p, states, lion_scalars_f32(&h, coef), lion_scalars_f64(&h, coef), t),
         }
     }
 }
@@ -438,7 +537,12 @@ unsafe fn update_piece<U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> +
 ///
 /// # Safety
 /// As [`update_range`].
-unsafe fn update_dtypes<const N: usize, U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy>(p: &Piece, u32: U32, u64: U64) {
+unsafe fn update_dtypes<const N: usize, U32: ElementUpdate<f32> + Copy, U64: ElementUpdate<f64> + Copy, Tl: Tally>(
+    p: &Piece,
+    u32: U32,
+    u64: U64,
+    t: &mut Tl,
+) {
     let (u32, u64) = (u32.for_states(N), u64.for_states(N));
     let (param, grad) = (p.parts.param.dtype, p.parts.grad.dtype);
     // The states' dtype (the parameter's when it keeps none: any will do).
@@ -446,11 +550,11 @@ unsafe fn update_dtypes<const N: usize, U32: ElementUpdate<f32> + Copy, U64: Ele
     // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
     unsafe {
         if param == DType::F64 {
-            update_range::<N, F64, F64, F64, f64, _>(p, &u64)
+            update_range::<N, F64, F64, F64, f64, _, _>(p, &u64, t)
         } else {
             // The kernels' table of triples; the step list's checks admit no other.
             gradclip_kernels::with_update_dtypes!((param.code(), grad.code(), s.code()),
-                (P, G, St) => update_range::<N, P, G, St, f32, _>(p, &u32), _ => {})
+                (P, G, St) => update_range::<N, P, G, St, f32, _, _>(p, &u32, t), _ => {})
         }
     }
 }
@@ -500,14 +604,18 @@ impl Opmath<f64> for F64 {
 /// Every part of the piece is live host memory of its dtype and the piece's range lies inside it
 /// (its first `N` states present); the written parts (parameter and states) are used by nothing
 /// else during the call.
-unsafe fn update_range<const N: usize, P: Opmath<T>, G: Opmath<T>, S: Opmath<T>, T: Copy + Default, U: ElementUpdate<T>>(p: &Piece, u: &U) {
-    let t = &p.parts;
+unsafe fn update_range<const N: usize, P: Opmath<T>, G: Opmath<T>, S: Opmath<T>, T: Copy + Default + Into<f64>, U: ElementUpdate<T>, Tl: Tally>(
+    p: &Piece,
+    u: &U,
+    t: &mut Tl,
+) {
+    let parts = &p.parts;
     let mut states = [RawTensor {
         addr: 0,
         len: 0,
         dtype: DType::F32,
     }; MAX_STATES];
-    for (s, part) in states.iter_mut().zip(t.states).take(N) {
+    for (s, part) in states.iter_mut().zip(parts.states).take(N) {
         *s = part.unwrap_or(*s);
     }
     for i in p.start..p.end {
@@ -517,8 +625,12 @@ unsafe fn update_range<const N: usize, P: Opmath<T>, G: Opmath<T>, S: Opmath<T>,
             for k in 0..N {
                 st[k] = S::widen_to(*at::<S>(&states[k], i));
             }
-            let param = u.update(P::widen_to(*at::<P>(&t.param, i)), G::widen_to(*at::<G>(&t.grad, i)), &mut st);
-            *at::<P>(&t.param, i) = P::round_from(param);
+            let (before, grad) = (P::widen_to(*at::<P>(&parts.param, i)), G::widen_to(*at::<G>(&parts.grad, i)));
+            let stored = P::round_from(u.update(before, grad, &mut st));
+            *at::<P>(&parts.param, i) = stored;
+            if Tl::ON {
+                t.push_f64(before.into(), P::widen_to(stored).into(), grad.into());
+            }
             for k in 0..N {
                 *at::<S>(&states[k], i) = S::round_from(st[k]);
             }
