@@ -385,6 +385,10 @@ fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
         let dev_counts = gpu.stream.alloc_zeros::<u64>(2 * rules.len()).unwrap();
         let dev_norm = gpu.stream.alloc_zeros::<f64>(6).unwrap();
         let mut host_norm = [0.0f64; 6];
+        // The step's telemetry on both: five f64 per tensor.
+        let words = gradclip_kernels::tally::RECORD_WORDS * rules.len();
+        let dev_stats = gpu.stream.clone_htod(&vec![f64::NAN; words]).unwrap();
+        let mut host_stats = vec![f64::NAN; words];
         let (host_lr, dev_lr) = (2.5e-3f64, gpu.stream.clone_htod(&[2.5e-3f64]).unwrap());
         let mut engine = gpu.engine();
         for step in 1..=3 {
@@ -425,10 +429,11 @@ fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
                     .collect()
             };
             let clip = Some(ClipConfig::new(0.05));
-            let at = |norm_out: u64| StepAddresses {
+            let at = |norm_out: u64, stats_out: u64| StepAddresses {
                 clip,
                 clip_groups,
                 norm_out,
+                stats_out,
                 ..Default::default()
             };
             // SAFETY: the host parts, counts, rate and norm are the live vectors above, used by
@@ -439,16 +444,27 @@ fn many_groups_equal_cpu_bits(gpu: &Gpu) -> TestResult {
                     .step_list(
                         &host_list,
                         &each(hc, &host_lr as *const f64 as u64),
-                        &at(host_norm.as_mut_ptr() as u64),
+                        &at(host_norm.as_mut_ptr() as u64, host_stats.as_mut_ptr() as u64),
                     )
                     .unwrap();
                 engine
-                    .step_list(&dev_list, &each(dc, dev_lr.device_ptr(s).0), &at(dev_norm.device_ptr(s).0))
+                    .step_list(
+                        &dev_list,
+                        &each(dc, dev_lr.device_ptr(s).0),
+                        &at(dev_norm.device_ptr(s).0, dev_stats.device_ptr(s).0),
+                    )
                     .unwrap();
                 n.expect("the CPU returns the norm")
             };
             let what = format!("{what}, step {step}");
             ensure_adam_parts_equal(gpu, &host, &dev, &what)?;
+            // The telemetry: the sums to f64 rounding (the GPU's tree of threads against the
+            // CPU's element order), the maximum, the counts exactly.
+            let got = gpu.stream.clone_dtoh(&dev_stats).unwrap();
+            for (i, (g, h)) in got.chunks(5).zip(host_stats.chunks(5)).enumerate() {
+                let close = (0..2).all(|k| (g[k] - h[k]).abs() <= 1e-12 * h[k].abs()) && g[2..] == h[2..];
+                ensure(close, || format!("{what}: tensor {i}'s telemetry {g:?} vs the CPU's {h:?}"))?;
+            }
             let got = gpu.stream.clone_dtoh(&dev_counts).unwrap();
             ensure(got == host_counts && host_counts.chunks(2).all(|c| c == [step, 0]), || {
                 format!("{what}: counts {got:?} vs {host_counts:?}")
