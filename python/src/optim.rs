@@ -419,6 +419,7 @@ impl Kept {
         state: &Bound<'_, PyDict>,
         groups: &Bound<'_, PyList>,
         local: bool,
+        rows: Option<&mut Vec<u32>>,
     ) -> PyResult<Result<StepList, Miss>> {
         // The state as read: the same dicts and tensors (load_state_dict, an assignment into the
         // state, or a first state made elsewhere, makes new ones).
@@ -457,6 +458,13 @@ impl Kept {
         let t2 = Instant::now();
         self.timings[2] = (t2 - t1).as_nanos() as u64;
         let lists = LayoutLists::new(&self.groups);
+        if let Some(rows) = rows {
+            // Each list tensor's parameter, by its place in the optimizer's order (the step's
+            // telemetry rows).
+            let keep = lists.keeps_absent();
+            rows.clear();
+            rows.extend(stated(&self.groups).filter(|&(i, _)| keep || mask[i]).map(|(i, _)| i as u32));
+        }
         let r = match present {
             Present::Facts(facts) => self.grads.list_read(planner, self.place, mask, &facts, &lists)?,
             Present::Objects(objects) => self.grads.list(planner, self.place, local, mask, &objects, &lists)?,
@@ -620,7 +628,7 @@ impl ListMaker for LayoutLists<'_> {
 /// for the last four) and a payload: on the CPU the norm (None on CUDA: it stays on the device);
 /// with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
-#[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None))]
+#[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None, stats_out=0))]
 // The arguments are the Python call's, one per concern of the step.
 #[allow(clippy::too_many_arguments)]
 pub fn optim_step(
@@ -632,6 +640,7 @@ pub fn optim_step(
     lrs: Option<Vec<u64>>,
     inputs: StepInputs,
     clip_groups: Option<ClipGroups>,
+    stats_out: u64,
 ) -> PyResult<(u8, Option<Py<PyAny>>)> {
     let l = layout.get();
     let (kind, decoupled) = (hyper::kind_index(&rule.0)?, rule.1);
@@ -668,7 +677,9 @@ pub fn optim_step(
         // Another thread is stepping this optimizer: torch's step, rather than wait holding the GIL.
         Err(TryLockError::WouldBlock) => return Ok((STEP_TORCH, None)),
     };
-    let list = match kept.step_list(py, l.planner.get(), l.state.bind(py), groups, l.local)? {
+    let mut rows = Vec::new();
+    let want_rows = (stats_out != 0).then_some(&mut rows);
+    let list = match kept.step_list(py, l.planner.get(), l.state.bind(py), groups, l.local, want_rows)? {
         Ok(list) => list,
         Err(Miss::Relayout) => return Ok((STEP_RELAYOUT, None)),
         Err(Miss::Torch) => return Ok((STEP_TORCH, None)),
@@ -679,7 +690,11 @@ pub fn optim_step(
     }
     let place = kept.place;
     let started = Instant::now();
-    let r = run_step(py, place, &list, &hypers, inputs, &clip_groups.unwrap_or_default());
+    if !stats_out.is_multiple_of(8) {
+        return Err(PyValueError::new_err("the step's telemetry must be a float64 tensor"));
+    }
+    let stats = (stats_out, &rows[..]);
+    let r = run_step(py, place, &list, &hypers, inputs, &clip_groups.unwrap_or_default(), stats);
     kept.timings[4] = started.elapsed().as_nanos() as u64;
     let (verdict, norm) = r?;
     Ok((verdict, norm.map(|n| pyo3::types::PyFloat::new(py, n).into_any().unbind())))

@@ -93,6 +93,7 @@ pub(crate) fn run_step(
     hypers: &[Hyper],
     inputs: Inputs,
     clips: &ClipGroups,
+    (stats_out, stats_rows): (u64, &[u32]),
 ) -> PyResult<(u8, Option<f64>)> {
     let groups: Vec<GroupStep> = hypers
         .iter()
@@ -111,6 +112,8 @@ pub(crate) fn run_step(
         norm_in: inputs.norm_in,
         loss_scale: inputs.loss_scale,
         found_inf: inputs.found_inf,
+        stats_out,
+        stats_rows,
     };
     // SAFETY (both backends): the tensors are live memory of the place that the optimizer holds
     // for the call (on CUDA, torch's caching allocator orders their reuse after this stream's

@@ -294,6 +294,7 @@ impl GpuEngine {
             loss_scale: inputs.loss_scale,
             found_inf: inputs.found_inf,
             stats_out: 0,
+            stats_rows: &[],
         };
         // SAFETY: the caller's contract.
         unsafe { self.step_list(&list, &[group], &addresses) }.map(|_| ())
@@ -499,7 +500,7 @@ impl StepBackend for GpuEngine {
         let mut planned = Vec::with_capacity(launches.len());
         for (l, members) in &launches {
             let table: Vec<UpdateGroup> = members.iter().map(|&i| entries[i]).collect();
-            planned.push((*l, self.updates.tables(&stream, list, members, &table, launches.len(), inputs.stats_out != 0)?));
+            planned.push((*l, self.updates.tables(&stream, list, members, &table, launches.len(), (inputs.stats_out != 0).then_some(inputs.stats_rows))?));
         }
         let lists: Vec<Option<TensorList>> = clips.iter().map(|c| c.grads(list)).collect::<Result<_>>()?;
         for (k, (c, grads)) in clips.iter().zip(&lists).enumerate() {

@@ -67,8 +67,9 @@ fn launch_parts(list: &StepList, members: &[usize]) -> Vec<(u32, Parts)> {
     out
 }
 
-/// Each tensor's row of a launch over `list`'s groups `members`: its place in the list.
-fn launch_rows(list: &StepList, members: &[usize]) -> Vec<u32> {
+/// Each tensor's row of a launch over `list`'s groups `members`: `given[i]` for its place `i` in
+/// the list, or `i` when `given` is empty.
+fn launch_rows(list: &StepList, members: &[usize], given: &[u32]) -> Vec<u32> {
     let mut first = Vec::with_capacity(list.groups());
     let mut at = 0u32;
     for g in 0..list.groups() {
@@ -79,7 +80,7 @@ fn launch_rows(list: &StepList, members: &[usize]) -> Vec<u32> {
         .iter()
         .flat_map(|&g| {
             let at = first[g];
-            (0..list.group(g).0.len() as u32).map(move |i| at + i)
+            (0..list.group(g).0.len() as u32).map(move |i| given.get((at + i) as usize).copied().unwrap_or(at + i))
         })
         .collect()
 }
@@ -207,7 +208,8 @@ fn tables_at(base: u64, o: Offsets, stats: bool) -> UpdateTables {
 
 impl UpdateUpload {
     /// The tables of one update launch over `list`'s groups `members` (`groups`: their entries,
-    /// in that order; `stats`: with room for the step's telemetry) in device memory, and their
+    /// in that order; `stats`: with room for the step's telemetry, and its rows as given, empty
+    /// for the list's order) in device memory, and their
     /// counts: under CUDA-graph capture, fresh ones that the graph owns (as the norm's,
     /// [`capture`]); otherwise the launch's slot (found by its parameters), uploaded again in
     /// the parts that changed. A new launch takes a new slot, or the least recently used one's
@@ -221,10 +223,11 @@ impl UpdateUpload {
         members: &[usize],
         groups: &[UpdateGroup],
         launches: usize,
-        stats: bool,
+        stats: Option<&[u32]>,
     ) -> Result<LaunchTables> {
         let parts = launch_parts(list, members);
-        let rows = stats.then(|| launch_rows(list, members));
+        let rows = stats.map(|given| launch_rows(list, members, given));
+        let stats = stats.is_some();
         match capture::status(stream)? {
             Capture::Active(graph) => {
                 let (descs, tasks) = plan(&parts)?;

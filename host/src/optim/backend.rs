@@ -57,6 +57,9 @@ pub struct StepAddresses<'a> {
     /// the squared parameters after the step, the largest finite |g|, the count of non-finite
     /// gradient elements, the elements updated), written by the update itself (no extra pass).
     pub stats_out: u64,
+    /// Each list tensor's row of `stats_out` (its parameter's place in a caller's order; rows
+    /// distinct, below the rows `stats_out` holds); empty: the list's order.
+    pub stats_rows: &'a [u32],
 }
 
 /// A backend's step over every group of a checked [`StepList`].
@@ -151,6 +154,23 @@ pub(crate) fn check_step(list: &StepList, groups: &[GroupStep], inputs: &StepAdd
             what: "a group's step count (each group needs its own two u64)",
             addr: w[1],
         });
+    }
+    if !inputs.stats_rows.is_empty() {
+        let tensors = (0..list.groups()).map(|g| list.group(g).0.len()).sum::<usize>();
+        if inputs.stats_rows.len() != tensors {
+            return Err(Error::LengthMismatch {
+                what: "the telemetry's rows (one per tensor of the step list)",
+                expected: tensors,
+                found: inputs.stats_rows.len(),
+            });
+        }
+        let mut rows = inputs.stats_rows.to_vec();
+        rows.sort_unstable();
+        if let Some(w) = rows.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::ClipGroups {
+                detail: format!("the telemetry's row {} is given twice: each tensor needs its own", w[0]),
+            });
+        }
     }
     super::check_clip(inputs.clip.as_ref())?;
     let clips = inputs.clip_groups.len();

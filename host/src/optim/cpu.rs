@@ -328,7 +328,7 @@ impl StepBackend for Cpu {
                 .collect();
             let tallies = update_groups(list, &mut each, inputs.stats_out != 0);
             if inputs.stats_out != 0 {
-                write_records(list, &each, &tallies, inputs.stats_out as *mut f64);
+                write_records(list, &each, &tallies, inputs.stats_out as *mut f64, inputs.stats_rows);
             }
             for (g, c) in groups.iter().zip(&counts) {
                 let w = g.count as *mut u64;
@@ -433,13 +433,14 @@ unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>], tally: 
     tallies
 }
 
-/// The step's telemetry: each tensor's record at its row of `out` (five f64 per tensor of the
-/// list, [`StepTally::record`]), its pieces' tallies merged in order; its element count its
+/// The step's telemetry: each tensor's record at its row of `out` (`rows[i]` for the list's
+/// tensor `i`, or `i` without rows; five f64 a row, [`StepTally::record`]), its pieces' tallies merged in order; its element count its
 /// length when its group stepped, 0 when the group skipped.
 ///
 /// # Safety
-/// `out` is host memory of five f64 per tensor of `list`, used by nothing else.
-unsafe fn write_records(list: &StepList, groups: &[GroupUpdate<'_>], tallies: &[(usize, StepTally)], out: *mut f64) {
+/// `out` is host memory of five f64 per row, used by nothing else; `rows` (when given) one
+/// distinct row per tensor of `list`.
+unsafe fn write_records(list: &StepList, groups: &[GroupUpdate<'_>], tallies: &[(usize, StepTally)], out: *mut f64, rows: &[u32]) {
     let mut totals: Vec<(StepTally, u64)> = Vec::new();
     for (g, u) in groups.iter().enumerate() {
         totals.extend(list.group(g).0.iter().map(|p| (StepTally::default(), if u.skipped { 0 } else { p.grad.len })));
@@ -447,7 +448,8 @@ unsafe fn write_records(list: &StepList, groups: &[GroupUpdate<'_>], tallies: &[
     for &(row, t) in tallies {
         totals[row].0 = totals[row].0.merge(t);
     }
-    for (row, (t, elements)) in totals.into_iter().enumerate() {
+    for (i, (t, elements)) in totals.into_iter().enumerate() {
+        let row = rows.get(i).map_or(i, |&r| r as usize);
         for (w, v) in t.record(elements).into_iter().enumerate() {
             // SAFETY: row < the list's tensors, w < RECORD_WORDS (the caller's contract).
             unsafe { out.add(row * RECORD_WORDS + w).write(v) };

@@ -65,6 +65,8 @@ class _CompiledStep:
             and self._counts.shape[0] == len(self.param_groups)
             and _step_clip_groups.read(self.param_groups, self.max_grad_norm) is None
             and self._given_norm is None
+            # The telemetry's records are the eager step's (the list op writes none).
+            and not self._stats
         )
 
     def _traced_step(self):

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from .._engine import StepVerdict, capturing, group_hyper, optim_step, planner, result_dtype, step_layout, stream_of
-from . import _step_clip_groups, _step_norm
+from . import _step_clip_groups, _step_norm, _step_stats
 from ._functions import _is_dtensor, _local
 
 
@@ -19,7 +19,7 @@ class _Layout:
     of a step needs of it: the tensors' device, the dtype torch returns their norm in, and whether
     the norm is global over process groups (DTensor parameters, a pipeline group)."""
 
-    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream", "tensor_lrs")
+    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream", "tensor_lrs", "records", "records_norms")
 
     def __init__(self, native, device, result_dtype, sharded):
         self.native, self.device, self.result_dtype, self.sharded = native, device, result_dtype, sharded
@@ -31,6 +31,8 @@ class _Layout:
         #: The eager steps' result (norm, coefficient, flags: three float64 on the device), its
         #: norm element, and the stream the steps that wrote it ran on (see ``result``).
         self.out = self.norm = self.out_stream = None
+        #: The step's telemetry records (``stats=True``: ``_step_stats``).
+        self.records = self.records_norms = None
 
     def result(self, stream: int) -> torch.Tensor:
         """The result buffer of an eager step on ``stream``: kept from step to step while they
@@ -171,12 +173,19 @@ class _EngineStep:
             norm_in = norm_in.to(device=device, dtype=torch.float64).contiguous()
         inputs = (0 if scale_t is None else scale_t.data_ptr(), 0 if found_t is None else found_t.data_ptr())
         ptr = 0 if norm_in is None else norm_in.data_ptr()
+        stats_out = 0
+        if self._stats:
+            count = sum(len(g["params"]) for g in self.param_groups)
+            stats_out = _step_stats.records(layout, count, device).data_ptr()
+            # The step's NormOutputs (norm, factor, flags per clip), read by stats().
+            layout.records_norms = None if clip is None else out
         for _ in range(5):
             try:
                 with on_device:
                     verdict, norm = optim_step(
                         layout.native, self.param_groups, self._RULE, counts.data_ptr(), lrs, (stream, clip, out.data_ptr(), ptr, *inputs),
                         None if named is None else (named.thresholds, named.index),
+                        stats_out,
                     )
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):

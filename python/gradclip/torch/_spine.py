@@ -17,7 +17,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .._engine import check_max_norm, check_p
-from . import _step_clip_groups, _step_norm, _whole_step
+from . import _step_clip_groups, _step_norm, _step_stats, _whole_step
 from ._compiled_step import _CompiledStep
 from ._engine_step import _EngineStep
 from ._functions import _local
@@ -84,12 +84,17 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
     hyperparameters), ``_make_states`` (the states of parameters with their first gradient),
     ``_torch_step`` and ``_after_load``."""
 
-    def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip"):
+    def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip", stats=False):
         _refuse_unfused(fused, foreach, differentiable, "")
         settings = _checked_settings(max_grad_norm, norm_type, nonfinite)
         if update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}; got {update!r}")
+        if stats and update != "gradclip":
+            raise ValueError('stats=True needs update="gradclip": the telemetry is tallied by gradclip\'s update kernel')
         self.update = update
+        # The step's telemetry (``stats()``): the update kernel tallies every parameter as it
+        # updates it (_step_stats).
+        self._stats = bool(stats)
         # gradclip's kernel counts each group's steps and skipped steps on the device (a row of
         # two int64 per group, one tensor: ``_group_counts``); every parameter steps from its own
         # torch "step", which the kernel advances.
@@ -173,6 +178,36 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         if v is not None and any(type(n) is tuple for n in v.values()):
             v = self._reported["last_grad_norms"] = {k: n[0].to(n[1], copy=True) if type(n) is tuple else n for k, n in v.items()}
         return v
+
+    def stats(self, per_param: bool = False, as_floats: bool = False):
+        """The last step's telemetry (``stats=True``), per clip group name ("default" without
+        named clip groups): ``grad_norm`` (before the clip), ``clip_coef``, ``update_norm`` and
+        ``update_rms`` of ``p_after - p_before`` (weight decay included), ``param_norm`` (after
+        the step), ``update_to_param``, ``grad_max_abs`` (the largest finite |g|), ``nonfinite``
+        (gradient elements) and ``skipped``: 0-dim tensors on the parameters' device, made
+        without a host synchronization; ``per_param``: 1-D tensors, one value per parameter of
+        the clip group in the optimizer's order (0 for a parameter without a gradient);
+        ``as_floats``: Python numbers, after one synchronization. Empty before the first step."""
+        if not self._stats:
+            raise RuntimeError("stats() needs the optimizer made with stats=True")
+        rec = getattr(self._layout, "records", None) if self._layout is not None else None
+        if rec is None:
+            return {}
+        named = _step_clip_groups.read(self.param_groups, self.max_grad_norm)
+        if named is None:
+            members = {_step_clip_groups.DEFAULT: list(range(rec.shape[0]))}
+            limits = [self.max_grad_norm]
+        else:
+            limits = named.thresholds
+            index = [named.index[k] for k, g in enumerate(self.param_groups) for _ in g["params"]]
+            members = {n: [i for i, k in enumerate(index) if k == c] for c, n in enumerate(named.names)}
+        # Each clip's norm as the step wrote it (float64, of the gradients as the step read them);
+        # none without a clip.
+        out = self._layout.records_norms
+        norms = {n: None if out is None else out[3 * c] for c, n in enumerate(members)}
+        coefs = {n: None if out is None else _step_stats.coefficient(out[3 * c], limits[c]) for c, n in enumerate(members)}
+        skipped = (rec[:, 4].sum() == 0) & (rec[:, 1].sum() > 0)
+        return _step_stats.figures(rec, members, norms, coefs, skipped, per_param, as_floats)
 
     @property
     def skipped_steps(self) -> Optional[torch.Tensor]:

@@ -92,8 +92,9 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
         norm_group=None,
         shards_over=None,
         update="gradclip",
+        stats=False,
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update, stats)
         super().__init__(
             params,
             lr,
@@ -136,8 +137,9 @@ class Adam(_ClippingStep, torch.optim.Adam):
         norm_group=None,
         shards_over=None,
         update="gradclip",
+        stats=False,
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update, stats)
         super().__init__(
             params,
             lr,
@@ -200,8 +202,9 @@ class SGD(_ClippingStep, torch.optim.SGD):
         norm_group=None,
         shards_over=None,
         update="gradclip",
+        stats=False,
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update, stats)
         super().__init__(
             params,
             lr,
@@ -285,6 +288,7 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
         norm_group=None,
         shards_over=None,
         update="gradclip",
+        stats=False,
     ):
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -292,7 +296,7 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
             raise ValueError(f"Invalid beta parameters: {betas}")
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), True, None, False, update)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), True, None, False, update, stats)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize))
 
     def _make_states(self, group, params) -> None:

@@ -1,0 +1,100 @@
+"""The optimizers' step telemetry (``stats=True``): what the update kernel tallied of every
+parameter as it updated it, read lazily.
+
+The step itself writes, per parameter, five float64 on the parameters' device (no extra pass over
+the tensors, no host synchronization): the sum of the squared update ``p_after - p_before`` (the
+stored parameters', weight decay included), the sum of the squared parameter after the step, the
+largest finite |g| of the stored gradient, the count of its non-finite elements and the elements
+updated (0 for a parameter without a gradient, and for every parameter of a skipped step). The
+figures users log are made from them when asked (``figures``): per clip group, or per parameter."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+#: Float64 per parameter in the records.
+WORDS = 5
+
+#: The figures, in the order ``figures`` gives them.
+NAMES = ("grad_norm", "clip_coef", "update_norm", "update_rms", "param_norm", "update_to_param", "grad_max_abs", "nonfinite", "skipped")
+
+
+def records(layout, count: int, device) -> torch.Tensor:
+    """The layout's records (``count`` parameters), zeroed for this step: a parameter the step
+    leaves out (no gradient, no state yet) reads as nothing updated. Kept from step to step (a
+    captured step writes the same tensor at every replay)."""
+    r = getattr(layout, "records", None)
+    if r is None or r.shape[0] != count or r.device != torch.device(device):
+        r = layout.records = torch.zeros(count, WORDS, dtype=torch.float64, device=device)
+    else:
+        r.zero_()
+    return r
+
+
+def coefficient(norm: torch.Tensor, max_norm: Optional[float]) -> torch.Tensor:
+    """The clip coefficient of ``norm`` for ``max_norm`` (torch's and the engine's
+    ``min(1, max_norm / (norm + 1e-6))`` in float64; 1 for a clip group measured, not clipped)."""
+    if max_norm is None:
+        return torch.ones_like(norm)
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def _figures(rec: torch.Tensor, grad_norm, coef, skipped) -> Dict[str, torch.Tensor]:
+    """The figures of the records ``rec`` (rows summed: one clip group, or per row when ``rec``
+    is 2-D and its sums are taken per row by the caller)."""
+    update_norm = rec[..., 0].sqrt()
+    param_norm = rec[..., 1].sqrt()
+    elements = rec[..., 4]
+    return {
+        "grad_norm": grad_norm,
+        "clip_coef": coef,
+        "update_norm": update_norm,
+        "update_rms": torch.where(elements > 0, update_norm / elements.clamp(min=1).sqrt(), torch.zeros_like(update_norm)),
+        "param_norm": param_norm,
+        "update_to_param": torch.where(param_norm > 0, update_norm / param_norm.clamp(min=torch.finfo(torch.float64).tiny), torch.zeros_like(param_norm)),
+        "grad_max_abs": rec[..., 2],
+        "nonfinite": rec[..., 3].to(torch.int64),
+        "skipped": skipped,
+    }
+
+
+def figures(
+    rec: torch.Tensor,
+    members: Dict[str, List[int]],
+    norms: Dict[str, Optional[torch.Tensor]],
+    coefs: Dict[str, Optional[torch.Tensor]],
+    skipped: torch.Tensor,
+    per_param: bool,
+    as_floats: bool,
+):
+    """Per clip group name (``members``: its parameters' rows), the figures of ``NAMES``: 0-dim
+    float64 tensors on the device (``per_param``: 1-D, one value per parameter of the group, in
+    the optimizer's order), or floats after one synchronization (``as_floats``). ``grad_norm``
+    and ``clip_coef`` are the clip group's (None without a clip); ``skipped`` whether the last
+    step was skipped."""
+    out = {}
+    for name, rows in members.items():
+        index = torch.tensor(rows, dtype=torch.long, device=rec.device)
+        part = rec.index_select(0, index)
+        if per_param:
+            got = _figures(part, norms.get(name), coefs.get(name), skipped)
+        else:
+            total = torch.stack([part[:, 0].sum(), part[:, 1].sum(), part[:, 2].amax() if len(rows) else part.new_zeros(()), part[:, 3].sum(), part[:, 4].sum()])
+            got = _figures(total, norms.get(name), coefs.get(name), skipped)
+        out[name] = got
+    if as_floats:
+        # Every figure in one copy to the host: one synchronization.
+        flat = [(k, n, v) for k, d in out.items() for n, v in d.items() if v is not None]
+        host = torch.cat([v.reshape(-1).to(torch.float64) for _, _, v in flat]).cpu().tolist() if flat else []
+        at, floats = 0, {k: {n: None for n in d} for k, d in out.items()}
+        for k, n, v in flat:
+            size = v.numel()
+            vals = host[at : at + size]
+            at += size
+            floats[k][n] = vals if v.dim() else (bool(vals[0]) if n == "skipped" else int(vals[0]) if n == "nonfinite" else vals[0])
+            if v.dim() and n == "nonfinite":
+                floats[k][n] = [int(x) for x in vals]
+        return floats
+    return out
