@@ -137,6 +137,7 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
                 "clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="torch"),
                 "kernel_plain": lambda: optim.AdamW(params, lr=1e-6, update="gradclip"),
                 "kernel_clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="gradclip"),
+                "kernel_clip_stats": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="gradclip", stats=True),
                 "torch_sgd": lambda: torch.optim.SGD(params, lr=1e-6, momentum=0.9, fused=True),
                 "sgd_clip": lambda: optim.SGD(params, lr=1e-6, momentum=0.9, max_grad_norm=max_norm),
                 "lion_clip": lambda: optim.Lion(params, lr=1e-9, max_grad_norm=max_norm),
@@ -156,6 +157,8 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
         rows += [
             ("gradclip optim.AdamW(update='gradclip')", lambda: opt("kernel_plain").step(), floor_step),
             ("gradclip optim.AdamW(update='gradclip'), max_grad_norm", lambda: opt("kernel_clip").step(), floor_clip),
+            # The same step with its telemetry (stats=True: tallied in the update kernel).
+            ("gradclip optim.AdamW(update='gradclip'), max_grad_norm, stats", lambda: opt("kernel_clip_stats").step(), floor_clip),
             # The other optimizers of the spine (one state each).
             ("torch clip_grad_norm_ + fused SGD(momentum)", lambda: (torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), opt("torch_sgd").step()), floor_one_state_clip),
             ("gradclip optim.SGD(momentum), max_grad_norm", lambda: opt("sgd_clip").step(), floor_one_state_clip),

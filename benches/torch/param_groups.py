@@ -80,6 +80,7 @@ def steps(params, groups):
         return [{**g, "params": list(g["params"])} for g in groups]
 
     ours = gopt.AdamW(fresh(), max_grad_norm=1.0)
+    ours_stats = gopt.AdamW(fresh(), max_grad_norm=1.0, stats=True)
     fused_clipped = torch.optim.AdamW(fresh(), fused=True)
     fused = torch.optim.AdamW(fresh(), fused=True)
 
@@ -87,7 +88,7 @@ def steps(params, groups):
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         fused_clipped.step()
 
-    return {"gradclip AdamW(max_grad_norm=1)": (ours.step, ours), "torch clip + fused AdamW": (torch_clipped, None), "torch fused AdamW, no clip": (fused.step, None)}
+    return {"gradclip AdamW(max_grad_norm=1)": (ours.step, ours), "gradclip AdamW(max_grad_norm=1, stats=True)": (ours_stats.step, ours_stats), "torch clip + fused AdamW": (torch_clipped, None), "torch fused AdamW, no clip": (fused.step, None)}
 
 
 def main():

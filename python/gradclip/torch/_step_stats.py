@@ -21,14 +21,18 @@ WORDS = 5
 NAMES = ("grad_norm", "clip_coef", "update_norm", "update_rms", "param_norm", "update_to_param", "grad_max_abs", "nonfinite", "skipped")
 
 
-def records(layout, count: int, device) -> torch.Tensor:
-    """The layout's records (``count`` parameters), zeroed for this step: a parameter the step
-    leaves out (no gradient, no state yet) reads as nothing updated. Kept from step to step (a
-    captured step writes the same tensor at every replay)."""
+def records(layout, params: List[torch.Tensor], device) -> torch.Tensor:
+    """The layout's records (one row per parameter of ``params``, the optimizer's order), kept
+    from step to step (a captured step writes the same tensor at every replay). The step writes
+    the row of every parameter it lists: every parameter with a state, whatever its gradient,
+    unless some parameter has no elements, when the engine lists only those with a gradient;
+    then the records are zeroed before each step (a parameter left out reads as nothing
+    updated). A parameter without a state yet keeps the zeros it was made with."""
     r = getattr(layout, "records", None)
-    if r is None or r.shape[0] != count or r.device != torch.device(device):
-        r = layout.records = torch.zeros(count, WORDS, dtype=torch.float64, device=device)
-    else:
+    if r is None or r.shape[0] != len(params) or r.device != torch.device(device):
+        r = layout.records = torch.zeros(len(params), WORDS, dtype=torch.float64, device=device)
+        layout.records_clear = any(p.numel() == 0 for p in params)
+    elif layout.records_clear:
         r.zero_()
     return r
 
