@@ -107,7 +107,9 @@ fn with_register_limits(mut text: String) -> String {
             .unwrap_or_else(|_| panic!("GRADCLIP_ADAM_MAXNREG={v}: expected a register count")),
         Err(_) => 80u32,
     };
-    let kernels = ["gradclip_adam", "gradclip_sgd", "gradclip_lion"].into_iter().flat_map(|k| [k.to_string(), format!("{k}_stats")]);
+    let kernels = ["gradclip_adam", "gradclip_sgd", "gradclip_lion"]
+        .into_iter()
+        .flat_map(|k| [k.to_string(), format!("{k}_stats")]);
     for (kernel, regs) in kernels.map(|k| (k, adam)) {
         if regs == 0 {
             continue;

@@ -13,11 +13,12 @@ use crate::abi::{
     BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, Partial, UpdateCount, UpdateGroup, UpdateTensorDesc, WARP_THREADS, dtype_code,
     update_chunk_elems,
 };
+use crate::accum::Reduce;
 use crate::device::{
-    atomic_add_u32, block_idx, block_reduce, fence_gpu, ld_cg_partial, ld_nc_v4, ld_v4, opaque_u64, smem_flag, st_v4, sync_threads, thread_idx,
+    atomic_add_u32, block_idx, block_reduce, fence_gpu, ld_cg_partial, ld_nc_v4, ld_v4, opaque_u64, smem_flag, st_v4, sync_threads,
+    thread_idx,
 };
 use crate::dtype::{Element, F64};
-use crate::accum::Reduce;
 use crate::tally::{RECORD_WORDS, StepTally, Tally};
 use crate::update::ElementUpdate;
 
@@ -714,7 +715,14 @@ fn dtype_size(code: u32) -> u64 {
 /// `num_tensors` rows, each distinct and inside `out.records`; the task table lists each
 /// tensor's tasks together, in tensor order.
 #[inline(always)]
-unsafe fn write_records(s: &Step, out: &TallyOut, tensors: *const UpdateTensorDesc, tasks: *const ChunkTask, num_tasks: u64, num_tensors: u64) {
+unsafe fn write_records(
+    s: &Step,
+    out: &TallyOut,
+    tensors: *const UpdateTensorDesc,
+    tasks: *const ChunkTask,
+    num_tasks: u64,
+    num_tensors: u64,
+) {
     let mut i = thread_idx() as u64;
     while i < num_tensors {
         // SAFETY: (every access) the tables and the records as the contract describes them.

@@ -55,7 +55,13 @@ impl StepTally {
     /// those updated; 0 when its gradient was absent), each one f64.
     #[inline(always)]
     pub fn record(self, elements: u64) -> [f64; RECORD_WORDS] {
-        [self.update_sq, self.param_sq, self.grad_max_abs, self.nonfinite as f64, elements as f64]
+        [
+            self.update_sq,
+            self.param_sq,
+            self.grad_max_abs,
+            self.nonfinite as f64,
+            elements as f64,
+        ]
     }
 }
 
@@ -70,7 +76,11 @@ impl Reduce for StepTally {
         StepTally {
             update_sq: self.update_sq + o.update_sq,
             param_sq: self.param_sq + o.param_sq,
-            grad_max_abs: if o.grad_max_abs > self.grad_max_abs { o.grad_max_abs } else { self.grad_max_abs },
+            grad_max_abs: if o.grad_max_abs > self.grad_max_abs {
+                o.grad_max_abs
+            } else {
+                self.grad_max_abs
+            },
             nonfinite: self.nonfinite + o.nonfinite,
         }
     }
@@ -78,7 +88,12 @@ impl Reduce for StepTally {
     #[inline(always)]
     fn encode(self) -> Partial {
         Partial {
-            words: [self.update_sq.to_bits(), self.param_sq.to_bits(), self.grad_max_abs.to_bits(), self.nonfinite],
+            words: [
+                self.update_sq.to_bits(),
+                self.param_sq.to_bits(),
+                self.grad_max_abs.to_bits(),
+                self.nonfinite,
+            ],
         }
     }
 

@@ -25,14 +25,15 @@
 //! before the launch on its stream.
 
 use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, Partial, SgdParams, UpdateGroup, UpdateTensorDesc, adam_flags};
-use crate::adam::{StepScalars, gradient_factor, step_scalars_f32, step_scalars_f64};
 use crate::accum::Reduce;
+use crate::adam::{StepScalars, gradient_factor, step_scalars_f32, step_scalars_f64};
 use crate::apply::{
-    TallyOut, chunk_any_f32, chunk_f64, dtypes, finish, group_lr, is_f64, keep_block_tally, launch_step, step_of, tally_unchanged, task, task_at,
+    TallyOut, chunk_any_f32, chunk_f64, dtypes, finish, group_lr, is_f64, keep_block_tally, launch_step, step_of, tally_unchanged, task,
+    task_at,
 };
-use crate::tally::{NoTally, StepTally, Tally};
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
+use crate::tally::{NoTally, StepTally, Tally};
 
 /// An optimizer kernel: the arguments every one takes, the step around its task
 /// (`launch_step`, `task`, `finish`), and `$body` for this block's task when the step is taken,

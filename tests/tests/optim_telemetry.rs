@@ -71,8 +71,14 @@ fn list(m: &mut Model, momentum: &mut [Vec<f64>]) -> StepList {
         )
     };
     let groups = vec![
-        (m.f32s.iter_mut().map(adam).collect::<Vec<_>>(), Rule::Adam(AdamConfig::adamw(1e-2)).states()),
-        (m.bf16s.iter_mut().map(adam16).collect(), Rule::Adam(AdamConfig::adamw(1e-2)).states()),
+        (
+            m.f32s.iter_mut().map(adam).collect::<Vec<_>>(),
+            Rule::Adam(AdamConfig::adamw(1e-2)).states(),
+        ),
+        (
+            m.bf16s.iter_mut().map(adam16).collect(),
+            Rule::Adam(AdamConfig::adamw(1e-2)).states(),
+        ),
         (
             m.f64s
                 .iter_mut()
@@ -102,8 +108,14 @@ fn sgd() -> Rule {
 
 /// Every tensor's (parameter, gradient) as f64, in the list's order.
 fn values(m: &Model) -> Vec<(Vec<f64>, Vec<f64>)> {
-    let f32s = m.f32s.iter().map(|t| (t[0].iter().map(|&x| x as f64).collect(), t[1].iter().map(|&x| x as f64).collect()));
-    let bf16s = m.bf16s.iter().map(|t| (t[0].iter().map(|x| x.to_f64()).collect(), t[1].iter().map(|x| x.to_f64()).collect()));
+    let f32s = m
+        .f32s
+        .iter()
+        .map(|t| (t[0].iter().map(|&x| x as f64).collect(), t[1].iter().map(|&x| x as f64).collect()));
+    let bf16s = m
+        .bf16s
+        .iter()
+        .map(|t| (t[0].iter().map(|x| x.to_f64()).collect(), t[1].iter().map(|x| x.to_f64()).collect()));
     let f64s = m.f64s.iter().map(|t| (t[0].clone(), t[1].clone()));
     f32s.chain(bf16s).chain(f64s).collect()
 }
@@ -151,7 +163,12 @@ fn assert_records(got: &[f64], before: &[(Vec<f64>, Vec<f64>)], after: &[(Vec<f6
         let row = &got[WORDS * i..WORDS * (i + 1)];
         for k in 0..2 {
             let tol = 1e-12 * want[k].abs().max(1e-300);
-            assert!((row[k] - want[k]).abs() <= tol, "{what}: tensor {i}, figure {k}: {} vs {}", row[k], want[k]);
+            assert!(
+                (row[k] - want[k]).abs() <= tol,
+                "{what}: tensor {i}, figure {k}: {} vs {}",
+                row[k],
+                want[k]
+            );
         }
         assert_eq!(&row[2..], &want[2..], "{what}: tensor {i}: max |g|, non-finite count, elements");
     }
@@ -159,7 +176,10 @@ fn assert_records(got: &[f64], before: &[(Vec<f64>, Vec<f64>)], after: &[(Vec<f6
 
 /// Every parameter's bits.
 fn bits(m: &Model) -> Vec<Vec<u64>> {
-    values(m).into_iter().map(|(p, _)| p.iter().map(|x| x.to_bits()).collect()).collect()
+    values(m)
+        .into_iter()
+        .map(|(p, _)| p.iter().map(|x| x.to_bits()).collect())
+        .collect()
 }
 
 /// A clipped step over three groups (f32, bf16 and f64 parameters; Adam and SGD): every record
@@ -170,7 +190,10 @@ fn bits(m: &Model) -> Vec<Vec<u64>> {
 #[test]
 fn records_equal_the_f64_reference() {
     let (mut with, mut without) = (model(7), model(7));
-    let (mut mw, mut mo) = (vec![vec![0.0; 70_000], vec![0.0; 33], vec![0.0; 1000]], vec![vec![0.0; 70_000], vec![0.0; 33], vec![0.0; 1000]]);
+    let (mut mw, mut mo) = (
+        vec![vec![0.0; 70_000], vec![0.0; 33], vec![0.0; 1000]],
+        vec![vec![0.0; 70_000], vec![0.0; 33], vec![0.0; 1000]],
+    );
     let (mut cw, mut co) = ([0u64; 6], [0u64; 6]);
     let clip = ClipConfig::new(0.5);
     for s in 1..=3 {
@@ -184,7 +207,11 @@ fn records_equal_the_f64_reference() {
     with.bf16s[2][1][9] = bf16::INFINITY;
     let before = values(&with);
     let got = step(&mut with, &mut mw, &mut cw, clip, true);
-    let params = |v: &[(Vec<f64>, Vec<f64>)]| v.iter().map(|(p, _)| p.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
+    let params = |v: &[(Vec<f64>, Vec<f64>)]| {
+        v.iter()
+            .map(|(p, _)| p.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    };
     assert!(params(&values(&with)) == params(&before), "a skipped step wrote");
     assert_eq!(cw[1], 1, "the skip was not counted");
     assert_records(&got, &before, &values(&with), false, "the skipped step");

@@ -234,7 +234,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use gradclip_kernels::accum::{Accumulator, PNorm};
+    use gradclip_kernels::accum::{PNorm, Reduce};
     use gradclip_kernels::dtype::{self as k, Element};
     use proptest::prelude::*;
 

@@ -311,7 +311,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use gradclip_kernels::accum::{Accumulator, L1, L2};
+    use gradclip_kernels::accum::{L1, L2, Reduce};
     use gradclip_kernels::dtype::{self as k, Element};
     use proptest::prelude::*;
 

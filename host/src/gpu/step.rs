@@ -500,7 +500,17 @@ impl StepBackend for GpuEngine {
         let mut planned = Vec::with_capacity(launches.len());
         for (l, members) in &launches {
             let table: Vec<UpdateGroup> = members.iter().map(|&i| entries[i]).collect();
-            planned.push((*l, self.updates.tables(&stream, list, members, &table, launches.len(), (inputs.stats_out != 0).then_some(inputs.stats_rows))?));
+            planned.push((
+                *l,
+                self.updates.tables(
+                    &stream,
+                    list,
+                    members,
+                    &table,
+                    launches.len(),
+                    (inputs.stats_out != 0).then_some(inputs.stats_rows),
+                )?,
+            ));
         }
         let lists: Vec<Option<TensorList>> = clips.iter().map(|c| c.grads(list)).collect::<Result<_>>()?;
         for (k, (c, grads)) in clips.iter().zip(&lists).enumerate() {

@@ -161,7 +161,9 @@ fn offsets(tensors: usize, tasks: usize, groups: usize, stats: bool) -> Offsets 
 
 /// Rows as u64 words (two u32 to a word, the first in the low half, as the device reads them).
 fn row_words(rows: &[u32]) -> Vec<u64> {
-    rows.chunks(2).map(|c| c[0] as u64 | (c.get(1).copied().unwrap_or(0) as u64) << 32).collect()
+    rows.chunks(2)
+        .map(|c| c[0] as u64 | (c.get(1).copied().unwrap_or(0) as u64) << 32)
+        .collect()
 }
 
 /// The launch's tables uploaded on `stream` into `reuse` when it is large enough (its counter
@@ -181,7 +183,12 @@ fn upload(
         None => stream.alloc_zeros::<u64>(o.total)?,
     };
     let rw = rows.map(row_words).unwrap_or_default();
-    for (at, words) in [(1, as_words(&descs)), (o.tasks, as_words(&tasks)), (o.groups, as_words(groups)), (o.rows, &rw[..])] {
+    for (at, words) in [
+        (1, as_words(&descs)),
+        (o.tasks, as_words(&tasks)),
+        (o.groups, as_words(groups)),
+        (o.rows, &rw[..]),
+    ] {
         if !words.is_empty() {
             stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
         }

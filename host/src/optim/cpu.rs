@@ -2,12 +2,12 @@
 //! ([`crate::cpu::workers`]), each with the kernels' per-element arithmetic of its [`Rule`] (the GPU's bits).
 
 use gradclip_kernels::abi::{AdamParams, LionParams, MAX_STATES, SgdParams};
+use gradclip_kernels::accum::Reduce;
 use gradclip_kernels::accum::clip_coefficient;
 use gradclip_kernels::adam::{step_scalars_f32, step_scalars_f64};
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
 use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
-use gradclip_kernels::accum::Reduce;
 use gradclip_kernels::tally::{NoTally, RECORD_WORDS, StepTally, Tally};
 use gradclip_kernels::update::ElementUpdate;
 
@@ -443,7 +443,12 @@ unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>], tally: 
 unsafe fn write_records(list: &StepList, groups: &[GroupUpdate<'_>], tallies: &[(usize, StepTally)], out: *mut f64, rows: &[u32]) {
     let mut totals: Vec<(StepTally, u64)> = Vec::new();
     for (g, u) in groups.iter().enumerate() {
-        totals.extend(list.group(g).0.iter().map(|p| (StepTally::default(), if u.skipped { 0 } else { p.grad.len })));
+        totals.extend(
+            list.group(g)
+                .0
+                .iter()
+                .map(|p| (StepTally::default(), if u.skipped { 0 } else { p.grad.len })),
+        );
     }
     for &(row, t) in tallies {
         totals[row].0 = totals[row].0.merge(t);
@@ -606,7 +611,15 @@ impl Opmath<f64> for F64 {
 /// Every part of the piece is live host memory of its dtype and the piece's range lies inside it
 /// (its first `N` states present); the written parts (parameter and states) are used by nothing
 /// else during the call.
-unsafe fn update_range<const N: usize, P: Opmath<T>, G: Opmath<T>, S: Opmath<T>, T: Copy + Default + Into<f64>, U: ElementUpdate<T>, Tl: Tally>(
+unsafe fn update_range<
+    const N: usize,
+    P: Opmath<T>,
+    G: Opmath<T>,
+    S: Opmath<T>,
+    T: Copy + Default + Into<f64>,
+    U: ElementUpdate<T>,
+    Tl: Tally,
+>(
     p: &Piece,
     u: &U,
     t: &mut Tl,
