@@ -286,6 +286,22 @@ pub struct UpdateTensorDesc {
     pub step: u64,
 }
 
+/// A tensor's entry in an update launch with telemetry ([`crate::tally`]): the row of the
+/// records it writes, its task count, and how many of its tasks this launch has finished (zero
+/// between launches: the block that finishes the last one resets it and writes the record).
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TallyTensor {
+    /// The tensor's row in the records.
+    pub row: u32,
+    /// The tensor's tasks in the launch's task table (contiguous, in chunk order).
+    pub tasks: u32,
+    /// Tasks finished in this launch.
+    pub done: u32,
+    /// Keeps the struct free of padding.
+    pub reserved: u32,
+}
+
 /// What an update kernel keeps on the device between steps: the step count (torch's `step`) and
 /// the steps skipped for a non-finite norm. Written only by the last block of a launch.
 #[repr(C)]
@@ -371,6 +387,7 @@ const _: () = {
     assert!(core::mem::size_of::<UpdateTensorDesc>() == 64);
     assert!(core::mem::size_of::<UpdateCount>() == 16);
     assert!(core::mem::size_of::<UpdateGroup>() == 56);
+    assert!(core::mem::size_of::<TallyTensor>() == 16);
     assert!(update_chunk_elems(2) <= u32::MAX as u64 && update_chunk_elems(8) <= u32::MAX as u64);
     assert!(core::mem::size_of::<TensorDesc>() == 40);
     assert!(core::mem::size_of::<ChunkTask>() == 8);

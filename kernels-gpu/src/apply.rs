@@ -10,8 +10,8 @@
 use core::arch::asm;
 
 use crate::abi::{
-    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, Partial, UpdateCount, UpdateGroup, UpdateTensorDesc, WARP_THREADS, dtype_code,
-    update_chunk_elems,
+    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, Partial, TallyTensor, UpdateCount, UpdateGroup, UpdateTensorDesc, WARP_THREADS,
+    dtype_code, update_chunk_elems,
 };
 use crate::accum::Reduce;
 use crate::device::{
@@ -550,7 +550,8 @@ pub(crate) unsafe fn step_of(g: *const UpdateGroup, d: &UpdateTensorDesc) -> f64
 
 /// The second half: the block that finishes last adds one to every group's `steps` (or
 /// `skipped`) and, when the step is taken, to every parameter's own count (its threads striding
-/// over the groups, then over the `num_tensors` tensors).
+/// over the groups, then over the `num_tensors` tensors); with telemetry, it writes the records
+/// of the tensors without tasks, which no block finishes.
 ///
 /// # Safety
 /// As the entry points of `update_entry`: [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared
@@ -563,7 +564,6 @@ pub(crate) unsafe fn step_of(g: *const UpdateGroup, d: &UpdateTensorDesc) -> f64
 pub(crate) unsafe fn finish(
     s: &Step,
     tensors: *const UpdateTensorDesc,
-    tasks: *const ChunkTask,
     counter: *mut u32,
     groups: *const UpdateGroup,
     num_groups: u64,
@@ -600,9 +600,8 @@ pub(crate) unsafe fn finish(
     }
     fence_gpu();
     if let Some(out) = tally {
-        // SAFETY: the last block: every block wrote its task's record before its ticket (the
-        // fence above and theirs order them); the caller's contract covers the rest.
-        unsafe { write_records(s, out, tensors, tasks, num_tasks, num_tensors) };
+        // SAFETY: the caller's contract.
+        unsafe { write_empty_records(out, num_tensors) };
     }
     let mut i = thread_idx() as u64;
     while i < num_groups {
@@ -636,42 +635,127 @@ pub(crate) unsafe fn finish(
 }
 
 /// Where a step with telemetry writes ([`crate::tally`]): one [`Partial`] per task (the block's
-/// tally), and each tensor's record of [`RECORD_WORDS`] f64 at row `rows[i]` of `records`.
+/// tally), and each tensor's record of [`RECORD_WORDS`] f64 at its row of `records`.
 #[derive(Clone, Copy)]
 pub(crate) struct TallyOut {
-    /// `num_tasks` partials, written by the blocks and read by the last one.
+    /// `num_tasks` partials, each written by its task's block.
     pub scratch: *mut Partial,
-    /// Each tensor's row in `records`.
-    pub rows: *const u32,
+    /// Each tensor's row, task count and finished tasks.
+    pub tensors: *mut TallyTensor,
     /// The step's records.
     pub records: *mut f64,
 }
 
-/// The block's tally of its task, reduced over the block, as its record in `out.scratch`
-/// (the empty tally when the block had no task).
+/// The block's tally of its task, reduced over the block, as its partial in `out.scratch`; the
+/// block that finishes a tensor's last task then merges that tensor's partials (in task order,
+/// the whole block striding over them: the same order on every run) into its record. Each
+/// tensor is finished by its own last block, so the records are written across the GPU as the
+/// tensors complete, not by one block at the end. A record's element count is the tensor's
+/// length (0 for an absent gradient, and for every tensor of a skipped step).
 ///
 /// # Safety
 /// Every thread of the block calls it once after its task, with the launch's shared memory;
-/// `out.scratch` holds one partial per task of the launch.
+/// `out.scratch` holds one partial per task of the launch; `out.tensors` one entry per tensor
+/// of `tensors`, its task count the tensor's tasks in `tasks` (contiguous, in chunk order from
+/// chunk 0), its count of finished tasks zero before the launch, its row distinct and inside
+/// `out.records`.
 #[inline(always)]
-pub(crate) unsafe fn keep_block_tally(t: StepTally, out: &TallyOut, num_tasks: u64) {
+pub(crate) unsafe fn keep_block_tally(
+    t: StepTally,
+    out: &TallyOut,
+    s: &Step,
+    tensors: *const UpdateTensorDesc,
+    tasks: *const ChunkTask,
+    num_tasks: u64,
+) {
     // SAFETY: every thread of the block reaches this call (the contract).
     let total = unsafe { block_reduce::<StepTally, BLOCK_WARPS>(t, 0.0) };
-    if thread_idx() == 0 && num_tasks > 0 {
-        // Word by word: a whole-struct volatile store goes through local memory.
-        let words = total.encode().words;
-        // SAFETY: block_idx < num_tasks partials (the contract); this block's alone.
-        let at = unsafe { out.scratch.add(block_idx() as usize) } as *mut u64;
-        // Indexed (not an iterator) so the words stay in registers.
-        #[allow(clippy::needless_range_loop)]
-        for k in 0..4 {
-            // SAFETY: word k < 4 of this block's partial.
-            unsafe { at.add(k).write_volatile(words[k]) };
+    let flag = smem_flag::<BLOCK_WARPS>();
+    let task = if num_tasks > 0 {
+        // SAFETY: one block per task (the contract).
+        unsafe { tasks.add(block_idx() as usize).read() }
+    } else {
+        ChunkTask::default()
+    };
+    // SAFETY: (the entry) task.tensor indexes `out.tensors` (the contract).
+    let entry = unsafe { out.tensors.add(task.tensor as usize) };
+    if thread_idx() == 0 {
+        let mut last = false;
+        if num_tasks > 0 {
+            // Word by word: a whole-struct volatile store goes through local memory.
+            let words = total.encode().words;
+            // SAFETY: block_idx < num_tasks partials (the contract); this block's alone.
+            let at = unsafe { out.scratch.add(block_idx() as usize) } as *mut u64;
+            // Indexed (not an iterator) so the words stay in registers.
+            #[allow(clippy::needless_range_loop)]
+            for k in 0..4 {
+                // SAFETY: word k < 4 of this block's partial.
+                unsafe { at.add(k).write_volatile(words[k]) };
+            }
+            // Publish the partial before taking the tensor's ticket (threadfence reduction).
+            fence_gpu();
+            // SAFETY: the tensor's count of finished tasks, zero before the launch (the contract).
+            let done = unsafe { atomic_add_u32(&raw mut (*entry).done, 1) } + 1;
+            // SAFETY: the entry's task count, read-only during the launch.
+            last = done == unsafe { (*entry).tasks };
+        }
+        // SAFETY: the launch gives BLOCK_SMEM_BYTES of dynamic shared memory (contract).
+        unsafe { flag.write_volatile(last as u32) };
+    }
+    // SAFETY: every thread of the block reaches this barrier (it also frees the shared memory
+    // that warp 0 read in the reduction above).
+    unsafe { sync_threads() };
+    // SAFETY: written by thread 0 before the barrier just above, which orders it for every thread.
+    if unsafe { flag.read_volatile() } != 0 {
+        fence_gpu();
+        // The tensor's tasks are contiguous from chunk 0, so its first is this one less its chunk.
+        let first = block_idx() as u64 - task.chunk as u64;
+        // SAFETY: read-only during the launch (the contract).
+        let count = unsafe { (*entry).tasks } as u64;
+        let mut acc = StepTally::default();
+        let mut k = thread_idx() as u64;
+        while k < count {
+            // SAFETY: every task of the tensor published its partial before its ticket, and this
+            // block holds the last; first + k < num_tasks.
+            acc = acc.merge(StepTally::decode(
+                &unsafe { ld_cg_partial(out.scratch.add((first + k) as usize)) },
+                0.0,
+            ));
+            k += BLOCK_THREADS as u64;
+        }
+        // SAFETY: the whole block takes this branch (the flag is the block's), with the launch's
+        // shared memory.
+        let total = unsafe { block_reduce::<StepTally, BLOCK_WARPS>(acc, 0.0) };
+        if thread_idx() == 0 {
+            // SAFETY: the tensor's descriptor and row (the contract); resetting the count readies
+            // the entry for the next launch, which the stream orders after this one.
+            unsafe {
+                let elements = if s.skip { 0 } else { (*tensors.add(task.tensor as usize)).len };
+                write_record(out.records, (*entry).row, total.record(elements));
+                (&raw mut (*entry).done).write_volatile(0);
+            }
         }
     }
-    // The block reduction's shared memory is the last block's flag's neighbour: free again.
+    // The reductions' shared memory is the last block's flag's neighbour: free again.
     // SAFETY: every thread of the block reaches this barrier.
     unsafe { sync_threads() };
+}
+
+/// `r` at row `row` of `records`.
+///
+/// # Safety
+/// Row `row` of [`RECORD_WORDS`] f64 is inside `records`, written by nothing else.
+#[inline(always)]
+unsafe fn write_record(records: *mut f64, row: u32, r: [f64; RECORD_WORDS]) {
+    // SAFETY: the contract. Constant indices: a loop over the record kept it in local memory.
+    unsafe {
+        let at = records.add(row as usize * RECORD_WORDS);
+        at.write(r[0]);
+        at.add(1).write(r[1]);
+        at.add(2).write(r[2]);
+        at.add(3).write(r[3]);
+        at.add(4).write(r[4]);
+    }
 }
 
 /// The tally of a task on a skipped step: nothing is updated, so each element's update is 0
@@ -706,52 +790,21 @@ fn dtype_size(code: u32) -> u64 {
     if code == dtype_code::F32 { 4 } else { 2 }
 }
 
-/// The last block: each tensor's record from its tasks' partials, merged in task order (the same
-/// order on every run), to its row; its element count is its length (0 for an absent gradient,
-/// and for every tensor of a skipped step).
+/// The last block: the record of every tensor without tasks (no elements), which no block
+/// finishes: zeros.
 ///
 /// # Safety
-/// Every block of the launch has written its partial to `out.scratch`; `out.rows` holds
-/// `num_tensors` rows, each distinct and inside `out.records`; the task table lists each
-/// tensor's tasks together, in tensor order.
+/// `out.tensors` holds `num_tensors` entries, each row distinct and inside `out.records`.
 #[inline(always)]
-unsafe fn write_records(
-    s: &Step,
-    out: &TallyOut,
-    tensors: *const UpdateTensorDesc,
-    tasks: *const ChunkTask,
-    num_tasks: u64,
-    num_tensors: u64,
-) {
+unsafe fn write_empty_records(out: &TallyOut, num_tensors: u64) {
     let mut i = thread_idx() as u64;
     while i < num_tensors {
-        // SAFETY: (every access) the tables and the records as the contract describes them.
+        // SAFETY: the contract.
         unsafe {
-            // The tensor's first task: the task table is sorted by tensor.
-            let (mut lo, mut hi) = (0u64, num_tasks);
-            while lo < hi {
-                let mid = (lo + hi) / 2;
-                if ((*tasks.add(mid as usize)).tensor as u64) < i {
-                    lo = mid + 1;
-                } else {
-                    hi = mid;
-                }
+            let e = out.tensors.add(i as usize).read();
+            if e.tasks == 0 {
+                write_record(out.records, e.row, StepTally::default().record(0));
             }
-            let mut total = StepTally::default();
-            let mut k = lo;
-            while k < num_tasks && (*tasks.add(k as usize)).tensor as u64 == i {
-                total = total.merge(StepTally::decode(&ld_cg_partial(out.scratch.add(k as usize)), 0.0));
-                k += 1;
-            }
-            let elements = if s.skip { 0 } else { (*tensors.add(i as usize)).len };
-            let row = out.records.add(*out.rows.add(i as usize) as usize * RECORD_WORDS);
-            // Constant indices: a loop over the record kept it in local memory.
-            let r = total.record(elements);
-            row.write(r[0]);
-            row.add(1).write(r[1]);
-            row.add(2).write(r[2]);
-            row.add(3).write(r[3]);
-            row.add(4).write(r[4]);
         }
         i += BLOCK_THREADS as u64;
     }

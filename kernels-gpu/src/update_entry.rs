@@ -24,7 +24,9 @@
 //! 0) are device memory, `norm` and `found_inf` (those not null) device memory, all written
 //! before the launch on its stream.
 
-use crate::abi::{AdamParams, ChunkTask, LionParams, NormOutput, Partial, SgdParams, UpdateGroup, UpdateTensorDesc, adam_flags};
+use crate::abi::{
+    AdamParams, ChunkTask, LionParams, NormOutput, Partial, SgdParams, TallyTensor, UpdateGroup, UpdateTensorDesc, adam_flags,
+};
 use crate::accum::Reduce;
 use crate::adam::{StepScalars, gradient_factor, step_scalars_f32, step_scalars_f64};
 use crate::apply::{
@@ -48,7 +50,7 @@ macro_rules! update_kernel {
         $(#[$doc])*
         ///
         /// # Safety
-        /// See the module's documentation (`scratch`, `rows` and `records` are not read).
+        /// See the module's documentation (`scratch`, `tally_tensors` and `records` are not read).
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $name(
             tensors: *const UpdateTensorDesc,
@@ -66,7 +68,7 @@ macro_rules! update_kernel {
             found_inf: *const f32,
             num_tensors: u64,
             _scratch: *mut Partial,
-            _rows: *const u32,
+            _tally_tensors: *mut TallyTensor,
             _records: *mut f64,
         ) {
             // SAFETY: the module's contract.
@@ -77,7 +79,8 @@ macro_rules! update_kernel {
 
         $(#[$doc])*
         /// With the step's telemetry ([`crate::tally`]): each task's tally in `scratch` (one
-        /// partial per task), each tensor's record at row `rows[i]` of `records`.
+        /// partial per task), each tensor's record at the row its `tally_tensors` entry names in
+        /// `records` (each entry's task count that of the task table, its finished count zero).
         ///
         /// # Safety
         /// See the module's documentation.
@@ -98,10 +101,10 @@ macro_rules! update_kernel {
             found_inf: *const f32,
             num_tensors: u64,
             scratch: *mut Partial,
-            rows: *const u32,
+            tally_tensors: *mut TallyTensor,
             records: *mut f64,
         ) {
-            let out = TallyOut { scratch, rows, records };
+            let out = TallyOut { scratch, tensors: tally_tensors, records };
             // SAFETY: the module's contract.
             unsafe {
                 $name::run::<StepTally>(tensors, tasks, counter, groups, num_groups, norm, flags, [k0, k1, k2, k3], num_tasks, found_inf, num_tensors, Some(out))
@@ -154,9 +157,9 @@ macro_rules! update_kernel {
                     }
                     let out = out.filter(|_| T::ON);
                     if let Some(o) = &out {
-                        keep_block_tally(tally.tally().merge(unchanged), o, num_tasks);
+                        keep_block_tally(tally.tally().merge(unchanged), o, &$s, tensors, tasks, num_tasks);
                     }
-                    finish(&$s, tensors, tasks, counter, groups, num_groups, num_tasks, num_tensors, out.as_ref());
+                    finish(&$s, tensors, counter, groups, num_groups, num_tasks, num_tensors, out.as_ref());
                 }
             }
         }

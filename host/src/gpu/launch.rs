@@ -126,8 +126,9 @@ pub struct UpdateTables {
     /// With the step's telemetry: one [`gradclip_kernels::abi::Partial`] per task, written and
     /// read by the launch (0 without).
     pub scratch: u64,
-    /// With the step's telemetry: each tensor's row (one u32) in the step's records (0 without).
-    pub rows: u64,
+    /// With the step's telemetry: each tensor's [`gradclip_kernels::abi::TallyTensor`] (its row
+    /// in the step's records), read and written by the launch (0 without).
+    pub tally_tensors: u64,
 }
 
 /// What one update launch shares beyond its group table: the kernel, its clip's NormOutput (0:
@@ -166,8 +167,9 @@ impl UpdateLaunch {
 /// [`gradclip_kernels::abi::UpdateCount`], distinct for each group) and learning rate (when not
 /// 0), `l.norm` (a NormOutput, when not 0) and `found_inf` (when not 0) are device memory of the
 /// context written before on the stream; with `records`, `t.scratch` holds a partial per task and
-/// `t.rows` a distinct row per tensor, each row five f64 of `records`, device memory of the
-/// context used by nothing else until the launch completes.
+/// `t.tally_tensors` an entry per tensor (its task count the plan's, none finished, a distinct
+/// row of five f64 of `records`), device memory of the context used by nothing else until the
+/// launch completes.
 pub unsafe fn update(
     stream: &CudaStream,
     ks: &KernelSet,
@@ -184,7 +186,7 @@ pub unsafe fn update(
     let [k0, k1, k2, k3] = &l.constants;
     b.arg(k0).arg(k1).arg(k2).arg(k3);
     b.arg(&num_tasks).arg(&found_inf).arg(&num_tensors);
-    b.arg(&t.scratch).arg(&t.rows).arg(&records);
+    b.arg(&t.scratch).arg(&t.tally_tensors).arg(&records);
     let cfg = LaunchConfig {
         grid_dim: (num_tasks.max(1) as u32, 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),

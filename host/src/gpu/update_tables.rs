@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use gradclip_kernels::abi::{ChunkTask, Partial, UpdateGroup, UpdateTensorDesc, update_chunk_elems};
+use gradclip_kernels::abi::{ChunkTask, Partial, TallyTensor, UpdateGroup, UpdateTensorDesc, update_chunk_elems};
 
 use super::capture::{self, Capture};
 use super::launch::UpdateTables;
@@ -133,8 +133,8 @@ fn same_but_grads(a: &[(u32, Parts)], b: &[(u32, Parts)]) -> bool {
 struct Offsets {
     tasks: usize,
     groups: usize,
-    /// With telemetry: each tensor's row (two to a word), then a partial per task.
-    rows: usize,
+    /// With telemetry: each tensor's [`TallyTensor`], then a partial per task.
+    tally: usize,
     scratch: usize,
     total: usize,
 }
@@ -144,25 +144,32 @@ fn offsets(tensors: usize, tasks: usize, groups: usize, stats: bool) -> Offsets 
     let tw = (tasks * size_of::<ChunkTask>()).div_ceil(8);
     let gw = groups * size_of::<UpdateGroup>() / 8;
     let (rw, sw) = if stats {
-        (tensors.div_ceil(2), tasks * size_of::<Partial>() / 8)
+        (tensors * size_of::<TallyTensor>() / 8, tasks * size_of::<Partial>() / 8)
     } else {
         (0, 0)
     };
     let (tasks, groups) = (1 + dw, 1 + dw + tw);
-    let rows = groups + gw;
+    let tally = groups + gw;
     Offsets {
         tasks,
         groups,
-        rows,
-        scratch: rows + rw,
-        total: rows + rw + sw,
+        tally,
+        scratch: tally + rw,
+        total: tally + rw + sw,
     }
 }
 
-/// Rows as u64 words (two u32 to a word, the first in the low half, as the device reads them).
-fn row_words(rows: &[u32]) -> Vec<u64> {
-    rows.chunks(2)
-        .map(|c| c[0] as u64 | (c.get(1).copied().unwrap_or(0) as u64) << 32)
+/// The launch's [`TallyTensor`]s: each tensor's row and its task count (as [`plan`] counts
+/// them), none of its tasks finished.
+fn tally_tensors(parts: &[(u32, Parts)], rows: &[u32]) -> Vec<TallyTensor> {
+    parts
+        .iter()
+        .zip(rows)
+        .map(|((_, p), &row)| TallyTensor {
+            row,
+            tasks: p.param.len.div_ceil(update_chunk_elems(p.param.dtype.size())) as u32,
+            ..TallyTensor::default()
+        })
         .collect()
 }
 
@@ -182,12 +189,12 @@ fn upload(
         Some(b) => b,
         None => stream.alloc_zeros::<u64>(o.total)?,
     };
-    let rw = rows.map(row_words).unwrap_or_default();
+    let tt = rows.map(|r| tally_tensors(parts, r)).unwrap_or_default();
     for (at, words) in [
         (1, as_words(&descs)),
         (o.tasks, as_words(&tasks)),
         (o.groups, as_words(groups)),
-        (o.rows, &rw[..]),
+        (o.tally, as_words(&tt)),
     ] {
         if !words.is_empty() {
             stream.memcpy_htod(words, &mut buf.slice_mut(at..at + words.len()))?;
@@ -209,7 +216,7 @@ fn tables_at(base: u64, o: Offsets, stats: bool) -> UpdateTables {
         tasks: at(o.tasks),
         groups: at(o.groups),
         scratch: if stats { at(o.scratch) } else { 0 },
-        rows: if stats { at(o.rows) } else { 0 },
+        tally_tensors: if stats { at(o.tally) } else { 0 },
     }
 }
 
@@ -239,12 +246,12 @@ impl UpdateUpload {
             Capture::Active(graph) => {
                 let (descs, tasks) = plan(&parts)?;
                 let o = offsets(descs.len(), tasks.len(), groups.len(), stats);
-                let rw = rows.as_deref().map(row_words).unwrap_or_default();
+                let tt = rows.as_deref().map(|r| tally_tensors(&parts, r)).unwrap_or_default();
                 let regions = [
                     (8, as_words(&descs)),
                     (8 * o.tasks, as_words(&tasks)),
                     (8 * o.groups, as_words(groups)),
-                    (8 * o.rows, &rw[..]),
+                    (8 * o.tally, as_words(&tt)),
                 ];
                 let base = capture::upload_words_owned_by(stream, graph, 8 * o.total, 8, &regions)?;
                 let counts = (tasks.len() as u64, descs.len() as u64, groups.len() as u64);
@@ -281,8 +288,9 @@ impl UpdateUpload {
                 }
                 if let Some(r) = rows.filter(|r| u.rows.as_ref() != Some(r)) {
                     // The same tensors at other places of the step's list.
-                    let rw = row_words(&r);
-                    stream.memcpy_htod(&rw, &mut u.buf.slice_mut(o.rows..o.rows + rw.len()))?;
+                    let tt = tally_tensors(&u.parts, &r);
+                    let tw = as_words(&tt);
+                    stream.memcpy_htod(tw, &mut u.buf.slice_mut(o.tally..o.tally + tw.len()))?;
                     u.rows = Some(r);
                 }
                 i

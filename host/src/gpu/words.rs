@@ -2,7 +2,7 @@
 //! this crate cannot implement cudarc's `DeviceRepr` for them (orphan rule); viewing them as
 //! words is sound because of the invariants of [`TableWords`].
 
-use gradclip_kernels::abi::{ChunkTask, NormOutput, Partial, TensorDesc, UpdateCount, UpdateGroup, UpdateTensorDesc};
+use gradclip_kernels::abi::{ChunkTask, NormOutput, Partial, TallyTensor, TensorDesc, UpdateCount, UpdateGroup, UpdateTensorDesc};
 
 /// # Safety
 /// `Self` is `#[repr(C)]`, free of padding, of a size that is a multiple of 8 and an alignment of
@@ -22,6 +22,8 @@ unsafe impl TableWords for UpdateTensorDesc {}
 unsafe impl TableWords for UpdateCount {}
 // SAFETY: as above.
 unsafe impl TableWords for UpdateGroup {}
+// SAFETY: as above.
+unsafe impl TableWords for TallyTensor {}
 
 pub(crate) fn as_words<T: TableWords>(items: &[T]) -> &[u64] {
     const { assert!(size_of::<T>().is_multiple_of(8) && align_of::<T>() == 8) };
