@@ -110,7 +110,7 @@ def check_functions(rank, mesh, failures, idle_on_one_rank):
 def check_optimizer(rank, mesh, failures, idle_on_one_rank):
     m = model(mesh)
     groups = groups_of(m)
-    opt = go.AdamW([{"params": ps, "clip_group": n, "max_grad_norm": MAX_NORM[n]} for n, ps in groups.items()], lr=1e-2)
+    opt = go.AdamW([{"params": ps, "clip_group": n, "max_grad_norm": MAX_NORM[n]} for n, ps in groups.items()], lr=1e-2, stats=True)
     case = f"rank {rank} AdamW clip groups (idle on one rank: {idle_on_one_rank})"
     for step in range(3):
         opt.zero_grad()
@@ -127,6 +127,13 @@ def check_optimizer(rank, mesh, failures, idle_on_one_rank):
             got = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             if not math.isclose(got, want[n], rel_tol=1e-6):
                 failures.append(f"{case} step {step}: group {n} norm {got} against the f64 reference {want[n]}")
+    # A rank's tallies are its shards' alone: the telemetry refuses rather than report them.
+    try:
+        opt.stats()
+        failures.append(f"{case}: stats() over FSDP2 parameters returned rank-local figures")
+    except NotImplementedError as e:
+        if "sharded" not in str(e):
+            failures.append(f"{case}: stats() refused with {e!r}")
 
 
 def check_shards(rank, world, failures):

@@ -193,6 +193,13 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         rec = getattr(self._layout, "records", None) if self._layout is not None else None
         if rec is None:
             return {}
+        if self._layout.sharded:
+            # Each rank tallied its own shards: its sums are not the model's, and no collective
+            # combines them yet (the norms are global).
+            raise NotImplementedError(
+                "stats() over sharded parameters (DTensor, shards_over, a pipeline or norm group) is not supported yet: "
+                "the step tallies each rank's local shards only; the global grad norm is opt.last_grad_norm(s)"
+            )
         named = _step_clip_groups.read(self.param_groups, self.max_grad_norm)
         if named is None:
             members = {_step_clip_groups.DEFAULT: list(range(rec.shape[0]))}
