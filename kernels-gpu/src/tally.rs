@@ -3,10 +3,12 @@
 //! stored parameters', weight decay included), the squared parameter after the step, the
 //! largest finite |g| of the stored gradient and the count of its non-finite elements.
 //!
-//! The squares are exact in f64 (the difference of two values of an f32 or narrower parameter
-//! is an f32, whose square fits f64's mantissa), so a sum differs from the f64 reference only by
-//! the f64 additions: the GPU's tree of threads and the CPU's element order agree to f64
-//! rounding (not bit for bit: the trees differ), and both to a plain f64 computation.
+//! The difference of two f32 values is exact in f64 and, for a 16-bit parameter, so is its
+//! square (an f32's 24 bits squared fit f64's mantissa), so a sum differs from the f64 reference
+//! by the f64 rounding of its squares and additions alone: the GPU's tree of threads and the
+//! CPU's element order agree to f64 rounding (not bit for bit: the trees differ), and both to a
+//! plain f64 computation. A thread keeps its largest f32 |g| in f32 ([`ThreadTally`]): a maximum
+//! is exact in any precision, and the conversion then costs a task, not an element.
 
 use crate::abi::Partial;
 use crate::accum::Reduce;
@@ -121,6 +123,47 @@ pub trait Tally: Copy + Default {
     fn push_f64(&mut self, before: f64, after: f64, grad: f64);
 }
 
+/// A thread's tally: a [`StepTally`] whose f32 gradients' largest finite |g| stays in f32 until
+/// [`Tally::tally`] (the same maximum: one f64 conversion and compare per task, not per element).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ThreadTally {
+    sums: StepTally,
+    grad_max_abs_f32: f32,
+}
+
+impl Tally for ThreadTally {
+    const ON: bool = true;
+    #[inline(always)]
+    fn tally(self) -> StepTally {
+        let mut t = self.sums;
+        let g = self.grad_max_abs_f32 as f64;
+        if g > t.grad_max_abs {
+            t.grad_max_abs = g;
+        }
+        t
+    }
+    #[inline(always)]
+    fn push_f32(&mut self, before: f32, after: f32, grad: f32) {
+        let (before, after) = (before as f64, after as f64);
+        let d = after - before;
+        self.sums.update_sq += d * d;
+        self.sums.param_sq += after * after;
+        let g = grad.abs();
+        // False for an infinity and a NaN.
+        if g <= f32::MAX {
+            if g > self.grad_max_abs_f32 {
+                self.grad_max_abs_f32 = g;
+            }
+        } else {
+            self.sums.nonfinite += 1;
+        }
+    }
+    #[inline(always)]
+    fn push_f64(&mut self, before: f64, after: f64, grad: f64) {
+        self.sums.push(before, after, grad)
+    }
+}
+
 /// The plain step: no telemetry.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NoTally;
@@ -175,5 +218,43 @@ mod tests {
         assert_eq!(StepTally::decode(&m.encode(), 0.0), m);
         assert_eq!(m.merge(StepTally::identity(0.0)), m);
         assert_eq!(m.record(4)[4], 4.0);
+    }
+
+    /// A thread's tally (the largest |g| kept in f32) is the plain tally, bit for bit, over
+    /// values of every kind: signs, magnitudes from subnormal to the largest, NaN, infinities.
+    #[test]
+    fn thread_tally_is_the_plain_tally() {
+        let specials = [
+            0.0f32,
+            -0.0,
+            1e-45,
+            -3.5e-39,
+            1.0,
+            -2.5,
+            3.0e38,
+            -f32::MAX,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ];
+        let mut x = 0x2545_f491u32;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            if x % 7 == 0 {
+                specials[(x / 7) as usize % specials.len()]
+            } else {
+                f32::from_bits(x)
+            }
+        };
+        let (mut plain, mut thread) = (StepTally::default(), ThreadTally::default());
+        for _ in 0..10_000 {
+            let (b, a, g) = (next(), next(), next());
+            plain.push_f32(b, a, g);
+            thread.push_f32(b, a, g);
+        }
+        let t = thread.tally();
+        assert_eq!(t.encode().words, plain.encode().words);
     }
 }

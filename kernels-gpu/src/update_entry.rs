@@ -35,7 +35,7 @@ use crate::apply::{
 };
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
-use crate::tally::{NoTally, StepTally, Tally};
+use crate::tally::{NoTally, StepTally, Tally, ThreadTally};
 
 /// An optimizer kernel: the arguments every one takes, the step around its task
 /// (`launch_step`, `task`, `finish`), and `$body` for this block's task when the step is taken,
@@ -107,7 +107,7 @@ macro_rules! update_kernel {
             let out = TallyOut { scratch, tensors: tally_tensors, records };
             // SAFETY: the module's contract.
             unsafe {
-                $name::run::<StepTally>(tensors, tasks, counter, groups, num_groups, norm, flags, [k0, k1, k2, k3], num_tasks, found_inf, num_tensors, Some(out))
+                $name::run::<ThreadTally>(tensors, tasks, counter, groups, num_groups, norm, flags, [k0, k1, k2, k3], num_tasks, found_inf, num_tensors, Some(out))
             }
         }
 

@@ -8,7 +8,7 @@ use gradclip_kernels::adam::{step_scalars_f32, step_scalars_f64};
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
 use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
-use gradclip_kernels::tally::{NoTally, RECORD_WORDS, StepTally, Tally};
+use gradclip_kernels::tally::{NoTally, RECORD_WORDS, StepTally, Tally, ThreadTally};
 use gradclip_kernels::update::ElementUpdate;
 
 use super::backend::{GroupStep, StepAddresses, StepBackend, check_step, clip_plans};
@@ -406,13 +406,16 @@ unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>], tally: 
     // element ranges; the memory is the caller's (contract).
     let tallies = if tally {
         crate::cpu::workers::map_indices(pieces.len(), |i| unsafe {
-            let mut t = StepTally::default();
             if pieces[i].unchanged {
+                let mut t = StepTally::default();
                 tally_unchanged(&pieces[i], &mut t);
+                t
             } else {
+                // The kernels' thread tally, so the CPU's figures are the GPU's arithmetic.
+                let mut t = ThreadTally::default();
                 update_piece(&pieces[i], &mut t);
+                t.tally()
             }
-            t
         })
     } else {
         crate::cpu::workers::for_each_index(pieces.len(), |i| unsafe { update_piece(&pieces[i], &mut NoTally) });
