@@ -242,7 +242,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 17;
             x ^= x << 5;
-            if x % 7 == 0 {
+            if x.is_multiple_of(7) {
                 specials[(x / 7) as usize % specials.len()]
             } else {
                 f32::from_bits(x)
