@@ -19,13 +19,14 @@ use crate::device::{
     thread_idx,
 };
 use crate::dtype::{Element, F64};
-use crate::tally::{RECORD_WORDS, StepTally, Tally};
+use crate::tally::{RECORD_WORDS, RUN, Run, StepTally, Tally};
 use crate::update::ElementUpdate;
 
 /// Warps of a block (the shared-memory layout of [`smem_flag`]).
 const BLOCK_WARPS: u32 = BLOCK_THREADS / WARP_THREADS;
-/// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part.
-const GROUP: u64 = 8;
+/// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part; a run
+/// of the telemetry's tally.
+const GROUP: u64 = RUN as u64;
 /// Whether groups whose parts are all 16-bit are software-pipelined (see `chunk_f32`).
 const PIPELINE_16BIT: bool = true;
 /// Elements a thread loads before it computes on the unaligned (scalar) path.
@@ -170,6 +171,8 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
 ) {
     let [p, g, s0, s1, s2] = raw;
     let mut out = [[0.0f32; GROUP as usize]; 1 + MAX_STATES];
+    // The group is one of the tally's runs (elements 8k..8k + 8 of the tensor).
+    let mut run = Run::default();
     // k indexes the parts' groups and the outputs at once.
     #[allow(clippy::needless_range_loop)]
     for k in 0..GROUP as usize {
@@ -179,7 +182,13 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
         out[0][k] = u.update(before, grad, &mut st);
         (out[1][k], out[2][k], out[3][k]) = (st[0], st[1], st[2]);
         if T::ON {
-            t.push_f32(before, stored::<P>(out[0][k]), grad);
+            run.push(before, stored::<P>(out[0][k]));
+            t.push_grad_f32(grad);
+        }
+    }
+    if T::ON && !t.push_run(&run) {
+        for k in 0..GROUP as usize {
+            t.push_sums_f32(widen_at::<P>(p, k), stored::<P>(out[0][k]));
         }
     }
     // The store addresses computed again from the offset, not kept from the loads across the

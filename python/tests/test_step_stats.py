@@ -43,10 +43,21 @@ def _reference(before, after, grads, max_norm):
     }
 
 
-def _assert_figures(got, want, what):
+# The step's sums of a parameter with float32 opmath (bf16, f16, f32) are tallied in float32 runs
+# of 8 elements, within 2**-20 of the exact sums (kernels-gpu/src/tally.rs): their norms and
+# ratios within that too. float64 parameters are tallied in float64; the gradient's norm and the
+# clip coefficient come from the norm pass (float64) either way.
+_TALLIED = {"update_norm", "update_rms", "param_norm", "update_to_param"}
+
+
+def _tolerance(dtype, figure="update_norm"):
+    return 2.0**-20 if figure in _TALLIED and dtype != torch.float64 else 1e-9
+
+
+def _assert_figures(got, want, what, dtype=torch.float32):
     for k, v in want.items():
         if isinstance(v, float):
-            assert abs(got[k] - v) <= 1e-9 * max(abs(v), 1e-30), f"{what}: {k} {got[k]} vs {v}"
+            assert abs(got[k] - v) <= _tolerance(dtype, k) * max(abs(v), 1e-30), f"{what}: {k} {got[k]} vs {v}"
         else:
             assert got[k] == v, f"{what}: {k} {got[k]} vs {v}"
 
@@ -76,12 +87,12 @@ def test_figures_equal_plain_torch_float64(device, dtype):
         want = _reference(before, [p.detach() for p in ps], grads, 0.5)
         got = opt.stats(as_floats=True)
         assert list(got) == ["default"]
-        _assert_figures(got["default"], want, f"{dtype} step {step}")
+        _assert_figures(got["default"], want, f"{dtype} step {step}", dtype)
         tensors = opt.stats()["default"]
         assert tensors["update_norm"].device.type == device and tensors["update_norm"].dim() == 0
         per = opt.stats(per_param=True)["default"]
         assert per["update_norm"].shape == (len(ps),)
-        assert abs(math.sqrt((per["update_norm"] ** 2).sum().item()) - want["update_norm"]) <= 1e-9 * want["update_norm"]
+        assert abs(math.sqrt((per["update_norm"] ** 2).sum().item()) - want["update_norm"]) <= _tolerance(dtype) * want["update_norm"]
         if step == 1:
             assert per["update_norm"][2].item() == 0 and per["param_norm"][2].item() == 0, "a parameter without a gradient"
 
@@ -103,7 +114,7 @@ def test_a_skipped_step_reports_its_nonfinite_gradients(device):
     got = opt.stats(as_floats=True)["default"]
     assert got["skipped"] is True and got["nonfinite"] == 2 and got["update_norm"] == 0.0
     want = math.sqrt(sum((b.double() ** 2).sum().item() for b in before))
-    assert abs(got["param_norm"] - want) <= 1e-9 * want
+    assert abs(got["param_norm"] - want) <= _tolerance(torch.float32) * want
     assert got["grad_max_abs"] == max(p.grad[torch.isfinite(p.grad)].abs().max().item() for p in ps)
 
 

@@ -8,7 +8,7 @@ use gradclip_kernels::adam::{step_scalars_f32, step_scalars_f64};
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
 use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
-use gradclip_kernels::tally::{NoTally, RECORD_WORDS, StepTally, Tally, ThreadTally};
+use gradclip_kernels::tally::{NoTally, RECORD_WORDS, RUN, Run, StepTally, Tally, ThreadTally};
 use gradclip_kernels::update::ElementUpdate;
 
 use super::backend::{GroupStep, StepAddresses, StepBackend, check_step, clip_plans};
@@ -21,6 +21,7 @@ use crate::tensor_list::TensorList;
 
 /// Elements per parallel piece of work.
 const PIECE: u64 = 1 << 16;
+const _: () = assert!(PIECE % RUN as u64 == 0, "a piece starts at a run");
 
 /// A range of one tensor's elements.
 #[derive(Clone, Copy)]
@@ -636,6 +637,11 @@ unsafe fn update_range<
     for (s, part) in states.iter_mut().zip(parts.states).take(N) {
         *s = part.unwrap_or(*s);
     }
+    // With f32 opmath the tally takes the kernels' runs: elements 8k..8k + 8 of the tensor while
+    // a run is full, the tail element by element (pieces start at multiples of RUN).
+    let runs = Tl::ON && core::mem::size_of::<T>() == 4;
+    let runs_end = parts.param.len / RUN as u64 * RUN as u64;
+    let (mut run, mut kept) = (Run::default(), [(0.0f32, 0.0f32); RUN]);
     for i in p.start..p.end {
         // SAFETY: i < len of every part (the caller's contract).
         unsafe {
@@ -646,7 +652,22 @@ unsafe fn update_range<
             let (before, grad) = (P::widen_to(*at::<P>(&parts.param, i)), G::widen_to(*at::<G>(&parts.grad, i)));
             let stored = P::round_from(u.update(before, grad, &mut st));
             *at::<P>(&parts.param, i) = stored;
-            if Tl::ON {
+            if runs && i < runs_end {
+                // Exact: the values are f32 (opmath T is f32 here).
+                let (b, a) = (before.into() as f32, P::widen_to(stored).into() as f32);
+                let k = (i % RUN as u64) as usize;
+                kept[k] = (b, a);
+                run.push(b, a);
+                t.push_grad_f32(grad.into() as f32);
+                if k == RUN - 1 {
+                    if !t.push_run(&run) {
+                        for &(b, a) in &kept {
+                            t.push_sums_f32(b, a);
+                        }
+                    }
+                    run = Run::default();
+                }
+            } else if Tl::ON {
                 t.push_f64(before.into(), P::widen_to(stored).into(), grad.into());
             }
             for k in 0..N {
