@@ -19,7 +19,7 @@ use crate::device::{
     thread_idx,
 };
 use crate::dtype::{Element, F64};
-use crate::tally::{RECORD_WORDS, RUN, Run, StepTally, Tally};
+use crate::tally::{RECORD_WORDS, RUN, Run, StepTally, Tally, exact_sums};
 use crate::update::ElementUpdate;
 
 /// Warps of a block (the shared-memory layout of [`smem_flag`]).
@@ -186,17 +186,11 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
             t.push_grad_f32(grad);
         }
     }
-    if T::ON && !t.push_run(&run) {
-        for k in 0..GROUP as usize {
-            t.push_sums_f32(widen_at::<P>(p, k), stored::<P>(out[0][k]));
-        }
-    }
     // The store addresses computed again from the offset, not kept from the loads across the
     // arithmetic (ptxas spilled those three 64-bit addresses in the bf16 Adam step's loop).
     let i = opaque_u64(i);
     // SAFETY: the contract.
     unsafe {
-        store_group::<P>(d.param, i, &out[0]);
         if N > 0 {
             store_group::<S>(d.states[0], i, &out[1]);
         }
@@ -207,6 +201,19 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
             store_group::<S>(d.states[2], i, &out[3]);
         }
     }
+    // The run out of f32's range (rare), between the states' stores and the parameter's: its
+    // parameters as they were loaded again (not yet written; the opaque offset keeps the first
+    // load's registers from living through the loop, which made the stats kernels spill).
+    if T::ON {
+        let sums = run.sums().unwrap_or_else(|| {
+            // SAFETY: as the first load (the contract).
+            let p = unsafe { load_group::<P>(d.param, i, false) };
+            exact_sums(|k| (widen_at::<P>(&p, k), stored::<P>(out[0][k])))
+        });
+        t.push_sums(sums);
+    }
+    // SAFETY: the contract.
+    unsafe { store_group::<P>(d.param, i, &out[0]) };
 }
 
 /// One task of a parameter with f32 opmath (bf16, f16 or f32 parameter `P`, gradient `G`,

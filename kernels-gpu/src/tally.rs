@@ -9,10 +9,12 @@
 //! one f64 addition each. Converting every element to f64 (three conversions, which Hopper
 //! issues at a quarter of the rate of f64 adds) made the bf16 step with telemetry 1.13x of the
 //! plain step; a run costs two conversions per eight elements. A run whose f32 sum is outside
-//! the range where f32 keeps its relative precision (infinite or NaN, or below 2^-100 while some
-//! element is not zero: an underflowed square) is tallied again element by element in f64, so
-//! every sum is within 2^-20 (9.5e-7) of the exact sum, relatively, at any magnitude (the f32
-//! difference, square and run sum: 10 x 2^-24; the f64 additions far below). An f64 parameter is tallied in
+//! the range where f32 keeps its relative precision (infinite or NaN, or above 0 and below
+//! 2^-100: an underflowed square) is tallied again element by element in f64, so every sum is
+//! within 2^-20 (9.5e-7) of the exact sum, relatively (the f32 difference, square and run sum:
+//! 10 x 2^-24; the f64 additions far below), plus at most 2^-147 for each run whose every square
+//! is below f32's smallest (2^-150) and sums to 0: an update or parameter norm below about
+//! 1e-22 over a whole tensor may read 0. An f64 parameter is tallied in
 //! f64. The GPU's tree of threads and the CPU's element order merge the same runs (bit for bit
 //! the same f32 arithmetic: rustc contracts nothing into an FMA), so the backends agree to f64
 //! rounding on aligned tensors. A thread keeps its largest f32 |g| in f32 ([`ThreadTally`]): a
@@ -31,13 +33,11 @@ pub const RUN: usize = 8;
 const RUN_SUM_MIN: f32 = 7.888_609e-31; // 2^-100
 
 /// The f32 sums of one run of consecutive elements of a parameter with f32 opmath (see the
-/// module's precision note), and whether any of its updates and parameters was not zero.
+/// module's precision note).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Run {
     update_sq: f32,
     param_sq: f32,
-    update_bits: u32,
-    param_bits: u32,
 }
 
 impl Run {
@@ -47,21 +47,34 @@ impl Run {
         let d = after - before;
         self.update_sq += d * d;
         self.param_sq += after * after;
-        self.update_bits |= d.to_bits();
-        self.param_bits |= after.to_bits();
     }
 
     /// The run's sums in f64, or `None` when one lost f32's relative precision (see
-    /// [`RUN_SUM_MIN`]); then its elements are tallied one by one in f64.
+    /// [`RUN_SUM_MIN`]); then its elements are tallied one by one in f64. A sum of exactly 0 is
+    /// kept: every square in it was below 2^-150 (the run's true sum below 2^-147).
     #[inline(always)]
     pub fn sums(&self) -> Option<(f64, f64)> {
-        let kept = |s: f32, bits: u32| s.is_finite() && (s >= RUN_SUM_MIN || bits << 1 == 0);
-        if kept(self.update_sq, self.update_bits) && kept(self.param_sq, self.param_bits) {
+        let kept = |s: f32| s.is_finite() && (s >= RUN_SUM_MIN || s == 0.0);
+        if kept(self.update_sq) && kept(self.param_sq) {
             Some((self.update_sq as f64, self.param_sq as f64))
         } else {
             None
         }
     }
+}
+
+/// A run's two sums in f64 from its elements (`element(k)`: the parameter before and after),
+/// for a run whose f32 sums left f32's range ([`Run::sums`]).
+#[inline(always)]
+pub fn exact_sums(element: impl Fn(usize) -> (f32, f32)) -> (f64, f64) {
+    let (mut update_sq, mut param_sq) = (0.0f64, 0.0f64);
+    for k in 0..RUN {
+        let (b, a) = element(k);
+        let (b, a) = (b as f64, a as f64);
+        update_sq += (a - b) * (a - b);
+        param_sq += a * a;
+    }
+    (update_sq, param_sq)
 }
 
 /// What a tally keeps of the elements it saw.
@@ -174,13 +187,17 @@ pub trait Tally: Copy + Default {
     /// One element in f64 opmath.
     fn push_f64(&mut self, before: f64, after: f64, grad: f64);
     /// The two sums of one element in f32 opmath, in f64.
-    fn push_sums_f32(&mut self, before: f32, after: f32);
+    #[inline(always)]
+    fn push_sums_f32(&mut self, before: f32, after: f32) {
+        let (before, after) = (before as f64, after as f64);
+        let d = after - before;
+        self.push_sums((d * d, after * after));
+    }
     /// The gradient of one element in f32 opmath (its |g| and whether it is finite).
     fn push_grad_f32(&mut self, grad: f32);
-    /// The sums of a full [`Run`] (its gradients pushed one by one); false when they lost
-    /// precision ([`Run::sums`]), and the caller pushes each element's with
-    /// [`Tally::push_sums_f32`] instead.
-    fn push_run(&mut self, run: &Run) -> bool;
+    /// The two sums of a full [`Run`] (its gradients pushed one by one): [`Run::sums`], or
+    /// [`exact_sums`] where those lost precision.
+    fn push_sums(&mut self, sums: (f64, f64));
 }
 
 /// A thread's tally: a [`StepTally`] whose f32 gradients' largest finite |g| stays in f32 until
@@ -207,13 +224,6 @@ impl Tally for ThreadTally {
         self.sums.push(before, after, grad)
     }
     #[inline(always)]
-    fn push_sums_f32(&mut self, before: f32, after: f32) {
-        let (before, after) = (before as f64, after as f64);
-        let d = after - before;
-        self.sums.update_sq += d * d;
-        self.sums.param_sq += after * after;
-    }
-    #[inline(always)]
     fn push_grad_f32(&mut self, grad: f32) {
         let g = grad.abs();
         // False for an infinity and a NaN.
@@ -226,15 +236,9 @@ impl Tally for ThreadTally {
         }
     }
     #[inline(always)]
-    fn push_run(&mut self, run: &Run) -> bool {
-        match run.sums() {
-            Some((u, p)) => {
-                self.sums.update_sq += u;
-                self.sums.param_sq += p;
-                true
-            }
-            None => false,
-        }
+    fn push_sums(&mut self, (update_sq, param_sq): (f64, f64)) {
+        self.sums.update_sq += update_sq;
+        self.sums.param_sq += param_sq;
     }
 }
 
@@ -251,13 +255,9 @@ impl Tally for NoTally {
     #[inline(always)]
     fn push_f64(&mut self, _: f64, _: f64, _: f64) {}
     #[inline(always)]
-    fn push_sums_f32(&mut self, _: f32, _: f32) {}
-    #[inline(always)]
     fn push_grad_f32(&mut self, _: f32) {}
     #[inline(always)]
-    fn push_run(&mut self, _: &Run) -> bool {
-        true
-    }
+    fn push_sums(&mut self, _: (f64, f64)) {}
 }
 
 #[cfg(test)]
@@ -328,13 +328,8 @@ mod tests {
         for k in 0..RUN {
             run.push(before[k], after[k]);
         }
-        let kept = t.push_run(&run);
-        if !kept {
-            for k in 0..RUN {
-                t.push_sums_f32(before[k], after[k]);
-            }
-        }
-        (t.tally(), kept)
+        t.push_sums(run.sums().unwrap_or_else(|| exact_sums(|k| (before[k], after[k]))));
+        (t.tally(), run.sums().is_some())
     }
 
     /// Runs at every magnitude (2^-150 to 2^127, updates from a few ulps to the value's size,
@@ -369,8 +364,10 @@ mod tests {
             let u: f64 = (0..RUN).map(|k| (after[k] as f64 - before[k] as f64).powi(2)).sum();
             let p: f64 = after.iter().map(|&a| (a as f64).powi(2)).sum();
             for (g, w, what) in [(got.update_sq, u, "update"), (got.param_sq, p, "param")] {
+                // A run whose every square underflows f32 sums to 0 (its true sum below 2^-147).
+                let floor = if g == 0.0 { 2f64.powi(-147) } else { 0.0 };
                 let ok = if w.is_finite() {
-                    (g - w).abs() <= 2f64.powi(-20) * w
+                    (g - w).abs() <= 2f64.powi(-20) * w + floor
                 } else {
                     g == w
                 };

@@ -8,7 +8,7 @@ use gradclip_kernels::adam::{step_scalars_f32, step_scalars_f64};
 use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
 use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
-use gradclip_kernels::tally::{NoTally, RECORD_WORDS, RUN, Run, StepTally, Tally, ThreadTally};
+use gradclip_kernels::tally::{NoTally, RECORD_WORDS, RUN, Run, StepTally, Tally, ThreadTally, exact_sums};
 use gradclip_kernels::update::ElementUpdate;
 
 use super::backend::{GroupStep, StepAddresses, StepBackend, check_step, clip_plans};
@@ -637,9 +637,16 @@ unsafe fn update_range<
     for (s, part) in states.iter_mut().zip(parts.states).take(N) {
         *s = part.unwrap_or(*s);
     }
-    // With f32 opmath the tally takes the kernels' runs: elements 8k..8k + 8 of the tensor while
-    // a run is full, the tail element by element (pieces start at multiples of RUN).
-    let runs = Tl::ON && core::mem::size_of::<T>() == 4;
+    // With f32 opmath the tally takes the kernels' runs where the kernel does (every part 16-byte
+    // aligned): elements 8k..8k + 8 of the tensor while a run is full, the tail element by
+    // element (pieces start at multiples of RUN); otherwise element by element, as the kernel's
+    // unaligned walk.
+    let aligned = [Some(parts.param), Some(parts.grad)]
+        .into_iter()
+        .chain(parts.states.into_iter().take(N))
+        .flatten()
+        .all(|t| t.addr % 16 == 0);
+    let runs = Tl::ON && core::mem::size_of::<T>() == 4 && aligned;
     let runs_end = parts.param.len / RUN as u64 * RUN as u64;
     let (mut run, mut kept) = (Run::default(), [(0.0f32, 0.0f32); RUN]);
     for i in p.start..p.end {
@@ -660,11 +667,7 @@ unsafe fn update_range<
                 run.push(b, a);
                 t.push_grad_f32(grad.into() as f32);
                 if k == RUN - 1 {
-                    if !t.push_run(&run) {
-                        for &(b, a) in &kept {
-                            t.push_sums_f32(b, a);
-                        }
-                    }
+                    t.push_sums(run.sums().unwrap_or_else(|| exact_sums(|k| kept[k])));
                     run = Run::default();
                 }
             } else if Tl::ON {
