@@ -157,6 +157,20 @@ fn stored<P: Element>(x: f32) -> f32 {
     if P::SIZE == 4 { x } else { P::to_f32(P::from_f32(x)) }
 }
 
+/// Two neighbours as the parameter keeps them ([`stored`]), a 16-bit pair rounded by the one
+/// `cvt` the store packs with ([`pack_pair`]: the same bits as [`Element::from_f32`], whose
+/// integer rounding per element made the bf16 step with telemetry slower than its memory).
+#[inline(always)]
+fn stored_pair<P: Element>(lo: f32, hi: f32) -> (f32, f32) {
+    if P::SIZE == 4 {
+        return (lo, hi);
+    }
+    let w = pack_pair::<P>(lo, hi);
+    // SAFETY: a 16-bit P's Bits is two bytes of plain integer.
+    let half = |h: u16| P::to_f32(unsafe { core::mem::transmute_copy::<u16, P::Bits>(&h) });
+    (half(w as u16), half((w >> 16) as u16))
+}
+
 /// Updates the group at element `i` from its raw values and stores it (and tallies it in `t`).
 ///
 /// # Safety
@@ -172,7 +186,7 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
     let [p, g, s0, s1, s2] = raw;
     let mut out = [[0.0f32; GROUP as usize]; 1 + MAX_STATES];
     // The group is one of the tally's runs (elements 8k..8k + 8 of the tensor).
-    let mut run = Run::default();
+    let (mut run, mut even_before) = (Run::default(), 0.0f32);
     // k indexes the parts' groups and the outputs at once.
     #[allow(clippy::needless_range_loop)]
     for k in 0..GROUP as usize {
@@ -182,8 +196,17 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
         out[0][k] = u.update(before, grad, &mut st);
         (out[1][k], out[2][k], out[3][k]) = (st[0], st[1], st[2]);
         if T::ON {
-            run.push(before, stored::<P>(out[0][k]));
             t.push_grad_f32(grad);
+            // The run in element order; a 16-bit parameter's a pair at a time (see stored_pair).
+            if P::SIZE == 4 {
+                run.push(before, out[0][k]);
+            } else if k % 2 == 0 {
+                even_before = before;
+            } else {
+                let (a0, a1) = stored_pair::<P>(out[0][k - 1], out[0][k]);
+                run.push(even_before, a0);
+                run.push(before, a1);
+            }
         }
     }
     // The store addresses computed again from the offset, not kept from the loads across the

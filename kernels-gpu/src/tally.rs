@@ -347,8 +347,8 @@ mod tests {
         let mut unit = || (next() as f64 / u32::MAX as f64) * 2.0 - 1.0;
         let (mut kept_normal, mut replaced_extreme) = (0, 0);
         for r in 0..20_000 {
-            let e = (r % 278) as i32 - 150;
-            let shrink = (r / 278 % 30) as i32;
+            let e = r % 278 - 150;
+            let shrink = r / 278 % 30;
             let scale = 2f64.powi(e);
             let mut before = [0f32; RUN];
             let mut after = [0f32; RUN];

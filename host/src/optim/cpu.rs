@@ -21,7 +21,7 @@ use crate::tensor_list::TensorList;
 
 /// Elements per parallel piece of work.
 const PIECE: u64 = 1 << 16;
-const _: () = assert!(PIECE % RUN as u64 == 0, "a piece starts at a run");
+const _: () = assert!(PIECE.is_multiple_of(RUN as u64), "a piece starts at a run");
 
 /// A range of one tensor's elements.
 #[derive(Clone, Copy)]
@@ -645,7 +645,7 @@ unsafe fn update_range<
         .into_iter()
         .chain(parts.states.into_iter().take(N))
         .flatten()
-        .all(|t| t.addr % 16 == 0);
+        .all(|t| t.addr.is_multiple_of(16));
     let runs = Tl::ON && core::mem::size_of::<T>() == 4 && aligned;
     let runs_end = parts.param.len / RUN as u64 * RUN as u64;
     let (mut run, mut kept) = (Run::default(), [(0.0f32, 0.0f32); RUN]);
