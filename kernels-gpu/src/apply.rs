@@ -24,8 +24,8 @@ use crate::update::ElementUpdate;
 
 /// Warps of a block (the shared-memory layout of [`smem_flag`]).
 const BLOCK_WARPS: u32 = BLOCK_THREADS / WARP_THREADS;
-/// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part; a run
-/// of the telemetry's tally.
+/// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part; for a
+/// 16-bit parameter, a run of the telemetry's tally.
 const GROUP: u64 = RUN as u64;
 /// Whether groups whose parts are all 16-bit are software-pipelined (see `chunk_f32`).
 const PIPELINE_16BIT: bool = true;
@@ -197,9 +197,10 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
         (out[1][k], out[2][k], out[3][k]) = (st[0], st[1], st[2]);
         if T::ON {
             t.push_grad_f32(grad);
-            // The run in element order; a 16-bit parameter's a pair at a time (see stored_pair).
+            // A 16-bit parameter's run in element order, a pair at a time (see stored_pair); an
+            // f32 parameter's elements one by one in f64 (measured faster than its runs).
             if P::SIZE == 4 {
-                run.push(before, out[0][k]);
+                t.push_sums_f32(before, out[0][k]);
             } else if k % 2 == 0 {
                 even_before = before;
             } else {
@@ -227,7 +228,7 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
     // The run out of f32's range (rare), between the states' stores and the parameter's: its
     // parameters as they were loaded again (not yet written; the opaque offset keeps the first
     // load's registers from living through the loop, which made the stats kernels spill).
-    if T::ON {
+    if T::ON && P::SIZE == 2 {
         let sums = run.sums().unwrap_or_else(|| {
             // SAFETY: as the first load (the contract).
             let p = unsafe { load_group::<P>(d.param, i, false) };

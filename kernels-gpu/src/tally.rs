@@ -3,19 +3,19 @@
 //! stored parameters', weight decay included), the squared parameter after the step, the
 //! largest finite |g| of the stored gradient and the count of its non-finite elements.
 //!
-//! Precision. A parameter with f32 opmath (bf16, f16, f32) is tallied in [`Run`]s of [`RUN`]
-//! consecutive elements (elements `8k..8k + 8` of the tensor; the tail past the last full run,
-//! and the GPU's walk of unaligned tensors, element by element): the run's two sums in f32, then
-//! one f64 addition each. Converting every element to f64 (three conversions, which Hopper
-//! issues at a quarter of the rate of f64 adds) made the bf16 step with telemetry 1.13x of the
-//! plain step; a run costs two conversions per eight elements. A run whose f32 sum is outside
-//! the range where f32 keeps its relative precision (infinite or NaN, or above 0 and below
-//! 2^-100: an underflowed square) is tallied again element by element in f64, so every sum is
-//! within 2^-20 (9.5e-7) of the exact sum, relatively (the f32 difference, square and run sum:
-//! 10 x 2^-24; the f64 additions far below), plus at most 2^-147 for each run whose every square
-//! is below f32's smallest (2^-150) and sums to 0: an update or parameter norm below about
-//! 1e-22 over a whole tensor may read 0. An f64 parameter is tallied in
-//! f64. The GPU's tree of threads and the CPU's element order merge the same runs (bit for bit
+//! Precision. A 16-bit parameter (bf16, f16) is tallied in [`Run`]s of [`RUN`] consecutive
+//! elements (elements `8k..8k + 8` of the tensor; the tail past the last full run, and the GPU's
+//! walk of unaligned tensors, element by element): the run's two sums in f32, then one f64
+//! addition each. Converting each of its elements to f64 made the bf16 step with telemetry
+//! 1.20x of its floor against 1.07x without; runs and the store's own rounding of the pair
+//! (`apply::stored_pair`) 1.16x. f32 and f64 parameters are tallied element by element in f64
+//! (to f64 rounding): f32 runs measured slower there. A run whose
+//! f32 sum is outside the range where f32 keeps its relative precision (infinite or NaN, or
+//! above 0 and below 2^-100: an underflowed square) is tallied again element by element in f64,
+//! so every sum is within 2^-20 (9.5e-7) of the exact sum, relatively (the f32 difference,
+//! square and run sum: 10 x 2^-24; the f64 additions far below), plus at most 2^-147 for each
+//! run whose every square is below f32's smallest (2^-150) and sums to 0: an update or parameter
+//! norm below about 1e-22 over a whole tensor may read 0. The GPU's tree of threads and the CPU's element order merge the same runs (bit for bit
 //! the same f32 arithmetic: rustc contracts nothing into an FMA), so the backends agree to f64
 //! rounding on aligned tensors. A thread keeps its largest f32 |g| in f32 ([`ThreadTally`]): a
 //! maximum is exact in any precision, and the conversion then costs a task, not an element.
@@ -32,8 +32,8 @@ pub const RUN: usize = 8;
 /// The smallest f32 run sum taken as it is (below it, an element's square may have underflowed).
 const RUN_SUM_MIN: f32 = 7.888_609e-31; // 2^-100
 
-/// The f32 sums of one run of consecutive elements of a parameter with f32 opmath (see the
-/// module's precision note).
+/// The f32 sums of one run of consecutive elements of a 16-bit parameter (see the module's
+/// precision note).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Run {
     update_sq: f32,

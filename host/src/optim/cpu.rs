@@ -637,16 +637,16 @@ unsafe fn update_range<
     for (s, part) in states.iter_mut().zip(parts.states).take(N) {
         *s = part.unwrap_or(*s);
     }
-    // With f32 opmath the tally takes the kernels' runs where the kernel does (every part 16-byte
-    // aligned): elements 8k..8k + 8 of the tensor while a run is full, the tail element by
-    // element (pieces start at multiples of RUN); otherwise element by element, as the kernel's
-    // unaligned walk.
+    // A 16-bit parameter's tally takes the kernels' runs where the kernel does (every part
+    // 16-byte aligned): elements 8k..8k + 8 of the tensor while a run is full, the tail element
+    // by element (pieces start at multiples of RUN); otherwise element by element, as the
+    // kernel's unaligned walk.
     let aligned = [Some(parts.param), Some(parts.grad)]
         .into_iter()
         .chain(parts.states.into_iter().take(N))
         .flatten()
         .all(|t| t.addr.is_multiple_of(16));
-    let runs = Tl::ON && core::mem::size_of::<T>() == 4 && aligned;
+    let runs = Tl::ON && P::SIZE == 2 && aligned;
     let runs_end = parts.param.len / RUN as u64 * RUN as u64;
     let (mut run, mut kept) = (Run::default(), [(0.0f32, 0.0f32); RUN]);
     for i in p.start..p.end {
@@ -660,7 +660,7 @@ unsafe fn update_range<
             let stored = P::round_from(u.update(before, grad, &mut st));
             *at::<P>(&parts.param, i) = stored;
             if runs && i < runs_end {
-                // Exact: the values are f32 (opmath T is f32 here).
+                // Exact: the values are 16-bit (opmath T is f32 here).
                 let (b, a) = (before.into() as f32, P::widen_to(stored).into() as f32);
                 let k = (i % RUN as u64) as usize;
                 kept[k] = (b, a);
