@@ -14,6 +14,7 @@ import torch
 
 import gradclip.torch as gt
 from gradclip.torch.optim import Adam, AdamW
+from cuda_capture import capture_on_side_stream
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -489,13 +490,7 @@ def test_gradclip_update_captured_in_a_cuda_graph():
         backward(m, 0)
     ours.step()
     twin.step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            ours.step()
-    torch.cuda.current_stream().wait_stream(s)
+    g = capture_on_side_stream(ours.step)
     for _ in range(5):
         g.replay()
         twin.step()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gradclip.torch import optim
+from cuda_capture import capture_on_side_stream
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 
@@ -261,12 +262,7 @@ def test_a_captured_step_over_many_groups_follows_device_learning_rates():
     _set_grads(0, ours, twin, 6)
     opt.step()
     ref.step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        opt.step()
-    torch.cuda.current_stream().wait_stream(s)
+    graph = capture_on_side_stream(opt.step)
     for step in range(1, 5):
         for o in (opt, ref):
             for k, g in enumerate(o.param_groups):

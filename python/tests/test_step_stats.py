@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gradclip.torch import optim
+from cuda_capture import capture_on_side_stream
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 
@@ -205,12 +206,7 @@ def test_a_captured_step_reports_at_every_replay():
     new_grads(first=True)
     opt.step()
     ref.step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        opt.step()
-    torch.cuda.current_stream().wait_stream(s)
+    graph = capture_on_side_stream(opt.step)
     for step in range(3):
         grads = new_grads()
         before = [p.detach().clone() for p in ours]
