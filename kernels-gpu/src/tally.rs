@@ -49,9 +49,9 @@ impl Run {
         self.param_sq += after * after;
     }
 
-    /// The run's sums in f64, or `None` when one lost f32's relative precision (see
-    /// [`RUN_SUM_MIN`]); then its elements are tallied one by one in f64. A sum of exactly 0 is
-    /// kept: every square in it was below 2^-150 (the run's true sum below 2^-147).
+    /// The run's sums in f64, or `None` when one lost f32's relative precision (not finite, or
+    /// above 0 and below 2^-100); then its elements are tallied one by one in f64. A sum of
+    /// exactly 0 is kept: every square in it was below 2^-150 (the run's true sum below 2^-147).
     #[inline(always)]
     pub fn sums(&self) -> Option<(f64, f64)> {
         let kept = |s: f32| s.is_finite() && (s >= RUN_SUM_MIN || s == 0.0);
