@@ -157,14 +157,11 @@ fn stored<P: Element>(x: f32) -> f32 {
     if P::SIZE == 4 { x } else { P::to_f32(P::from_f32(x)) }
 }
 
-/// Two neighbours as the parameter keeps them ([`stored`]), a 16-bit pair rounded by the one
-/// `cvt` the store packs with ([`pack_pair`]: the same bits as [`Element::from_f32`], whose
+/// Two neighbours of a 16-bit parameter as it keeps them ([`stored`]), rounded by the one `cvt`
+/// the store packs them with ([`pack_pair`]: the same bits as [`Element::from_f32`], whose
 /// integer rounding per element made the bf16 step with telemetry slower than its memory).
 #[inline(always)]
 fn stored_pair<P: Element>(lo: f32, hi: f32) -> (f32, f32) {
-    if P::SIZE == 4 {
-        return (lo, hi);
-    }
     let w = pack_pair::<P>(lo, hi);
     // SAFETY: a 16-bit P's Bits is two bytes of plain integer.
     let half = |h: u16| P::to_f32(unsafe { core::mem::transmute_copy::<u16, P::Bits>(&h) });
@@ -185,7 +182,7 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
 ) {
     let [p, g, s0, s1, s2] = raw;
     let mut out = [[0.0f32; GROUP as usize]; 1 + MAX_STATES];
-    // The group is one of the tally's runs (elements 8k..8k + 8 of the tensor).
+    // For a 16-bit parameter the group is one of the tally's runs (elements 8k..8k + 8).
     let (mut run, mut even_before) = (Run::default(), 0.0f32);
     // k indexes the parts' groups and the outputs at once.
     #[allow(clippy::needless_range_loop)]
