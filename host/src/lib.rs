@@ -34,6 +34,7 @@ pub mod gpu;
 pub mod norm;
 pub mod optim;
 pub mod plan;
+pub mod policy;
 pub mod sharded;
 pub mod tensor_list;
 

@@ -204,8 +204,19 @@ pub struct NormOutput {
     pub coef: f64,
     /// 1 when the norm is NaN or infinite.
     pub nonfinite: u32,
-    /// 1 when the scale kernel must leave every gradient untouched (`error_if_nonfinite`).
-    pub skip_scale: u32,
+    /// Any of [`skip`]: what must leave every gradient (and, for [`skip::STEP`], every
+    /// parameter and state) untouched.
+    pub skip: u32,
+}
+
+/// Bits of [`NormOutput::skip`].
+pub mod skip {
+    /// The scale leaves every gradient untouched: a non-finite norm under `error_if_nonfinite`.
+    pub const SCALE: u32 = 1;
+    /// A skip policy skipped the step (or a policy's state was not whole): the scale leaves
+    /// every gradient untouched and the update every parameter, state and step count (the step
+    /// is counted as skipped).
+    pub const STEP: u32 = 2;
 }
 
 /// Flag bits every optimizer update takes (the bits below 4 are each optimizer's own).

@@ -477,12 +477,13 @@ pub(crate) fn dtypes(d: &UpdateTensorDesc) -> (u32, u32, u32) {
 pub(crate) struct Step {
     /// The factor each gradient is multiplied by (the clip coefficient; 1 without a norm).
     pub coef: f64,
-    /// Nothing is updated: an overflow, or a non-finite norm with `SKIP_NONFINITE`.
+    /// Nothing is updated: an overflow, a step a policy skipped, or a non-finite norm with
+    /// `SKIP_NONFINITE`.
     pub skip: bool,
 }
 
 /// The step of a launch: reads its clip's norm output (the coefficient) and `found_inf`, and
-/// decides the skip (an overflow, or a non-finite norm with
+/// decides the skip (an overflow, a step a policy skipped, or a non-finite norm with
 /// [`crate::abi::update_flags::SKIP_NONFINITE`] in `flags`). Kernel arguments, as everything
 /// the walk takes per element: ptxas keeps what they alone decide in uniform registers (read from
 /// the group table, the coefficient and the flags took per-thread registers and the bf16 Adam
@@ -504,9 +505,10 @@ pub(crate) unsafe fn launch_step(norm: *const NormOutput, flags: u32, found_inf:
     // Adam kernel its register budget (spills, 20% slower on the H200).
     let coef = out.map_or(1.0, |o| o.coef);
     let nonfinite = out.is_some_and(|o| o.nonfinite != 0);
+    let policy_skip = out.is_some_and(|o| o.skip & crate::abi::skip::STEP != 0);
     Step {
         coef,
-        skip: overflow || (nonfinite && flags & crate::abi::update_flags::SKIP_NONFINITE != 0),
+        skip: overflow || policy_skip || (nonfinite && flags & crate::abi::update_flags::SKIP_NONFINITE != 0),
     }
 }
 

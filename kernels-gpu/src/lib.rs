@@ -10,7 +10,8 @@
 //! Layout: [`abi`] holds the `#[repr(C)]` types shared with the host, [`dtype`] the element
 //! encodings, [`math`] the exp2/log2 used by general p-norms, [`accum`] the f64 accumulators of
 //! each norm, [`geometry`] how a tensor is cut into block tasks and lanes, [`lane`] the per-thread
-//! loop, [`model`] the host-side reduction trees, [`scale`] the in-place clip arithmetic; [`update`] is what an optimizer's per-element
+//! loop, [`model`] the host-side reduction trees, [`scale`] the in-place clip arithmetic, [`policy`]
+//! the clip policies that decide the coefficient or skip a step from the norm and their state; [`update`] is what an optimizer's per-element
 //! arithmetic looks like to the multi-tensor walk that applies it, [`adam`], [`sgd`] and
 //! [`lion`] are the three optimizers' arithmetic.
 #![no_std]
@@ -49,6 +50,7 @@ pub mod lion;
 pub mod math;
 pub mod model;
 pub mod norms;
+pub mod policy;
 pub mod scale;
 pub mod sgd;
 pub mod tally;
@@ -64,6 +66,8 @@ pub mod combine_entry;
 mod device;
 #[cfg(target_arch = "nvptx64")]
 pub mod entry;
+#[cfg(target_arch = "nvptx64")]
+pub mod policy_entry;
 #[cfg(target_arch = "nvptx64")]
 pub mod update_entry;
 

@@ -4,11 +4,11 @@
 use crate::abi::NormOutput;
 
 /// The coefficients the scale pass multiplies by, or `None` when it must leave every gradient
-/// untouched: the norm was non-finite under `error_if_nonfinite`, or the coefficient is exactly 1
+/// untouched: the norm was non-finite under `error_if_nonfinite`, a policy skipped the step, or the coefficient is exactly 1
 /// (multiplying by 1 changes no bit, so skipping saves a read and a write of every gradient).
 #[inline(always)]
 pub fn scale_coefficients(out: &NormOutput) -> Option<(f32, f64)> {
-    if out.skip_scale != 0 || out.coef == 1.0 {
+    if out.skip != 0 || out.coef == 1.0 {
         None
     } else {
         Some((out.coef as f32, out.coef))
@@ -30,6 +30,6 @@ pub fn norm_output(norm: f64, params: &crate::abi::NormParams) -> NormOutput {
         norm,
         coef,
         nonfinite: nonfinite as u32,
-        skip_scale: skip as u32,
+        skip: if skip { crate::abi::skip::SCALE } else { 0 },
     }
 }

@@ -297,7 +297,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_loss_scale(out: *mut NormOutput, loss
                 norm: 0.0,
                 coef: gradient_factor(None, scale),
                 nonfinite: 0,
-                skip_scale: 0,
+                skip: 0,
             }
         };
         out.write(o);

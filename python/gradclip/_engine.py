@@ -19,16 +19,33 @@ from . import _native, _torch_probe
 from ._torch_probe import NATIVE_DTYPES
 
 __all__ = [
-    "NATIVE_DTYPES", "OPS_RUNNING", "STEP_KINDS", "StepVerdict", "capturing", "check_max_norm", "check_p",
-    "check_total_norm", "check_writable", "checked_norm", "clip_coef", "clip_grads", "facts", "group_hyper",
+    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "capturing", "check_max_norm", "check_p",
+    "check_total_norm", "check_writable", "checked_norm", "clip_coef", "clip_grads", "clip_policy", "facts", "group_hyper",
     "guards", "key_partials", "keys_total", "list_step", "norm_output", "optim_step", "plan_clip", "plan_norm",
-    "plan_norm_as", "plan_tensor_norms", "planner", "raw_stream", "reduction", "refuse_host_read_under_capture",
-    "result_dtype", "returned_norm", "returned_norm_buffer", "rule_states", "scale_group", "scale_plan",
-    "step_layout", "stream_of", "to_partial", "total_norm64", "written",
+    "plan_norm_as", "plan_tensor_norms", "planner", "policy_state_is_whole", "raw_stream", "reduction", "refuse_host_read_under_capture",
+    "result_dtype", "returned_norm", "returned_norm_buffer", "rule_states", "scale_grads", "scale_group", "scale_plan", "skip_spike_state",
+    "step_layout", "stream_of", "to_partial", "total_norm64", "written", "zclip_state",
 ]
 
 
 _torch_probe.probed()  # at import, not on a first call (``_torch_probe`` says why)
+
+
+# The clip policies (``gradclip::policy``), documented in the binding: each policy's fresh state
+# (its words laid out by the kernels' code), the check of a loaded one, the words Python reads,
+# and the policies' run on a norm output.
+zclip_state = _native.zclip_state
+skip_spike_state = _native.skip_spike_state
+policy_state_is_whole = _native.policy_state_is_whole
+POLICY_WORDS = {name: dict(words) for name, words in _native.policy_words()}
+
+
+def clip_policy(device: torch.device, out: torch.Tensor, policies) -> None:
+    """Runs a clip's ``policies`` (``((clip_addr, words), (skip_addr, words))``) on the norm
+    output ``out`` (three float64 on ``device``), on torch's current stream there."""
+    stream, on_device = stream_of(device)
+    with on_device:
+        _native.clip_policy(device.index if device.type == "cuda" else -1, stream, out.data_ptr(), policies)
 
 
 def planner():
@@ -345,7 +362,11 @@ def clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
 def clip_grads(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     if len(grads) == 0:
         return
-    coef = clip_coef(max_norm, total_norm)
+    scale_grads(grads, clip_coef(max_norm, total_norm))
+
+
+def scale_grads(grads: List[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every tensor of ``grads`` (on any devices) by ``coef`` (0-dim f64), in place."""
     for ts in _by_device(grads).values():
         scale_group(ts, coef)
 

@@ -377,6 +377,6 @@ pub fn list_step(
     let Some((list, place)) = cache.get().list(planner.get(), shape, &lists)? else {
         return Ok(None); // no tensor at all: nothing to step
     };
-    let (_, norm) = run_step(py, place, &list, &hypers, inputs, &Default::default(), (0, &[]))?;
+    let (_, norm) = run_step(py, place, &list, &hypers, inputs, &Default::default(), (0, &[]), &[])?;
     Ok(norm)
 }

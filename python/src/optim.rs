@@ -24,6 +24,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::guards::AddressCheck;
 use crate::hyper::{self, Hyper, read_hyper};
 use crate::place::Place;
+use crate::policies::{PolicyArgs, policies_of};
 use crate::scan::Planner;
 use crate::step_grads::{ListMaker, StepGrads};
 use crate::step_run::{ClipGroups, StepInputs, run_step};
@@ -623,12 +624,13 @@ impl ListMaker for LayoutLists<'_> {
 /// of one float32 each on the tensors' device, or 0 (GradScaler's scale, divided out as every
 /// gradient is read, the clip limiting the unscaled norm; its overflow flag, which skips the
 /// step). On the CPU, `norm_out` (when not 0) gets the norm as one float64 too, also when a
-/// non-finite norm is refused (`nonfinite="error"`). Returns the verdict ([`STEP_DONE`],
+/// non-finite norm is refused (`nonfinite="error"`). `policies`: each clip's policies
+/// ([`PolicyArgs`], one per clip group, or one), or None. Returns the verdict ([`STEP_DONE`],
 /// [`STEP_RELAYOUT`], [`STEP_TORCH`], [`STEP_NEW_STATES`], [`STEP_LR_TENSORS`]: nothing written
 /// for the last four) and a payload: on the CPU the norm (None on CUDA: it stays on the device);
 /// with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
-#[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None, stats_out=0))]
+#[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None, stats_out=0, policies=None))]
 // The arguments are the Python call's, one per concern of the step.
 #[allow(clippy::too_many_arguments)]
 pub fn optim_step(
@@ -641,6 +643,7 @@ pub fn optim_step(
     inputs: StepInputs,
     clip_groups: Option<ClipGroups>,
     stats_out: u64,
+    policies: Option<Vec<PolicyArgs>>,
 ) -> PyResult<(u8, Option<Py<PyAny>>)> {
     let l = layout.get();
     let (kind, decoupled) = (hyper::kind_index(&rule.0)?, rule.1);
@@ -694,7 +697,17 @@ pub fn optim_step(
         return Err(PyValueError::new_err("the step's telemetry must be a float64 tensor"));
     }
     let stats = (stats_out, &rows[..]);
-    let r = run_step(py, place, &list, &hypers, inputs, &clip_groups.unwrap_or_default(), stats);
+    let policies: Vec<_> = policies.unwrap_or_default().into_iter().map(policies_of).collect();
+    let r = run_step(
+        py,
+        place,
+        &list,
+        &hypers,
+        inputs,
+        &clip_groups.unwrap_or_default(),
+        stats,
+        &policies,
+    );
     kept.timings[4] = started.elapsed().as_nanos() as u64;
     let (verdict, norm) = r?;
     Ok((verdict, norm.map(|n| pyo3::types::PyFloat::new(py, n).into_any().unbind())))

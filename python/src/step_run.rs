@@ -6,6 +6,7 @@
 use gradclip::NormType;
 use gradclip::cpu::Cpu;
 use gradclip::optim::{ClipConfig, GroupStep, NonFinite, StepAddresses, StepBackend, StepList};
+use gradclip::policy::Policies;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -85,7 +86,8 @@ pub(crate) type ClipGroups = (Vec<Option<f64>>, Vec<usize>);
 
 /// The norm (with a clip) and every group's update of a checked step list: one
 /// [`StepBackend::step_list`] on the tensors' backend. Returns the verdict and, on the CPU, the
-/// norm (on CUDA it stays on the device).
+/// norm (on CUDA it stays on the device). `policies`: each clip's, or none.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_step(
     py: Python<'_>,
     place: Place,
@@ -94,6 +96,7 @@ pub(crate) fn run_step(
     inputs: Inputs,
     clips: &ClipGroups,
     (stats_out, stats_rows): (u64, &[u32]),
+    policies: &[Policies],
 ) -> PyResult<(u8, Option<f64>)> {
     let groups: Vec<GroupStep> = hypers
         .iter()
@@ -114,6 +117,7 @@ pub(crate) fn run_step(
         found_inf: inputs.found_inf,
         stats_out,
         stats_rows,
+        policies,
     };
     // SAFETY (both backends): the tensors are live memory of the place that the optimizer holds
     // for the call (on CUDA, torch's caching allocator orders their reuse after this stream's

@@ -34,6 +34,8 @@ pub enum Kernel {
     NormFromPartial,
     KeyPartials,
     KeysTotal,
+    /// The clip policies' one-thread launch ([`gradclip_kernels::policy`]).
+    ClipPolicy,
     #[cfg(feature = "bench-kernels")]
     Fill,
     #[cfg(feature = "bench-kernels")]
@@ -60,6 +62,7 @@ impl Kernel {
         Kernel::NormFromPartial,
         Kernel::KeyPartials,
         Kernel::KeysTotal,
+        Kernel::ClipPolicy,
         #[cfg(feature = "bench-kernels")]
         Kernel::Fill,
         #[cfg(feature = "bench-kernels")]
@@ -118,6 +121,7 @@ impl Kernel {
             Kernel::NormFromPartial => "gradclip_norm_from_partial",
             Kernel::KeyPartials => "gradclip_key_partials",
             Kernel::KeysTotal => "gradclip_keys_total",
+            Kernel::ClipPolicy => "gradclip_clip_policy",
             #[cfg(feature = "bench-kernels")]
             Kernel::Fill => "gradclip_fill",
             #[cfg(feature = "bench-kernels")]

@@ -213,6 +213,28 @@ pub unsafe fn loss_scale(stream: &CudaStream, ks: &KernelSet, out: u64, loss_sca
     Ok(())
 }
 
+/// `gradclip_clip_policy`: a step's clip policies run on the NormOutput at `out` (one thread).
+///
+/// # Safety
+/// `out` is a NormOutput of device memory of the context written before on the stream; each
+/// policy's state is its `words` f64 of it, written before on the stream, used by nothing else
+/// until this has run; `loss_scale` (not 0) one f32 of it written before on the stream.
+pub unsafe fn clip_policy(
+    stream: &CudaStream,
+    ks: &KernelSet,
+    out: u64,
+    policies: &crate::policy::Policies,
+    loss_scale: u64,
+) -> Result<()> {
+    let (clip, clip_words) = policies.clip.map_or((0, 0), |s| (s.addr, s.words as u64));
+    let (skip, skip_words) = policies.skip.map_or((0, 0), |s| (s.addr, s.words as u64));
+    let mut b = stream.launch_builder(ks.get(Kernel::ClipPolicy));
+    b.arg(&out).arg(&clip).arg(&clip_words).arg(&skip).arg(&skip_words).arg(&loss_scale);
+    // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+    unsafe { b.launch(ONE_THREAD) }?;
+    Ok(())
+}
+
 /// One-thread launch configuration (the combine kernels).
 const ONE_THREAD: LaunchConfig = LaunchConfig {
     grid_dim: (1, 1, 1),

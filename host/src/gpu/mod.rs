@@ -19,6 +19,7 @@ pub mod engine;
 pub mod kernels;
 pub mod launch;
 mod output;
+mod policy;
 mod sharded;
 mod step;
 #[cfg(feature = "bench-kernels")]

@@ -295,6 +295,7 @@ impl GpuEngine {
             found_inf: inputs.found_inf,
             stats_out: 0,
             stats_rows: &[],
+            policies: &[],
         };
         // SAFETY: the caller's contract.
         unsafe { self.step_list(&list, &[group], &addresses) }.map(|_| ())
@@ -531,6 +532,11 @@ impl StepBackend for GpuEngine {
             // NormOutput was written just above.
             let factor = unsafe { self.update_factor_raw(norm + 24 * k as u64, clips.get(k).map(|c| &c.clip), inputs.loss_scale) }?;
             debug_assert_eq!(factor, factor_of(k), "the launches were planned with another factor");
+        }
+        for (k, p) in inputs.policies.iter().enumerate().filter(|(_, p)| p.any()) {
+            // SAFETY: the clip's NormOutput was written just above on the stream; the caller's
+            // contract covers the policies' states and the loss scale.
+            unsafe { launch::clip_policy(&stream, self.kernels(), norm + 24 * k as u64, p, inputs.loss_scale) }?;
         }
         for (l, (tables, counts)) in &planned {
             // SAFETY: the tables were planned from the list's groups of this launch (checked for

@@ -60,6 +60,12 @@ pub struct StepAddresses<'a> {
     /// Each list tensor's row of `stats_out` (its parameter's place in a caller's order; rows
     /// distinct, below the rows `stats_out` holds); empty: the list's order.
     pub stats_rows: &'a [u32],
+    /// Each clip's policies ([`crate::policy`]), one per clip (per clip group, or one for the
+    /// clip over every group), or empty for none: run once the clip's norm is known, before
+    /// any update reads its coefficient. A clip policy's coefficient replaces the fixed
+    /// clip's (whose `max_norm` still sets the coefficient of a non-finite norm); a step a skip
+    /// policy skips writes no parameter, state or step count, and counts as skipped.
+    pub policies: &'a [crate::policy::Policies],
 }
 
 /// A backend's step over every group of a checked [`StepList`].
@@ -175,6 +181,21 @@ pub(crate) fn check_step(list: &StepList, groups: &[GroupStep], inputs: &StepAdd
     super::check_clip(inputs.clip.as_ref())?;
     let clips = inputs.clip_groups.len();
     let bad = |detail: String| Err(Error::ClipGroups { detail });
+    if !inputs.policies.is_empty() {
+        if inputs.clip.is_none() {
+            return bad("clip policies without a clip (its norm type and non-finite policy): give a clip".into());
+        }
+        if inputs.policies.len() != clips.max(1) {
+            return Err(Error::LengthMismatch {
+                what: "the clip policies (one per clip)",
+                expected: clips.max(1),
+                found: inputs.policies.len(),
+            });
+        }
+        for p in inputs.policies {
+            p.check()?;
+        }
+    }
     if clips > 0 && inputs.clip.is_none() {
         return bad(format!(
             "{clips} clip groups without a clip (its norm type and non-finite policy): give a clip"

@@ -1,7 +1,7 @@
 //! The CPU step: the global norm with the CPU backend, then every element's update in parallel
 //! ([`crate::cpu::workers`]), each with the kernels' per-element arithmetic of its [`Rule`] (the GPU's bits).
 
-use gradclip_kernels::abi::{AdamParams, LionParams, MAX_STATES, SgdParams};
+use gradclip_kernels::abi::{AdamParams, LionParams, MAX_STATES, NormOutput, SgdParams, skip};
 use gradclip_kernels::accum::Reduce;
 use gradclip_kernels::accum::clip_coefficient;
 use gradclip_kernels::adam::{step_scalars_f32, step_scalars_f64};
@@ -305,6 +305,19 @@ impl StepBackend for Cpu {
                     g.rule.with_lr((g.lr_in as *const f64).read())
                 };
                 rules.push(Checked::of(&rule)?);
+            }
+            // The policies last of the checks' stage: a refused step changes no policy state.
+            let mut verdicts = verdicts;
+            for (k, p) in inputs.policies.iter().enumerate().filter(|(_, p)| p.any()) {
+                let n = norms[k];
+                let mut out = NormOutput {
+                    norm: n,
+                    coef: verdicts[k].1,
+                    nonfinite: u32::from(!n.is_finite()),
+                    skip: 0,
+                };
+                crate::policy::apply_host(&mut out, p, scale);
+                verdicts[k] = (verdicts[k].0 || out.skip & skip::STEP != 0, out.coef);
             }
             let mut counts: Vec<StepCount> = groups
                 .iter()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._engine import rule_states, STEP_KINDS
-from . import _ops, _step_clip_groups, _whole_step
+from . import _ops, _step_clip_groups, _step_policies, _whole_step
 
 
 class _StepLists:
@@ -67,6 +67,8 @@ class _CompiledStep:
             and self._given_norm is None
             # The telemetry's records are the eager step's (the list op writes none).
             and not self._stats
+            # The policies' states are the eager step's to hand the engine.
+            and not _step_policies.any_policy(self)
         )
 
     def _traced_step(self):

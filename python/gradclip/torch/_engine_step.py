@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from .._engine import StepVerdict, capturing, group_hyper, optim_step, planner, result_dtype, step_layout, stream_of
-from . import _step_clip_groups, _step_norm, _step_stats
+from . import _step_clip_groups, _step_norm, _step_policies, _step_stats
 from ._functions import _is_dtensor, _local
 
 
@@ -132,7 +132,7 @@ class _EngineStep:
                     "gradclip's optimizer step reads its parameters once before its first step: take one step "
                     "eagerly before capturing step() in a CUDA graph"
                 )
-            if self.max_grad_norm is not None and self.nonfinite == "error" and outer_scale is None and outer_found is None:
+            if _step_policies.limit(self) is not None and self.nonfinite == "error" and outer_scale is None and outer_found is None:
                 # Making the layout makes the states: refuse a non-finite first step before it.
                 self._refuse_nonfinite_first()
             layout = self._layout = self._make_layout()
@@ -151,8 +151,10 @@ class _EngineStep:
         lrs = None if keep is None else [0 if t is None else t.data_ptr() for t in keep]
         # With GradScaler an overflow is expected: it skips the step, never raises.
         policy = "skip" if self.nonfinite == "error" and (scale_t is not None or found_t is not None) else self.nonfinite
+        limit = _step_policies.limit(self)
+        policies = _step_policies.engine_policies(self, device, named)
         if named is None:
-            clip = None if self.max_grad_norm is None else (self.max_grad_norm, self.norm_type, policy)
+            clip = None if limit is None else (limit, self.norm_type, policy)
         else:  # each clip group's threshold is the engine's clip_groups'
             clip = (math.inf, self.norm_type, policy)
         # The engine binds the tensors' device: torch's current device is made that one first.
@@ -187,6 +189,7 @@ class _EngineStep:
                         layout.native, self.param_groups, self._RULE, counts.data_ptr(), lrs, (stream, clip, out.data_ptr(), ptr, *inputs),
                         None if named is None else (named.thresholds, named.index),
                         stats_out,
+                        policies,
                     )
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):
@@ -226,7 +229,7 @@ class _EngineStep:
             if named is not None:
                 scale = None if scale_t is None else scale_t.to(torch.float64)
                 self._reported["last_grad_norms"] = _step_clip_groups.reported(named, out, scale, dtype)
-            if self.nonfinite == "skip":
+            if self.nonfinite == "skip" or self.skip_policy is not None:
                 self.skipped_steps = self._skipped
         return True
 
@@ -274,6 +277,6 @@ class _EngineStep:
     def _no_gradients(self) -> bool:
         """A step in which no parameter has a gradient: nothing to update (as torch's step), and
         the norm of no gradients is 0 (as ``clip_grad_norm_`` returns it)."""
-        if self.max_grad_norm is not None:
+        if _step_policies.limit(self) is not None:
             self.last_grad_norm = torch.zeros(())
         return True

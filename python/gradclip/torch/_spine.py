@@ -17,7 +17,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .._engine import check_max_norm, check_p
-from . import _step_clip_groups, _step_norm, _step_stats, _whole_step
+from . import _step_clip_groups, _step_norm, _step_policies, _step_stats, _whole_step
 from ._compiled_step import _CompiledStep
 from ._engine_step import _EngineStep
 from ._functions import _local
@@ -84,8 +84,10 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
     hyperparameters), ``_make_states`` (the states of parameters with their first gradient),
     ``_torch_step`` and ``_after_load``."""
 
-    def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip", stats=False):
+    def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip", stats=False, clip=None, skip=None):
         _refuse_unfused(fused, foreach, differentiable, "")
+        # The clip and skip policies (_step_policies), checked with the rest before anything is made.
+        max_grad_norm, self.clip_policy, self.skip_policy = _step_policies.checked(clip, skip, max_grad_norm, update)
         settings = _checked_settings(max_grad_norm, norm_type, nonfinite)
         if update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}; got {update!r}")
@@ -232,16 +234,18 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
             norm_type=self.norm_type,
             nonfinite=self.nonfinite,
             update=self.update,
+            clip_policy=self.clip_policy,
+            skip_policy=self.skip_policy,
         )
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # Unpickling passes the settings saved by __getstate__; torch's load_state_dict calls this
         # too, with only state and param_groups: the settings in place then stay.
-        clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update") if k in state}
+        clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update", "clip_policy", "skip_policy") if k in state}
         super().__setstate__(state)
         self.__dict__.update(clip)
-        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("pipeline_group", None), ("norm_group", None), ("_shards_over", ())):
+        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("clip_policy", None), ("skip_policy", None), ("pipeline_group", None), ("norm_group", None), ("_shards_over", ())):
             self.__dict__.setdefault(k, v)
         self.__dict__.setdefault("_reported", {"last_grad_norm": None, "skipped_steps": None})
         self.__dict__.setdefault("_given_norm", None)
@@ -260,10 +264,14 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         optimizers ignore when they load it)."""
         out = super().state_dict()
         out["gradclip"] = {k: getattr(self, k) for k in self._SETTINGS}
+        out["gradclip"].update(_step_policies.saved(self))
+        if self._counts is not None:
+            # Each group's steps and skipped steps: a resumed run counts on from them.
+            out["gradclip"]["group_counts"] = self._counts.detach().to("cpu", copy=True)
         return out
 
     def __repr__(self) -> str:
-        clip = "".join(f"    {k}: {getattr(self, k)}\n" for k in (*self._SETTINGS, "update"))
+        clip = "".join(f"    {k}: {getattr(self, k)}\n" for k in (*self._SETTINGS, "update", "clip_policy", "skip_policy"))
         return super().__repr__()[:-1] + f"Clip\n{clip})"
 
     def load_state_dict(self, state_dict) -> None:
@@ -274,14 +282,25 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         float32 on the parameter's device). A state dict of gradclip's restores the clip settings
         (checked first: nothing is loaded when one is invalid); torch's leaves them as they are."""
         settings = state_dict.get("gradclip")
+        policy_loads, counts = [], None
         if settings is not None:
+            policy_loads = _step_policies.load(self, settings)
+            counts = settings.get("group_counts")
+            groups = len(state_dict.get("param_groups", ()))
+            if counts is not None and (not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or tuple(counts.shape) != (groups, 2)):
+                raise ValueError(f"the state dict's group_counts must be an int64 tensor of ({groups}, 2): nothing was loaded")
             settings = _checked_settings(*(settings.get(k, getattr(self, k)) for k in self._SETTINGS))
             state_dict = {k: v for k, v in state_dict.items() if k != "gradclip"}
         super().load_state_dict(state_dict)
         if settings is not None:
             self.__dict__.update(settings)
+        for load in policy_loads:
+            load()
         self._after_load()
-        self._counts = None
+        # The next step moves the saved counts to the parameters' device (_group_counts).
+        self._counts = None if counts is None else counts.clone()
+        if self._counts is not None:
+            self._skipped = self._counts[0, 1]
         self._layout = None
 
     def provide_grad_norm(self, norm: torch.Tensor) -> None:
@@ -362,8 +381,9 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
     def _clipped_step(self, loss):
         if self.update == "gradclip" and self._gradclip_step():
             return loss
+        why = "update='torch' runs torch's step" if self.update != "gradclip" else "its engine could not take this step (tensors on several devices, or of a kind it does not read)"
+        _step_policies.refuse_torch_step(self, why)
         if _step_clip_groups.read(self.param_groups, self.max_grad_norm) is not None:
-            why = "update='torch' runs torch's step" if self.update != "gradclip" else "its engine could not take this step (tensors on several devices, or of a kind it does not read)"
             raise RuntimeError(
                 "this optimizer's param groups are in clip groups (clip_group / max_grad_norm), which only gradclip's own "
                 f"step clips apart, and {why}: nothing was written"

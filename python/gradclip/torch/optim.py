@@ -93,8 +93,10 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
         shards_over=None,
         update="gradclip",
         stats=False,
+        clip=None,
+        skip=None,
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update, stats)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update, stats, clip, skip)
         super().__init__(
             params,
             lr,
@@ -138,8 +140,10 @@ class Adam(_ClippingStep, torch.optim.Adam):
         shards_over=None,
         update="gradclip",
         stats=False,
+        clip=None,
+        skip=None,
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update, stats)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update, stats, clip, skip)
         super().__init__(
             params,
             lr,
@@ -203,8 +207,10 @@ class SGD(_ClippingStep, torch.optim.SGD):
         shards_over=None,
         update="gradclip",
         stats=False,
+        clip=None,
+        skip=None,
     ):
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update, stats)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), fused, foreach, differentiable, update, stats, clip, skip)
         super().__init__(
             params,
             lr,
@@ -289,6 +295,8 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
         shards_over=None,
         update="gradclip",
         stats=False,
+        clip=None,
+        skip=None,
     ):
         if not (isinstance(lr, torch.Tensor) or lr >= 0.0):
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -296,7 +304,7 @@ class Lion(_ClippingStep, torch.optim.Optimizer):
             raise ValueError(f"Invalid beta parameters: {betas}")
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), True, None, False, update, stats)
+        self._init_clip(max_grad_norm, norm_type, nonfinite, (pipeline_group, norm_group, shards_over), True, None, False, update, stats, clip, skip)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize))
 
     def _make_states(self, group, params) -> None:

@@ -1,0 +1,177 @@
+//! Clip policies: rules that decide, from each step's global norm and a few words of state
+//! they keep in memory, the clip coefficient (a clip policy: [`zclip`]) or whether the step is
+//! skipped (a skip policy: [`skip_spike`]). They run after the norm is known, wherever it came
+//! from (the norm kernel, a norm given by a caller, the cross-rank combine), in one thread: on the
+//! GPU the one-thread `gradclip_clip_policy` launch, on the CPU the same function, so both
+//! backends decide the same bits.
+//!
+//! A policy's state is one array of f64 words, which its owner keeps (a torch tensor, so that a
+//! state dict holds it): word [`KIND`] names the policy, word [`WORDS`] the array's length, then
+//! the policy's settings and its running state (each policy's module lists its words). A new
+//! policy is one module here and one arm in [`apply`].
+
+pub mod skip_spike;
+pub mod zclip;
+
+use crate::abi::{NormOutput, skip};
+
+/// Word 0: the policy, one of [`kind`].
+pub const KIND: usize = 0;
+/// Word 1: the number of words of the state, header included.
+pub const WORDS: usize = 1;
+
+/// The policies, as word [`KIND`] names them.
+pub mod kind {
+    /// [`super::zclip`]: a clip policy.
+    pub const ZCLIP: u32 = 1;
+    /// [`super::skip_spike`]: a skip policy.
+    pub const SKIP_SPIKE: u32 = 2;
+}
+
+/// The policy a state names, when its header is whole: its kind is known and its length is the
+/// one that kind's settings ask for and the memory holds.
+#[inline(always)]
+pub fn kind_of(state: &[f64]) -> Option<u32> {
+    if rd(state, WORDS) != state.len() as f64 {
+        return None;
+    }
+    let kind = rd(state, KIND);
+    let fits = match kind as u32 {
+        kind::ZCLIP if kind == kind::ZCLIP as f64 => zclip::fits(state),
+        kind::SKIP_SPIKE if kind == kind::SKIP_SPIKE as f64 => skip_spike::fits(state),
+        _ => false,
+    };
+    fits.then_some(kind as u32)
+}
+
+/// Runs a step's policies on its [`NormOutput`] (written before, by whichever stage found the
+/// norm): `loss_scale` is what the gradients carry (1 without one: the norm the policies see is
+/// `out.norm / loss_scale`). The skip policy goes first: a skipped step sets
+/// [`skip::STEP`] and leaves the clip policy's state as it was (the step is not taken, so it
+/// teaches the clip nothing). Otherwise the clip policy's coefficient, divided by the loss scale,
+/// becomes `out.coef`. A non-finite norm changes no state; the skip policy counts it as a skip. A
+/// state whose header is not whole ([`kind_of`]) skips the step rather than guess.
+#[inline(always)]
+pub fn apply(out: &mut NormOutput, clip: Option<&mut [f64]>, skip_policy: Option<&mut [f64]>, loss_scale: f64) {
+    let norm = out.norm / loss_scale;
+    if let Some(s) = skip_policy {
+        let skipped = match kind_of(s) {
+            Some(kind::SKIP_SPIKE) => skip_spike::decide(norm, s),
+            _ => true,
+        };
+        if skipped {
+            out.skip |= skip::STEP;
+            return;
+        }
+    }
+    if let Some(s) = clip {
+        match kind_of(s) {
+            Some(kind::ZCLIP) if norm.is_finite() => out.coef = zclip::coefficient(norm, s) / loss_scale,
+            Some(kind::ZCLIP) => {}
+            _ => out.skip |= skip::STEP,
+        }
+    }
+}
+
+/// Word `i` of a state (NaN past its end: the kernels hold no panicking index, and a state was
+/// checked whole before any policy reads it).
+#[inline(always)]
+fn rd(s: &[f64], i: usize) -> f64 {
+    s.get(i).copied().unwrap_or(f64::NAN)
+}
+
+/// Sets word `i` of a state (nothing past its end, as [`rd`]).
+#[inline(always)]
+fn wr(s: &mut [f64], i: usize, v: f64) {
+    if let Some(w) = s.get_mut(i) {
+        *w = v;
+    }
+}
+
+/// Words `a..b` of a state (none past its end, as [`rd`]).
+#[inline(always)]
+fn span(s: &[f64], a: usize, b: usize) -> &[f64] {
+    s.get(a..b).unwrap_or(&[])
+}
+
+/// The sum of `xs` in order, and the sum of their squared distances from its mean `sum / n`, in
+/// order: the mean and variance a policy's authors compute with Python's `sum`.
+#[inline(always)]
+fn moments(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mut sum = 0.0;
+    for &x in xs {
+        sum += x;
+    }
+    let mean = sum / n;
+    let mut sq = 0.0;
+    for &x in xs {
+        let d = x - mean;
+        sq += d * d;
+    }
+    (mean, sq)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_header_skips_the_step() {
+        let mut z = zclip::state(&zclip::Settings::default());
+        let mut out = NormOutput {
+            norm: 0.5,
+            coef: 1.0,
+            nonfinite: 0,
+            skip: 0,
+        };
+        apply(&mut out, Some(&mut z), None, 1.0);
+        assert_eq!(out.skip, 0);
+        for broken in [
+            |s: &mut [f64]| s[KIND] = 7.0,
+            |s: &mut [f64]| s[KIND] = 1.5,
+            |s: &mut [f64]| s[WORDS] += 1.0,
+            |s: &mut [f64]| s[zclip::WARMUP_STEPS] = 1e9,
+        ] {
+            let mut z = zclip::state(&zclip::Settings::default());
+            broken(&mut z);
+            let mut out = NormOutput {
+                norm: 0.5,
+                coef: 1.0,
+                nonfinite: 0,
+                skip: 0,
+            };
+            apply(&mut out, Some(&mut z), None, 1.0);
+            assert_eq!(out.skip, skip::STEP);
+        }
+    }
+
+    #[test]
+    fn a_skipped_step_teaches_the_clip_nothing() {
+        let mut z = zclip::state(&zclip::Settings::default());
+        let mut s = skip_spike::state(&skip_spike::Settings {
+            threshold: 10.0,
+            ..Default::default()
+        });
+        let before = z.clone();
+        let mut out = NormOutput {
+            norm: 40.0,
+            coef: 1.0,
+            nonfinite: 0,
+            skip: 0,
+        };
+        apply(&mut out, Some(&mut z), Some(&mut s), 2.0);
+        assert_eq!((out.skip, z == before, s[skip_spike::SKIPPED]), (skip::STEP, true, 1.0));
+        // 40 / 2 = 20 > 10: skipped; 16 / 2 = 8: taken, clipped at ZClip's max_grad_norm (1).
+        let mut out = NormOutput {
+            norm: 16.0,
+            coef: 1.0,
+            nonfinite: 0,
+            skip: 0,
+        };
+        apply(&mut out, Some(&mut z), Some(&mut s), 2.0);
+        assert_eq!(out.skip, 0);
+        assert_eq!(out.coef, 1.0 / (8.0 + 1e-6) / 2.0);
+        assert_eq!(z[zclip::SEEN], 1.0);
+    }
+}

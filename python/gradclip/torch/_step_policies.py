@@ -1,0 +1,101 @@
+"""Clip policies in the optimizers (``clip=`` and ``skip=``, ``gradclip.torch.policies``): which
+policies an optimizer runs, the clip threshold its step then takes, their place in its state dict,
+and the steps that cannot run them (refused before anything is written).
+
+``clip`` is a number (the fixed clip, as ``max_grad_norm``) or a clip policy (``ZClip``); ``skip``
+a skip policy (``SkipSpike``). The engine's step runs them on the device after the norm, before the
+update reads the coefficient: the clip policy's coefficient replaces the fixed clip's, and a step
+the skip policy skips writes no parameter, state or step count (counted in ``skipped_steps``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+from .policies import SkipSpike, ZClip, _Policy, policies_args
+
+
+def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Optional[_Policy], Optional[_Policy]]:
+    """``(max_grad_norm, clip_policy, skip_policy)`` from an optimizer's ``clip``, ``skip`` and
+    ``max_grad_norm`` (a ValueError or TypeError, before anything is made, for a wrong one)."""
+    if clip is not None and max_grad_norm is not None:
+        raise ValueError("give max_grad_norm or clip, not both (clip=<number> is max_grad_norm=<number>)")
+    policy = None
+    if isinstance(clip, ZClip):
+        policy = clip
+    elif isinstance(clip, _Policy):
+        raise TypeError(f"clip takes a number or a clip policy such as ZClip; {type(clip).__name__} goes to skip=")
+    elif clip is not None:
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)):
+            raise TypeError(f"clip must be a number (the fixed clip) or a clip policy such as ZClip; got {type(clip).__name__}")
+        max_grad_norm = clip
+    if skip is not None and not isinstance(skip, SkipSpike):
+        raise TypeError(f"skip must be a skip policy such as SkipSpike; got {type(skip).__name__}")
+    if (policy is not None or skip is not None) and update != "gradclip":
+        raise ValueError('clip and skip policies run in gradclip\'s update (update="gradclip"): torch\'s fused kernel cannot skip on them')
+    if policy is not None and skip is not None and policy is skip:
+        raise ValueError("one policy object cannot be both the clip and the skip policy")
+    return max_grad_norm, policy, skip
+
+
+def limit(opt) -> Optional[float]:
+    """The threshold the step's norm stage clips at: ``max_grad_norm``; with a clip policy and no
+    ``max_grad_norm``, the policy's cap (which a non-finite norm's coefficient takes); with a skip
+    policy alone, infinite (the norm is measured for it); None: no clip, no norm."""
+    if opt.max_grad_norm is not None:
+        return opt.max_grad_norm
+    if opt.clip_policy is not None:
+        return opt.clip_policy.limit
+    return math.inf if opt.skip_policy is not None else None
+
+
+def any_policy(opt) -> bool:
+    return opt.clip_policy is not None or opt.skip_policy is not None
+
+
+def engine_policies(opt, device, named) -> Optional[list]:
+    """The step's policies as the engine takes them (one clip), or None without any. Named clip
+    groups each take their own norm, which one policy cannot decide for: refused."""
+    if not any_policy(opt):
+        return None
+    if named is not None:
+        raise ValueError(
+            "clip and skip policies decide for the clip over every param group; this optimizer's param groups are in "
+            "named clip groups (clip_group / max_grad_norm): nothing was written"
+        )
+    return [policies_args(device, opt.clip_policy, opt.skip_policy)]
+
+
+def refuse_torch_step(opt, why: str) -> None:
+    """A RuntimeError, before anything is written, for a step with policies that only gradclip's
+    engine runs and that torch's step was to take (``why``)."""
+    if any_policy(opt):
+        raise RuntimeError(f"this optimizer's clip or skip policy runs in gradclip's engine, and {why}: nothing was written")
+
+
+def saved(opt) -> Dict[str, Any]:
+    """The policies' state dicts, for the optimizer's (under ``"gradclip"``)."""
+    return {k: p.state_dict() for k, p in (("clip_policy", opt.clip_policy), ("skip_policy", opt.skip_policy)) if p is not None}
+
+
+def load(opt, settings: Dict[str, Any]):
+    """The loads of the policies a saved state dict has (``settings``, its ``"gradclip"``), each
+    checked now by loading into a copy (nothing is loaded on an error): a list of calls that
+    load them into ``opt``'s own policies, for after torch's load succeeded."""
+    loads = []
+    for key, name in (("clip_policy", "clip="), ("skip_policy", "skip=")):
+        sd = settings.get(key)
+        if sd is None:
+            continue
+        mine = getattr(opt, key)
+        if mine is None:
+            raise ValueError(
+                f"this state dict has a {sd.get('policy')} policy ({name}) and this optimizer none: construct it with one "
+                "to resume (nothing was loaded)"
+            )
+        probe = type(mine).__new__(type(mine))
+        probe.__dict__.update(mine.__dict__)
+        probe._state = mine._state.detach().to("cpu", copy=True)
+        probe.load_state_dict(sd)
+        loads.append(lambda mine=mine, sd=sd: mine.load_state_dict(sd))
+    return loads

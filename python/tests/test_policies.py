@@ -1,0 +1,275 @@
+"""Clip policies (``gradclip.torch.policies``): ZClip and SkipSpike step by step against plain
+float64 references of their authors' code over 250 steps with spikes and non-finite norms
+(``policy_reference``), functionally and inside the optimizers; skipped steps leave every
+parameter, state and step count unchanged to the bit; a state dict saved mid-run gives the same
+parameters to the bit as never stopping; what is refused, before anything is written. CUDA: the
+GPU's decisions and parameters equal the CPU's to the bit, and a captured step replays them."""
+
+import io
+import math
+
+import pytest
+import torch
+
+from gradclip.torch import optim
+from gradclip.torch.policies import SkipSpike, ZClip
+from cuda_capture import capture_on_side_stream
+from policy_reference import SkipReference, ZClipReference, norms_with_spikes
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+STEPS = 250
+
+
+def _params(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64).to(device)) for s in [(17, 9), (9,), (300,)]]
+
+
+def _grads(params, scale, step, seed=1):
+    """Unit-norm random gradients times ``scale`` (NaN or inf: one element of the first)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    gs = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
+    norm = math.sqrt(sum(float((x * x).sum()) for x in gs))
+    out = [(x / norm * (scale if math.isfinite(scale) else 1.0)).to(p.device) for x, p in zip(gs, params)]
+    if not math.isfinite(scale):
+        out[0][0, 0] = scale
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("generator", [False, True])
+def test_zclip_clip_equals_the_authors_step(device, generator):
+    params = _params(device)
+    params.append(torch.nn.Parameter(torch.zeros(3, dtype=torch.float64, device=device)))  # grad None
+    policy, ref = ZClip(warmup_steps=10, max_grad_norm=20.0), ZClipReference(warmup_steps=10, max_grad_norm=20.0)
+    clipped = 0
+    for step, scale in enumerate(norms_with_spikes(STEPS)):
+        grads = _grads(params[:3], scale, step)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        norm = policy.clip_((p for p in params) if generator else params)
+        n = float(norm)
+        coef = ref.coefficient(n)
+        clipped += coef < 1.0
+        for p, g in zip(params, grads):
+            torch.testing.assert_close(p.grad, g * coef, rtol=1e-12, atol=0, equal_nan=True, msg=f"step {step}")
+        assert params[3].grad is None
+    assert clipped >= 12, "the run should clip its spikes"
+    torch.testing.assert_close(policy.mean.item(), ref.mean, rtol=1e-12, atol=0)
+    torch.testing.assert_close(policy.std.item(), ref.var ** 0.5, rtol=1e-12, atol=0)
+
+
+def _skipped_run(device, opt_factory, policy_kwargs, steps=STEPS, seed=0):
+    """A run of ``steps`` with the skip policy: each step's decision (from ``skipped_steps``),
+    checked against the reference, and, on skipped steps, every parameter and state unchanged to
+    the bit."""
+    params = _params(device, seed)
+    skip = SkipSpike(**policy_kwargs)
+    opt = opt_factory(params, skip)
+    ref = SkipReference(**policy_kwargs)
+    decisions = []
+    for step, scale in enumerate(norms_with_spikes(steps)):
+        for p, g in zip(params, _grads(params, scale, step)):
+            p.grad = g
+        before = [p.detach().clone() for p in params]
+        states = {p: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+        skipped_before = 0 if opt.skipped_steps is None else int(opt.skipped_steps)
+        opt.step()
+        skipped = int(opt.skipped_steps) - skipped_before
+        norm = float(opt.last_grad_norm)
+        expect = ref.skips(norm)
+        assert skipped == int(expect), f"step {step}: norm {norm}, reference skips: {expect}"
+        if skipped:
+            for b, p in zip(before, params):
+                assert torch.equal(b, p), f"step {step}: a skipped step moved a parameter"
+            for p, st in states.items():
+                for k, v in st.items():
+                    assert torch.equal(v, opt.state[p][k]), f"step {step}: a skipped step changed state {k}"
+        decisions.append(skipped)
+    assert float(skip.skipped) == ref.skipped == sum(decisions)
+    return decisions
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {"threshold": 6.0},
+        {"ema_factor": 4.0, "ema_decay": 0.9},
+        {"sigma": 3.0, "window": 32},
+        {"threshold": 30.0, "ema_factor": 6.0, "sigma": 4.0, "window": 16},
+    ],
+    ids=["threshold", "ema", "window", "all"],
+)
+def test_skip_spike_decides_as_its_authors(device, rule):
+    adam = lambda ps, skip: optim.AdamW(ps, lr=1e-2, weight_decay=0.1, skip=skip)  # noqa: E731
+    decisions = _skipped_run(device, adam, rule)
+    assert 10 <= sum(decisions) < STEPS // 2, f"the run should skip its spikes, and only them ({sum(decisions)})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zclip_in_the_step_equals_torch_after_the_authors_clip(device):
+    params = _params(device)
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = optim.SGD(mine, lr=0.05, momentum=0.9, clip=ZClip(warmup_steps=8, max_grad_norm=25.0))
+    torch_opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    ref = ZClipReference(warmup_steps=8, max_grad_norm=25.0)
+    for step, scale in enumerate(norms_with_spikes(120, nonfinite=())):
+        grads = _grads(params, scale, step)
+        for p, q, g in zip(params, mine, grads):
+            q.grad = g.clone()
+            p.grad = g.clone()
+        opt.step()
+        coef = ref.coefficient(float(opt.last_grad_norm))
+        for p in params:
+            p.grad.mul_(coef)
+        torch_opt.step()
+        for p, q in zip(params, mine):
+            torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-14, msg=f"step {step}")
+
+
+def _train(device, steps, resume_at=None, seed=3):
+    """AdamW with ZClip and SkipSpike over ``steps``; with ``resume_at``, the optimizer (and its
+    policies) saved there, through bytes, and loaded into fresh ones."""
+    params = _params(device, seed)
+
+    def make(ps):
+        return optim.AdamW(ps, lr=1e-2, clip=ZClip(warmup_steps=5, max_grad_norm=10.0), skip=SkipSpike(threshold=25.0, sigma=3.0, window=16))
+
+    opt = make(params)
+    for step, scale in enumerate(norms_with_spikes(steps)):
+        if step == resume_at:
+            buf = io.BytesIO()
+            torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=False)
+            params = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+            opt = make(params)
+            opt.load_state_dict(saved["opt"])
+        for p, g in zip(params, _grads(params, scale, step)):
+            p.grad = g
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_gives_the_bits_of_never_stopping(device):
+    straight, a = _train(device, 90)
+    resumed, b = _train(device, 90, resume_at=47)
+    for p, q in zip(straight, resumed):
+        assert torch.equal(p, q)
+    assert torch.equal(a.clip_policy._state, b.clip_policy._state) and torch.equal(a.skip_policy._state, b.skip_policy._state)
+    assert int(a.skipped_steps) == int(b.skipped_steps) > 0
+
+
+def test_policy_state_dict_round_trips_and_refuses_a_foreign_state():
+    z = ZClip(warmup_steps=3)
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    for s in (1.0, 2.0, 3.0, 50.0):
+        p.grad = torch.full((4,), s, dtype=torch.float64)
+        z.clip_([p])
+    sd = z.state_dict()
+    other = ZClip(warmup_steps=3)
+    other.load_state_dict(sd)
+    assert torch.equal(other._state, z._state) and other.initialized.item()
+    bad = dict(sd, state=sd["state"].clone())
+    bad["state"][2] = 0.5  # alpha in the words, not the settings'
+    before = other._state.clone()
+    with pytest.raises(ValueError, match="not one made for its settings"):
+        other.load_state_dict(bad)
+    with pytest.raises(ValueError, match="not of 'zclip'"):
+        other.load_state_dict(SkipSpike(threshold=1.0).state_dict())
+    assert torch.equal(other._state, before)
+
+
+def test_settings_are_checked():
+    for kwargs in ({"alpha": 1.0}, {"z_thresh": 0}, {"warmup_steps": 0}, {"mode": "median"}, {"max_grad_norm": -1.0}):
+        with pytest.raises(ValueError):
+            ZClip(**kwargs)
+    for kwargs in ({"threshold": 0.0}, {"ema_decay": 1.0}, {"window": 1}, {"sigma": float("nan")}):
+        with pytest.raises(ValueError):
+            SkipSpike(**kwargs)
+
+
+def test_optimizers_refuse_what_they_cannot_run_before_writing():
+    params = _params("cpu")
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="not both"):
+        optim.AdamW(params, max_grad_norm=1.0, clip=ZClip())
+    with pytest.raises(TypeError, match="goes to skip="):
+        optim.AdamW(params, clip=SkipSpike(threshold=1.0))
+    with pytest.raises(TypeError, match="skip must be"):
+        optim.AdamW(params, skip=ZClip())
+    with pytest.raises(ValueError, match='update="gradclip"'):
+        optim.AdamW(params, skip=SkipSpike(threshold=1.0), update="torch")
+    opt = optim.AdamW([{"params": params[:1], "clip_group": "a"}, {"params": params[1:]}], clip=ZClip())
+    before = [p.detach().clone() for p in params]
+    state = opt.clip_policy._state.clone()
+    with pytest.raises(ValueError, match="named clip groups"):
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, params)) and torch.equal(state, opt.clip_policy._state)
+    opt = optim.AdamW(params, clip=ZClip(warmup_steps=2))
+    sd = opt.state_dict()
+    with pytest.raises(ValueError, match="construct it with one"):
+        optim.AdamW(params).load_state_dict(sd)
+    clip = optim.AdamW(params, clip=2.0)
+    assert clip.max_grad_norm == 2.0 and clip.clip_policy is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_training_step_runs_the_policies_as_eager(device):
+    def run(compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device)
+        opt = optim.AdamW(model.parameters(), lr=1e-2, clip=ZClip(warmup_steps=3), skip=SkipSpike(threshold=50.0))
+
+        def step(x, weight):
+            opt.zero_grad()
+            (model(x).square().mean() * weight).backward()
+            opt.step()
+
+        fn = torch.compile(step) if compiled else step
+        g = torch.Generator().manual_seed(1)
+        for i in range(8):
+            fn(torch.randn(16, 6, generator=g).to(device), torch.tensor(1e4 if i == 6 else 1.0, device=device))
+        return [p.detach().clone() for p in model.parameters()], float(opt.skipped_steps), opt.clip_policy._state.clone()
+
+    eager, compiled = run(False), run(True)
+    assert eager[1] == compiled[1] == 1.0
+    for a, b in zip(eager[0], compiled[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(eager[2], compiled[2], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_gpu_equals_cpu_to_the_bit():
+    cpu_params, cpu_opt = _train("cpu", 120)
+    gpu_params, gpu_opt = _train("cuda", 120)
+    for p, q in zip(cpu_params, gpu_params):
+        assert torch.equal(p, q.cpu())
+    assert torch.equal(cpu_opt.clip_policy._state, gpu_opt.clip_policy._state.cpu())
+    assert torch.equal(cpu_opt.skip_policy._state, gpu_opt.skip_policy._state.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_captured_step_replays_the_decisions():
+    scales = norms_with_spikes(80)
+    eager_params, eager_opt = _train("cuda", 80)
+    params = _params("cuda", 3)
+    opt = optim.AdamW(params, lr=1e-2, clip=ZClip(warmup_steps=5, max_grad_norm=10.0), skip=SkipSpike(threshold=25.0, sigma=3.0, window=16))
+    static = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, _grads(params, scales[0], 0)):
+        p.grad = g
+    opt.step()  # one eager step before capture
+    for p, s in zip(params, static):
+        p.grad = s
+    graph = capture_on_side_stream(opt.step)
+    for step in range(1, 80):
+        for s, g in zip(static, _grads(params, scales[step], step)):
+            s.copy_(g)
+        graph.replay()
+    torch.cuda.synchronize()
+    for p, q in zip(eager_params, params):
+        assert torch.equal(p, q)
+    assert torch.equal(eager_opt.skip_policy._state, opt.skip_policy._state)
