@@ -26,6 +26,7 @@ import torch
 
 import gradclip.torch as gt
 from gradclip.torch import optim
+from gradclip.torch.policies import SkipSpike, ZClip
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -138,6 +139,11 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
                 "kernel_plain": lambda: optim.AdamW(params, lr=1e-6, update="gradclip"),
                 "kernel_clip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="gradclip"),
                 "kernel_clip_stats": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, update="gradclip", stats=True),
+                # The policies past their warmup on a constant norm: ZClip clips at its cap (the
+                # norm is no spike), SkipSpike runs its three rules (the window's 128 norms
+                # summed twice) and skips nothing, so the rows time the same update.
+                "kernel_zclip": lambda: optim.AdamW(params, lr=1e-6, clip=ZClip(max_grad_norm=max_norm, warmup_steps=1)),
+                "kernel_skip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, skip=SkipSpike(threshold=1e30, ema_factor=1e6, sigma=1e6, window=128)),
                 "torch_sgd": lambda: torch.optim.SGD(params, lr=1e-6, momentum=0.9, fused=True),
                 "sgd_clip": lambda: optim.SGD(params, lr=1e-6, momentum=0.9, max_grad_norm=max_norm),
                 "lion_clip": lambda: optim.Lion(params, lr=1e-9, max_grad_norm=max_norm),
@@ -159,6 +165,9 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
             ("gradclip optim.AdamW(update='gradclip'), max_grad_norm", lambda: opt("kernel_clip").step(), floor_clip),
             # The same step with its telemetry (stats=True: tallied in the update kernel).
             ("gradclip optim.AdamW(update='gradclip'), max_grad_norm, stats", lambda: opt("kernel_clip_stats").step(), floor_clip),
+            # The clip policies (one one-thread launch after the norm).
+            ("gradclip optim.AdamW(update='gradclip'), ZClip", lambda: opt("kernel_zclip").step(), floor_clip),
+            ("gradclip optim.AdamW(update='gradclip'), max_grad_norm, SkipSpike", lambda: opt("kernel_skip").step(), floor_clip),
             # The other optimizers of the spine (one state each).
             ("torch clip_grad_norm_ + fused SGD(momentum)", lambda: (torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), opt("torch_sgd").step()), floor_one_state_clip),
             ("gradclip optim.SGD(momentum), max_grad_norm", lambda: opt("sgd_clip").step(), floor_one_state_clip),

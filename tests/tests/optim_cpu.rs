@@ -965,3 +965,113 @@ fn clip_groups_step_as_separate_clips() {
     }
     assert_eq!((snapshot(&together), counts), before);
 }
+
+/// Clip policies in the CPU's step ([`StepAddresses::policies`]): a step the skip policy skips
+/// writes no parameter, state or step count (and counts as skipped); ZClip's warmup clips at its
+/// cap, so its step equals a fixed clip at that cap to the bit; policies the step cannot take
+/// are refused before anything, the policies' states included, is written.
+#[test]
+fn policies_skip_and_clip_in_the_step() {
+    use gradclip::optim::{GroupStep, Rule, StepAddresses, StepBackend, StepList};
+    use gradclip::policy::{Policies, PolicyState, skip_spike, zclip};
+
+    let lens = [40usize, 7, 129];
+    let rule = Rule::Adam(AdamConfig::adamw(1e-2));
+    let run = |s: &mut Vec<Slot<f32, f32>>, counts: &mut [u64; 2], clip: ClipConfig, policies: &[Policies]| {
+        let ps: Vec<_> = s.iter_mut().map(|s| raw_parts(s, None)).collect();
+        let list = StepList::new(&[(ps, rule.states())]).unwrap();
+        let group = GroupStep {
+            rule,
+            count: counts.as_mut_ptr() as u64,
+            lr_in: 0,
+            clip_group: 0,
+        };
+        let mut norm = [0.0f64; 3];
+        let inputs = StepAddresses {
+            clip: Some(clip),
+            norm_out: norm.as_mut_ptr() as u64,
+            policies,
+            ..Default::default()
+        };
+        // SAFETY: the parts, counts, norm and the policies' states are live buffers used by
+        // nothing else during the call.
+        unsafe { Cpu::new().step_list(&list, &[group], &inputs) }
+    };
+    let state = |v: &mut Vec<f64>| {
+        Some(PolicyState {
+            addr: v.as_mut_ptr() as u64,
+            words: v.len(),
+        })
+    };
+
+    // Skipped: the gradients' norm (about 0.1 * sqrt(176 / 3)) is above the threshold.
+    let mut skip = skip_spike::state(&skip_spike::Settings {
+        threshold: 0.1,
+        ..Default::default()
+    });
+    let mut s = slots::<f32, f32>(5, &lens);
+    let before = snapshot(&s);
+    let mut counts = [0u64; 2];
+    run(
+        &mut s,
+        &mut counts,
+        ClipConfig::new(1.0),
+        &[Policies {
+            clip: None,
+            skip: state(&mut skip),
+        }],
+    )
+    .unwrap();
+    assert_eq!((snapshot(&s) == before, counts, skip[skip_spike::SKIPPED]), (true, [0, 1], 1.0));
+
+    // ZClip in its warmup against the fixed clip at its cap.
+    let cap = 0.05;
+    let mut z = zclip::state(&zclip::Settings {
+        max_grad_norm: cap,
+        ..Default::default()
+    });
+    let (mut a, mut b) = (slots::<f32, f32>(6, &lens), slots::<f32, f32>(6, &lens));
+    let (mut ca, mut cb) = ([0u64; 2], [0u64; 2]);
+    run(
+        &mut a,
+        &mut ca,
+        ClipConfig::new(f64::INFINITY),
+        &[Policies {
+            clip: state(&mut z),
+            skip: None,
+        }],
+    )
+    .unwrap();
+    run(&mut b, &mut cb, ClipConfig::new(cap), &[]).unwrap();
+    assert_eq!((snapshot(&a), ca, z[zclip::SEEN]), (snapshot(&b), cb, 1.0));
+    assert_ne!(
+        snapshot(&a),
+        snapshot(&slots::<f32, f32>(6, &lens)),
+        "the step should move the parameters"
+    );
+
+    // Refused, nothing written: two policies for one clip, one state inside the other.
+    let z_before = z.clone();
+    let before = snapshot(&a);
+    let both = Policies {
+        clip: state(&mut z),
+        skip: None,
+    };
+    let e = run(&mut a, &mut ca, ClipConfig::new(1.0), &[both, both]);
+    assert!(matches!(e, Err(Error::LengthMismatch { .. })), "{e:?}");
+    let inner = Some(PolicyState {
+        addr: z.as_mut_ptr() as u64 + 16,
+        words: 4,
+    });
+    let e = run(
+        &mut a,
+        &mut ca,
+        ClipConfig::new(1.0),
+        &[Policies {
+            clip: state(&mut z),
+            skip: inner,
+        }],
+    );
+    assert!(matches!(e, Err(Error::BadOutputAddress { .. })), "{e:?}");
+    assert_eq!((snapshot(&a), ca, z), (before, [1, 0], z_before));
+}
