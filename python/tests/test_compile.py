@@ -600,6 +600,30 @@ def test_what_a_compiled_optimizer_step_does_not_take_runs_eagerly():
         assert _same(list(a.parameters()), list(b.parameters())), kw
 
 
+def test_two_optimizers_stepped_at_a_graph_break_by_one_compiled_function():
+    """One compiled training function run with two optimizers in turn whose step the graph does
+    not take (``stats=True``: the eager step at a graph break): dynamo recompiles the function for
+    the second, and the optimizer's number that the break notes must stay a constant to it (an
+    int attribute became a symbolic int there, which the note could not take)."""
+    from gradclip.torch.optim import AdamW
+
+    def train(model, opt):
+        opt.zero_grad()
+        model(torch.ones(4, 16)).square().sum().backward()
+        opt.step()
+
+    compiled = torch.compile(train)
+    torch._dynamo.reset()
+    for seed in (0, 1, 2):
+        a, b = _model("cpu", torch.float32, seed), _model("cpu", torch.float32, seed)
+        oa, ob = AdamW(a.parameters(), lr=1e-2, max_grad_norm=0.5, stats=True), AdamW(b.parameters(), lr=1e-2, max_grad_norm=0.5, stats=True)
+        for _ in range(3):
+            compiled(a, oa)
+            train(b, ob)
+        for x, y in zip(a.parameters(), b.parameters()):  # inductor's backward rounds its own way
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["AdamW", "SGD"])
 def test_a_state_dict_loaded_between_compiled_steps_is_what_the_next_steps_update(name):
     """The compiled step holds its tensors at fixed addresses (marked static, as torch marks its

@@ -44,7 +44,7 @@ class _CompiledStep:
             if self._traceable():
                 return self._traced_step()
             if self.update == "gradclip":
-                _whole_step.want_lists(self._stepper)  # for the next trace (see want_lists)
+                _whole_step.want_lists(self._stepper_key)  # for the next trace (see want_lists)
         return self._eager_step(closure)
 
     _hooked_step = torch.optim.Optimizer.profile_hook_step(torch.no_grad()(_wrapped_step))
@@ -80,7 +80,7 @@ class _CompiledStep:
         gradient is strided (the engine reads it as it is)."""
         lists = self._layout.lists
         if lists is None or len(lists.sizes) != len(self.param_groups):
-            _whole_step.want_lists(self._stepper)
+            _whole_step.want_lists(self._stepper_key)
             return self._eager_step(None, True)
         for p in lists.stateless:
             if p.grad is not None:

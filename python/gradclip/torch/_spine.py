@@ -123,6 +123,7 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         the first parameter, when a group brings one: a compiled step traces the op from its
         first call on)."""
         self._stepper = _whole_step.number(self)
+        self._stepper_key = _whole_step.key(self._stepper)
         self._token = None
         for group in getattr(self, "param_groups", ()):
             self._make_token(group["params"])

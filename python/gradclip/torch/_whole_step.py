@@ -92,6 +92,11 @@ def number(opt) -> int:
     return n
 
 
+def key(stepper: int) -> str:
+    """An optimizer's number as ``want_lists`` takes it."""
+    return str(stepper)
+
+
 def _forget(stepper: int) -> None:
     """An optimizer is gone: its number and any request for its lists with it."""
     _STEPPERS.pop(stepper, None)
@@ -114,13 +119,16 @@ WANT_LISTS: set = set()
 
 
 @torch._dynamo.assume_constant_result
-def want_lists(stepper: int) -> bool:
+def want_lists(stepper: str) -> bool:
     """Notes, while dynamo traces a step inlined into a larger graph, that the list op's lists
     are wanted. The trace then breaks at the step; the step runs as a frame of its own
     (``gradclip::whole_step_``), whose eager step makes the lists. The caller's code compiled
     with that break is kept (the abandoned inlining left no guard on the lists); a later trace
-    of the caller (a recompile, ``torch._dynamo.explain``) inlines the list op."""
-    WANT_LISTS.add(stepper)
+    of the caller (a recompile, ``torch._dynamo.explain``) inlines the list op. ``stepper`` is
+    the optimizer's number as a string (``key``): a constant to dynamo, where an int attribute
+    that differs between two optimizers traced by the same code becomes a symbolic int once
+    dynamo recompiles for the second, which this call cannot take."""
+    WANT_LISTS.add(int(stepper))
     return True
 
 
