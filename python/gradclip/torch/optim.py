@@ -58,6 +58,10 @@ class AdamW(_ClippingStep, torch.optim.AdamW):
     overflow flag are read on the device as the step runs; capturable in a CUDA graph after one
     eager step; a step it does not take, such as parameters on several devices, runs torch's) or
     ``"torch"`` (torch's fused kernel, the coefficient through its ``grad_scale``: torch's bits).
+    ``clip``: a number (the fixed clip, as ``max_grad_norm``) or a clip policy
+    (``gradclip.torch.policies.ZClip``: the coefficient decided on the device from the norm's
+    history); ``skip``: a skip policy (``SkipSpike``: a spiking or non-finite step writes nothing
+    and counts in ``skipped_steps``); both run in gradclip's update (docs/policies.md).
     The other arguments are torch's.
 
     >>> model = torch.nn.Linear(4, 2)
