@@ -98,7 +98,7 @@ pub fn state(s: &Settings) -> std::vec::Vec<f64> {
 
 /// Whether a state with this header holds its window, and its counters are in range.
 #[inline(always)]
-pub(super) fn fits(s: &[f64]) -> bool {
+pub fn fits(s: &[f64]) -> bool {
     if s.len() < RING {
         return false;
     }

@@ -115,7 +115,7 @@ pub fn state(s: &Settings) -> std::vec::Vec<f64> {
 
 /// Whether a state with a ZClip header holds its warmup buffer and a known mode.
 #[inline(always)]
-pub(super) fn fits(s: &[f64]) -> bool {
+pub fn fits(s: &[f64]) -> bool {
     if s.len() < BUFFER {
         return false;
     }
