@@ -26,7 +26,8 @@ import torch
 
 import gradclip.torch as gt
 from gradclip.torch import optim
-from gradclip.torch.policies import SkipSpike, ZClip
+from gradclip._engine import POLICY_WORDS
+from gradclip.torch.policies import AutoClip, SkipSpike, ZClip
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -104,6 +105,21 @@ def memory_probe_ms(numel, dtype, reps):
     return ms
 
 
+def full_history(policy, norm):
+    """``policy`` (an AutoClip) with its history full of norms below ``norm``, the oldest the
+    smallest: each step of ``norm`` then moves the whole sorted history by one place, the most a
+    step can cost (a state written here, for the benchmark only)."""
+    n = policy.history_size
+    words = POLICY_WORDS["autoclip"]
+    values = torch.linspace(0.1 * norm, 0.9 * norm, n, dtype=torch.float64)
+    ring = words["ring"]
+    policy._state[ring : ring + n] = values
+    policy._state[ring + n : ring + 2 * n] = values
+    policy._state[words["count"]] = n
+    policy._state[words["next"]] = 0
+    return policy
+
+
 def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, probe=False):
     gen = torch.Generator(device=device).manual_seed(0)
     params = []
@@ -144,6 +160,7 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
                 # summed twice) and skips nothing, so the rows time the same update.
                 "kernel_zclip": lambda: optim.AdamW(params, lr=1e-6, clip=ZClip(max_grad_norm=max_norm, warmup_steps=1)),
                 "kernel_skip": lambda: optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm, skip=SkipSpike(threshold=1e30, ema_factor=1e6, sigma=1e6, window=128)),
+                "kernel_autoclip": lambda: optim.AdamW(params, lr=1e-6, clip=full_history(AutoClip(), 2 * max_norm)),
                 "torch_sgd": lambda: torch.optim.SGD(params, lr=1e-6, momentum=0.9, fused=True),
                 "sgd_clip": lambda: optim.SGD(params, lr=1e-6, momentum=0.9, max_grad_norm=max_norm),
                 "lion_clip": lambda: optim.Lion(params, lr=1e-9, max_grad_norm=max_norm),
@@ -168,6 +185,7 @@ def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, prob
             # The clip policies (one one-thread launch after the norm).
             ("gradclip optim.AdamW(update='gradclip'), ZClip", lambda: opt("kernel_zclip").step(), floor_clip),
             ("gradclip optim.AdamW(update='gradclip'), max_grad_norm, SkipSpike", lambda: opt("kernel_skip").step(), floor_clip),
+            ("gradclip optim.AdamW(update='gradclip'), AutoClip, full history", lambda: opt("kernel_autoclip").step(), floor_clip),
             # The other optimizers of the spine (one state each).
             ("torch clip_grad_norm_ + fused SGD(momentum)", lambda: (torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True), opt("torch_sgd").step()), floor_one_state_clip),
             ("gradclip optim.SGD(momentum), max_grad_norm", lambda: opt("sgd_clip").step(), floor_one_state_clip),

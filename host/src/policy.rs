@@ -1,4 +1,4 @@
-//! Clip policies (ZClip, skip on spikes: [`gradclip_kernels::policy`]) as the backends take
+//! Clip policies (ZClip, AutoClip, skip on spikes: [`gradclip_kernels::policy`]) as the backends take
 //! them: each policy's state is f64 words in the backend's memory, which the caller owns (a
 //! torch tensor in the bindings) and hands over with every step, so the state lives as long as
 //! the caller keeps it and a state dict can hold it. The policies run after the norm is known
@@ -10,7 +10,7 @@ use gradclip_kernels::policy::{self, kind};
 
 use crate::error::{Error, Result};
 
-pub use gradclip_kernels::policy::{skip_spike, zclip};
+pub use gradclip_kernels::policy::{autoclip, skip_spike, zclip};
 
 /// One policy's state: `words` f64 at `addr` in the backend's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,7 +31,7 @@ impl PolicyState {
 /// skip policy (a skipped step writes nothing), each optional.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Policies {
-    /// A clip policy's state ([`gradclip_kernels::policy::zclip`]).
+    /// A clip policy's state ([`gradclip_kernels::policy::zclip`], [`gradclip_kernels::policy::autoclip`]).
     pub clip: Option<PolicyState>,
     /// A skip policy's state ([`gradclip_kernels::policy::skip_spike`]).
     pub skip: Option<PolicyState>,
@@ -72,6 +72,11 @@ pub fn zclip_state(settings: &zclip::Settings) -> Vec<f64> {
     zclip::state(settings)
 }
 
+/// A fresh AutoClip state ([`autoclip::Settings`]).
+pub fn autoclip_state(settings: &autoclip::Settings) -> Vec<f64> {
+    autoclip::state(settings)
+}
+
 /// A fresh skip state ([`skip_spike::Settings`]).
 pub fn skip_spike_state(settings: &skip_spike::Settings) -> Vec<f64> {
     skip_spike::state(settings)
@@ -80,7 +85,7 @@ pub fn skip_spike_state(settings: &skip_spike::Settings) -> Vec<f64> {
 /// Whether `state` is a whole state of a known policy (its header, length and counters): what a
 /// caller checks before loading a saved state.
 pub fn is_whole(state: &[f64]) -> bool {
-    matches!(policy::kind_of(state), Some(kind::ZCLIP | kind::SKIP_SPIKE))
+    matches!(policy::kind_of(state), Some(kind::ZCLIP | kind::SKIP_SPIKE | kind::AUTOCLIP))
 }
 
 /// Runs the policies on the CPU: `out` holds the clip's norm, coefficient and flags as the GPU's

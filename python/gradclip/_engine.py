@@ -19,7 +19,7 @@ from . import _native, _torch_probe
 from ._torch_probe import NATIVE_DTYPES
 
 __all__ = [
-    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "capturing", "check_max_norm", "check_p",
+    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "autoclip_state", "capturing", "check_max_norm", "check_p",
     "check_total_norm", "check_writable", "checked_norm", "clip_coef", "clip_grads", "clip_policy", "facts", "group_hyper",
     "guards", "key_partials", "keys_total", "list_step", "norm_output", "optim_step", "plan_clip", "plan_norm",
     "plan_norm_as", "plan_tensor_norms", "planner", "policy_state_is_whole", "raw_stream", "reduction", "refuse_host_read_under_capture",
@@ -35,6 +35,7 @@ _torch_probe.probed()  # at import, not on a first call (``_torch_probe`` says w
 # (its words laid out by the kernels' code), the check of a loaded one, the words Python reads,
 # and the policies' run on a norm output.
 zclip_state = _native.zclip_state
+autoclip_state = _native.autoclip_state
 skip_spike_state = _native.skip_spike_state
 policy_state_is_whole = _native.policy_state_is_whole
 POLICY_WORDS = {name: dict(words) for name, words in _native.policy_words()}

@@ -52,6 +52,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(combine::key_partials, m)?)?;
     m.add_function(wrap_pyfunction!(combine::keys_total, m)?)?;
     m.add_function(wrap_pyfunction!(policies::zclip_state, m)?)?;
+    m.add_function(wrap_pyfunction!(policies::autoclip_state, m)?)?;
     m.add_function(wrap_pyfunction!(policies::skip_spike_state, m)?)?;
     m.add_function(wrap_pyfunction!(policies::policy_state_is_whole, m)?)?;
     m.add_function(wrap_pyfunction!(policies::policy_words, m)?)?;

@@ -4,7 +4,7 @@
 //! float64 tensor on the gradients' device, passed by address with its length.
 
 use gradclip::cpu::Cpu;
-use gradclip::policy::{self, Policies, PolicyState, skip_spike, zclip};
+use gradclip::policy::{self, Policies, PolicyState, autoclip, skip_spike, zclip};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -57,6 +57,15 @@ pub fn zclip_state(
     Ok(policy::zclip_state(&settings))
 }
 
+/// A fresh AutoClip state (float64 words) for these settings.
+#[pyfunction]
+pub fn autoclip_state(clip_percentile: f64, history_size: u32) -> Vec<f64> {
+    policy::autoclip_state(&autoclip::Settings {
+        clip_percentile,
+        history_size,
+    })
+}
+
 /// A fresh skip state (float64 words) for these settings (each rule off when infinite; `window`
 /// 0 for no window).
 #[pyfunction]
@@ -89,6 +98,16 @@ pub fn policy_words() -> Vec<(&'static str, Vec<(&'static str, usize)>)> {
                 ("mean", zclip::MEAN),
                 ("var", zclip::VAR),
                 ("buffer", zclip::BUFFER),
+            ],
+        ),
+        (
+            "autoclip",
+            vec![
+                ("running", autoclip::COUNT),
+                ("count", autoclip::COUNT),
+                ("next", autoclip::NEXT),
+                ("seen", autoclip::SEEN),
+                ("ring", autoclip::RING),
             ],
         ),
         (

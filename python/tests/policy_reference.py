@@ -48,6 +48,25 @@ class ZClipReference:
         return coef
 
 
+class AutoClipReference:
+    """AutoClip's ``autoclip_gradient``: the coefficient ``clip_grad_norm_`` clips each norm by at
+    numpy's percentile of the history (the last ``history_size`` norms, non-finite ones left out)."""
+
+    def __init__(self, clip_percentile=10.0, history_size=10_000):
+        self.clip_percentile = clip_percentile
+        self.history = deque(maxlen=history_size)
+
+    def coefficient(self, norm):
+        import numpy as np
+
+        if not math.isfinite(norm):
+            return math.nan  # clip_grad_norm_ with no threshold: inf / inf
+        self.history.append(norm)
+        clip_value = float(np.percentile(list(self.history), self.clip_percentile))
+        c = clip_value / (norm + 1e-6)
+        return c if c < 1.0 else 1.0
+
+
 class SkipReference:
     """The skip rules, each its authors': whether the step of each norm is skipped."""
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gradclip.torch import optim
-from gradclip.torch.policies import SkipSpike, ZClip
+from gradclip.torch.policies import AutoClip, SkipSpike, ZClip
 from cuda_capture import capture_on_side_stream
-from policy_reference import SkipReference, ZClipReference, norms_with_spikes
+from policy_reference import AutoClipReference, SkipReference, ZClipReference, norms_with_spikes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 STEPS = 250
@@ -36,12 +36,23 @@ def _grads(params, scale, step, seed=1):
     return out
 
 
+def _clip_policies():
+    return {
+        "zclip": (ZClip(warmup_steps=10, max_grad_norm=20.0), ZClipReference(warmup_steps=10, max_grad_norm=20.0)),
+        # A history shorter than the run: the oldest norms leave it.
+        "autoclip": (AutoClip(clip_percentile=30.0, history_size=60), AutoClipReference(clip_percentile=30.0, history_size=60)),
+    }
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("generator", [False, True])
-def test_zclip_clip_equals_the_authors_step(device, generator):
+@pytest.mark.parametrize("which", ["zclip", "autoclip"])
+def test_clip_policy_equals_the_authors_step(device, generator, which):
+    if which == "autoclip":
+        pytest.importorskip("numpy")
     params = _params(device)
     params.append(torch.nn.Parameter(torch.zeros(3, dtype=torch.float64, device=device)))  # grad None
-    policy, ref = ZClip(warmup_steps=10, max_grad_norm=20.0), ZClipReference(warmup_steps=10, max_grad_norm=20.0)
+    policy, ref = _clip_policies()[which]
     clipped = 0
     for step, scale in enumerate(norms_with_spikes(STEPS)):
         grads = _grads(params[:3], scale, step)
@@ -55,8 +66,11 @@ def test_zclip_clip_equals_the_authors_step(device, generator):
             torch.testing.assert_close(p.grad, g * coef, rtol=1e-12, atol=0, equal_nan=True, msg=f"step {step}")
         assert params[3].grad is None
     assert clipped >= 12, "the run should clip its spikes"
-    torch.testing.assert_close(policy.mean.item(), ref.mean, rtol=1e-12, atol=0)
-    torch.testing.assert_close(policy.std.item(), ref.var ** 0.5, rtol=1e-12, atol=0)
+    if which == "zclip":
+        torch.testing.assert_close(policy.mean.item(), ref.mean, rtol=1e-12, atol=0)
+        torch.testing.assert_close(policy.std.item(), ref.var ** 0.5, rtol=1e-12, atol=0)
+    else:
+        assert policy.history().tolist() == list(ref.history)
 
 
 def _skipped_run(device, opt_factory, policy_kwargs, steps=STEPS, seed=0):
@@ -128,13 +142,14 @@ def test_zclip_in_the_step_equals_torch_after_the_authors_clip(device):
             torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-14, msg=f"step {step}")
 
 
-def _train(device, steps, resume_at=None, seed=3):
-    """AdamW with ZClip and SkipSpike over ``steps``; with ``resume_at``, the optimizer (and its
-    policies) saved there, through bytes, and loaded into fresh ones."""
+def _train(device, steps, resume_at=None, seed=3, autoclip=False):
+    """AdamW with ZClip (or AutoClip) and SkipSpike over ``steps``; with ``resume_at``, the
+    optimizer (and its policies) saved there, through bytes, and loaded into fresh ones."""
     params = _params(device, seed)
 
     def make(ps):
-        return optim.AdamW(ps, lr=1e-2, clip=ZClip(warmup_steps=5, max_grad_norm=10.0), skip=SkipSpike(threshold=25.0, sigma=3.0, window=16))
+        clip = AutoClip(clip_percentile=40.0, history_size=33) if autoclip else ZClip(warmup_steps=5, max_grad_norm=10.0)
+        return optim.AdamW(ps, lr=1e-2, clip=clip, skip=SkipSpike(threshold=25.0, sigma=3.0, window=16))
 
     opt = make(params)
     for step, scale in enumerate(norms_with_spikes(steps)):
@@ -153,9 +168,10 @@ def _train(device, steps, resume_at=None, seed=3):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_resume_gives_the_bits_of_never_stopping(device):
-    straight, a = _train(device, 90)
-    resumed, b = _train(device, 90, resume_at=47)
+@pytest.mark.parametrize("autoclip", [False, True], ids=["zclip", "autoclip"])
+def test_resume_gives_the_bits_of_never_stopping(device, autoclip):
+    straight, a = _train(device, 90, autoclip=autoclip)
+    resumed, b = _train(device, 90, resume_at=47, autoclip=autoclip)
     for p, q in zip(straight, resumed):
         assert torch.equal(p, q)
     assert torch.equal(a.clip_policy._state, b.clip_policy._state) and torch.equal(a.skip_policy._state, b.skip_policy._state)
@@ -189,6 +205,9 @@ def test_settings_are_checked():
     for kwargs in ({"threshold": 0.0}, {"ema_decay": 1.0}, {"window": 1}, {"sigma": float("nan")}):
         with pytest.raises(ValueError):
             SkipSpike(**kwargs)
+    for kwargs in ({"clip_percentile": 101.0}, {"clip_percentile": -1}, {"history_size": 0}, {"history_size": 2.5}):
+        with pytest.raises(ValueError):
+            AutoClip(**kwargs)
 
 
 def test_optimizers_refuse_what_they_cannot_run_before_writing():
@@ -243,9 +262,10 @@ def test_compiled_training_step_runs_the_policies_as_eager(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
-def test_gpu_equals_cpu_to_the_bit():
-    cpu_params, cpu_opt = _train("cpu", 120)
-    gpu_params, gpu_opt = _train("cuda", 120)
+@pytest.mark.parametrize("autoclip", [False, True], ids=["zclip", "autoclip"])
+def test_gpu_equals_cpu_to_the_bit(autoclip):
+    cpu_params, cpu_opt = _train("cpu", 120, autoclip=autoclip)
+    gpu_params, gpu_opt = _train("cuda", 120, autoclip=autoclip)
     for p, q in zip(cpu_params, gpu_params):
         assert torch.equal(p, q.cpu())
     assert torch.equal(cpu_opt.clip_policy._state, gpu_opt.clip_policy._state.cpu())

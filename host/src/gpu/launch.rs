@@ -213,7 +213,8 @@ pub unsafe fn loss_scale(stream: &CudaStream, ks: &KernelSet, out: u64, loss_sca
     Ok(())
 }
 
-/// `gradclip_clip_policy`: a step's clip policies run on the NormOutput at `out` (one thread).
+/// `gradclip_clip_policy`: a step's clip policies run on the NormOutput at `out` (one block:
+/// thread 0 decides, the block moves AutoClip's history).
 ///
 /// # Safety
 /// `out` is a NormOutput of device memory of the context written before on the stream; each
@@ -231,9 +232,16 @@ pub unsafe fn clip_policy(
     let mut b = stream.launch_builder(ks.get(Kernel::ClipPolicy));
     b.arg(&out).arg(&clip).arg(&clip_words).arg(&skip).arg(&skip_words).arg(&loss_scale);
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
-    unsafe { b.launch(ONE_THREAD) }?;
+    unsafe { b.launch(ONE_BLOCK) }?;
     Ok(())
 }
+
+/// One block of `BLOCK_THREADS` (the clip policies).
+const ONE_BLOCK: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (gradclip_kernels::abi::BLOCK_THREADS, 1, 1),
+    shared_mem_bytes: 0,
+};
 
 /// One-thread launch configuration (the combine kernels).
 const ONE_THREAD: LaunchConfig = LaunchConfig {

@@ -1,15 +1,16 @@
-//! Clip policies: rules that decide, from each step's global norm and a few words of state
-//! they keep in memory, the clip coefficient (a clip policy: [`zclip`]) or whether the step is
+//! Clip policies: rules that decide, from each step's global norm and the state they keep in
+//! memory, the clip coefficient (a clip policy: [`zclip`], [`autoclip`]) or whether the step is
 //! skipped (a skip policy: [`skip_spike`]). They run after the norm is known, wherever it came
-//! from (the norm kernel, a norm given by a caller, the cross-rank combine), in one thread: on the
-//! GPU the one-thread `gradclip_clip_policy` launch, on the CPU the same function, so both
-//! backends decide the same bits.
+//! from (the norm kernel, a norm given by a caller, the cross-rank combine): on the GPU in the
+//! one-block `gradclip_clip_policy` launch (thread 0 decides, the block moves AutoClip's
+//! history), on the CPU in the same functions, so both backends decide the same bits.
 //!
 //! A policy's state is one array of f64 words, which its owner keeps (a torch tensor, so that a
 //! state dict holds it): word [`KIND`] names the policy, word [`WORDS`] the array's length, then
 //! the policy's settings and its running state (each policy's module lists its words). A new
-//! policy is one module here and one arm in [`apply`].
+//! policy is one module here and one arm in [`begin`] (and [`kind_of`]).
 
+pub mod autoclip;
 pub mod skip_spike;
 pub mod zclip;
 
@@ -26,6 +27,8 @@ pub mod kind {
     pub const ZCLIP: u32 = 1;
     /// [`super::skip_spike`]: a skip policy.
     pub const SKIP_SPIKE: u32 = 2;
+    /// [`super::autoclip`]: a clip policy.
+    pub const AUTOCLIP: u32 = 3;
 }
 
 /// The policy a state names, when its header is whole: its kind is known and its length is the
@@ -39,20 +42,36 @@ pub fn kind_of(state: &[f64]) -> Option<u32> {
     let fits = match kind as u32 {
         kind::ZCLIP if kind == kind::ZCLIP as f64 => zclip::fits(state),
         kind::SKIP_SPIKE if kind == kind::SKIP_SPIKE as f64 => skip_spike::fits(state),
+        kind::AUTOCLIP if kind == kind::AUTOCLIP as f64 => autoclip::fits(state),
         _ => false,
     };
     fits.then_some(kind as u32)
 }
 
 /// Runs a step's policies on its [`NormOutput`] (written before, by whichever stage found the
-/// norm): `loss_scale` is what the gradients carry (1 without one: the norm the policies see is
-/// `out.norm / loss_scale`). The skip policy goes first: a skipped step sets
-/// [`skip::STEP`] and leaves the clip policy's state as it was (the step is not taken, so it
-/// teaches the clip nothing). Otherwise the clip policy's coefficient, divided by the loss scale,
-/// becomes `out.coef`. A non-finite norm changes no state; the skip policy counts it as a skip. A
-/// state whose header is not whole ([`kind_of`]) skips the step rather than guess.
+/// norm): [`begin`], the history's move ([`autoclip::shift`], one lane) and [`finish`], as the
+/// GPU's launch runs them with all its threads for the move.
 #[inline(always)]
-pub fn apply(out: &mut NormOutput, clip: Option<&mut [f64]>, skip_policy: Option<&mut [f64]>, loss_scale: f64) {
+pub fn apply(out: &mut NormOutput, mut clip: Option<&mut [f64]>, skip_policy: Option<&mut [f64]>, loss_scale: f64) {
+    begin(out, clip.as_deref_mut(), skip_policy, loss_scale);
+    if let Some(s) = clip.as_deref_mut() {
+        let words = s.len();
+        // SAFETY: one lane over the state's own words, which nothing else uses meanwhile.
+        unsafe { autoclip::shift(s.as_mut_ptr(), words, 0, 1, || {}) };
+    }
+    finish(out, clip, loss_scale);
+}
+
+/// The first part of a step's policies, on its [`NormOutput`]: `loss_scale` is what the
+/// gradients carry (1 without one: the norm the policies see is `out.norm / loss_scale`). The
+/// skip policy goes first: a skipped step sets [`skip::STEP`] and leaves the clip policy's state
+/// as it was (the step is not taken, so it teaches the clip nothing). Otherwise the clip policy
+/// decides: ZClip here (its coefficient, divided by the loss scale, becomes `out.coef`), AutoClip
+/// in [`finish`], once its history has made room ([`autoclip::plan`]). A non-finite norm changes
+/// no clip state; the skip policy counts it as a skip. A state whose header is not whole
+/// ([`kind_of`]) skips the step rather than guess.
+#[inline(always)]
+pub fn begin(out: &mut NormOutput, clip: Option<&mut [f64]>, skip_policy: Option<&mut [f64]>, loss_scale: f64) {
     let norm = out.norm / loss_scale;
     if let Some(s) = skip_policy {
         let skipped = match kind_of(s) {
@@ -67,9 +86,23 @@ pub fn apply(out: &mut NormOutput, clip: Option<&mut [f64]>, skip_policy: Option
     if let Some(s) = clip {
         match kind_of(s) {
             Some(kind::ZCLIP) if norm.is_finite() => out.coef = zclip::coefficient(norm, s) / loss_scale,
-            Some(kind::ZCLIP) => {}
+            Some(kind::AUTOCLIP) if norm.is_finite() => autoclip::plan(norm, s),
+            Some(kind::ZCLIP | kind::AUTOCLIP) => {}
             _ => out.skip |= skip::STEP,
         }
+    }
+}
+
+/// The last part: a clip policy that [`begin`] left a planned entry to (AutoClip) puts the norm
+/// in and sets `out.coef` (divided by the loss scale); nothing otherwise.
+#[inline(always)]
+pub fn finish(out: &mut NormOutput, clip: Option<&mut [f64]>, loss_scale: f64) {
+    if let Some(s) = clip
+        && rd(s, KIND) == kind::AUTOCLIP as f64
+        && rd(s, WORDS) == s.len() as f64
+        && rd(s, autoclip::PENDING) == 1.0
+    {
+        out.coef = autoclip::finish(out.norm / loss_scale, s) / loss_scale;
     }
 }
 

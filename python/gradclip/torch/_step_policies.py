@@ -2,7 +2,8 @@
 policies an optimizer runs, the clip threshold its step then takes, their place in its state dict,
 and the steps that cannot run them (refused before anything is written).
 
-``clip`` is a number (the fixed clip, as ``max_grad_norm``) or a clip policy (``ZClip``); ``skip``
+``clip`` is a number (the fixed clip, as ``max_grad_norm``) or a clip policy (``ZClip``,
+``AutoClip``); ``skip``
 a skip policy (``SkipSpike``). The engine's step runs them on the device after the norm, before the
 update reads the coefficient: the clip policy's coefficient replaces the fixed clip's, and a step
 the skip policy skips writes no parameter, state or step count (counted in ``skipped_steps``)."""
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Optional, Tuple
 
-from .policies import SkipSpike, ZClip, _Policy, policies_args
+from .policies import SkipSpike, _ClipPolicy, _Policy, policies_args
 
 
 def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Optional[_Policy], Optional[_Policy]]:
@@ -21,13 +22,13 @@ def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Op
     if clip is not None and max_grad_norm is not None:
         raise ValueError("give max_grad_norm or clip, not both (clip=<number> is max_grad_norm=<number>)")
     policy = None
-    if isinstance(clip, ZClip):
+    if isinstance(clip, _ClipPolicy):
         policy = clip
     elif isinstance(clip, _Policy):
-        raise TypeError(f"clip takes a number or a clip policy such as ZClip; {type(clip).__name__} goes to skip=")
+        raise TypeError(f"clip takes a number or a clip policy (ZClip, AutoClip); {type(clip).__name__} goes to skip=")
     elif clip is not None:
         if isinstance(clip, bool) or not isinstance(clip, (int, float)):
-            raise TypeError(f"clip must be a number (the fixed clip) or a clip policy such as ZClip; got {type(clip).__name__}")
+            raise TypeError(f"clip must be a number (the fixed clip) or a clip policy (ZClip, AutoClip); got {type(clip).__name__}")
         max_grad_norm = clip
     if skip is not None and not isinstance(skip, SkipSpike):
         raise TypeError(f"skip must be a skip policy such as SkipSpike; got {type(skip).__name__}")

@@ -17,12 +17,12 @@ from typing import Any, Dict, Optional
 import torch
 
 from .._engine import (
-    POLICY_WORDS, capturing, check_max_norm, check_writable, clip_coef, clip_policy, policy_state_is_whole, returned_norm,
+    POLICY_WORDS, autoclip_state, capturing, check_max_norm, check_writable, clip_coef, clip_policy, policy_state_is_whole, returned_norm,
     scale_grads, scale_plan, skip_spike_state, written, zclip_state,
 )
 from ._functions import _as_list, _distributed, _grads_norm64, _scan
 
-__all__ = ["ZClip", "SkipSpike"]
+__all__ = ["ZClip", "AutoClip", "SkipSpike"]
 
 _ZCLIP_MODES = {("zscore", "adaptive_scaling"): 0, ("zscore", "mean"): 1, ("percentile", None): 2}
 
@@ -101,7 +101,40 @@ class _Policy:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._settings().items())})"
 
 
-class ZClip(_Policy):
+class _ClipPolicy(_Policy):
+    """A clip policy: its coefficient replaces the fixed clip's; used alone through ``clip_``."""
+
+    @property
+    def limit(self) -> float:
+        """The fixed threshold a non-finite norm is clipped by (as ``clip_grad_norm_`` would),
+        infinite for none."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def clip_(self, parameters, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None, *, pipeline_group=None, norm_group=None) -> torch.Tensor:
+        """Clips the gradients of ``parameters`` (a list or a generator; None gradients skipped;
+        DTensor and ``Shards`` gradients by their global norm, as ``clip_grad_norm_``) by the policy's
+        coefficient, decided on the device, and returns their total norm as ``clip_grad_norm_``
+        does. With ``error_if_nonfinite`` a NaN or infinite norm raises (one host sync) before
+        anything, the policy's state included, is written."""
+        params = _as_list(parameters)
+        scale = _gradient_scale(params)  # every check of the gradients before any write
+        found = _grads_norm64(params, norm_type, pipeline_group, norm_group)
+        if found is None:
+            return torch.tensor(0.0)
+        norm64, dtype = found
+        total = returned_norm(norm64, dtype, error_if_nonfinite, norm_type)
+        device = norm64.device
+        # The norm output the policy reads and rewrites: the norm, the fixed clip's coefficient
+        # (a non-finite norm keeps it) and no flags.
+        out = torch.stack((norm64, clip_coef(self.limit, norm64), torch.zeros((), dtype=torch.float64, device=device)))
+        clip_policy(device, out, (self.engine_args(device), (0, 0)))
+        scale(out[1])
+        return total
+
+
+
+class ZClip(_ClipPolicy):
     """ZClip (Kumar et al., 2025), as its authors' code runs it: the first ``warmup_steps`` norms
     start an EMA of the norm's mean and variance (the steps clipped at ``max_grad_norm``); then a
     norm whose z-score is above ``z_thresh`` is a spike, clipped to ``mean + z_thresh**2 / z * std``
@@ -180,27 +213,47 @@ class ZClip(_Policy):
         """The square root of the EMA of the variance, a 0-dim tensor where the state is."""
         return self._word("var").sqrt()
 
-    @torch.no_grad()
-    def clip_(self, parameters, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None, *, pipeline_group=None, norm_group=None) -> torch.Tensor:
-        """Clips the gradients of ``parameters`` (a list or a generator; None gradients skipped;
-        DTensor and ``Shards`` gradients by their global norm, as ``clip_grad_norm_``) by ZClip's
-        coefficient, decided on the device, and returns their total norm as ``clip_grad_norm_``
-        does. With ``error_if_nonfinite`` a NaN or infinite norm raises (one host sync) before
-        anything, the policy's state included, is written."""
-        params = _as_list(parameters)
-        scale = _gradient_scale(params)  # every check of the gradients before any write
-        found = _grads_norm64(params, norm_type, pipeline_group, norm_group)
-        if found is None:
-            return torch.tensor(0.0)
-        norm64, dtype = found
-        total = returned_norm(norm64, dtype, error_if_nonfinite, norm_type)
-        device = norm64.device
-        # The norm output the policy reads and rewrites: the norm, the fixed clip's coefficient
-        # (a non-finite norm keeps it) and no flags.
-        out = torch.stack((norm64, clip_coef(self.limit, norm64), torch.zeros((), dtype=torch.float64, device=device)))
-        clip_policy(device, out, (self.engine_args(device), (0, 0)))
-        scale(out[1])
-        return total
+class AutoClip(_ClipPolicy):
+    """AutoClip (Seetharaman et al., 2020), as its authors' code runs it: each step's norm joins
+    the history, and the gradients are clipped (as ``clip_grad_norm_`` would) at the history's
+    ``clip_percentile``-th percentile (numpy's linear rule, to the bit), the current norm
+    included. The history holds the last ``history_size`` norms (the TensorFlow port's default;
+    the authors keep all): past it the oldest leaves as each new one comes. A non-finite norm
+    stays out of the history (the authors' would take it for good) and is clipped as
+    ``clip_grad_norm_`` with no threshold clips it (NaN)."""
+
+    _KIND = "autoclip"
+
+    def __init__(self, clip_percentile: float = 10.0, history_size: int = 10_000):
+        if not 0.0 <= float(clip_percentile) <= 100.0:
+            raise ValueError(f"clip_percentile must be in [0, 100]; got {clip_percentile}")
+        if isinstance(history_size, bool) or not isinstance(history_size, int) or not 1 <= history_size <= 1_000_000:
+            raise ValueError(f"history_size must be an int in [1, 1000000]; got {history_size!r}")
+        self.clip_percentile, self.history_size = float(clip_percentile), history_size
+        self._start()
+
+    def _settings(self) -> Dict[str, Any]:
+        return {"clip_percentile": self.clip_percentile, "history_size": self.history_size}
+
+    def _fresh(self) -> list:
+        return autoclip_state(self.clip_percentile, self.history_size)
+
+    @property
+    def limit(self) -> float:
+        return math.inf
+
+    @property
+    def count(self) -> torch.Tensor:
+        """The norms the history holds (a 0-dim float64 tensor where the state is; no sync)."""
+        return self._word("count")
+
+    def history(self) -> torch.Tensor:
+        """The norms the history holds, oldest first (reads the state: a host sync on CUDA)."""
+        words = POLICY_WORDS[self._KIND]
+        n, nxt = int(self._word("count")), int(self._word("next"))
+        ring = self._state[words["ring"] : words["ring"] + self.history_size]
+        order = list(range(nxt, self.history_size)) + list(range(nxt)) if n == self.history_size else list(range(n))
+        return ring[order].clone()
 
 
 class SkipSpike(_Policy):
