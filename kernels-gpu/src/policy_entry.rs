@@ -30,10 +30,10 @@ pub unsafe extern "gpu-kernel" fn gradclip_clip_policy(
     // SAFETY: the kernel's contract: each state is its own memory of the length given; thread 0
     // alone makes slices of them, while the other threads wait at the barrier below.
     let state = |p: *mut f64, n: u64| (!p.is_null()).then(|| unsafe { core::slice::from_raw_parts_mut(p, n as usize) });
-    // SAFETY: `loss_scale`, when given, is one f32 written before on the stream (contract).
     let scale = if loss_scale.is_null() {
         1.0
     } else {
+        // SAFETY: `loss_scale`, when given, is one f32 written before on the stream (contract).
         f64::from(unsafe { loss_scale.read() })
     };
     if t == 0 {
