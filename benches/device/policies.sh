@@ -20,3 +20,7 @@ done
 compute-sanitizer --tool memcheck --leak-check no python3 -m pytest -q -p no:cacheprovider --import-mode=importlib \
     python/tests/test_policies.py -k "cuda or gpu or captured" > "$OUT/memcheck.log" 2>&1
 tail -2 "$OUT/memcheck.log"
+# The policies' launch is one block with barriers: synccheck over the optimizer suite (its
+# policies test moves AutoClip's history in several windows).
+compute-sanitizer --tool synccheck .devbin/gpu-tests/gpu_optimizer --test-threads 1 > "$OUT/synccheck.log" 2>&1
+tail -2 "$OUT/synccheck.log"
