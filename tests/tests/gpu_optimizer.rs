@@ -518,7 +518,7 @@ fn policies_equal_cpu_bits(gpu: &Gpu) -> TestResult {
         let skip = skip_spike::Settings {
             threshold: 10.0,
             ema_factor: 50.0,
-            sigma: 50.0,
+            sigma: 1e3,
             window: 12,
             ..Default::default()
         };
