@@ -7,6 +7,7 @@ GPU's decisions and parameters equal the CPU's to the bit, and a captured step r
 
 import io
 import math
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from gradclip.torch import optim
 from gradclip.torch.policies import AutoClip, SkipSpike, ZClip
 from cuda_capture import capture_on_side_stream
+import ranks
 from policy_reference import AutoClipReference, SkipReference, ZClipReference, norms_with_spikes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
@@ -176,6 +178,13 @@ def test_resume_gives_the_bits_of_never_stopping(device, autoclip):
         assert torch.equal(p, q)
     assert torch.equal(a.clip_policy._state, b.clip_policy._state) and torch.equal(a.skip_policy._state, b.skip_policy._state)
     assert int(a.skipped_steps) == int(b.skipped_steps) > 0
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="no gloo")
+def test_sharded_parameters_decide_as_the_whole_run(tmp_path):
+    """DTensor parameters over two gloo ranks: the policies see the global norm on every rank and
+    decide, skip and clip as the same run over the whole parameters (policies_sharded_worker)."""
+    ranks.assert_workers_pass(os.path.join(os.path.dirname(os.path.abspath(__file__)), "policies_sharded_worker.py"), tmp_path, 300)
 
 
 def test_policy_state_dict_round_trips_and_refuses_a_foreign_state():
