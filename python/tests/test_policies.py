@@ -231,18 +231,60 @@ def test_optimizers_refuse_what_they_cannot_run_before_writing():
         optim.AdamW(params, skip=ZClip())
     with pytest.raises(ValueError, match='update="gradclip"'):
         optim.AdamW(params, skip=SkipSpike(threshold=1.0), update="torch")
-    opt = optim.AdamW([{"params": params[:1], "clip_group": "a"}, {"params": params[1:]}], clip=ZClip())
-    before = [p.detach().clone() for p in params]
-    state = opt.clip_policy._state.clone()
-    with pytest.raises(ValueError, match="named clip groups"):
-        opt.step()
-    assert all(torch.equal(b, p) for b, p in zip(before, params)) and torch.equal(state, opt.clip_policy._state)
+    # One policy for two clip groups (the optimizer's, or a param group's in two): refused.
+    shared = ZClip()
+    for groups, kwargs in (
+        ([{"params": params[:1], "clip_group": "a"}, {"params": params[1:]}], {"clip": ZClip()}),
+        ([{"params": params[:1], "clip_group": "a", "clip": shared}, {"params": params[1:], "clip": shared}], {}),
+        ([{"params": params[:1], "clip": ZClip()}, {"params": params[1:], "clip": ZClip()}], {}),
+    ):
+        opt = optim.AdamW(groups, **kwargs)
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(ValueError, match="clip group"):
+            opt.step()
+        assert all(torch.equal(b, p) for b, p in zip(before, params))
+    with pytest.raises(TypeError, match="clip must be a clip policy"):
+        optim.AdamW([{"params": params, "clip": 1.0}])
+    with pytest.raises(TypeError, match="skip must be a skip policy"):
+        optim.AdamW([{"params": params, "skip": ZClip()}])
     opt = optim.AdamW(params, clip=ZClip(warmup_steps=2))
     sd = opt.state_dict()
     with pytest.raises(ValueError, match="construct it with one"):
         optim.AdamW(params).load_state_dict(sd)
     clip = optim.AdamW(params, clip=2.0)
     assert clip.max_grad_norm == 2.0 and clip.clip_policy is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_named_clip_group_runs_its_own_policies(device):
+    """Named clip groups with a policy each (a param group's ``clip`` / ``skip``): each clip group
+    steps to the bit as an optimizer over its param groups alone with those policies, and a
+    spike in one skips that clip group alone."""
+    params = _params(device)
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    z, s = ZClip(warmup_steps=4, max_grad_norm=8.0), SkipSpike(threshold=20.0)
+    z2, s2 = ZClip(warmup_steps=4, max_grad_norm=8.0), SkipSpike(threshold=20.0)
+    named = optim.AdamW(
+        [{"params": params[:2], "clip_group": "trunk", "clip": z}, {"params": params[2:], "clip_group": "head", "max_grad_norm": 3.0, "skip": s}],
+        lr=1e-2,
+    )
+    trunk = optim.AdamW(alone[:2], lr=1e-2, clip=z2)
+    head = optim.AdamW(alone[2:], lr=1e-2, max_grad_norm=3.0, skip=s2)
+    head_skips = 0
+    for step, scale in enumerate(norms_with_spikes(80)):
+        grads = _grads(params, scale, step)
+        if step % 13 == 5:  # a spike in the head alone
+            grads[2] = grads[2] * 100.0
+        for p, q, g in zip(params, alone, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        named.step()
+        trunk.step()
+        head.step()
+        for p, q in zip(params, alone):
+            assert torch.equal(p, q), f"step {step}"
+        head_skips = int(s2.skipped)
+    assert torch.equal(z._state, z2._state) and torch.equal(s._state, s2._state)
+    assert head_skips >= 5 and float(s.skipped) == head_skips
 
 
 @pytest.mark.parametrize("device", DEVICES)

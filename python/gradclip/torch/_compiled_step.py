@@ -63,7 +63,7 @@ class _CompiledStep:
             and getattr(self, "found_inf", None) is None
             and self._counts is not None
             and self._counts.shape[0] == len(self.param_groups)
-            and _step_clip_groups.read(self.param_groups, self.max_grad_norm) is None
+            and _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy) is None
             and self._given_norm is None
             # The telemetry's records are the eager step's (the list op writes none).
             and not self._stats

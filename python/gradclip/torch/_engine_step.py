@@ -120,7 +120,7 @@ class _EngineStep:
         all-reduce per process group), as ``clip_grad_norm_`` computes it. Capturable in a CUDA
         graph after one eager step."""
         # The clip groups first: a refusal writes nothing (no state made either).
-        named = _step_clip_groups.read(self.param_groups, self.max_grad_norm)
+        named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
         if named is not None and self._given_norm is not None:
             raise ValueError("provide_grad_norm gives one norm, and this optimizer's param groups are in clip groups, each clipped by its own")
         outer_scale = getattr(self, "grad_scale", None)
@@ -229,7 +229,7 @@ class _EngineStep:
             if named is not None:
                 scale = None if scale_t is None else scale_t.to(torch.float64)
                 self._reported["last_grad_norms"] = _step_clip_groups.reported(named, out, scale, dtype)
-            if self.nonfinite == "skip" or self.skip_policy is not None:
+            if self.nonfinite == "skip" or _step_policies.any_skip(self, named):
                 self.skipped_steps = self._skipped
         return True
 

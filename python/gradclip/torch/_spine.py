@@ -203,7 +203,7 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
                 "stats() over sharded parameters (DTensor, shards_over, a pipeline or norm group) is not supported yet: "
                 "the step tallies each rank's local shards only; the global grad norm is opt.last_grad_norm(s)"
             )
-        named = _step_clip_groups.read(self.param_groups, self.max_grad_norm)
+        named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
         if named is None:
             members = {_step_clip_groups.DEFAULT: list(range(rec.shape[0]))}
             limits = [self.max_grad_norm]
@@ -384,7 +384,7 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
             return loss
         why = "update='torch' runs torch's step" if self.update != "gradclip" else "its engine could not take this step (tensors on several devices, or of a kind it does not read)"
         _step_policies.refuse_torch_step(self, why)
-        if _step_clip_groups.read(self.param_groups, self.max_grad_norm) is not None:
+        if _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy) is not None:
             raise RuntimeError(
                 "this optimizer's param groups are in clip groups (clip_group / max_grad_norm), which only gradclip's own "
                 f"step clips apart, and {why}: nothing was written"

@@ -4,9 +4,12 @@ and checked before anything is read or written.
 
 A param group joins clip group ``group["clip_group"]`` (a string; "default" for groups without
 one) and may set ``group["max_grad_norm"]`` (a number, or None: measured, not clipped; the
-optimizer's ``max_grad_norm`` for groups without one). Groups of one clip group share one norm and
-must agree on its threshold. Without either key in any group the optimizer clips every group by
-one norm, as it always has."""
+optimizer's ``max_grad_norm`` for groups without one), ``group["clip"]`` (a clip policy, such as
+``ZClip``, deciding that clip group's coefficient) and ``group["skip"]`` (a skip policy,
+``SkipSpike``, deciding whether its param groups step). Groups of one clip group share one norm
+and must agree on its threshold and policies (the same objects); one policy decides for one clip
+group (its state follows one norm). Without any of these keys in any group the optimizer clips
+every group by one norm, as it always has."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from .._engine import check_max_norm
+from .policies import SkipSpike, _ClipPolicy
 
 #: The clip group of param groups that name none.
 DEFAULT = "default"
@@ -29,6 +33,8 @@ class ClipGroups(NamedTuple):
     thresholds: List[Optional[float]]
     #: Each param group's clip group, by position in ``names``.
     index: List[int]
+    #: Each clip group's (clip policy, skip policy), None where it has none.
+    policies: List[tuple]
 
 
 def check_group(group: Dict[str, Any], at: int) -> None:
@@ -37,6 +43,10 @@ def check_group(group: Dict[str, Any], at: int) -> None:
     name = group.get("clip_group", DEFAULT)
     if not isinstance(name, str):
         raise TypeError(f"param group {at}: clip_group must be a string; got {name!r}")
+    if group.get("clip") is not None and not isinstance(group["clip"], _ClipPolicy):
+        raise TypeError(f"param group {at}: clip must be a clip policy (ZClip, AutoClip; a number goes to max_grad_norm); got {type(group['clip']).__name__}")
+    if group.get("skip") is not None and not isinstance(group["skip"], SkipSpike):
+        raise TypeError(f"param group {at}: skip must be a skip policy (SkipSpike); got {type(group['skip']).__name__}")
     if group.get("max_grad_norm") is not None:
         try:
             check_max_norm(group["max_grad_norm"])
@@ -44,13 +54,20 @@ def check_group(group: Dict[str, Any], at: int) -> None:
             raise ValueError(f"param group {at}: {e}") from None
 
 
-def read(param_groups: List[Dict[str, Any]], max_grad_norm: Optional[float]) -> Optional[ClipGroups]:
-    """The clip groups of ``param_groups`` (``max_grad_norm``: the optimizer's threshold), or
-    None when no group names a clip group or a threshold of its own. Errors name the groups."""
-    if not any("clip_group" in g or "max_grad_norm" in g for g in param_groups):
+KEYS = ("clip_group", "max_grad_norm", "clip", "skip")
+
+
+def read(param_groups: List[Dict[str, Any]], max_grad_norm: Optional[float], clip=None, skip=None) -> Optional[ClipGroups]:
+    """The clip groups of ``param_groups`` (``max_grad_norm``, ``clip``, ``skip``: the optimizer's
+    threshold and policies, for groups without their own), or None when no group names a clip
+    group, a threshold or a policy of its own. A clip group's threshold is its ``max_grad_norm``;
+    without one, its clip policy's cap, or, with a skip policy alone, infinite (measured for it).
+    Errors name the groups."""
+    if not any(k in g for g in param_groups for k in KEYS):
         return None
     names: Dict[str, int] = {}
     thresholds: List[Optional[float]] = []
+    policies: List[tuple] = []
     first: List[int] = []
     index: List[int] = []
     for at, g in enumerate(param_groups):
@@ -58,17 +75,37 @@ def read(param_groups: List[Dict[str, Any]], max_grad_norm: Optional[float]) -> 
         name = g.get("clip_group", DEFAULT)
         limit = g.get("max_grad_norm", max_grad_norm)
         limit = None if limit is None else float(limit)
+        mine = (g.get("clip", clip), g.get("skip", skip))
         k = names.setdefault(name, len(names))
         if k == len(thresholds):
             thresholds.append(limit)
+            policies.append(mine)
             first.append(at)
         elif thresholds[k] != limit:
             raise ValueError(
                 f"param groups {first[k]} and {at} are both in clip group {name!r} but ask for max_grad_norm "
                 f"{thresholds[k]} and {limit}: one clip group has one threshold (give one of them another clip_group)"
             )
+        elif any(a is not b for a, b in zip(policies[k], mine)):
+            raise ValueError(
+                f"param groups {first[k]} and {at} are both in clip group {name!r} but name other clip or skip policies: "
+                "one clip group has one of each (the same objects)"
+            )
         index.append(k)
-    return ClipGroups(tuple(names), thresholds, index)
+    seen: Dict[int, str] = {}
+    for name, k in names.items():
+        for policy in policies[k]:
+            if policy is not None and seen.setdefault(id(policy), name) != name:
+                raise ValueError(
+                    f"clip groups {seen[id(policy)]!r} and {name!r} share one {type(policy).__name__}: a policy follows one "
+                    "norm, so each clip group needs its own (a param group's clip= / skip=, or the optimizer's for one clip group)"
+                )
+    for k, (c, s_) in enumerate(policies):
+        if thresholds[k] is None and c is not None:
+            thresholds[k] = c.limit
+        elif thresholds[k] is None and s_ is not None:
+            thresholds[k] = float("inf")
+    return ClipGroups(tuple(names), thresholds, index, policies)
 
 
 def norms_in(named: ClipGroups, param_groups, norms64: Callable, device) -> torch.Tensor:

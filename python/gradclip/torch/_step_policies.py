@@ -55,16 +55,18 @@ def any_policy(opt) -> bool:
 
 
 def engine_policies(opt, device, named) -> Optional[list]:
-    """The step's policies as the engine takes them (one clip), or None without any. Named clip
-    groups each take their own norm, which one policy cannot decide for: refused."""
-    if not any_policy(opt):
+    """The step's policies as the engine takes them, one per clip (``named``'s clip groups, each
+    its own, or the one clip over every group), or None without any."""
+    if named is None:
+        return [policies_args(device, opt.clip_policy, opt.skip_policy)] if any_policy(opt) else None
+    if all(c is None and s is None for c, s in named.policies):
         return None
-    if named is not None:
-        raise ValueError(
-            "clip and skip policies decide for the clip over every param group; this optimizer's param groups are in "
-            "named clip groups (clip_group / max_grad_norm): nothing was written"
-        )
-    return [policies_args(device, opt.clip_policy, opt.skip_policy)]
+    return [policies_args(device, c, s) for c, s in named.policies]
+
+
+def any_skip(opt, named) -> bool:
+    """Whether some clip of the step has a skip policy."""
+    return opt.skip_policy is not None or (named is not None and any(s is not None for _, s in named.policies))
 
 
 def refuse_torch_step(opt, why: str) -> None:
