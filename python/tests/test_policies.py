@@ -159,7 +159,7 @@ def _train(device, steps, resume_at=None, seed=3, autoclip=False):
             buf = io.BytesIO()
             torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
             buf.seek(0)
-            saved = torch.load(buf, weights_only=False)
+            saved = torch.load(buf)  # weights_only: the policies are saved as plain data
             params = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
             opt = make(params)
             opt.load_state_dict(saved["opt"])
@@ -285,6 +285,22 @@ def test_each_named_clip_group_runs_its_own_policies(device):
         head_skips = int(s2.skipped)
     assert torch.equal(z._state, z2._state) and torch.equal(s._state, s2._state)
     assert head_skips >= 5 and float(s.skipped) == head_skips
+    # The clip groups' policies through a state dict (plain data: weights_only), into a fresh
+    # optimizer whose groups have policies of the same kinds.
+    buf = io.BytesIO()
+    torch.save(named.state_dict(), buf)
+    buf.seek(0)
+    fresh_z, fresh_s = ZClip(warmup_steps=4, max_grad_norm=8.0), SkipSpike(threshold=20.0)
+    fresh = optim.AdamW(
+        [{"params": params[:2], "clip_group": "trunk", "clip": fresh_z}, {"params": params[2:], "clip_group": "head", "max_grad_norm": 3.0, "skip": fresh_s}],
+        lr=1e-2,
+    )
+    fresh.load_state_dict(torch.load(buf))
+    assert fresh.param_groups[0]["clip"] is fresh_z and torch.equal(fresh_z._state, z._state.to(fresh_z._state.device))
+    assert fresh.param_groups[1]["skip"] is fresh_s and torch.equal(fresh_s._state, s._state.to(fresh_s._state.device))
+    buf.seek(0)
+    with pytest.raises(ValueError, match="give the group one"):
+        optim.AdamW([{"params": params[:2], "clip_group": "trunk"}, {"params": params[2:], "clip_group": "head", "max_grad_norm": 3.0}], lr=1e-2).load_state_dict(torch.load(buf))
 
 
 @pytest.mark.parametrize("device", DEVICES)

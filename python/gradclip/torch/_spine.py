@@ -266,6 +266,7 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         out = super().state_dict()
         out["gradclip"] = {k: getattr(self, k) for k in self._SETTINGS}
         out["gradclip"].update(_step_policies.saved(self))
+        _step_policies.pack_groups(out["param_groups"])
         if self._counts is not None:
             # Each group's steps and skipped steps: a resumed run counts on from them.
             out["gradclip"]["group_counts"] = self._counts.detach().to("cpu", copy=True)
@@ -283,9 +284,12 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         float32 on the parameter's device). A state dict of gradclip's restores the clip settings
         (checked first: nothing is loaded when one is invalid); torch's leaves them as they are."""
         settings = state_dict.get("gradclip")
-        policy_loads, counts = [], None
+        # The param groups' own policies first (checked; the groups given this optimizer's objects).
+        groups = [dict(g) for g in state_dict.get("param_groups", ())]
+        policy_loads, counts = _step_policies.unpack_groups(self, groups), None
+        state_dict = {**state_dict, "param_groups": groups}
         if settings is not None:
-            policy_loads = _step_policies.load(self, settings)
+            policy_loads += _step_policies.load(self, settings)
             counts = settings.get("group_counts")
             groups = len(state_dict.get("param_groups", ()))
             if counts is not None and (not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or tuple(counts.shape) != (groups, 2)):

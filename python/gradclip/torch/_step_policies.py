@@ -81,6 +81,52 @@ def saved(opt) -> Dict[str, Any]:
     return {k: p.state_dict() for k, p in (("clip_policy", opt.clip_policy), ("skip_policy", opt.skip_policy)) if p is not None}
 
 
+def pack_groups(groups) -> None:
+    """A state dict's param groups with each group's policies (``clip``, ``skip``) as their
+    state dicts: plain data, which ``torch.load(weights_only=True)`` reads."""
+    for g in groups:
+        for key in ("clip", "skip"):
+            if isinstance(g.get(key), _Policy):
+                g[key] = g[key].state_dict()
+
+
+def unpack_groups(opt, groups):
+    """The loads of the group policies a saved state dict's param groups hold (state dicts, by
+    ``pack_groups``), each checked now by loading into a copy (nothing is loaded on an error),
+    into the policies of this optimizer's groups at the same places. Returns the loads, for after
+    torch's load (each puts the group's own object back in it)."""
+    loads = []
+    for at, g in enumerate(groups):
+        for key in ("clip", "skip"):
+            sd = g.get(key)
+            if not isinstance(sd, dict):
+                continue
+            mine = opt.param_groups[at].get(key) if at < len(opt.param_groups) else None
+            if not isinstance(mine, _Policy):
+                raise ValueError(
+                    f"param group {at} of this state dict has a {sd.get('policy')} policy ({key}) and this optimizer's none: "
+                    "give the group one to resume (nothing was loaded)"
+                )
+            _probe(mine).load_state_dict(sd)
+
+            def load(mine=mine, sd=sd, at=at, key=key):
+                mine.load_state_dict(sd)
+                # torch's load sets a deep copy of the saved group: the group keeps its object.
+                opt.param_groups[at][key] = mine
+
+            loads.append(load)
+            g[key] = None
+    return loads
+
+
+def _probe(policy: _Policy) -> _Policy:
+    """A copy of ``policy`` with its state on the CPU, to check a load on."""
+    probe = type(policy).__new__(type(policy))
+    probe.__dict__.update(policy.__dict__)
+    probe._state = policy._state.detach().to("cpu", copy=True)
+    return probe
+
+
 def load(opt, settings: Dict[str, Any]):
     """The loads of the policies a saved state dict has (``settings``, its ``"gradclip"``), each
     checked now by loading into a copy (nothing is loaded on an error): a list of calls that
@@ -96,9 +142,6 @@ def load(opt, settings: Dict[str, Any]):
                 f"this state dict has a {sd.get('policy')} policy ({name}) and this optimizer none: construct it with one "
                 "to resume (nothing was loaded)"
             )
-        probe = type(mine).__new__(type(mine))
-        probe.__dict__.update(mine.__dict__)
-        probe._state = mine._state.detach().to("cpu", copy=True)
-        probe.load_state_dict(sd)
+        _probe(mine).load_state_dict(sd)
         loads.append(lambda mine=mine, sd=sd: mine.load_state_dict(sd))
     return loads
