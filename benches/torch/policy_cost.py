@@ -2,7 +2,8 @@
 """What the clip policies cost in gradclip's AdamW step, resolved below run-to-run noise: one
 optimizer over one list (a prefix of a gradclip-bench workload, as optim_compare.py takes it),
 its clip switched between the fixed clip and each policy between timings, the configurations
-interleaved over --rounds rounds (each a CUDA-event timing of --reps steps), the median of each.
+interleaved over --rounds rounds (each a CUDA-event timing of --reps steps after one,
+torch_compare.back_to_back), the median of each.
 Every configuration times the same tensors, states and launches but the policies' one.
 
   python3 benches/torch/policy_cost.py workloads.json out.json [--workload seed-500] [--rounds 15]
@@ -18,17 +19,7 @@ from gradclip.torch import optim
 from gradclip.torch.policies import AutoClip, SkipSpike, ZClip
 
 from optim_compare import DTYPES, full_history, prefix
-
-
-def timed_ms(step, reps):
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        step()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
+from torch_compare import back_to_back
 
 
 def main():
@@ -74,7 +65,7 @@ def main():
     for _ in range(args.rounds):
         for name in configs:
             use(name)
-            times[name].append(timed_ms(opt.step, args.reps))
+            times[name].append(back_to_back(opt.step, args.reps))
     base = statistics.median(times["fixed clip"])
     rows = []
     print(f"{args.workload} {args.dtype}: {len(params)} tensors, {args.rounds} rounds of {args.reps} steps")

@@ -149,15 +149,19 @@ fn moments(xs: &[f64]) -> (f64, f64) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_broken_header_skips_the_step() {
-        let mut z = zclip::state(&zclip::Settings::default());
-        let mut out = NormOutput {
-            norm: 0.5,
+    fn output(norm: f64) -> NormOutput {
+        NormOutput {
+            norm,
             coef: 1.0,
             nonfinite: 0,
             skip: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn a_broken_header_skips_the_step() {
+        let mut z = zclip::state(&zclip::Settings::default());
+        let mut out = output(0.5);
         apply(&mut out, Some(&mut z), None, 1.0);
         assert_eq!(out.skip, 0);
         for broken in [
@@ -168,12 +172,7 @@ mod tests {
         ] {
             let mut z = zclip::state(&zclip::Settings::default());
             broken(&mut z);
-            let mut out = NormOutput {
-                norm: 0.5,
-                coef: 1.0,
-                nonfinite: 0,
-                skip: 0,
-            };
+            let mut out = output(0.5);
             apply(&mut out, Some(&mut z), None, 1.0);
             assert_eq!(out.skip, skip::STEP);
         }
@@ -187,21 +186,11 @@ mod tests {
             ..Default::default()
         });
         let before = z.clone();
-        let mut out = NormOutput {
-            norm: 40.0,
-            coef: 1.0,
-            nonfinite: 0,
-            skip: 0,
-        };
+        let mut out = output(40.0);
         apply(&mut out, Some(&mut z), Some(&mut s), 2.0);
         assert_eq!((out.skip, z == before, s[skip_spike::SKIPPED]), (skip::STEP, true, 1.0));
         // 40 / 2 = 20 > 10: skipped; 16 / 2 = 8: taken, clipped at ZClip's max_grad_norm (1).
-        let mut out = NormOutput {
-            norm: 16.0,
-            coef: 1.0,
-            nonfinite: 0,
-            skip: 0,
-        };
+        let mut out = output(16.0);
         apply(&mut out, Some(&mut z), Some(&mut s), 2.0);
         assert_eq!(out.skip, 0);
         assert_eq!(out.coef, 1.0 / (8.0 + 1e-6) / 2.0);
