@@ -14,6 +14,10 @@
 //! instead of failing to load on a GPU.
 
 use std::path::{Path, PathBuf};
+
+#[path = "src/gpu/ptx_guard.rs"]
+#[allow(dead_code)]
+mod ptx_guard;
 use std::process::{Command, Stdio};
 use std::{env, fs};
 
@@ -72,9 +76,12 @@ fn main() {
     cmd.env("CARGO_PROFILE_RELEASE_DEBUG", "false");
     // A high unroll threshold fully unrolls the per-lane batches of LOAD_UNROLL vectors, so they
     // stay in registers instead of a local-memory array (checked by the PTX test in gpu::kernels).
+    // MIR JumpThreading can copy a barrier into both arms of a branch (ptx_guard): off.
     cmd.env(
         "CARGO_ENCODED_RUSTFLAGS",
-        format!("-Ctarget-cpu={TARGET_CPU}\x1f-Ctarget-feature=+{PTX_ISA}\x1f-Cllvm-args=-unroll-threshold=4000"),
+        format!(
+            "-Ctarget-cpu={TARGET_CPU}\x1f-Ctarget-feature=+{PTX_ISA}\x1f-Cllvm-args=-unroll-threshold=4000\x1f-Zmir-enable-passes=-JumpThreading"
+        ),
     );
     let status = cmd
         .status()
@@ -88,6 +95,11 @@ fn main() {
             "the kernel PTX calls a function it does not define ({line}); \
              mark the callee #[inline(always)] or avoid that core API in kernels"
         );
+    }
+    for check in [ptx_guard::check_header(&text), ptx_guard::check_barriers(&text)] {
+        if let Err(e) = check {
+            panic!("{e}");
+        }
     }
     fs::write(out_dir.join("gradclip_kernels.ptx"), with_register_limits(text)).expect("writing the PTX");
 }

@@ -20,6 +20,7 @@ pub mod kernels;
 pub mod launch;
 mod output;
 mod policy;
+pub mod ptx_guard;
 mod sharded;
 mod step;
 #[cfg(feature = "bench-kernels")]
