@@ -270,6 +270,9 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         if self._counts is not None:
             # Each group's steps and skipped steps: a resumed run counts on from them.
             out["gradclip"]["group_counts"] = self._counts.detach().to("cpu", copy=True)
+        elif self.update == "torch" and self.skipped_steps is not None:
+            # torch's update counts its skipped steps apart (_torch_update).
+            out["gradclip"]["skipped_steps"] = self.skipped_steps.detach().to("cpu", copy=True)
         return out
 
     def __repr__(self) -> str:
@@ -283,7 +286,7 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         ``grad_scale`` is refused), and each ``step`` is moved where a fused step keeps it (a
         float32 on the parameter's device). A state dict of gradclip's restores the clip settings
         (checked first: nothing is loaded when one is invalid); torch's leaves them as they are."""
-        settings = state_dict.get("gradclip")
+        settings = settings_raw = state_dict.get("gradclip")
         # The param groups' own policies first (checked; the groups given this optimizer's objects).
         groups = [dict(g) for g in state_dict.get("param_groups", ())]
         policy_loads, counts = _step_policies.unpack_groups(self, groups), None
@@ -306,6 +309,9 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         self._counts = None if counts is None else counts.clone()
         if self._counts is not None:
             self._skipped = self._counts[0, 1]
+        skipped = None if settings_raw is None else settings_raw.get("skipped_steps")
+        if isinstance(skipped, torch.Tensor) and skipped.dim() == 0:
+            self.skipped_steps = skipped.to(torch.int64).clone()
         self._layout = None
 
     def provide_grad_norm(self, norm: torch.Tensor) -> None:

@@ -133,8 +133,10 @@ class _TorchUpdate:
         if self.nonfinite == "skip":
             bad = (~torch.isfinite(norm64)).to(torch.float32)
             skip = bad if outer_found is None else torch.maximum(outer_found.to(bad.device, torch.float32), bad)
-            if self.skipped_steps is None:
-                self.skipped_steps = torch.zeros((), dtype=torch.int64, device=bad.device)
+            if self.skipped_steps is None or self.skipped_steps.device != bad.device:
+                # (A loaded state dict's count comes on the CPU.)
+                start = torch.zeros((), dtype=torch.int64) if self.skipped_steps is None else self.skipped_steps
+                self.skipped_steps = start.to(bad.device)
             self.skipped_steps.add_(bad.to(torch.int64))
         had = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
         self.grad_scale = scale.to(torch.float32)
