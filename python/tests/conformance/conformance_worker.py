@@ -1,0 +1,131 @@
+"""One rank of a conformance scenario (``test_conformance.py``): the scenario's clip, by gradclip
+or, with ``inject``, by the clip as the bug report describes it, checked against the f64
+computation on the full gradients. Writes one line per failure to OUT (an exception is one).
+
+Usage: python conformance_worker.py PORT RANK WORLD SCENARIO INJECT OUT"""
+
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ranks  # noqa: E402
+
+MAX_NORM = 0.5
+
+
+def full_grads(seed, shapes):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=torch.float32) for s in shapes]
+
+
+def reference(fulls, p):
+    """The norm of the full gradients in f64 (math.fsum of the powers), and the clip's coefficient."""
+    flat = [x for f in fulls for x in f.double().reshape(-1).tolist()]
+    norm = max((abs(x) for x in flat), default=0.0) if p == math.inf else math.fsum(abs(x) ** p for x in flat) ** (1 / p)
+    return norm, min(1.0, MAX_NORM / (norm + 1e-6))
+
+
+def local_norm(rank, world, inject, failures):
+    """Each rank must clip by the global norm, with the same coefficient on every rank
+    (SpecForge PR #663: each shard clipped by its local norm, about 1/sqrt(world) of it)."""
+    import gradclip.torch as gt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    fulls = full_grads(5, [(7, 3), (world * 4, 5), (9,)])
+    params = [torch.nn.Parameter(distribute_tensor(torch.zeros(f.shape), mesh, [Shard(0)])) for f in fulls]
+    for q, f in zip(params, fulls):
+        q.grad = distribute_tensor(f.clone(), mesh, [Shard(0)])
+    want, coef = reference(fulls, 2.0)
+    if inject:  # the reported bug: each rank clips its shards by their own norm
+        local = [q.grad.to_local() for q in params]
+        got = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in local]).double())
+        coef_local = torch.clamp(MAX_NORM / (got + 1e-6), max=1.0)
+        for t in local:
+            t.mul_(coef_local.to(t.dtype))
+    else:
+        got = gt.clip_grad_norm_(params, MAX_NORM)
+    got = float(got.full_tensor() if hasattr(got, "full_tensor") else got)
+    if not math.isclose(got, want, rel_tol=1e-6):
+        failures.append(f"local_norm: the norm is {got}, the full gradients' {want}")
+    # Every rank's coefficient, read from its clipped shard, equal to the full clip's.
+    mine = torch.tensor([float(q.grad.to_local().double().norm()) for q in params], dtype=torch.float64)
+    before = torch.tensor([float(distribute_tensor(f.clone(), mesh, [Shard(0)]).to_local().double().norm()) for f in fulls], dtype=torch.float64)
+    ratio = (mine / before)[before > 0]
+    if ratio.numel() and not torch.allclose(ratio, torch.full_like(ratio, coef), rtol=1e-6):
+        failures.append(f"local_norm: rank {rank} clipped by {ratio.tolist()}, the full clip by {coef}")
+    seen = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(seen, torch.tensor([got], dtype=torch.float64))
+    if len({float(s) for s in seen}) != 1:
+        failures.append(f"local_norm: the ranks' norms differ: {[float(s) for s in seen]}")
+
+
+def hsdp(rank, world, inject, failures):
+    """HSDP's replicas must count once (VeOmni PR #862: the gradients reduced over the whole FSDP
+    group, every replica's shard counted)."""
+    import gradclip.torch as gt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    pl = [Replicate(), Shard(0)]
+    fulls = full_grads(31, [(9, 4), (3,), (16,)])
+    params = [torch.nn.Parameter(distribute_tensor(torch.zeros(f.shape), mesh, pl)) for f in fulls]
+    for q, f in zip(params, fulls):
+        q.grad = distribute_tensor(f.clone(), mesh, pl)
+    want, _ = reference(fulls, 2.0)
+    if inject:  # the reported bug: the local squares summed over every rank, replicas included
+        sq = torch.tensor([sum(float(q.grad.to_local().double().square().sum()) for q in params)], dtype=torch.float64)
+        dist.all_reduce(sq)
+        got = math.sqrt(float(sq))
+    else:
+        got = gt.clip_grad_norm_(params, MAX_NORM)
+        got = float(got.full_tensor() if hasattr(got, "full_tensor") else got)
+    if not math.isclose(got, want, rel_tol=1e-6):
+        failures.append(f"hsdp: the norm is {got}, the full gradients' {want} ({got / want:.3f}x)")
+
+
+def empty_inf(rank, world, inject, failures):
+    """An inf-norm over shards where a rank holds none must give every rank the norm, not raise on
+    one rank and leave the others waiting in the collective (seen with torch's clip)."""
+    import gradclip.torch as gt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    fulls = full_grads(41, [(1, 6), (1,)])  # one row: every rank but the first holds an empty shard
+    params = [torch.nn.Parameter(distribute_tensor(torch.zeros(f.shape), mesh, [Shard(0)])) for f in fulls]
+    for q, f in zip(params, fulls):
+        q.grad = distribute_tensor(f.clone(), mesh, [Shard(0)])
+    want, _ = reference(fulls, math.inf)
+    clip = torch.nn.utils.clip_grad_norm_ if inject else gt.clip_grad_norm_
+    got = clip(params, MAX_NORM, math.inf)
+    got = float(got.full_tensor() if hasattr(got, "full_tensor") else got)
+    if got != want:
+        failures.append(f"empty_inf: the norm is {got}, the full gradients' {want}")
+
+
+SCENARIOS = {"local_norm": local_norm, "hsdp": hsdp, "empty_inf": empty_inf}
+
+
+def main(port, rank, world, scenario, inject, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    failures = []
+    try:
+        SCENARIOS[scenario](rank, world, inject, failures)
+    except Exception as e:  # a failure of this rank (the others may then wait: the test's timeout)
+        failures.append(f"{scenario}: rank {rank} raised {type(e).__name__}: {e}")
+    ranks.report(out, failures)
+    if not failures:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(a[0], int(a[1]), int(a[2]), a[3], a[4] == "1", a[5])
