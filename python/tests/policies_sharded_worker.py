@@ -87,7 +87,10 @@ def main(port: str, rank: int, world: int, out: str) -> None:
         failures.append(f"rank {rank}: {type(e).__name__}: {e}")
     finally:
         ranks.report(out, failures)
-        dist.destroy_process_group()
+    # Every rank through its collectives before the group goes: gloo's threads torn down while a
+    # peer still talks can abort the interpreter's exit (pytorch/pytorch#190489).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -123,6 +123,8 @@ def main(port, rank, world, scenario, inject, out):
         failures.append(f"{scenario}: rank {rank} raised {type(e).__name__}: {e}")
     ranks.report(out, failures)
     if not failures:
+        # Every rank through its collectives before the group goes (pytorch/pytorch#190489).
+        dist.barrier()
         dist.destroy_process_group()
 
 
