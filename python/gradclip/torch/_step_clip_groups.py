@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from .._engine import check_max_norm
-from .policies import SkipSpike, _ClipPolicy
+from .policies import SkipSpike
+from .policies._base import _ClipPolicy
 
 #: The clip group of param groups that name none.
 DEFAULT = "default"

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Optional, Tuple
 
-from .policies import SkipSpike, _ClipPolicy, _Policy, policies_args
+from .policies import SkipSpike
+from .policies._base import _ClipPolicy, _Policy, policies_args
 
 
 def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Optional[_Policy], Optional[_Policy]]:
