@@ -5,11 +5,11 @@
 //! and before anything reads the coefficient: on the GPU one one-thread launch per clip, on the
 //! CPU the same function here.
 
-use gradclip_kernels::abi::NormOutput;
 use gradclip_kernels::policy::{self, kind};
 
 use crate::error::{Error, Result};
 
+pub use gradclip_kernels::abi::{NormOutput, skip};
 pub use gradclip_kernels::policy::{autoclip, skip_spike, zclip};
 
 /// One policy's state: `words` f64 at `addr` in the backend's memory.
