@@ -146,4 +146,8 @@ def test_the_gpu_step_equals_the_cpu_backends_to_the_bit(index):
     cpu, _ = run(kind, hyper, groups, steps, max_norm, "cpu")
     gpu, _ = run(kind, hyper, groups, steps, max_norm, "cuda")
     for i, (a, b) in enumerate(zip(cpu, gpu)):
-        assert torch.equal(a, b.cpu()), f"seed {SEED} case {index}: parameter {i} ({a.dtype}) differs on the GPU"
+        # Equal bits where finite, NaN at the same places (a run with no clip and a non-finite
+        # gradient writes NaN on both; torch.equal counts NaN unequal, and NaN payloads may differ).
+        b = b.cpu()
+        same = torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+        assert same, f"seed {SEED} case {index}: parameter {i} ({a.dtype}) differs on the GPU"
