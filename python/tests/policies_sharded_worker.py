@@ -91,6 +91,11 @@ def main(port: str, rank: int, world: int, out: str) -> None:
     # peer still talks can abort the interpreter's exit (pytorch/pytorch#190489).
     dist.barrier()
     dist.destroy_process_group()
+    # The report is written: leave without the interpreter's teardown, where gloo's threads can
+    # still abort the process (pytorch/pytorch#190489).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

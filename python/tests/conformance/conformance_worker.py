@@ -126,6 +126,11 @@ def main(port, rank, world, scenario, inject, out):
         # Every rank through its collectives before the group goes (pytorch/pytorch#190489).
         dist.barrier()
         dist.destroy_process_group()
+    # The report is written: leave without the interpreter's teardown, where gloo's threads can
+    # still abort the process (pytorch/pytorch#190489; seen in CI with four ranks).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
