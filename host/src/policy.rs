@@ -2,8 +2,8 @@
 //! them: each policy's state is f64 words in the backend's memory, which the caller owns (a
 //! torch tensor in the bindings) and hands over with every step, so the state lives as long as
 //! the caller keeps it and a state dict can hold it. The policies run after the norm is known
-//! and before anything reads the coefficient: on the GPU one one-thread launch per clip, on the
-//! CPU the same function here.
+//! and before anything reads the coefficient: on the GPU one one-block launch per clip, on the
+//! CPU the same functions here.
 
 use gradclip_kernels::policy::{self, kind};
 

@@ -85,17 +85,7 @@ def main(port: str, rank: int, world: int, out: str) -> None:
                     failures.append(f"functional step {step}: gradient {i} clipped otherwise than the whole run's")
     except Exception as e:  # a failure of this rank, reported (the other ranks may hang on it: the test's timeout)
         failures.append(f"rank {rank}: {type(e).__name__}: {e}")
-    finally:
-        ranks.report(out, failures)
-    # Every rank through its collectives before the group goes: gloo's threads torn down while a
-    # peer still talks can abort the interpreter's exit (pytorch/pytorch#190489).
-    dist.barrier()
-    dist.destroy_process_group()
-    # The report is written: leave without the interpreter's teardown, where gloo's threads can
-    # still abort the process (pytorch/pytorch#190489).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    ranks.leave(out, failures)
 
 
 if __name__ == "__main__":

@@ -59,3 +59,22 @@ def report(out: str, failures) -> None:
     """A worker's failures, one line each, to its OUT (``assert_workers_pass`` reads them)."""
     with open(out, "w") as f:
         f.write("".join(line + "\n" for line in failures))
+
+
+def leave(out: str, failures, clean: bool = True) -> None:
+    """A gloo worker's end: its failures to OUT (``report``); with ``clean``, every rank through
+    its collectives and the process group destroyed; then the process leaves without the
+    interpreter's teardown, where gloo's threads can still abort it (pytorch/pytorch#190489,
+    seen in CI with four ranks even after a barrier)."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    report(out, failures)
+    if clean:
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

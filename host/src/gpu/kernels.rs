@@ -34,7 +34,7 @@ pub enum Kernel {
     NormFromPartial,
     KeyPartials,
     KeysTotal,
-    /// The clip policies' one-thread launch ([`gradclip_kernels::policy`]).
+    /// The clip policies' one-block launch ([`gradclip_kernels::policy`]).
     ClipPolicy,
     #[cfg(feature = "bench-kernels")]
     Fill,

@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::policy::Policies;
 
 impl GpuEngine {
-    /// Runs `policies` on the NormOutput at `out` on the stream (one one-thread launch; nothing
+    /// Runs `policies` on the NormOutput at `out` on the stream (one one-block launch; nothing
     /// when there is no policy): a clip policy's coefficient replaces `out`'s, a skip policy's
     /// skip marks it so that the scale and the update leave everything untouched. `loss_scale`:
     /// one f32 the gradients carry, or 0.

@@ -19,7 +19,7 @@ import torch
 
 from .._engine import check_max_norm
 from .policies import SkipSpike
-from .policies._base import _ClipPolicy
+from .policies._base import _ClipPolicy, clip_threshold
 
 #: The clip group of param groups that name none.
 DEFAULT = "default"
@@ -101,11 +101,7 @@ def read(param_groups: List[Dict[str, Any]], max_grad_norm: Optional[float], cli
                     f"clip groups {seen[id(policy)]!r} and {name!r} share one {type(policy).__name__}: a policy follows one "
                     "norm, so each clip group needs its own (a param group's clip= / skip=, or the optimizer's for one clip group)"
                 )
-    for k, (c, s_) in enumerate(policies):
-        if thresholds[k] is None and c is not None:
-            thresholds[k] = c.limit
-        elif thresholds[k] is None and s_ is not None:
-            thresholds[k] = float("inf")
+    thresholds = [clip_threshold(t, c, s_) for t, (c, s_) in zip(thresholds, policies)]
     return ClipGroups(tuple(names), thresholds, index, policies)
 
 

@@ -10,11 +10,10 @@ the skip policy skips writes no parameter, state or step count (counted in ``ski
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional, Tuple
 
 from .policies import SkipSpike
-from .policies._base import _ClipPolicy, _Policy, policies_args
+from .policies._base import _ClipPolicy, _Policy, clip_threshold, policies_args
 
 
 def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Optional[_Policy], Optional[_Policy]]:
@@ -41,14 +40,8 @@ def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Op
 
 
 def limit(opt) -> Optional[float]:
-    """The threshold the step's norm stage clips at: ``max_grad_norm``; with a clip policy and no
-    ``max_grad_norm``, the policy's cap (which a non-finite norm's coefficient takes); with a skip
-    policy alone, infinite (the norm is measured for it); None: no clip, no norm."""
-    if opt.max_grad_norm is not None:
-        return opt.max_grad_norm
-    if opt.clip_policy is not None:
-        return opt.clip_policy.limit
-    return math.inf if opt.skip_policy is not None else None
+    """The threshold the step's norm stage clips at (``clip_threshold`` of the optimizer's own)."""
+    return clip_threshold(opt.max_grad_norm, opt.clip_policy, opt.skip_policy)
 
 
 def any_policy(opt) -> bool:

@@ -121,16 +121,7 @@ def main(port, rank, world, scenario, inject, out):
         SCENARIOS[scenario](rank, world, inject, failures)
     except Exception as e:  # a failure of this rank (the others may then wait: the test's timeout)
         failures.append(f"{scenario}: rank {rank} raised {type(e).__name__}: {e}")
-    ranks.report(out, failures)
-    if not failures:
-        # Every rank through its collectives before the group goes (pytorch/pytorch#190489).
-        dist.barrier()
-        dist.destroy_process_group()
-    # The report is written: leave without the interpreter's teardown, where gloo's threads can
-    # still abort the process (pytorch/pytorch#190489; seen in CI with four ranks).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    ranks.leave(out, failures, clean=not failures)  # a failed rank's peers may be waiting: no barrier
 
 
 if __name__ == "__main__":

@@ -141,6 +141,17 @@ def _gradient_scale(params: list):
     return scale
 
 
+def clip_threshold(max_grad_norm: Optional[float], clip: Optional[_ClipPolicy], skip: Optional[_Policy]) -> Optional[float]:
+    """The threshold a clip's norm stage clips at: ``max_grad_norm``; without one, the clip
+    policy's cap (which a non-finite norm's coefficient takes), or, with a skip policy alone,
+    infinite (the norm is measured for it); None: no clip, no norm."""
+    if max_grad_norm is not None:
+        return max_grad_norm
+    if clip is not None:
+        return clip.limit
+    return float("inf") if skip is not None else None
+
+
 def policies_args(device: torch.device, clip: Optional[_Policy], skip: Optional[_Policy]):
     """A clip's policies as the engine takes them: ``((clip_addr, words), (skip_addr, words))``."""
     return (clip.engine_args(device) if clip is not None else (0, 0), skip.engine_args(device) if skip is not None else (0, 0))
