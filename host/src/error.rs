@@ -182,6 +182,14 @@ pub enum Error {
         /// What is wrong, naming the group or clip group by position.
         detail: String,
     },
+    /// A tensor of a unit-wise clip (AGC) that the pass cannot take as given.
+    #[error("unit-wise clip, tensor {index}: {detail}")]
+    Units {
+        /// Position in the list.
+        index: usize,
+        /// What is wrong and what to pass instead.
+        detail: String,
+    },
     /// A hyperparameter is outside its valid range (torch's checks).
     #[error("invalid {what}: {value} (valid: {valid})")]
     InvalidHyperparameter {

@@ -37,6 +37,7 @@ pub mod plan;
 pub mod policy;
 pub mod sharded;
 pub mod tensor_list;
+pub mod units;
 
 pub use dtype::{DType, GradElement, round_f64};
 pub use error::{Error, Result};

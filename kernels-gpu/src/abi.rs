@@ -342,6 +342,37 @@ pub struct UpdateGroup {
     pub count: u64,
 }
 
+/// Elements of a unit-wise pass's piece ([`crate::units`]): one warp reduces a piece of a unit;
+/// a longer unit is cut into several. Within one chunk of the norm's frame whatever the dtype, so
+/// a piece is one walk of [`crate::lane::accumulate_lane`].
+pub const UNIT_PIECE_ELEMS: u64 = 16384;
+/// Pieces of one block task of a unit-wise pass (a warp takes every `BLOCK_THREADS /
+/// WARP_THREADS`-th of them).
+pub const UNIT_TASK_PIECES: u64 = 32;
+
+/// One tensor of a unit-wise pass ([`crate::units`]): its gradient and parameter (both `len`
+/// elements), cut into units of `unit_len` elements (a weight's output rows or channels; the
+/// whole tensor for one of at most one dimension).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct UnitTensor {
+    /// The gradient (written by the scale).
+    pub grad: u64,
+    /// The parameter (read).
+    pub param: u64,
+    /// Elements of each.
+    pub len: u64,
+    /// Elements of a unit: at least 1, dividing `len`.
+    pub unit_len: u64,
+    /// The tensor's first piece in the launch's piece table (two [`Partial`]s a piece: the
+    /// gradient's, then the parameter's); its pieces are contiguous, unit by unit.
+    pub first_piece: u64,
+    /// [`dtype_code`]s: the gradient's in bits 0-3, the parameter's in 4-7.
+    pub dtypes: u32,
+    /// Keeps the struct free of padding.
+    pub reserved: u32,
+}
+
 /// Hyperparameters of one Adam / AdamW step (torch's names and meanings).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -395,6 +426,8 @@ pub struct LionParams {
 
 const _: () = {
     assert!(core::mem::size_of::<AdamParams>() == 48);
+    assert!(core::mem::size_of::<UnitTensor>() == 48);
+    assert!(UNIT_PIECE_ELEMS <= CHUNK_VECS && UNIT_TASK_PIECES.is_multiple_of((BLOCK_THREADS / WARP_THREADS) as u64));
     assert!(core::mem::size_of::<UpdateTensorDesc>() == 64);
     assert!(core::mem::size_of::<UpdateCount>() == 16);
     assert!(core::mem::size_of::<UpdateGroup>() == 56);

@@ -11,7 +11,8 @@
 //! encodings, [`math`] the exp2/log2 used by general p-norms, [`accum`] the f64 accumulators of
 //! each norm, [`geometry`] how a tensor is cut into block tasks and lanes, [`lane`] the per-thread
 //! loop, [`model`] the host-side reduction trees, [`scale`] the in-place clip arithmetic, [`policy`]
-//! the clip policies that decide the coefficient or skip a step from the norm and their state; [`update`] is what an optimizer's per-element
+//! the clip policies that decide the coefficient or skip a step from the norm and their state,
+//! [`units`] the unit-wise clip (AGC) of each weight's rows; [`update`] is what an optimizer's per-element
 //! arithmetic looks like to the multi-tensor walk that applies it, [`adam`], [`sgd`] and
 //! [`lion`] are the three optimizers' arithmetic.
 #![no_std]
@@ -54,6 +55,7 @@ pub mod policy;
 pub mod scale;
 pub mod sgd;
 pub mod tally;
+pub mod units;
 pub mod update;
 
 #[cfg(target_arch = "nvptx64")]
@@ -68,6 +70,8 @@ mod device;
 pub mod entry;
 #[cfg(target_arch = "nvptx64")]
 pub mod policy_entry;
+#[cfg(target_arch = "nvptx64")]
+pub mod units_entry;
 #[cfg(target_arch = "nvptx64")]
 pub mod update_entry;
 

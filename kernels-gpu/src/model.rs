@@ -72,3 +72,17 @@ pub fn tensor_reduce<A: Accumulator>(partials: &[Partial], p: f64) -> A {
     }
     warp_tree(&mut lanes)
 }
+
+/// The partial one warp of a unit-wise pass computes for a piece ([`crate::units`]): its 32
+/// lanes walk the piece's one chunk, then the warp's shuffle tree.
+///
+/// # Safety
+/// `src` must read the piece that `frame` describes, which fits one chunk.
+pub unsafe fn warp_partial<E: Element, A: Accumulator, S: Source<E>>(src: &S, frame: &Frame, p: f64) -> A {
+    let mut lanes = [A::identity(p); WARP_THREADS as usize];
+    for (l, acc) in lanes.iter_mut().enumerate() {
+        // SAFETY: forwarded from the caller (chunk 0 is the whole piece).
+        unsafe { accumulate_lane::<E, A, S>(src, frame, 0, l as u64, WARP_THREADS as u64, acc) };
+    }
+    warp_tree(&mut lanes)
+}

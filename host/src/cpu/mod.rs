@@ -29,6 +29,7 @@ use gradclip_kernels::with_element;
 mod features;
 #[cfg(test)]
 mod model_check;
+mod units;
 mod vector_inf;
 mod vector_pnorm;
 mod vector_sum;

@@ -36,6 +36,9 @@ pub enum Kernel {
     KeysTotal,
     /// The clip policies' one-block launch ([`gradclip_kernels::policy`]).
     ClipPolicy,
+    /// The unit-wise passes ([`gradclip_kernels::units`]): the norms, AGC's scale.
+    UnitNorms,
+    AgcScale,
     #[cfg(feature = "bench-kernels")]
     Fill,
     #[cfg(feature = "bench-kernels")]
@@ -63,6 +66,8 @@ impl Kernel {
         Kernel::KeyPartials,
         Kernel::KeysTotal,
         Kernel::ClipPolicy,
+        Kernel::UnitNorms,
+        Kernel::AgcScale,
         #[cfg(feature = "bench-kernels")]
         Kernel::Fill,
         #[cfg(feature = "bench-kernels")]
@@ -122,6 +127,8 @@ impl Kernel {
             Kernel::KeyPartials => "gradclip_key_partials",
             Kernel::KeysTotal => "gradclip_keys_total",
             Kernel::ClipPolicy => "gradclip_clip_policy",
+            Kernel::UnitNorms => "gradclip_unit_norms",
+            Kernel::AgcScale => "gradclip_agc_scale",
             #[cfg(feature = "bench-kernels")]
             Kernel::Fill => "gradclip_fill",
             #[cfg(feature = "bench-kernels")]

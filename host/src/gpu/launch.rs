@@ -236,6 +236,32 @@ pub unsafe fn clip_policy(
     Ok(())
 }
 
+/// The unit-wise passes' launches ([`gradclip_kernels::units`]): the norms, then AGC's scale,
+/// one block per task.
+///
+/// # Safety
+/// `t` holds a [`crate::units::UnitPlan`]'s tables in device memory of the context written
+/// before on the stream, with room for its partials, used by nothing else until the launches
+/// complete; the plan's gradients (writable) and parameters are device memory of the context;
+/// `t.tasks >= 1`.
+pub unsafe fn agc(stream: &CudaStream, ks: &KernelSet, t: &crate::units::UnitTables, agc: &crate::units::Agc) -> Result<()> {
+    let (units, tasks, partials) = (t.addr, t.tasks_at(), t.partials_at());
+    let cfg = LaunchConfig {
+        grid_dim: (t.tasks as u32, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(ks.get(Kernel::UnitNorms));
+    b.arg(&units).arg(&tasks).arg(&partials);
+    // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+    unsafe { b.launch(cfg) }?;
+    let mut b = stream.launch_builder(ks.get(Kernel::AgcScale));
+    b.arg(&units).arg(&tasks).arg(&partials).arg(&agc.clip_factor).arg(&agc.eps);
+    // SAFETY: as above; after the norms launch on the same stream.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
 /// One block of `BLOCK_THREADS` (the clip policies).
 const ONE_BLOCK: LaunchConfig = LaunchConfig {
     grid_dim: (1, 1, 1),

@@ -22,6 +22,7 @@ mod output;
 mod policy;
 pub mod ptx_guard;
 mod sharded;
+mod units;
 mod step;
 #[cfg(feature = "bench-kernels")]
 pub mod tools;

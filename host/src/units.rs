@@ -1,0 +1,198 @@
+//! Unit-wise clipping (AGC: [`gradclip_kernels::units`]) as the backends take it: a plan of
+//! gradient/parameter pairs, each cut into units of equal length, checked here once, whose tables
+//! (the kernels' [`UnitTensor`]s and block tasks, then room for two partials a piece) a caller
+//! keeps where the backend reads them: host memory for the CPU, device memory for the GPU (a
+//! torch tensor in the bindings, so that a captured graph finds them at every replay).
+
+use gradclip_kernels::abi::{ChunkTask, Partial, UnitTensor};
+use gradclip_kernels::units;
+
+use crate::error::{Error, Result};
+use crate::plan::{MAX_TASKS, RawTensor, check_disjoint};
+
+pub use gradclip_kernels::units::agc_factor;
+
+/// One gradient and its parameter, cut into units of `unit_len` elements: a weight's output
+/// rows or channels (`numel / shape[0]`), the whole tensor for one of at most one dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnitPair {
+    /// The gradient (written).
+    pub grad: RawTensor,
+    /// The parameter (read; as many elements as the gradient).
+    pub param: RawTensor,
+    /// Elements of a unit.
+    pub unit_len: u64,
+}
+
+/// AGC's settings (Brock et al. 2021; timm's `adaptive_clip_grad`): each unit's gradient is
+/// clipped to `clip_factor * max(||W_i||, eps)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Agc {
+    /// The largest ratio of a unit's gradient norm to its parameter norm (the authors' 0.01).
+    pub clip_factor: f64,
+    /// The smallest parameter norm a limit is taken from (the authors' 1e-3).
+    pub eps: f64,
+}
+
+impl Agc {
+    /// [`Error::InvalidHyperparameter`] unless `clip_factor` is positive and finite and `eps`
+    /// finite and not negative.
+    pub fn check(&self) -> Result<()> {
+        if units::agc_settings_valid(self.clip_factor, self.eps) {
+            return Ok(());
+        }
+        let (what, value) = if self.clip_factor.is_finite() && self.clip_factor > 0.0 {
+            ("AGC eps", self.eps)
+        } else {
+            ("AGC clip_factor", self.clip_factor)
+        };
+        Err(Error::InvalidHyperparameter {
+            what,
+            value,
+            valid: if what == "AGC eps" { "a finite number >= 0" } else { "a finite number > 0" },
+        })
+    }
+}
+
+/// A checked unit plan: the kernels' tables for a list of [`UnitPair`]s.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UnitPlan {
+    /// One per pair, in order.
+    pub tensors: Vec<UnitTensor>,
+    /// The block tasks.
+    pub tasks: Vec<ChunkTask>,
+    /// Pieces over all tensors (two partials each).
+    pub pieces: u64,
+}
+
+impl UnitPlan {
+    /// The plan of `pairs`, after every check a launch needs: each tensor readable (as
+    /// [`crate::plan::plan`] checks), a parameter as long as its gradient, a unit length that
+    /// divides it, the gradients pairwise disjoint and disjoint from every parameter (a gradient
+    /// is written while parameters are read); errors name the pair by position.
+    pub fn new(pairs: &[UnitPair]) -> Result<Self> {
+        for (index, p) in pairs.iter().enumerate() {
+            p.grad.validate(index)?;
+            p.param.validate(index)?;
+            if p.param.len != p.grad.len {
+                return Err(Error::OptimizerLength {
+                    index,
+                    role: "gradient",
+                    found: p.grad.len,
+                    expected: p.param.len,
+                });
+            }
+            if p.grad.len > 0 && (p.unit_len == 0 || !p.grad.len.is_multiple_of(p.unit_len)) {
+                return Err(Error::Units {
+                    index,
+                    detail: format!(
+                        "its unit length {} does not divide its {} elements: pass numel / shape[0] (1 unit for a tensor of at most one dimension)",
+                        p.unit_len, p.grad.len
+                    ),
+                });
+            }
+        }
+        check_disjoint(&pairs.iter().map(|p| p.grad).collect::<Vec<_>>())?;
+        // A gradient sharing memory with a parameter would be read and written by two warps.
+        let all: Vec<RawTensor> = pairs.iter().map(|p| p.grad).chain(pairs.iter().map(|p| p.param)).collect();
+        if let Err(Error::Overlap { first, second }) = check_disjoint(&all) {
+            let n = pairs.len();
+            return Err(Error::Units {
+                index: if first < n { first } else { first - n },
+                detail: if first < n {
+                    format!("its gradient shares memory with parameter {}: pass gradients of their own", second - n)
+                } else {
+                    format!("its parameter shares memory with parameter {}: pass each parameter once", second - n)
+                },
+            });
+        }
+        let mut plan = UnitPlan::default();
+        for (index, p) in pairs.iter().enumerate() {
+            let t = UnitTensor {
+                grad: p.grad.addr,
+                param: p.param.addr,
+                len: p.grad.len,
+                unit_len: p.unit_len.max(1),
+                first_piece: plan.pieces,
+                dtypes: p.grad.dtype.code() | (p.param.dtype.code() << 4),
+                reserved: 0,
+            };
+            plan.pieces += units::num_pieces(&t);
+            let tasks = units::num_tasks(&t);
+            if plan.tasks.len() as u64 + tasks > MAX_TASKS || index as u64 >= u32::MAX as u64 {
+                return Err(Error::TooManyTasks {
+                    tasks: plan.tasks.len() as u64 + tasks,
+                    max: MAX_TASKS,
+                });
+            }
+            plan.tasks.extend((0..tasks as u32).map(|chunk| ChunkTask { tensor: index as u32, chunk }));
+            plan.tensors.push(t);
+        }
+        Ok(plan)
+    }
+
+    /// The tables as 8-byte words, as the kernels read them from the tables' address: the
+    /// tensors, then the tasks ([`UnitPlan::partials_offset`] bytes in all).
+    pub fn table_words(&self) -> Vec<u64> {
+        let mut words = Vec::with_capacity(self.partials_offset() / 8);
+        for t in &self.tensors {
+            words.extend([t.grad, t.param, t.len, t.unit_len, t.first_piece, t.dtypes as u64 | ((t.reserved as u64) << 32)]);
+        }
+        words.extend(self.tasks.iter().map(|k| k.tensor as u64 | ((k.chunk as u64) << 32)));
+        words
+    }
+
+    /// Where the partials start, in bytes from the tables' address.
+    pub fn partials_offset(&self) -> usize {
+        self.tensors.len() * size_of::<UnitTensor>() + self.tasks.len() * size_of::<ChunkTask>()
+    }
+
+    /// Bytes of the tables and the partials: what the memory a caller keeps them in needs.
+    pub fn bytes(&self) -> usize {
+        self.partials_offset() + 2 * self.pieces as usize * size_of::<Partial>()
+    }
+}
+
+/// Where a [`UnitPlan`]'s tables are, as [`UnitPlan::table_words`] lays them out, with room for
+/// the partials after them ([`UnitPlan::bytes`] in all), in the backend's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnitTables {
+    /// The address of the first word, 8-byte aligned.
+    pub addr: u64,
+    /// Tensors of the plan.
+    pub tensors: usize,
+    /// Tasks of the plan.
+    pub tasks: usize,
+}
+
+impl UnitTables {
+    /// The tables of `plan` at `addr`.
+    pub fn of(plan: &UnitPlan, addr: u64) -> Self {
+        UnitTables {
+            addr,
+            tensors: plan.tensors.len(),
+            tasks: plan.tasks.len(),
+        }
+    }
+
+    /// The address of the task table.
+    pub(crate) fn tasks_at(&self) -> u64 {
+        self.addr + (self.tensors * size_of::<UnitTensor>()) as u64
+    }
+
+    /// The address of the partials.
+    pub(crate) fn partials_at(&self) -> u64 {
+        self.tasks_at() + (self.tasks * size_of::<ChunkTask>()) as u64
+    }
+
+    /// [`Error::BadOutputAddress`] for a null or unaligned address.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.addr == 0 || !self.addr.is_multiple_of(8) {
+            return Err(Error::BadOutputAddress {
+                what: "the unit tables",
+                addr: self.addr,
+            });
+        }
+        Ok(())
+    }
+}

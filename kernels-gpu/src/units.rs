@@ -1,0 +1,155 @@
+//! Unit-wise clipping (AGC: Brock et al. 2021, "High-Performance Large-Scale Image Recognition
+//! Without Normalization"): each unit of a tensor (a weight's output row or channel, torch's
+//! OI/OIHW layouts; the whole tensor for one of at most one dimension) has its gradient
+//! clipped against its parameter's norm.
+//!
+//! Two passes over a table of [`UnitTensor`]s, the same on the GPU (`units_entry`) and the CPU:
+//! - **norms**: a unit is cut into pieces of at most [`UNIT_PIECE_ELEMS`]; one warp reduces a
+//!   piece of the gradient and of the parameter into two L2 partials, each lane walking the piece
+//!   as [`crate::lane::accumulate_lane`] does with 32 lanes, then the warp's shuffle tree
+//!   ([`crate::model::warp_tree`] on the host): the same bits everywhere.
+//! - **scale**: the warp of each piece folds its unit's pieces in piece order into the unit's two
+//!   norms ([`unit_norms`]), the rule decides the unit's factor ([`agc_factor`]), and the warp
+//!   multiplies its piece of the gradient by it ([`crate::dtype::Element::scale`], the clip's
+//!   rounding).
+
+use crate::abi::{BLOCK_THREADS, Partial, UNIT_PIECE_ELEMS, UNIT_TASK_PIECES, UnitTensor, WARP_THREADS};
+use crate::accum::{Accumulator, L2, Reduce};
+
+/// Warps of a block: each takes every `WARPS`-th piece of its task.
+pub const WARPS: u64 = (BLOCK_THREADS / WARP_THREADS) as u64;
+
+/// Pieces of each unit of `t`.
+#[inline(always)]
+pub fn pieces_per_unit(t: &UnitTensor) -> u64 {
+    t.unit_len.div_ceil(UNIT_PIECE_ELEMS).max(1)
+}
+
+/// Pieces of `t` (none for an empty tensor).
+#[inline(always)]
+pub fn num_pieces(t: &UnitTensor) -> u64 {
+    if t.len == 0 || t.unit_len == 0 {
+        0
+    } else {
+        t.len / t.unit_len * pieces_per_unit(t)
+    }
+}
+
+/// Block tasks of `t`: [`UNIT_TASK_PIECES`] pieces each.
+#[inline(always)]
+pub fn num_tasks(t: &UnitTensor) -> u64 {
+    num_pieces(t).div_ceil(UNIT_TASK_PIECES)
+}
+
+/// The pieces `[first, end)` of task `chunk` of `t`.
+#[inline(always)]
+pub fn task_pieces(t: &UnitTensor, chunk: u64) -> (u64, u64) {
+    let first = chunk * UNIT_TASK_PIECES;
+    (first, num_pieces(t).min(first + UNIT_TASK_PIECES))
+}
+
+/// `(first element, elements)` of piece `piece` of `t`.
+#[inline(always)]
+pub fn piece_span(t: &UnitTensor, piece: u64) -> (u64, u64) {
+    let ppu = pieces_per_unit(t);
+    let (unit, j) = (piece / ppu, piece % ppu);
+    let start = j * UNIT_PIECE_ELEMS;
+    (unit * t.unit_len + start, UNIT_PIECE_ELEMS.min(t.unit_len - start))
+}
+
+/// The dtype codes of `t`'s gradient and parameter.
+#[inline(always)]
+pub fn dtype_codes(t: &UnitTensor) -> (u32, u32) {
+    (t.dtypes & 0xF, (t.dtypes >> 4) & 0xF)
+}
+
+/// The norms `(gradient, parameter)` of the unit of piece `piece` of `t`: its pieces' partials
+/// (`partials[2k]` the gradient's, `[2k + 1]` the parameter's, `k` the table's piece) merged in
+/// piece order.
+///
+/// # Safety
+/// `partials` holds the norms pass's two partials of every piece of `t`'s unit.
+#[inline(always)]
+pub unsafe fn unit_norms(t: &UnitTensor, piece: u64, partials: *const Partial) -> (f64, f64) {
+    let ppu = pieces_per_unit(t);
+    let first = t.first_piece + piece / ppu * ppu;
+    let (mut g, mut p) = (L2::identity(2.0), L2::identity(2.0));
+    for k in first..first + ppu {
+        // SAFETY: the unit's pieces are written (the contract).
+        unsafe {
+            g = g.merge(L2::decode(&*partials.add(2 * k as usize), 2.0));
+            p = p.merge(L2::decode(&*partials.add(2 * k as usize + 1), 2.0));
+        }
+    }
+    (g.norm(), p.norm())
+}
+
+/// AGC's factor for a unit whose gradient has norm `g` and parameter norm `p`, as the authors'
+/// code (timm's `adaptive_clip_grad`) decides it: the limit is `clip_factor * max(p, eps)`; a
+/// gradient below it is kept (None), else multiplied by `limit / max(g, 1e-6)`. NaN norms give a
+/// NaN factor (torch's `clamp` and `where` propagate them); a factor of exactly 1 is None.
+#[inline(always)]
+pub fn agc_factor(g: f64, p: f64, clip_factor: f64, eps: f64) -> Option<f64> {
+    let floor = |x: f64, min: f64| if x.is_nan() || x > min { x } else { min };
+    let limit = clip_factor * floor(p, eps);
+    if g < limit {
+        return None;
+    }
+    let f = limit / floor(g, crate::abi::CLIP_EPS);
+    (f != 1.0).then_some(f)
+}
+
+/// Whether AGC's settings are valid: a positive finite `clip_factor`, a finite `eps >= 0`.
+#[inline(always)]
+pub fn agc_settings_valid(clip_factor: f64, eps: f64) -> bool {
+    clip_factor.is_finite() && clip_factor > 0.0 && eps.is_finite() && eps >= 0.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(len: u64, unit_len: u64) -> UnitTensor {
+        UnitTensor {
+            len,
+            unit_len,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn pieces_cover_each_unit_once_in_order() {
+        for (len, unit) in [(0, 1), (7, 7), (12, 3), (3 * 40000, 40000), (2 * 16384, 16384), (16385, 16385)] {
+            let t = t(len, unit);
+            let mut next = 0;
+            for piece in 0..num_pieces(&t) {
+                let (start, n) = piece_span(&t, piece);
+                assert_eq!(start, next, "{len} {unit} piece {piece}");
+                assert!(n > 0 && n <= UNIT_PIECE_ELEMS);
+                // A piece never crosses its unit's end.
+                assert_eq!(start / unit, (start + n - 1) / unit);
+                next = start + n;
+            }
+            assert_eq!(next, len);
+            let tasks = num_tasks(&t);
+            assert_eq!(task_pieces(&t, tasks.saturating_sub(1)).1, num_pieces(&t));
+        }
+    }
+
+    #[test]
+    fn agc_factor_follows_the_authors_rule() {
+        // Below the limit: kept.
+        assert_eq!(agc_factor(0.5, 100.0, 0.01, 1e-3), None);
+        // Above: limit / g.
+        assert_eq!(agc_factor(4.0, 100.0, 0.01, 1e-3), Some(0.25));
+        // A parameter norm below eps takes eps.
+        assert_eq!(agc_factor(1.0, 0.0, 0.5, 1e-3), Some(0.5e-3));
+        // A gradient norm below 1e-6 (and not below the limit) divides by 1e-6.
+        assert_eq!(agc_factor(0.0, 0.0, 1.0, 0.0), Some(0.0));
+        // Exactly at the limit the factor is 1: nothing to write.
+        assert_eq!(agc_factor(1.0, 100.0, 0.01, 1e-3), None);
+        assert!(agc_factor(f64::NAN, 1.0, 0.01, 1e-3).unwrap().is_nan());
+        assert!(agc_factor(1.0, f64::NAN, 0.01, 1e-3).unwrap().is_nan());
+        assert_eq!(agc_factor(f64::INFINITY, 1.0, 0.01, 1e-3), Some(0.0));
+    }
+}

@@ -1,0 +1,168 @@
+//! AGC on the CPU backend ([`gradclip::units`]) against an exact reference: every unit's norms
+//! summed with compensation in f64, the authors' rule, each element multiplied as torch's
+//! `mul_` does. Every dtype for gradient and parameter, units of one piece and of several,
+//! 16-byte phases, non-finite gradients; and each refused input refused before any write.
+
+use gradclip::cpu::Cpu;
+use gradclip::units::{Agc, UnitPair, UnitPlan, UnitTables};
+use gradclip::{DType, Error};
+use gradclip_tests::*;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+fn pair(g: &Grad, p: &Grad, unit_len: u64) -> UnitPair {
+    UnitPair {
+        grad: g.host().raw(),
+        param: p.host().raw(),
+        unit_len,
+    }
+}
+
+/// Runs AGC on the CPU over `pairs` (tables in a host buffer).
+fn run(pairs: &[UnitPair], agc: &Agc) -> gradclip::Result<()> {
+    let plan = UnitPlan::new(pairs)?;
+    let words = plan.table_words();
+    let mut buf = vec![0u64; plan.bytes().div_ceil(8).max(1)];
+    buf[..words.len()].copy_from_slice(&words);
+    // Poison the partials: the norms pass must write every one it reads.
+    buf[words.len()..].fill(f64::NAN.to_bits());
+    let tables = UnitTables::of(&plan, buf.as_mut_ptr() as u64);
+    // SAFETY: the tables are this buffer's (sized by the plan), the tensors the tests' own.
+    unsafe { Cpu::new().agc_raw(&tables, agc) }
+}
+
+/// The authors' factor of a unit from exact norms (None: kept).
+fn reference_factor(g: &[f64], p: &[f64], agc: &Agc) -> Option<f64> {
+    let (gn, pn) = (reference_norm_of(g, 2.0), reference_norm_of(p, 2.0));
+    let limit = agc.clip_factor * if pn.is_nan() || pn > agc.eps { pn } else { agc.eps };
+    if gn < limit {
+        return None;
+    }
+    Some(limit / if gn.is_nan() || gn > 1e-6 { gn } else { 1e-6 })
+}
+
+/// Whether two elements' bits agree as far as the unit norms' precision lets them: the norms
+/// are within 1e-12 of exact (gradclip's promise), so the factor too, to 2e-12: the same or the
+/// next value of a 16- or 32-bit type, within 4e-12 relative in f64 (NaN equal to NaN).
+fn agree(dtype: DType, a: u64, b: u64) -> bool {
+    let (fa, fb) = (Grad::from_f64_bits_value(dtype, a), Grad::from_f64_bits_value(dtype, b));
+    if (fa.is_nan() && fb.is_nan()) || a == b {
+        return true;
+    }
+    if dtype == DType::F64 { rel_err(fa, fb) <= 4e-12 } else { a.abs_diff(b) <= 1 }
+}
+
+trait BitsValue {
+    fn from_f64_bits_value(dtype: DType, bits: u64) -> f64;
+}
+
+impl BitsValue for Grad {
+    fn from_f64_bits_value(dtype: DType, bits: u64) -> f64 {
+        match dtype {
+            DType::Bf16 => half::bf16::from_bits(bits as u16).to_f64(),
+            DType::F16 => half::f16::from_bits(bits as u16).to_f64(),
+            DType::F32 => f32::from_bits(bits as u32) as f64,
+            DType::F64 => f64::from_bits(bits),
+        }
+    }
+}
+
+/// A random tensor of `rows x cols` values of `dtype` at a random phase.
+fn tensor(rng: &mut StdRng, dtype: DType, n: usize, scale: f64) -> Grad {
+    let values: Vec<f64> = (0..n).map(|_| scale * (2.0 * rng.random::<f64>() - 1.0)).collect();
+    Grad::from_f64(dtype, &values, rng.random_range(0..8))
+}
+
+#[test]
+fn agc_equals_the_exact_reference_for_every_dtype_and_unit_size() {
+    let agc = Agc { clip_factor: 0.01, eps: 1e-3 };
+    for seed in 0..6u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut grads = Vec::new();
+        let mut params = Vec::new();
+        let mut unit_lens = Vec::new();
+        for k in 0..10 {
+            let (rows, cols) = match k % 5 {
+                0 => (1, rng.random_range(1..300)),      // a vector: one unit
+                1 => (rng.random_range(1..40), rng.random_range(1..700)),
+                2 => (2, 16384 + rng.random_range(1..5000)), // units of two pieces
+                3 => (rng.random_range(1..4), 3 * 16384),     // whole pieces
+                _ => (0, 5),                              // empty
+            };
+            let (gd, pd) = (DType::ALL[rng.random_range(0..4)], DType::ALL[rng.random_range(0..4)]);
+            // Gradients from far below to far above their limit, per tensor.
+            let g_scale = 10f64.powf(rng.random_range(-4.0..0.0));
+            let p_scale = if k == 3 { 0.0 } else { 10f64.powf(rng.random_range(-2.0..1.0)) };
+            grads.push(tensor(&mut rng, gd, rows * cols, g_scale));
+            params.push(tensor(&mut rng, pd, rows * cols, p_scale));
+            unit_lens.push(cols as u64);
+        }
+        // A unit with an inf, one with a NaN.
+        for (i, bad) in [(1, f64::INFINITY), (6, f64::NAN)] {
+            let mut v = grads[i].values();
+            if !v.is_empty() {
+                v[0] = bad;
+                grads[i] = Grad::from_f64(grads[i].dtype(), &v, grads[i].start());
+            }
+        }
+        let before: Vec<Grad> = grads.clone();
+        let pairs: Vec<UnitPair> = grads.iter().zip(&params).zip(&unit_lens).map(|((g, p), &u)| pair(g, p, u)).collect();
+        run(&pairs, &agc).unwrap();
+        let (mut kept, mut clipped) = (0, 0);
+        for (i, ((g0, g), p)) in before.iter().zip(&grads).zip(&params).enumerate() {
+            let u = unit_lens[i] as usize;
+            let (gv, pv, bits0, bits) = (g0.values(), p.values(), g0.bits(), g.bits());
+            for unit in 0..gv.len() / u {
+                let r = unit * u..(unit + 1) * u;
+                let want = reference_factor(&gv[r.clone()], &pv[r.clone()], &agc);
+                match want {
+                    None => {
+                        kept += 1;
+                        assert_eq!(&bits[r.clone()], &bits0[r.clone()], "seed {seed} tensor {i} unit {unit}: kept unit written");
+                    }
+                    Some(f) => {
+                        clipped += 1;
+                        for e in r {
+                            let expect = torch_scaled_bits(g.dtype(), bits0[e], f);
+                            assert!(
+                                agree(g.dtype(), bits[e], expect),
+                                "seed {seed} tensor {i} unit {unit} element {e}: {:#x} want {expect:#x}",
+                                bits[e]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        assert!(kept > 0 && clipped > 0, "seed {seed}: both kinds of unit ({kept} kept, {clipped} clipped)");
+    }
+}
+
+#[test]
+fn refused_inputs_write_nothing() {
+    let agc = Agc { clip_factor: 0.01, eps: 1e-3 };
+    let mut rng = StdRng::seed_from_u64(9);
+    let g = tensor(&mut rng, DType::F32, 12, 1.0);
+    let g2 = tensor(&mut rng, DType::Bf16, 12, 1.0);
+    let p = tensor(&mut rng, DType::F32, 12, 1e-3);
+    let short = tensor(&mut rng, DType::F32, 11, 1.0);
+    let before = (g.bits(), g2.bits());
+    let unchanged = |g: &Grad, g2: &Grad| assert_eq!((g.bits(), g2.bits()), before);
+    // A unit length that does not divide the tensor, second pair.
+    let e = run(&[pair(&g2, &p, 4), pair(&g, &p, 5)], &agc).unwrap_err();
+    assert!(matches!(e, Error::Units { index: 1, .. }), "{e}");
+    unchanged(&g, &g2);
+    // A parameter shorter than its gradient.
+    let e = run(&[pair(&g2, &p, 4), pair(&g, &short, 4)], &agc).unwrap_err();
+    assert!(matches!(e, Error::OptimizerLength { index: 1, .. }), "{e}");
+    // The same gradient twice; a gradient that is a parameter.
+    let e = run(&[pair(&g, &p, 4), pair(&g2, &p, 4), pair(&g, &p, 4)], &agc).unwrap_err();
+    assert!(matches!(e, Error::Overlap { first: 0, second: 2 }), "{e}");
+    let e = run(&[pair(&g, &p, 4), pair(&g2, &g, 4)], &agc).unwrap_err();
+    assert!(matches!(e, Error::Units { index: 0, .. }) && e.to_string().contains("shares memory with parameter 1"), "{e}");
+    // Bad settings.
+    for bad in [Agc { clip_factor: 0.0, eps: 1e-3 }, Agc { clip_factor: f64::NAN, eps: 1e-3 }, Agc { clip_factor: 0.01, eps: -1.0 }] {
+        let e = run(&[pair(&g, &p, 4)], &bad).unwrap_err();
+        assert!(matches!(e, Error::InvalidHyperparameter { .. }), "{e}");
+    }
+    unchanged(&g, &g2);
+}
