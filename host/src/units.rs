@@ -196,3 +196,14 @@ impl UnitTables {
         Ok(())
     }
 }
+
+/// [`Error::BadOutputAddress`] for a loss scale address that is not 4-byte aligned (0: none).
+pub(crate) fn check_loss_scale(addr: u64) -> Result<()> {
+    if !addr.is_multiple_of(4) {
+        return Err(Error::BadOutputAddress {
+            what: "the loss scale input",
+            addr,
+        });
+    }
+    Ok(())
+}

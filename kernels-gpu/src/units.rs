@@ -84,8 +84,9 @@ pub unsafe fn unit_norms(t: &UnitTensor, piece: u64, partials: *const Partial) -
     (g.norm(), p.norm())
 }
 
-/// AGC's factor for a unit whose gradient has norm `g` and parameter norm `p`, as the authors'
-/// code (timm's `adaptive_clip_grad`) decides it: the limit is `clip_factor * max(p, eps)`; a
+/// AGC's factor for a unit whose gradient has norm `g` (unscaled: a loss-scaled gradient's norm
+/// divided by the scale; the factor is the same for the scaled gradient) and parameter norm `p`,
+/// as the authors' code (timm's `adaptive_clip_grad`) decides it: the limit is `clip_factor * max(p, eps)`; a
 /// gradient below it is kept (None), else multiplied by `limit / max(g, 1e-6)`. NaN norms give a
 /// NaN factor (torch's `clamp` and `where` propagate them); a factor of exactly 1 is None.
 #[inline(always)]

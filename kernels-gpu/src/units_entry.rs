@@ -106,11 +106,14 @@ unsafe fn scale_piece<E: Element>(addr: u64, start: u64, len: u64, lane: u64, f:
 }
 
 /// AGC's scale: each piece of a gradient multiplied by its unit's factor ([`agc_factor`] of the
-/// unit's norms from the norms pass), left untouched when the unit is under its limit.
+/// unit's norms from the norms pass, the gradient's divided by the loss scale the gradients
+/// carry, one f32 at `loss_scale`, when not null), left untouched when the unit is under its
+/// limit.
 ///
 /// # Safety
 /// After `gradclip_unit_norms` on the same stream with the same tables; the gradients writable
-/// and pairwise disjoint, and disjoint from the parameters.
+/// and pairwise disjoint, and disjoint from the parameters; a non-null `loss_scale` one f32
+/// written before on the stream.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     units: *const UnitTensor,
@@ -118,14 +121,17 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     partials: *const Partial,
     clip_factor: f64,
     eps: f64,
+    loss_scale: *const f32,
 ) {
     // SAFETY: the kernel's contract.
     let (t, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
     let Some(dtype) = DType::from_code(dtype_codes(&t).0) else { return };
+    // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
+    let scale = if loss_scale.is_null() { 1.0 } else { (unsafe { loss_scale.read() }) as f64 };
     while piece < end {
         // SAFETY: the norms pass wrote every piece's partials before this launch (the contract).
         let (g, p) = unsafe { unit_norms(&t, piece, partials) };
-        if let Some(f) = agc_factor(g, p, clip_factor, eps) {
+        if let Some(f) = agc_factor(g / scale, p, clip_factor, eps) {
             let (start, len) = piece_span(&t, piece);
             // SAFETY: the piece lies inside the gradient, this warp's alone (pieces are disjoint,
             // the gradients pairwise and from the parameters: the host's checks).

@@ -19,12 +19,12 @@ from . import _native, _torch_probe
 from ._torch_probe import NATIVE_DTYPES
 
 __all__ = [
-    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "autoclip_state", "capturing", "check_max_norm", "check_p",
+    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "agc", "autoclip_state", "capturing", "check_max_norm", "check_p",
     "check_total_norm", "check_writable", "checked_norm", "clip_coef", "clip_grads", "clip_policy", "facts", "group_hyper",
     "guards", "key_partials", "keys_total", "list_step", "norm_output", "optim_step", "plan_clip", "plan_norm",
     "plan_norm_as", "plan_tensor_norms", "planner", "policy_state_is_whole", "raw_stream", "reduction", "refuse_host_read_under_capture",
     "result_dtype", "returned_norm", "returned_norm_buffer", "rule_states", "scale_grads", "scale_group", "scale_plan", "skip_spike_state",
-    "step_layout", "stream_of", "to_partial", "total_norm64", "written", "zclip_state",
+    "step_layout", "stream_of", "to_partial", "total_norm64", "unit_plan", "written", "zclip_state",
 ]
 
 
@@ -47,6 +47,20 @@ def clip_policy(device: torch.device, out: torch.Tensor, policies) -> None:
     stream, on_device = stream_of(device)
     with on_device:
         _native.clip_policy(device.index if device.type == "cuda" else -1, stream, out.data_ptr(), policies)
+
+
+# The unit-wise clip (``gradclip::units``, AGC): the checked plan of a call's gradient/parameter
+# pairs as table words, and the two passes over the tables the caller keeps on the device.
+unit_plan = _native.unit_plan
+
+
+def agc(device: torch.device, tables: torch.Tensor, tensors: int, tasks: int, clip_factor: float, eps: float, loss_scale: int = 0) -> None:
+    """AGC over the tables in ``tables`` (``unit_plan``'s words, room for the partials after
+    them, on ``device``), on torch's current stream there; ``loss_scale``: the address of one
+    float32 there that the gradients carry, or 0."""
+    stream, on_device = stream_of(device)
+    with on_device:
+        _native.agc(device.index if device.type == "cuda" else -1, stream, tables.data_ptr(), tensors, tasks, clip_factor, eps, loss_scale)
 
 
 def planner():

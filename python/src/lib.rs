@@ -26,6 +26,7 @@ mod step_grads;
 mod step_run;
 mod tensor_addresses;
 mod tensor_facts;
+mod units;
 
 use pyo3::prelude::*;
 
@@ -57,6 +58,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(policies::policy_state_is_whole, m)?)?;
     m.add_function(wrap_pyfunction!(policies::policy_words, m)?)?;
     m.add_function(wrap_pyfunction!(policies::clip_policy, m)?)?;
+    m.add_function(wrap_pyfunction!(units::unit_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(units::agc, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;
     m.add_function(wrap_pyfunction!(optim::optim_step, m)?)?;

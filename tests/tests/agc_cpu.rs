@@ -27,7 +27,7 @@ fn run(pairs: &[UnitPair], agc: &Agc) -> gradclip::Result<()> {
     buf[words.len()..].fill(f64::NAN.to_bits());
     let tables = UnitTables::of(&plan, buf.as_mut_ptr() as u64);
     // SAFETY: the tables are this buffer's (sized by the plan), the tensors the tests' own.
-    unsafe { Cpu::new().agc_raw(&tables, agc) }
+    unsafe { Cpu::new().agc_raw(&tables, agc, 0) }
 }
 
 /// The authors' factor of a unit from exact norms (None: kept).

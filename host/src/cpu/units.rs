@@ -42,16 +42,20 @@ unsafe fn scale_piece<E: Element>(addr: u64, start: u64, len: u64, f: f64) {
 
 impl Cpu {
     /// AGC ([`crate::units`]) over the tables at `tables` in host memory: every unit's gradient
-    /// clipped to `clip_factor * max(||W_i||, eps)`, the GPU's bits.
+    /// clipped to `clip_factor * max(||W_i||, eps)`, the GPU's bits. `loss_scale`: the address of
+    /// one f32 the gradients carry (GradScaler's), whose unit norms are divided by it, or 0.
     ///
     /// # Safety
     /// `tables` holds the words of a [`crate::units::UnitPlan`] ([`crate::units::UnitPlan::table_words`])
     /// and room for its partials, host memory used by nothing else during the call; the plan's
     /// gradients and parameters are live host memory (the gradients writable), as checked when it
-    /// was made.
-    pub unsafe fn agc_raw(&self, tables: &UnitTables, agc: &Agc) -> Result<()> {
+    /// was made; `loss_scale` (not 0) one f32 of host memory.
+    pub unsafe fn agc_raw(&self, tables: &UnitTables, agc: &Agc, loss_scale: u64) -> Result<()> {
         agc.check()?;
         tables.check()?;
+        crate::units::check_loss_scale(loss_scale)?;
+        // SAFETY: the caller's contract.
+        let scale = if loss_scale == 0 { 1.0 } else { (unsafe { (loss_scale as *const f32).read() }) as f64 };
         // SAFETY: the caller's contract: the tables' words, then the partials.
         // (The tasks are the GPU's blocks: the CPU walks the pieces themselves.)
         let (tensors, partials) = unsafe {
@@ -81,7 +85,7 @@ impl Cpu {
             let t = &tensors[i];
             // SAFETY: every piece's partials were written by the pass above.
             let (g, p) = unsafe { unit_norms(t, k, at.base()) };
-            if let (Some(f), Some(dtype)) = (agc_factor(g, p, agc.clip_factor, agc.eps), DType::from_code(dtype_codes(t).0)) {
+            if let (Some(f), Some(dtype)) = (agc_factor(g / scale, p, agc.clip_factor, agc.eps), DType::from_code(dtype_codes(t).0)) {
                 let (start, len) = piece_span(t, k);
                 // SAFETY: the piece lies in the gradient, which no other piece or parameter
                 // overlaps (the plan's checks).

@@ -13,10 +13,13 @@ impl GpuEngine {
     /// `tables` holds the words of a [`crate::units::UnitPlan`] and room for its partials, device
     /// memory of this context written before on the stream and used by nothing else until the
     /// launches complete; the plan's gradients (writable) and parameters are device memory of
-    /// this context, as checked when the plan was made.
-    pub unsafe fn agc_raw(&mut self, tables: &UnitTables, agc: &Agc) -> Result<()> {
+    /// this context, as checked when the plan was made; `loss_scale` (not 0) one f32 of it
+    /// written before on the stream: the scale the gradients carry (their unit norms are divided
+    /// by it).
+    pub unsafe fn agc_raw(&mut self, tables: &UnitTables, agc: &Agc, loss_scale: u64) -> Result<()> {
         agc.check()?;
         tables.check()?;
+        crate::units::check_loss_scale(loss_scale)?;
         if tables.tasks > i32::MAX as usize {
             return Err(Error::TooManyTasks {
                 tasks: tables.tasks as u64,
@@ -28,6 +31,6 @@ impl GpuEngine {
         }
         let stream = self.stream().clone();
         // SAFETY: the caller's contract; at least one task.
-        unsafe { launch::agc(&stream, self.kernels(), tables, agc) }
+        unsafe { launch::agc(&stream, self.kernels(), tables, agc, loss_scale) }
     }
 }

@@ -67,8 +67,9 @@ class _CompiledStep:
             and self._given_norm is None
             # The telemetry's records are the eager step's (the list op writes none).
             and not self._stats
-            # The policies' states are the eager step's to hand the engine.
+            # The policies' states are the eager step's to hand the engine, and AGC is a pass of its own.
             and not _step_policies.any_policy(self)
+            and self.unit_clip is None
         )
 
     def _traced_step(self):

@@ -87,7 +87,7 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
     def _init_clip(self, max_grad_norm, norm_type, nonfinite, groups, fused, foreach, differentiable, update="gradclip", stats=False, clip=None, skip=None):
         _refuse_unfused(fused, foreach, differentiable, "")
         # The clip and skip policies (_step_policies), checked with the rest before anything is made.
-        max_grad_norm, self.clip_policy, self.skip_policy = _step_policies.checked(clip, skip, max_grad_norm, update)
+        max_grad_norm, self.clip_policy, self.skip_policy, self.unit_clip = _step_policies.checked(clip, skip, max_grad_norm, update)
         settings = _checked_settings(max_grad_norm, norm_type, nonfinite)
         if update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}; got {update!r}")
@@ -237,16 +237,17 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
             update=self.update,
             clip_policy=self.clip_policy,
             skip_policy=self.skip_policy,
+            unit_clip=self.unit_clip,
         )
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # Unpickling passes the settings saved by __getstate__; torch's load_state_dict calls this
         # too, with only state and param_groups: the settings in place then stay.
-        clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update", "clip_policy", "skip_policy") if k in state}
+        clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update", "clip_policy", "skip_policy", "unit_clip") if k in state}
         super().__setstate__(state)
         self.__dict__.update(clip)
-        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("clip_policy", None), ("skip_policy", None), ("pipeline_group", None), ("norm_group", None), ("_shards_over", ())):
+        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("clip_policy", None), ("skip_policy", None), ("unit_clip", None), ("pipeline_group", None), ("norm_group", None), ("_shards_over", ())):
             self.__dict__.setdefault(k, v)
         self.__dict__.setdefault("_reported", {"last_grad_norm": None, "skipped_steps": None})
         self.__dict__.setdefault("_given_norm", None)
@@ -276,7 +277,7 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         return out
 
     def __repr__(self) -> str:
-        clip = "".join(f"    {k}: {getattr(self, k)}\n" for k in (*self._SETTINGS, "update", "clip_policy", "skip_policy"))
+        clip = "".join(f"    {k}: {getattr(self, k)}\n" for k in (*self._SETTINGS, "update", "clip_policy", "skip_policy", "unit_clip"))
         return super().__repr__()[:-1] + f"Clip\n{clip})"
 
     def load_state_dict(self, state_dict) -> None:
@@ -390,6 +391,7 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
                 p.grad = None
 
     def _clipped_step(self, loss):
+        _step_policies.unit_clip(self)  # AGC first: the step (its norm too) reads the clipped gradients
         if self.update == "gradclip" and self._gradclip_step():
             return loss
         why = "update='torch' runs torch's step" if self.update != "gradclip" else "its engine could not take this step (tensors on several devices, or of a kind it does not read)"

@@ -2,8 +2,8 @@
 policies an optimizer runs, the clip threshold its step then takes, their place in its state dict,
 and the steps that cannot run them (refused before anything is written).
 
-``clip`` is a number (the fixed clip, as ``max_grad_norm``) or a clip policy (``ZClip``,
-``AutoClip``); ``skip``
+``clip`` is a number (the fixed clip, as ``max_grad_norm``), a clip policy (``ZClip``,
+``AutoClip``) or ``AGC`` (the unit-wise clip, run on the gradients before the step); ``skip``
 a skip policy (``SkipSpike``). The engine's step runs them on the device after the norm, before the
 update reads the coefficient: the clip policy's coefficient replaces the fixed clip's, and a step
 the skip policy skips writes no parameter, state or step count (counted in ``skipped_steps``)."""
@@ -12,23 +12,26 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from .policies import SkipSpike
+from .policies import AGC, SkipSpike
 from .policies._base import _ClipPolicy, _Policy, clip_threshold, policies_args
 
 
-def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Optional[_Policy], Optional[_Policy]]:
-    """``(max_grad_norm, clip_policy, skip_policy)`` from an optimizer's ``clip``, ``skip`` and
-    ``max_grad_norm`` (a ValueError or TypeError, before anything is made, for a wrong one)."""
+def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Optional[_Policy], Optional[_Policy], Optional[AGC]]:
+    """``(max_grad_norm, clip_policy, skip_policy, unit_clip)`` from an optimizer's ``clip``,
+    ``skip`` and ``max_grad_norm`` (a ValueError or TypeError, before anything is made, for a
+    wrong one)."""
     if clip is not None and max_grad_norm is not None:
         raise ValueError("give max_grad_norm or clip, not both (clip=<number> is max_grad_norm=<number>)")
-    policy = None
-    if isinstance(clip, _ClipPolicy):
+    policy = unit = None
+    if isinstance(clip, AGC):
+        unit = clip
+    elif isinstance(clip, _ClipPolicy):
         policy = clip
     elif isinstance(clip, _Policy):
         raise TypeError(f"clip takes a number or a clip policy (ZClip, AutoClip); {type(clip).__name__} goes to skip=")
     elif clip is not None:
         if isinstance(clip, bool) or not isinstance(clip, (int, float)):
-            raise TypeError(f"clip must be a number (the fixed clip) or a clip policy (ZClip, AutoClip); got {type(clip).__name__}")
+            raise TypeError(f"clip must be a number (the fixed clip), a clip policy (ZClip, AutoClip) or AGC; got {type(clip).__name__}")
         max_grad_norm = clip
     if skip is not None and not isinstance(skip, SkipSpike):
         raise TypeError(f"skip must be a skip policy such as SkipSpike; got {type(skip).__name__}")
@@ -36,7 +39,15 @@ def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Op
         raise ValueError('clip and skip policies run in gradclip\'s update (update="gradclip"): torch\'s fused kernel cannot skip on them')
     if policy is not None and skip is not None and policy is skip:
         raise ValueError("one policy object cannot be both the clip and the skip policy")
-    return max_grad_norm, policy, skip
+    return max_grad_norm, policy, skip, unit
+
+
+def unit_clip(opt) -> None:
+    """The optimizer's AGC (``clip=AGC(...)``) on every gradient of its groups, before the step
+    reads them (under GradScaler, whose scale the gradients still carry, by their unscaled
+    norms)."""
+    if opt.unit_clip is not None:
+        opt.unit_clip.clip_unitwise_((p for g in opt.param_groups for p in g["params"]), getattr(opt, "grad_scale", None))
 
 
 def limit(opt) -> Optional[float]:

@@ -1,0 +1,249 @@
+"""AGC, adaptive gradient clipping (Brock et al., 2021, NFNets), unit-wise: the arithmetic is
+``kernels-gpu/src/units.rs``; the tables the engine reads are made here once per set of tensors
+and kept on their device."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..._engine import agc as _agc, capturing, returned_norm, unit_plan
+from .._functions import _as_list, _grads_norm64, _is_dtensor, _opaque_to_compile
+
+#: The kernels' dtype codes (``gradclip_kernels::abi::DType``).
+_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _unit_len(t: torch.Tensor) -> int:
+    """Elements of a unit of ``t``: an output row or channel (torch's OI/OIHW layouts), the
+    whole tensor for one of at most one dimension (timm's ``unitwise_norm``)."""
+    if t.dim() <= 1 or t.shape[0] == 0:
+        return max(t.numel(), 1)
+    return t.numel() // t.shape[0]
+
+
+class AGC:
+    """Adaptive gradient clipping (Brock et al., 2021, "High-Performance Large-Scale Image
+    Recognition Without Normalization"), as the authors' code and timm's
+    ``adaptive_clip_grad`` run it: each unit of a parameter (an output row or channel of a
+    weight; the whole tensor for one of at most one dimension) has its gradient ``G_i``
+    multiplied by ``clip_factor * max(||W_i||, eps) / max(||G_i||, 1e-6)`` when ``||G_i||`` is not
+    below that limit, and left as it is otherwise. The unit norms are exact in f64 (not in the
+    gradient's dtype, as timm's are); NaN and infinite unit norms are clipped as timm clips them
+    (by a NaN or zero factor).
+
+    ``exclude``: parameters left unclipped (the authors leave the classifier head so). One
+    engine pass of two launches over every parameter, no host sync, the CPU backend giving the
+    GPU's bits; a captured CUDA graph replays it once it has run eagerly on the same tensors.
+    Use it alone (``AGC().clip_(model.parameters())``) or as an optimizer's ``clip=``, which runs it on
+    the gradients before the step (no global clip then). DTensor parameters sharded on dim 0 of
+    a weight (FSDP2's placement) are clipped on each rank's rows; a unit that spans ranks (a
+    vector sharded, or a weight sharded on another dim) takes one all-reduce of its units'
+    squared norms per process group (docs/policies.md)."""
+
+    _KIND = "agc"
+
+    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, exclude=()):
+        if not (isinstance(clip_factor, (int, float)) and not isinstance(clip_factor, bool) and math.isfinite(clip_factor) and clip_factor > 0):
+            raise ValueError(f"clip_factor must be a finite number > 0; got {clip_factor!r}")
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"eps must be a finite number >= 0; got {eps!r}")
+        self.clip_factor, self.eps = float(clip_factor), float(eps)
+        # By identity (a tensor's == is elementwise), without keeping the parameters alive.
+        self._exclude = {id(p): weakref.ref(p) for p in _as_list(exclude)}
+        # The last tables: (key, tensor of the tables on the device, tensors, tasks).
+        self._tables: Optional[Tuple[tuple, torch.Tensor, int, int]] = None
+
+    def __repr__(self) -> str:
+        return f"AGC(clip_factor={self.clip_factor!r}, eps={self.eps!r}, exclude={len(self._exclude)} parameters)"
+
+    def _excluded(self, p: torch.Tensor) -> bool:
+        ref = self._exclude.get(id(p))
+        return ref is not None and ref() is p
+
+    def state_dict(self) -> Dict[str, object]:
+        """The settings (AGC keeps no running state)."""
+        return {"policy": self._KIND, "settings": {"clip_factor": self.clip_factor, "eps": self.eps}}
+
+    def load_state_dict(self, state_dict: Dict[str, object]) -> None:
+        """Takes the settings of ``state_dict`` (checked first)."""
+        if state_dict.get("policy") != self._KIND:
+            raise ValueError(f"a state dict of {state_dict.get('policy')!r}, not of 'agc'")
+        loaded = AGC(**state_dict["settings"])
+        self.clip_factor, self.eps = loaded.clip_factor, loaded.eps
+
+    @torch.no_grad()
+    def clip_(self, parameters, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips the gradients of ``parameters`` (a list or a generator; None gradients and
+        ``exclude``'s parameters skipped) unit-wise, and returns the total ``norm_type``-norm of
+        all their gradients (``exclude``'s too) before the clip, as ``clip_grad_norm_`` does (one
+        more read of them; with ``error_if_nonfinite`` a NaN or infinite norm raises, one host
+        sync, before anything is written)."""
+        given = [p for p in _as_list(parameters) if p.grad is not None]
+        work = self._work([p for p in given if not self._excluded(p)])  # every check before any write
+        found = _grads_norm64(given, norm_type)
+        if found is None:
+            return torch.tensor(0.0)
+        total = returned_norm(found[0], found[1], error_if_nonfinite, norm_type)
+        work()
+        return total
+
+    def clip_unitwise_(self, parameters, loss_scale: Optional[torch.Tensor] = None) -> None:
+        """Clips the gradients of ``parameters`` unit-wise, computing no global norm: the
+        optimizers' ``clip=AGC(...)``. ``loss_scale``: the scale the gradients carry (GradScaler's
+        ``grad_scale``, one float32), which their unit norms are divided by."""
+        params = [p for p in _as_list(parameters) if p.grad is not None and not self._excluded(p)]
+        with torch.no_grad():
+            self._work(params, loss_scale)()
+
+    def _work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor] = None):
+        """The clip of ``params``' gradients as one call, after every check (raised here)."""
+        local: Dict[torch.device, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        spanning: List[Tuple[int, torch.Tensor]] = []
+        for i, p in enumerate(params):
+            g = p.grad
+            if _is_dtensor(p) or _is_dtensor(g):
+                pair = _sharded_pair(i, p, g)
+                if pair is None:
+                    spanning.append((i, p))
+                    continue
+                pl, gl = pair
+            else:
+                pl, gl = p, g
+            _check(i, pl, gl)
+            if gl.numel():
+                local.setdefault(gl.device, []).append((pl, gl))
+        engine = [self._device_call(device, pairs, loss_scale) for device, pairs in local.items()]
+        spans = _spanning_clip(spanning, self.clip_factor, self.eps, loss_scale) if spanning else None
+
+        def run() -> None:
+            for call in engine:
+                call()
+            if spans is not None:
+                spans()
+
+        return run
+
+    def _device_call(self, device: torch.device, pairs: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: Optional[torch.Tensor]):
+        """The engine's call over ``pairs`` on ``device``, its tables made (or the kept ones)."""
+        key = (device, tuple((g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), g.dtype, p.dtype) for p, g in pairs))
+        kept = self._tables
+        if kept is None or kept[0] != key:
+            if capturing():
+                raise RuntimeError(
+                    "AGC's tables for these tensors are not made yet, and cannot be while a CUDA graph captures: "
+                    "clip the same tensors once eagerly before capturing"
+                )
+            words, nbytes, tensors, tasks = unit_plan(
+                [(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype]) for p, g in pairs]
+            )
+            buf = torch.empty(max(nbytes // 8, 1), dtype=torch.int64, device=device)
+            if words:
+                buf[: len(words)].copy_(torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words], dtype=torch.int64))
+            kept = self._tables = (key, buf, tensors, tasks)
+        _, buf, tensors, tasks = kept
+        clip_factor, eps = self.clip_factor, self.eps
+        scale = None if loss_scale is None else loss_scale.to(device=device, dtype=torch.float32).contiguous()
+        return lambda: _agc(device, buf, tensors, tasks, clip_factor, eps, 0 if scale is None else scale.data_ptr())
+
+
+def _check(i: int, p: torch.Tensor, g: torch.Tensor) -> None:
+    """TypeError or ValueError naming parameter ``i`` for what the engine does not read."""
+    if g.is_sparse or p.is_sparse:
+        raise TypeError(f"AGC: parameter {i} has a sparse gradient or is sparse: AGC clips dense tensors")
+    if g.dtype not in _CODES or p.dtype not in _CODES:
+        raise TypeError(f"AGC: parameter {i} is {p.dtype} with a {g.dtype} gradient: AGC reads bfloat16, float16, float32 and float64")
+    if g.shape != p.shape:
+        raise ValueError(f"AGC: parameter {i} has shape {tuple(p.shape)} and its gradient {tuple(g.shape)}")
+    if g.device != p.device:
+        raise ValueError(f"AGC: parameter {i} is on {p.device} and its gradient on {g.device}")
+    if not (g.is_contiguous() and p.is_contiguous()):
+        raise ValueError(
+            f"AGC: parameter {i} or its gradient is not contiguous: its units (rows of dim 0) are not runs of memory; "
+            "pass contiguous tensors"
+        )
+
+
+def _sharded_pair(i: int, p, g):
+    """The local tensors of a DTensor parameter whose units are whole on each rank (a weight of
+    two or more dims sharded on dim 0 only, or replicated), or None when its units span ranks;
+    a Partial gradient (not reduced yet) is refused."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if not (_is_dtensor(p) and _is_dtensor(g)):
+        raise TypeError(f"AGC: parameter {i} and its gradient are not both DTensors")
+    if any(isinstance(pl, Partial) for pl in g.placements):
+        raise ValueError(f"AGC: the gradient of parameter {i} is Partial (not reduced yet): reduce it before clipping")
+    if tuple(p.placements) != tuple(g.placements) or p.device_mesh != g.device_mesh:
+        raise ValueError(f"AGC: parameter {i} ({p.placements}) and its gradient ({g.placements}) are laid out differently")
+    whole = all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0 and p.dim() >= 2) for pl in p.placements)
+    return (p._local_tensor, g._local_tensor) if whole else None
+
+
+def _rows(p) -> int:
+    """Units of a DTensor parameter's local shard: its rows, one for a vector."""
+    return 1 if p.dim() <= 1 else p._local_tensor.shape[0]
+
+
+def _by_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` as ``rows`` rows (a view; an empty shard too)."""
+    return t.view(rows, t.numel() // rows if rows else 0)
+
+
+def _spanning_clip(spanning: List[Tuple[int, torch.Tensor]], clip_factor: float, eps: float, loss_scale: Optional[torch.Tensor]):
+    """The clip of DTensor parameters whose units span ranks: each rank's squared unit norms
+    (f64, torch's arithmetic), summed over the process groups of the mesh dims that cut units
+    (one all-reduce per set of groups), then each unit's factor as the kernels decide it (the
+    gradient's norm divided by ``loss_scale`` when given)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    by_groups: Dict[tuple, list] = {}
+    for i, p in spanning:
+        g = p.grad
+        mesh = p.device_mesh
+        groups = tuple(
+            mesh.get_group(d) for d, pl in enumerate(p.placements) if isinstance(pl, Shard) and (pl.dim != 0 or p.dim() <= 1)
+        )
+        if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
+            raise ValueError(f"AGC: parameter {i} has placements {p.placements}: AGC takes Shard and Replicate")
+        _check(i, p._local_tensor, g._local_tensor)
+        by_groups.setdefault(groups, []).append(p)
+
+    def run() -> None:
+        for groups, params in by_groups.items():
+            sums = []
+            for p in params:
+                pl, gl = p._local_tensor, p.grad._local_tensor
+                rows = _rows(p)
+                sums.append(_by_rows(gl, rows).double().square().sum(1))
+                sums.append(_by_rows(pl, rows).double().square().sum(1))
+            flat = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+            for group in groups:
+                dist.all_reduce(flat, group=group)
+            at = 0
+            for p in params:
+                gl = p.grad._local_tensor
+                rows = _rows(p)
+                gn, pn = flat[at : at + rows].sqrt(), flat[at + rows : at + 2 * rows].sqrt()
+                if loss_scale is not None:
+                    gn = gn / loss_scale.to(device=gn.device, dtype=torch.float64)
+                at += 2 * rows
+                limit = clip_factor * torch.where(pn.isnan() | (pn > eps), pn, torch.full_like(pn, eps))
+                factor = limit / torch.where(gn.isnan() | (gn > 1e-6), gn, torch.full_like(gn, 1e-6))
+                factor = torch.where(gn < limit, torch.ones_like(factor), factor)
+                view = _by_rows(gl, rows)
+                if gl.dtype == torch.float64:
+                    view.mul_(factor[:, None])
+                else:
+                    view.copy_(view.float() * factor.float()[:, None])
+
+    return run
+
+
+# Native calls on raw addresses: torch.compile calls them at a graph break, never traces them.
+AGC.clip_ = _opaque_to_compile(AGC.clip_)
+AGC.clip_unitwise_ = _opaque_to_compile(AGC.clip_unitwise_)
