@@ -19,7 +19,7 @@ from . import _native, _torch_probe
 from ._torch_probe import NATIVE_DTYPES
 
 __all__ = [
-    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "agc", "autoclip_state", "capturing", "check_max_norm", "check_p",
+    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "UnitReads", "agc", "autoclip_state", "capturing", "check_max_norm", "check_p",
     "check_total_norm", "check_writable", "checked_norm", "clip_coef", "clip_grads", "clip_policy", "facts", "group_hyper",
     "guards", "key_partials", "keys_total", "list_step", "norm_output", "optim_step", "plan_clip", "plan_norm",
     "plan_norm_as", "plan_tensor_norms", "planner", "policy_state_is_whole", "raw_stream", "reduction", "refuse_host_read_under_capture",
@@ -52,6 +52,7 @@ def clip_policy(device: torch.device, out: torch.Tensor, policies) -> None:
 # The unit-wise clip (``gradclip::units``, AGC): the checked plan of a call's gradient/parameter
 # pairs as table words, and the two passes over the tables the caller keeps on the device.
 unit_plan = _native.unit_plan
+UnitReads = _native.UnitReads
 
 
 def agc(device: torch.device, tables: torch.Tensor, tensors: int, tasks: int, clip_factor: float, eps: float, loss_scale: int = 0) -> None:

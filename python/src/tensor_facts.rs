@@ -67,6 +67,10 @@ struct Shim {
     contiguous: Get<bool>,
     layout: Get<i32>,
     is_defined: Get<bool>,
+    /// `aoti_torch_get_dim` and `aoti_torch_get_sizes`: a tensor's shape (its rows, for the
+    /// unit-wise clip), when this torch's shim has them.
+    dim: Option<Get<i64>>,
+    sizes: Option<Get<*mut i64>>,
     inference: IsInference,
     /// torch's code of the strided layout (dense tensors).
     strided: i32,
@@ -102,6 +106,8 @@ impl Shim {
                     contiguous: *lib.get(b"aoti_torch_is_contiguous\0").ok()?,
                     layout: *lib.get(b"aoti_torch_get_layout\0").ok()?,
                     is_defined: *lib.get(b"aoti_torch_is_defined\0").ok()?,
+                    dim: lib.get(b"aoti_torch_get_dim\0").ok().map(|f| *f),
+                    sizes: lib.get(b"aoti_torch_get_sizes\0").ok().map(|f| *f),
                     inference: *lib.get(IS_INFERENCE).ok()?,
                     strided,
                     dtypes,
@@ -188,6 +194,31 @@ impl TensorFacts {
                 .cast::<c_void>()
                 .cast_const()
         })
+    }
+
+    /// The rows of `t` (its first dimension's size; 1 for a tensor of at most one dimension):
+    /// None when it is not read natively or this torch's shim lacks the shape reads.
+    pub(crate) fn rows(&self, t: &Bound<'_, PyAny>) -> Option<u64> {
+        let s = &self.0.shim;
+        let (dim, sizes) = (s.dim?, s.sizes?);
+        let handle = self.tensor_of(t)?.cast_mut();
+        let (mut n, mut at) = (0i64, std::ptr::null_mut());
+        // SAFETY: `handle` is the `at::Tensor` of the live object `t` (`tensor_of`; the GIL is
+        // held); each shim function writes its one out value (the sizes: a pointer into the
+        // tensor's own shape, valid while the tensor lives, read at once); a nonzero status is
+        // an error.
+        unsafe {
+            if (dim)(handle, &mut n) != 0 {
+                return None;
+            }
+            if n <= 1 {
+                return Some(1);
+            }
+            if (sizes)(handle, &mut at) != 0 || at.is_null() {
+                return None;
+            }
+            u64::try_from(*at).ok()
+        }
     }
 
     /// True when gradients can be read without their Python objects ([`TensorFacts::grad`]).

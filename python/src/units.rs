@@ -3,15 +3,18 @@
 //! the gradients' device, so that a captured graph reads them at every replay), and the two
 //! passes over those tables on torch's stream or on the CPU.
 
-use gradclip::DType;
+use gradclip::{DType, Error};
 use gradclip::cpu::Cpu;
 use gradclip::plan::RawTensor;
 use gradclip::units::{Agc, UnitPair, UnitPlan, UnitTables};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 use crate::cuda::on_engine;
+use crate::place::Place;
 use crate::py_errors::to_py;
+use crate::tensor_facts::TensorFacts;
 
 /// One pair as Python passes it: `(grad, param, elements, unit_len, grad_dtype, param_dtype)`,
 /// addresses and the kernels' dtype codes.
@@ -21,10 +24,17 @@ fn dtype(code: u32, index: usize) -> PyResult<DType> {
     DType::from_code(code).ok_or_else(|| PyValueError::new_err(format!("tensor {index}: dtype code {code} is not one gradclip reads")))
 }
 
-/// The plan of `pairs`, checked (errors name the pair by position): `(table words, bytes the
-/// tables and partials need, tensors, tasks)`.
+/// A plan as Python takes it: `(table words, bytes the tables and partials need, tensors, tasks)`.
+type PlanArgs = (Vec<u64>, usize, usize, usize);
+
+/// The plan of `pairs`, checked (errors name the pair by position).
 #[pyfunction]
-pub fn unit_plan(pairs: Vec<PairArgs>) -> PyResult<(Vec<u64>, usize, usize, usize)> {
+pub fn unit_plan(pairs: Vec<PairArgs>) -> PyResult<PlanArgs> {
+    plan_of(&pairs).map_err(|e| e.unwrap_or_else(|e| to_py(e)))
+}
+
+/// The plan of `pairs`: a Python error (a dtype code unknown), or the engine's check that failed.
+fn plan_of(pairs: &[PairArgs]) -> Result<PlanArgs, Result<PyErr, gradclip::Error>> {
     let pairs = pairs
         .iter()
         .enumerate()
@@ -35,8 +45,9 @@ pub fn unit_plan(pairs: Vec<PairArgs>) -> PyResult<(Vec<u64>, usize, usize, usiz
                 unit_len,
             })
         })
-        .collect::<PyResult<Vec<_>>>()?;
-    let plan = UnitPlan::new(&pairs).map_err(to_py)?;
+        .collect::<PyResult<Vec<_>>>()
+        .map_err(Ok)?;
+    let plan = UnitPlan::new(&pairs).map_err(Err)?;
     Ok((plan.table_words(), plan.bytes(), plan.tensors.len(), plan.tasks.len()))
 }
 
@@ -68,4 +79,78 @@ pub fn agc(
     }
     // SAFETY: as above, host tensors.
     py.detach(|| unsafe { Cpu::new().agc_raw(&tables, &settings, loss_scale) }).map_err(to_py)
+}
+
+/// One AGC object's reading of its calls' parameters, natively (torch's shim: a few nanoseconds
+/// a tensor where Python's reads of the same facts cost microseconds), and the pairs it planned
+/// last: a call over the same tensors at the same addresses reuses the tables it uploaded then.
+#[pyclass(module = "gradclip._native")]
+#[derive(Default)]
+pub struct UnitReads {
+    /// The pairs of the last plan.
+    kept: Vec<PairArgs>,
+    /// This call's pairs (kept between calls for its memory).
+    pairs: Vec<PairArgs>,
+    /// Each pair's parameter's position in the call's list (errors name it).
+    positions: Vec<usize>,
+}
+
+#[pymethods]
+impl UnitReads {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads `params` (parameters without a gradient and those whose object's address is in
+    /// `exclude` skipped) and their gradients natively: None when one is not read so (not a
+    /// plain tensor or parameter, not contiguous, not one of the engine's dtypes, on several
+    /// devices, or a torch without the shape reads): the caller's own reading takes the call,
+    /// with its checks and messages. Otherwise `(device, plan)`: the CUDA ordinal or -1, and the
+    /// new plan, or None when the pairs are the last plan's (its tables are still right).
+    fn read(&mut self, facts: &TensorFacts, params: &Bound<'_, PyList>, exclude: Vec<usize>) -> PyResult<Option<(i64, Option<PlanArgs>)>> {
+        self.pairs.clear();
+        self.positions.clear();
+        let mut place: Option<Place> = None;
+        for (at, p) in params.iter().enumerate() {
+            if exclude.contains(&(p.as_ptr() as usize)) {
+                continue;
+            }
+            let (Some(pf), Some(gf)) = (facts.read(&p), facts.grad(&p)) else { return Ok(None) };
+            let Some(gf) = gf else { continue };
+            let (Some(gd), Some(pd), Some(rows)) = (gf.dtype, pf.dtype, facts.rows(&p)) else { return Ok(None) };
+            if !(gf.contiguous && pf.contiguous) || gf.len != pf.len || gf.place != pf.place || *place.get_or_insert(pf.place) != pf.place {
+                return Ok(None);
+            }
+            let unit_len = if rows == 0 { 1 } else { pf.len / rows };
+            self.pairs.push((gf.addr, pf.addr, gf.len, unit_len.max(1), gd.code(), pd.code()));
+            self.positions.push(at);
+        }
+        let device = match place {
+            Some(Place::Cuda(i)) => i64::from(i),
+            _ => -1,
+        };
+        if self.pairs == self.kept && !self.kept.is_empty() {
+            return Ok(Some((device, None)));
+        }
+        let at = |i: usize| self.positions.get(i).copied().unwrap_or(i);
+        let plan = plan_of(&self.pairs).map_err(|e| {
+            e.unwrap_or_else(|e| {
+                // The engine names pairs: name the parameters by their place in the call.
+                to_py(match e {
+                    Error::Overlap { first, second } => Error::Overlap { first: at(first), second: at(second) },
+                    Error::Units { index, detail } => Error::Units { index: at(index), detail },
+                    Error::OptimizerLength { index, role, expected, found } => Error::OptimizerLength { index: at(index), role, expected, found },
+                    other => other,
+                })
+            })
+        })?;
+        std::mem::swap(&mut self.kept, &mut self.pairs);
+        Ok(Some((device, Some(plan))))
+    }
+
+    /// Forgets the last plan (its tables were lost).
+    fn forget(&mut self) {
+        self.kept.clear();
+    }
 }

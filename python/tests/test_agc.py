@@ -56,6 +56,15 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> bool:
 MIXED = hasattr(torch.nn.Parameter(torch.zeros(1)), "grad_dtype")
 
 
+def _like(p: torch.Tensor, grad: torch.Tensor, device=None) -> torch.nn.Parameter:
+    """A parameter with ``p``'s values and ``grad`` (of any dtype), on ``device``."""
+    q = torch.nn.Parameter(p.detach().to(device or p.device, copy=True))
+    if grad.dtype != q.dtype:
+        q.grad_dtype = None
+    q.grad = grad.to(device or p.device, copy=True)
+    return q
+
+
 def _model(seed: int, dtype_g, dtype_p, device="cpu"):
     """Parameters of every shape kind with gradients from far below to far above their limits
     (of the parameters' dtype where a torch keeps gradients in it)."""
@@ -160,6 +169,34 @@ def test_refusals_come_before_any_write():
         assert torch.equal(p.grad, b), "nothing is written when a call is refused"
 
 
+def test_native_reading_keeps_its_tables_and_follows_new_gradients():
+    """Plain tensors are read by the binding (no Python reads per tensor): the same tensors again
+    reuse the tables; new gradient tensors each step (``zero_grad``) are planned anew and clipped
+    right; errors name the parameter by its place in the call."""
+    from gradclip._engine import facts
+
+    agc = AGC()
+    params = _model(14, torch.float32, torch.float32)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p) * 10.0 ** -(step + 1)  # new tensors, new addresses
+        expect = [reference(p.detach(), p.grad)[1] for p in params]
+        agc.clip_unitwise_(params)
+        for p, want in zip(params, expect):
+            assert _agree(p.grad, want), f"step {step}"
+    if facts() is None:
+        pytest.skip("this torch is read through Python")
+    assert agc._tables[0] is None, "read natively"
+    kept = agc._tables[1]
+    agc.clip_unitwise_(params)
+    assert agc._tables[1] is kept, "the same tensors reuse the tables"
+    shared = torch.nn.Parameter(torch.randn(16, 9))
+    shared.grad = params[1].grad
+    none = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="tensors 2 and 7 overlap"):
+        agc.clip_unitwise_([none] + params + [shared])
+
+
 @pytest.mark.parametrize("update", ["gradclip", "torch"])
 def test_optimizer_clip_agc_steps_on_the_clipped_gradients(update):
     a = _model(7, torch.float32, torch.float32)
@@ -224,9 +261,7 @@ def test_state_dict_round_trips_the_settings():
 def test_cuda_equals_the_cpu_backend_to_the_bit(dtype_g):
     for seed in range(3):
         cpu = _model(10 + seed, dtype_g, torch.bfloat16)
-        gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
-        for p, q in zip(cpu, gpu):
-            q.grad = p.grad.cuda()
+        gpu = [_like(p, p.grad, "cuda") for p in cpu]
         AGC().clip_(cpu)
         AGC().clip_(gpu)
         for p, q in zip(cpu, gpu):
@@ -253,9 +288,7 @@ def test_captured_graph_replays_the_clip():
         for p, f in zip(params, fresh):
             p.grad.copy_(f)
         graph.replay()
-        eager = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        for q, f in zip(eager, fresh):
-            q.grad = f.clone()
+        eager = [_like(p, f) for p, f in zip(params, fresh)]
         AGC().clip_unitwise_(eager)
         torch.cuda.synchronize()
         for p, q in zip(params, eager):

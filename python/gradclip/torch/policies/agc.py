@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..._engine import agc as _agc, capturing, returned_norm, unit_plan
+from ..._engine import UnitReads, agc as _agc, capturing, facts, returned_norm, unit_plan
 from .._functions import _as_list, _grads_norm64, _is_dtensor, _opaque_to_compile
 
 #: The kernels' dtype codes (``gradclip_kernels::abi::DType``).
@@ -54,8 +54,10 @@ class AGC:
         self.clip_factor, self.eps = float(clip_factor), float(eps)
         # By identity (a tensor's == is elementwise), without keeping the parameters alive.
         self._exclude = {id(p): weakref.ref(p) for p in _as_list(exclude)}
-        # The last tables: (key, tensor of the tables on the device, tensors, tasks).
-        self._tables: Optional[Tuple[tuple, torch.Tensor, int, int]] = None
+        # The last tables: (the Python reading's key, or None for the native one's; the tables on
+        # the device; tensors; tasks), and the native reading (which keeps its own key).
+        self._tables: Optional[Tuple[Optional[tuple], torch.Tensor, int, int]] = None
+        self._reads = UnitReads()
 
     def __repr__(self) -> str:
         return f"AGC(clip_factor={self.clip_factor!r}, eps={self.eps!r}, exclude={len(self._exclude)} parameters)"
@@ -82,9 +84,9 @@ class AGC:
         all their gradients (``exclude``'s too) before the clip, as ``clip_grad_norm_`` does (one
         more read of them; with ``error_if_nonfinite`` a NaN or infinite norm raises, one host
         sync, before anything is written)."""
-        given = [p for p in _as_list(parameters) if p.grad is not None]
-        work = self._work([p for p in given if not self._excluded(p)])  # every check before any write
-        found = _grads_norm64(given, norm_type)
+        params = _as_list(parameters)
+        work = self._work(params)  # every check before any write
+        found = _grads_norm64(params, norm_type)
         if found is None:
             return torch.tensor(0.0)
         total = returned_norm(found[0], found[1], error_if_nonfinite, norm_type)
@@ -95,16 +97,22 @@ class AGC:
         """Clips the gradients of ``parameters`` unit-wise, computing no global norm: the
         optimizers' ``clip=AGC(...)``. ``loss_scale``: the scale the gradients carry (GradScaler's
         ``grad_scale``, one float32), which their unit norms are divided by."""
-        params = [p for p in _as_list(parameters) if p.grad is not None and not self._excluded(p)]
         with torch.no_grad():
-            self._work(params, loss_scale)()
+            self._work(_as_list(parameters), loss_scale)()
 
     def _work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor] = None):
-        """The clip of ``params``' gradients as one call, after every check (raised here)."""
+        """The clip of the gradients of ``params`` (None gradients and ``exclude``'s parameters
+        skipped) as one call, after every check (raised here, naming the parameter by its
+        position in ``params``)."""
+        fast = self._native_work(params, loss_scale)
+        if fast is not None:
+            return fast
         local: Dict[torch.device, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
         spanning: List[Tuple[int, torch.Tensor]] = []
         for i, p in enumerate(params):
             g = p.grad
+            if g is None or self._excluded(p):
+                continue
             if _is_dtensor(p) or _is_dtensor(g):
                 pair = _sharded_pair(i, p, g)
                 if pair is None:
@@ -127,27 +135,55 @@ class AGC:
 
         return run
 
-    def _device_call(self, device: torch.device, pairs: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: Optional[torch.Tensor]):
-        """The engine's call over ``pairs`` on ``device``, its tables made (or the kept ones)."""
-        key = (device, tuple((g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), g.dtype, p.dtype) for p, g in pairs))
-        kept = self._tables
-        if kept is None or kept[0] != key:
-            if capturing():
-                raise RuntimeError(
-                    "AGC's tables for these tensors are not made yet, and cannot be while a CUDA graph captures: "
-                    "clip the same tensors once eagerly before capturing"
-                )
-            words, nbytes, tensors, tasks = unit_plan(
-                [(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype]) for p, g in pairs]
+    def _native_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor]):
+        """The call when the binding reads every parameter and gradient itself (plain
+        contiguous tensors of one device: ``UnitReads``), keeping the last tables while the same
+        tensors come back; None otherwise (the Python reading then takes the call)."""
+        reader = facts()
+        if reader is None or not type(params) is list:
+            return None
+        exclude = [id(p) for p in (r() for r in self._exclude.values()) if p is not None]
+        found = self._reads.read(reader, params, exclude)
+        if found is None:
+            return None
+        index, plan = found
+        device = torch.device("cuda", index) if index >= 0 else torch.device("cpu")
+        if plan is not None:
+            self._tables = (None, self._upload(device, plan), plan[2], plan[3])
+        elif self._tables is None or self._tables[0] is not None:
+            # The kept tables are the Python reading's: read again.
+            self._reads.forget()
+            return self._native_work(params, loss_scale)
+        return self._launch(device, loss_scale)
+
+    def _upload(self, device: torch.device, plan) -> torch.Tensor:
+        """A tensor on ``device`` holding a plan's table words, with room for its partials."""
+        if capturing():
+            raise RuntimeError(
+                "AGC's tables for these tensors are not made yet, and cannot be while a CUDA graph captures: "
+                "clip the same tensors once eagerly before capturing"
             )
-            buf = torch.empty(max(nbytes // 8, 1), dtype=torch.int64, device=device)
-            if words:
-                buf[: len(words)].copy_(torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words], dtype=torch.int64))
-            kept = self._tables = (key, buf, tensors, tasks)
-        _, buf, tensors, tasks = kept
+        words, nbytes = plan[0], plan[1]
+        buf = torch.empty(max(nbytes // 8, 1), dtype=torch.int64, device=device)
+        if words:
+            buf[: len(words)].copy_(torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words], dtype=torch.int64))
+        return buf
+
+    def _launch(self, device: torch.device, loss_scale: Optional[torch.Tensor]):
+        """The engine's call over the kept tables."""
+        _, buf, tensors, tasks = self._tables
         clip_factor, eps = self.clip_factor, self.eps
         scale = None if loss_scale is None else loss_scale.to(device=device, dtype=torch.float32).contiguous()
         return lambda: _agc(device, buf, tensors, tasks, clip_factor, eps, 0 if scale is None else scale.data_ptr())
+
+    def _device_call(self, device: torch.device, pairs: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: Optional[torch.Tensor]):
+        """The engine's call over ``pairs`` on ``device``, its tables made (or the kept ones)."""
+        key = (device, tuple((g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), g.dtype, p.dtype) for p, g in pairs))
+        if self._tables is None or self._tables[0] != key:
+            plan = unit_plan([(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype]) for p, g in pairs])
+            self._tables = (key, self._upload(device, plan), plan[2], plan[3])
+            self._reads.forget()  # the native reading's kept tables are these no more
+        return self._launch(device, loss_scale)
 
 
 def _check(i: int, p: torch.Tensor, g: torch.Tensor) -> None:
