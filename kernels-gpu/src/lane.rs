@@ -71,6 +71,65 @@ where
     acc.seal::<E>();
 }
 
+/// [`accumulate_lane`] over two tensors of one frame at once (a unit's gradient and parameter,
+/// same dtype and 16-byte phase): each accumulator gets exactly the pushes its own walk would
+/// give it, in the same order (so the CPU model may walk them apart), while both tensors' loads
+/// are in flight together: half the round trips of two walks, for short pieces.
+///
+/// # Safety
+/// As [`accumulate_lane`], for both sources.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn accumulate_lane_pair<E, A, S, T>(a: &S, b: &T, frame: &Frame, chunk: u64, lane: u64, threads: u64, acc_a: &mut A, acc_b: &mut A)
+where
+    E: Element,
+    A: Accumulator,
+    S: Source<E>,
+    T: Source<E>,
+{
+    let (start, end) = frame.chunk_vecs(chunk);
+    let mut g = start + lane;
+    // Half the unroll per tensor: the same loads in flight as one walk's.
+    const HALF: usize = if LOAD_UNROLL >= 2 { LOAD_UNROLL / 2 } else { 1 };
+    let half_span = (HALF as u64 - 1) * threads;
+    while g + half_span < end && frame.is_full(g) && frame.is_full(g + half_span) {
+        let mut va = [E::Vector::default(); HALF];
+        let mut vb = [E::Vector::default(); HALF];
+        for k in 0..HALF {
+            // SAFETY: g..=g+half_span are interior or checked-full vectors of this chunk.
+            unsafe {
+                va[k] = a.load_vec(g + k as u64 * threads);
+                vb[k] = b.load_vec(g + k as u64 * threads);
+            }
+        }
+        for k in 0..HALF {
+            push_vec::<E, A>(acc_a, &va[k]);
+            push_vec::<E, A>(acc_b, &vb[k]);
+        }
+        g += HALF as u64 * threads;
+    }
+    while g < end {
+        if frame.is_full(g) {
+            // SAFETY: checked full just above.
+            let (va, vb) = unsafe { (a.load_vec(g), b.load_vec(g)) };
+            push_vec::<E, A>(acc_a, &va);
+            push_vec::<E, A>(acc_b, &vb);
+        } else {
+            let (lo, hi) = frame.elems_of(g);
+            for i in lo..hi {
+                // SAFETY: elems_of returns indices below frame.len.
+                unsafe {
+                    acc_a.push::<E>(a.load_elem(i));
+                    acc_b.push::<E>(b.load_elem(i));
+                }
+            }
+        }
+        g += threads;
+    }
+    acc_a.seal::<E>();
+    acc_b.seal::<E>();
+}
+
 /// Where the scale pass reads and writes a tensor's elements.
 pub trait SourceMut<E: Element>: Source<E> {
     /// Stores full vector `g`.

@@ -137,6 +137,51 @@ mod tests {
         }
     }
 
+    /// A host slice as the lane walk reads it (16-byte vectors from the frame's base).
+    struct Slice<'a>(&'a [u16], u64);
+
+    impl crate::lane::Source<crate::dtype::Bf16> for Slice<'_> {
+        unsafe fn load_vec(&self, g: u64) -> [u16; 8] {
+            let first = (g * 8) as usize - self.1 as usize;
+            core::array::from_fn(|k| self.0[first + k])
+        }
+        unsafe fn load_elem(&self, i: u64) -> u16 {
+            self.0[i as usize]
+        }
+    }
+
+    /// The GPU walks a piece's gradient and parameter together; the CPU walks them apart: each
+    /// accumulator must get the same pushes in the same order (the same bits).
+    #[test]
+    fn the_paired_walk_gives_each_tensor_its_own_walks_bits() {
+        use crate::dtype::Bf16;
+        use crate::geometry::Frame;
+        use crate::lane::{accumulate_lane, accumulate_lane_pair};
+        let mut x = 0x1234_5678u32;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            // bf16 values over many binades, both signs.
+            ((x >> 16) as u16 & 0x7FFF).clamp(0x2000, 0x5F00) | ((x as u16) & 0x8000)
+        };
+        for (len, phase) in [(1u64, 0u64), (7, 3), (300, 5), (4096, 0), (16384, 7), (9999, 2)] {
+            let (a, b): (std::vec::Vec<u16>, std::vec::Vec<u16>) = (0..len).map(|_| (next(), next())).unzip();
+            let frame = Frame::with_phase(len, phase, 2);
+            let (sa, sb) = (Slice(&a, phase), Slice(&b, phase));
+            for lane in 0..32 {
+                let (mut ja, mut jb, mut la, mut lb) = (L2::identity(2.0), L2::identity(2.0), L2::identity(2.0), L2::identity(2.0));
+                // SAFETY: the slices hold the frame's elements; chunk 0 is the whole piece.
+                unsafe {
+                    accumulate_lane_pair::<Bf16, L2, _, _>(&sa, &sb, &frame, 0, lane, 32, &mut ja, &mut jb);
+                    accumulate_lane::<Bf16, L2, _>(&sa, &frame, 0, lane, 32, &mut la);
+                    accumulate_lane::<Bf16, L2, _>(&sb, &frame, 0, lane, 32, &mut lb);
+                }
+                assert_eq!((ja.encode(), jb.encode()), (la.encode(), lb.encode()), "len {len} phase {phase} lane {lane}");
+            }
+        }
+    }
+
     #[test]
     fn agc_factor_follows_the_authors_rule() {
         // Below the limit: kept.

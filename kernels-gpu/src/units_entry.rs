@@ -8,7 +8,7 @@ use crate::accum::{L2, Reduce};
 use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, thread_idx, warp_reduce};
 use crate::dtype::Element;
 use crate::geometry::Frame;
-use crate::lane::{accumulate_lane, scale_lane};
+use crate::lane::{accumulate_lane, accumulate_lane_pair, scale_lane};
 use crate::units::{WARPS, agc_factor, dtype_codes, piece_span, task_pieces, unit_norms};
 
 /// This lane's share of the piece of `len` elements of `E` from element `start` at `addr`.
@@ -24,6 +24,23 @@ unsafe fn lane_partial<E: Element>(addr: u64, start: u64, len: u64, lane: u64) -
     // SAFETY: the frame is the piece's own (the contract), chunk 0 the whole of it.
     unsafe { accumulate_lane::<E, L2, _>(&src, &frame, 0, lane, WARP_THREADS as u64, &mut acc) };
     acc
+}
+
+/// This lane's shares of the piece in the gradient at `g` and the parameter at `p`, both of `E`
+/// at the same 16-byte phase: one walk with both tensors' loads in flight
+/// ([`accumulate_lane_pair`]: each accumulator the bits of its own walk).
+///
+/// # Safety
+/// As [`lane_partial`], for both tensors, whose piece starts share their phase.
+#[inline(always)]
+unsafe fn lane_partials<E: Element>(g: u64, p: u64, start: u64, len: u64, lane: u64) -> (L2, L2) {
+    let (ga, pa) = (g + start * E::SIZE, p + start * E::SIZE);
+    let frame = Frame::new(ga, len, E::SIZE);
+    let (gs, ps) = (DeviceTensor::<E>::new(ga, frame.phase), DeviceTensor::<E>::new(pa, frame.phase));
+    let (mut ag, mut ap) = (L2::identity(2.0), L2::identity(2.0));
+    // SAFETY: the frame is both pieces' own (the contract), chunk 0 the whole of it.
+    unsafe { accumulate_lane_pair::<E, L2, _, _>(&gs, &ps, &frame, 0, lane, WARP_THREADS as u64, &mut ag, &mut ap) };
+    (ag, ap)
 }
 
 /// The lane's share of the piece at `start` in the tensor of dtype code `code` at `addr`.
@@ -71,13 +88,20 @@ pub unsafe extern "gpu-kernel" fn gradclip_unit_norms(units: *const UnitTensor, 
     // Whole warps iterate together (the piece is the warp's), so the shuffles have all 32 lanes.
     while piece < end {
         let (start, len) = piece_span(&t, piece);
+        // The same dtype and 16-byte phase: the pieces share one frame.
+        let same_frame = g_code == p_code && (t.grad ^ t.param) & 15 == 0;
         // SAFETY: the piece lies inside both parts (the host's plan of this tensor) and fits one
-        // chunk (UNIT_PIECE_ELEMS <= CHUNK_VECS, two or more elements a vector).
+        // chunk (UNIT_PIECE_ELEMS <= CHUNK_VECS, two or more elements a vector); with one frame
+        // the two starts share their phase (both addresses alike modulo 16, one element size).
         let (g, p) = unsafe {
-            (
-                lane_partial_of(g_code, t.grad, start, len, lane),
-                lane_partial_of(p_code, t.param, start, len, lane),
-            )
+            match DType::from_code(g_code).filter(|_| same_frame) {
+                // One dtype, one phase: one walk of both (the common case, loads in flight together).
+                Some(dtype) => crate::with_element!(dtype, E => lane_partials::<E>(t.grad, t.param, start, len, lane)),
+                None => (
+                    lane_partial_of(g_code, t.grad, start, len, lane),
+                    lane_partial_of(p_code, t.param, start, len, lane),
+                ),
+            }
         };
         let (g, p) = (warp_reduce(g, 2.0, WARP_THREADS / 2), warp_reduce(p, 2.0, WARP_THREADS / 2));
         if lane == 0 {
