@@ -48,6 +48,24 @@ pub fn shfl_down_u32(v: u32, off: u32) -> u32 {
     r
 }
 
+/// Lane `src`'s `v`, in every lane. Must be called by all 32 lanes.
+#[inline(always)]
+pub fn shfl_idx_u32(v: u32, src: u32) -> u32 {
+    let r: u32;
+    // SAFETY: all 32 lanes of the warp execute the callers of this function together (full mask).
+    unsafe {
+        asm!("shfl.sync.idx.b32 {r}, {v}, {src}, 31, -1;", r = out(reg32) r, v = in(reg32) v, src = in(reg32) src);
+    }
+    r
+}
+
+/// Lane 0's `x`, in every lane. Must be called by all 32 lanes.
+#[inline(always)]
+pub fn from_lane0_f64(x: f64) -> f64 {
+    let b = x.to_bits();
+    f64::from_bits(shfl_idx_u32(b as u32, 0) as u64 | ((shfl_idx_u32((b >> 32) as u32, 0) as u64) << 32))
+}
+
 #[inline(always)]
 fn shfl_down_partial(p: Partial, off: u32) -> Partial {
     let mut out = Partial::default();

@@ -63,25 +63,46 @@ pub fn dtype_codes(t: &UnitTensor) -> (u32, u32) {
     (t.dtypes & 0xF, (t.dtypes >> 4) & 0xF)
 }
 
-/// The norms `(gradient, parameter)` of the unit of piece `piece` of `t`: its pieces' partials
-/// (`partials[2k]` the gradient's, `[2k + 1]` the parameter's, `k` the table's piece) merged in
-/// piece order.
+/// Lane `lane`'s share of the fold of the unit of piece `piece` of `t`: the unit's pieces
+/// `lane, lane + 32, ...` in order (their partials: `partials[2k]` the gradient's, `[2k + 1]` the
+/// parameter's, `k` the table's piece). The warp's tree of the 32 shares is the unit's fold
+/// ([`unit_norms`]): a unit of many pieces (a stacked expert weight) is read by the whole warp at
+/// once, not by each lane in turn.
 ///
 /// # Safety
 /// `partials` holds the norms pass's two partials of every piece of `t`'s unit.
 #[inline(always)]
-pub unsafe fn unit_norms(t: &UnitTensor, piece: u64, partials: *const Partial) -> (f64, f64) {
+pub unsafe fn unit_lane(t: &UnitTensor, piece: u64, partials: *const Partial, lane: u64) -> (L2, L2) {
     let ppu = pieces_per_unit(t);
     let first = t.first_piece + piece / ppu * ppu;
     let (mut g, mut p) = (L2::identity(2.0), L2::identity(2.0));
-    for k in first..first + ppu {
+    let mut k = first + lane;
+    while k < first + ppu {
         // SAFETY: the unit's pieces are written (the contract).
         unsafe {
             g = g.merge(L2::decode(&*partials.add(2 * k as usize), 2.0));
             p = p.merge(L2::decode(&*partials.add(2 * k as usize + 1), 2.0));
         }
+        k += WARP_THREADS as u64;
     }
-    (g.norm(), p.norm())
+    (g, p)
+}
+
+/// The norms `(gradient, parameter)` of the unit of piece `piece` of `t`, as a warp folds them
+/// ([`unit_lane`] for each lane, then the shuffle tree of [`crate::model::warp_tree`]): the
+/// CPU's model of the scale pass's fold.
+///
+/// # Safety
+/// As [`unit_lane`].
+#[inline(always)]
+pub unsafe fn unit_norms(t: &UnitTensor, piece: u64, partials: *const Partial) -> (f64, f64) {
+    let mut g = [L2::identity(2.0); WARP_THREADS as usize];
+    let mut p = g;
+    for lane in 0..WARP_THREADS as usize {
+        // SAFETY: the caller's contract.
+        (g[lane], p[lane]) = unsafe { unit_lane(t, piece, partials, lane as u64) };
+    }
+    (crate::model::warp_tree(&mut g).norm(), crate::model::warp_tree(&mut p).norm())
 }
 
 /// AGC's factor for a unit whose gradient has norm `g` (unscaled: a loss-scaled gradient's norm

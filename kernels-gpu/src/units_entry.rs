@@ -4,12 +4,12 @@
 //! barrier (each warp works alone).
 
 use crate::abi::{ChunkTask, DType, Partial, UnitTensor, WARP_THREADS};
-use crate::accum::{L2, Reduce};
-use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, thread_idx, warp_reduce};
+use crate::accum::{Accumulator, L2, Reduce};
+use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, from_lane0_f64, thread_idx, warp_reduce};
 use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, accumulate_lane_pair, scale_lane};
-use crate::units::{WARPS, agc_factor, dtype_codes, piece_span, task_pieces, unit_norms};
+use crate::units::{WARPS, agc_factor, dtype_codes, piece_span, task_pieces, unit_lane};
 
 /// This lane's share of the piece of `len` elements of `E` from element `start` at `addr`.
 ///
@@ -152,10 +152,15 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     let Some(dtype) = DType::from_code(dtype_codes(&t).0) else { return };
     // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
     let scale = if loss_scale.is_null() { 1.0 } else { (unsafe { loss_scale.read() }) as f64 };
+    // Whole warps iterate together (the piece is the warp's), so the shuffles have all 32 lanes.
     while piece < end {
         // SAFETY: the norms pass wrote every piece's partials before this launch (the contract).
-        let (g, p) = unsafe { unit_norms(&t, piece, partials) };
-        if let Some(f) = agc_factor(g / scale, p, clip_factor, eps) {
+        let (g, p) = unsafe { unit_lane(&t, piece, partials, lane) };
+        // The warp's fold (lane 0's), its factor decided there and given to every lane (NaN:
+        // clip by NaN; 1: keep, nothing written, as `agc_factor`'s None).
+        let (g, p) = (warp_reduce(g, 2.0, WARP_THREADS / 2), warp_reduce(p, 2.0, WARP_THREADS / 2));
+        let f = from_lane0_f64(agc_factor(g.norm() / scale, p.norm(), clip_factor, eps).unwrap_or(1.0));
+        if f != 1.0 {
             let (start, len) = piece_span(&t, piece);
             // SAFETY: the piece lies inside the gradient, this warp's alone (pieces are disjoint,
             // the gradients pairwise and from the parameters: the host's checks).

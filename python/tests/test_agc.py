@@ -71,7 +71,8 @@ def _model(seed: int, dtype_g, dtype_p, device="cpu"):
     if not MIXED:
         dtype_p = dtype_g
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(37,), (16, 9), (8, 3, 3, 3), (2, 20000), (1, 5), (3, 0)]
+    # Units of one piece, of two (20000), of more pieces than a warp has lanes (600000: 37).
+    shapes = [(37,), (16, 9), (8, 3, 3, 3), (2, 20000), (1, 5), (3, 0), (600000,)]
     params = []
     for k, s in enumerate(shapes):
         p = torch.nn.Parameter((torch.randn(s, generator=gen) * 10 ** (k % 3 - 1)).to(dtype_p).to(device))
@@ -148,15 +149,15 @@ def test_refusals_come_before_any_write():
     before = [p.grad.clone() for p in params]
     strided = torch.nn.Parameter(torch.randn(6, 4))
     strided.grad = torch.randn(4, 6).t()
-    with pytest.raises(ValueError, match="parameter 6 .*not contiguous"):
+    with pytest.raises(ValueError, match="parameter 7 .*not contiguous"):
         AGC().clip_(params + [strided])
     sparse = torch.nn.Parameter(torch.randn(5, 3))
     sparse.grad = torch.randn(5, 3).to_sparse()
-    with pytest.raises(TypeError, match="parameter 6 has a sparse gradient"):
+    with pytest.raises(TypeError, match="parameter 7 has a sparse gradient"):
         AGC().clip_(params + [sparse])
     fp8 = torch.nn.Parameter(torch.randn(5, 3).to(torch.float8_e4m3fn), requires_grad=False)
     fp8.grad = torch.randn(5, 3).to(torch.float8_e4m3fn)
-    with pytest.raises(TypeError, match="parameter 6 is torch.float8_e4m3fn"):
+    with pytest.raises(TypeError, match="parameter 7 is torch.float8_e4m3fn"):
         AGC().clip_(params + [fp8])
     shared = torch.nn.Parameter(torch.randn(16, 9))
     shared.grad = params[1].grad  # one gradient tensor twice
@@ -193,7 +194,7 @@ def test_native_reading_keeps_its_tables_and_follows_new_gradients():
     shared = torch.nn.Parameter(torch.randn(16, 9))
     shared.grad = params[1].grad
     none = torch.nn.Parameter(torch.randn(3))
-    with pytest.raises(ValueError, match="tensors 2 and 7 overlap"):
+    with pytest.raises(ValueError, match="tensors 2 and 8 overlap"):
         agc.clip_unitwise_([none] + params + [shared])
 
 
