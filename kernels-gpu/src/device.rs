@@ -92,24 +92,6 @@ pub fn warp_reduce<A: Reduce>(mut a: A, p: f64, first_off: u32) -> A {
     a
 }
 
-/// [`warp_reduce`] of an [`L2`](crate::accum::L2) state of a 16- or 32-bit tensor, whose only
-/// nonzero sum is its middle one (their squares are exact in f64: `L2::push`): the same tree and
-/// the same bits, in two shuffles a level where the whole state takes eight (the unit-wise
-/// passes reduce a state per piece of a row, some rows 768 elements long). Must be called by
-/// all 32 lanes.
-#[inline(always)]
-pub fn warp_reduce_l2_narrow(a: crate::accum::L2, first_off: u32) -> crate::accum::L2 {
-    let (big, mut med, small) = a.parts();
-    let mut off = first_off;
-    while off > 0 {
-        let b = med.to_bits();
-        let other = f64::from_bits(shfl_down_u32(b as u32, off) as u64 | ((shfl_down_u32((b >> 32) as u32, off) as u64) << 32));
-        med += other;
-        off /= 2;
-    }
-    crate::accum::L2::from_parts((big, med, small))
-}
-
 /// Thread 0 ends with the block's total (the tree of [`crate::model::block_tree`]).
 ///
 /// # Safety

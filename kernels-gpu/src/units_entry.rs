@@ -5,7 +5,7 @@
 
 use crate::abi::{ChunkTask, DType, Partial, UnitTensor, WARP_THREADS};
 use crate::accum::{Accumulator, L2, Reduce};
-use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, from_lane0_f64, thread_idx, warp_reduce, warp_reduce_l2_narrow};
+use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, from_lane0_f64, thread_idx, warp_reduce};
 use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, accumulate_lane_pair, scale_lane};
@@ -57,17 +57,6 @@ unsafe fn lane_partial_of(code: u32, addr: u64, start: u64, len: u64, lane: u64)
     acc
 }
 
-/// The warp's tree of a lane's L2 state of a tensor of dtype code `code` (lane 0 ends with it):
-/// for a 16- or 32-bit one, of its one nonzero sum (the same bits, a quarter of the shuffles).
-#[inline(always)]
-fn warp_fold(a: L2, code: u32) -> L2 {
-    if code == crate::abi::dtype_code::F64 {
-        warp_reduce(a, 2.0, WARP_THREADS / 2)
-    } else {
-        warp_reduce_l2_narrow(a, WARP_THREADS / 2)
-    }
-}
-
 /// This block's task: its tensor and its pieces, and this thread's warp and lane.
 ///
 /// # Safety
@@ -114,7 +103,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_unit_norms(units: *const UnitTensor, 
                 ),
             }
         };
-        let (g, p) = (warp_fold(g, g_code), warp_fold(p, p_code));
+        let (g, p) = (warp_reduce(g, 2.0, WARP_THREADS / 2), warp_reduce(p, 2.0, WARP_THREADS / 2));
         if lane == 0 {
             let k = (t.first_piece + piece) as usize;
             // SAFETY: the piece's two slots are this warp's alone (the contract's table size).
@@ -160,8 +149,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
 ) {
     // SAFETY: the kernel's contract.
     let (t, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
-    let (g_code, p_code) = dtype_codes(&t);
-    let Some(dtype) = DType::from_code(g_code) else { return };
+    let Some(dtype) = DType::from_code(dtype_codes(&t).0) else { return };
     // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
     let scale = if loss_scale.is_null() { 1.0 } else { (unsafe { loss_scale.read() }) as f64 };
     // Whole warps iterate together (the piece is the warp's), so the shuffles have all 32 lanes.
@@ -170,7 +158,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
         let (g, p) = unsafe { unit_lane(&t, piece, partials, lane) };
         // The warp's fold (lane 0's), its factor decided there and given to every lane (NaN:
         // clip by NaN; 1: keep, nothing written, as `agc_factor`'s None).
-        let (g, p) = (warp_fold(g, g_code), warp_fold(p, p_code));
+        let (g, p) = (warp_reduce(g, 2.0, WARP_THREADS / 2), warp_reduce(p, 2.0, WARP_THREADS / 2));
         let f = from_lane0_f64(agc_factor(g.norm() / scale, p.norm(), clip_factor, eps).unwrap_or(1.0));
         if f != 1.0 {
             let (start, len) = piece_span(&t, piece);
