@@ -49,7 +49,11 @@ impl Agc {
         Err(Error::InvalidHyperparameter {
             what,
             value,
-            valid: if what == "AGC eps" { "a finite number >= 0" } else { "a finite number > 0" },
+            valid: if what == "AGC eps" {
+                "a finite number >= 0"
+            } else {
+                "a finite number > 0"
+            },
         })
     }
 }
@@ -100,9 +104,15 @@ impl UnitPlan {
             return Err(Error::Units {
                 index: if first < n { first } else { first - n },
                 detail: if first < n {
-                    format!("its gradient shares memory with parameter {}: pass gradients of their own", second - n)
+                    format!(
+                        "its gradient shares memory with parameter {}: pass gradients of their own",
+                        second - n
+                    )
                 } else {
-                    format!("its parameter shares memory with parameter {}: pass each parameter once", second - n)
+                    format!(
+                        "its parameter shares memory with parameter {}: pass each parameter once",
+                        second - n
+                    )
                 },
             });
         }
@@ -125,7 +135,10 @@ impl UnitPlan {
                     max: MAX_TASKS,
                 });
             }
-            plan.tasks.extend((0..tasks as u32).map(|chunk| ChunkTask { tensor: index as u32, chunk }));
+            plan.tasks.extend((0..tasks as u32).map(|chunk| ChunkTask {
+                tensor: index as u32,
+                chunk,
+            }));
             plan.tensors.push(t);
         }
         Ok(plan)
@@ -136,7 +149,14 @@ impl UnitPlan {
     pub fn table_words(&self) -> Vec<u64> {
         let mut words = Vec::with_capacity(self.partials_offset() / 8);
         for t in &self.tensors {
-            words.extend([t.grad, t.param, t.len, t.unit_len, t.first_piece, t.dtypes as u64 | ((t.reserved as u64) << 32)]);
+            words.extend([
+                t.grad,
+                t.param,
+                t.len,
+                t.unit_len,
+                t.first_piece,
+                t.dtypes as u64 | ((t.reserved as u64) << 32),
+            ]);
         }
         words.extend(self.tasks.iter().map(|k| k.tensor as u64 | ((k.chunk as u64) << 32)));
         words

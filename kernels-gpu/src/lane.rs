@@ -80,8 +80,16 @@ where
 /// As [`accumulate_lane`], for both sources.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn accumulate_lane_pair<E, A, S, T>(a: &S, b: &T, frame: &Frame, chunk: u64, lane: u64, threads: u64, acc_a: &mut A, acc_b: &mut A)
-where
+pub unsafe fn accumulate_lane_pair<E, A, S, T>(
+    a: &S,
+    b: &T,
+    frame: &Frame,
+    chunk: u64,
+    lane: u64,
+    threads: u64,
+    acc_a: &mut A,
+    acc_b: &mut A,
+) where
     E: Element,
     A: Accumulator,
     S: Source<E>,

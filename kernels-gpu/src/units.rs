@@ -198,7 +198,11 @@ mod tests {
                     accumulate_lane::<Bf16, L2, _>(&sa, &frame, 0, lane, 32, &mut la);
                     accumulate_lane::<Bf16, L2, _>(&sb, &frame, 0, lane, 32, &mut lb);
                 }
-                assert_eq!((ja.encode(), jb.encode()), (la.encode(), lb.encode()), "len {len} phase {phase} lane {lane}");
+                assert_eq!(
+                    (ja.encode(), jb.encode()),
+                    (la.encode(), lb.encode()),
+                    "len {len} phase {phase} lane {lane}"
+                );
             }
         }
     }

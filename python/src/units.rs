@@ -3,10 +3,10 @@
 //! the gradients' device, so that a captured graph reads them at every replay), and the two
 //! passes over those tables on torch's stream or on the CPU.
 
-use gradclip::{DType, Error};
 use gradclip::cpu::Cpu;
 use gradclip::plan::RawTensor;
 use gradclip::units::{Agc, UnitPair, UnitPlan, UnitTables};
+use gradclip::{DType, Error};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -30,7 +30,7 @@ type PlanArgs = (Vec<u64>, usize, usize, usize);
 /// The plan of `pairs`, checked (errors name the pair by position).
 #[pyfunction]
 pub fn unit_plan(pairs: Vec<PairArgs>) -> PyResult<PlanArgs> {
-    plan_of(&pairs).map_err(|e| e.unwrap_or_else(|e| to_py(e)))
+    plan_of(&pairs).map_err(|e| e.unwrap_or_else(to_py))
 }
 
 /// The plan of `pairs`: a Python error (a dtype code unknown), or the engine's check that failed.
@@ -40,8 +40,16 @@ fn plan_of(pairs: &[PairArgs]) -> Result<PlanArgs, Result<PyErr, gradclip::Error
         .enumerate()
         .map(|(i, &(grad, param, len, unit_len, gd, pd))| {
             Ok(UnitPair {
-                grad: RawTensor { addr: grad, len, dtype: dtype(gd, i)? },
-                param: RawTensor { addr: param, len, dtype: dtype(pd, i)? },
+                grad: RawTensor {
+                    addr: grad,
+                    len,
+                    dtype: dtype(gd, i)?,
+                },
+                param: RawTensor {
+                    addr: param,
+                    len,
+                    dtype: dtype(pd, i)?,
+                },
                 unit_len,
             })
         })
@@ -67,7 +75,11 @@ pub fn agc(
     eps: f64,
     loss_scale: u64,
 ) -> PyResult<()> {
-    let tables = UnitTables { addr: tables, tensors, tasks };
+    let tables = UnitTables {
+        addr: tables,
+        tensors,
+        tasks,
+    };
     let settings = Agc { clip_factor, eps };
     if device >= 0 {
         // SAFETY: the tables are the caller's tensor of this device holding the words of a plan
@@ -78,7 +90,8 @@ pub fn agc(
         return py.detach(|| on_engine(device as usize, stream, |e| unsafe { e.agc_raw(&tables, &settings, loss_scale) }));
     }
     // SAFETY: as above, host tensors.
-    py.detach(|| unsafe { Cpu::new().agc_raw(&tables, &settings, loss_scale) }).map_err(to_py)
+    py.detach(|| unsafe { Cpu::new().agc_raw(&tables, &settings, loss_scale) })
+        .map_err(to_py)
 }
 
 /// One AGC object's reading of its calls' parameters, natively (torch's shim: a few nanoseconds
@@ -116,18 +129,22 @@ impl UnitReads {
             if exclude.contains(&(p.as_ptr() as usize)) {
                 continue;
             }
-            let (Some(pf), Some(gf)) = (facts.read(&p), facts.grad(&p)) else { return Ok(None) };
+            let (Some(pf), Some(gf)) = (facts.read(&p), facts.grad(&p)) else {
+                return Ok(None);
+            };
             let Some(gf) = gf else { continue };
-            let (Some(gd), Some(pd), Some(rows)) = (gf.dtype, pf.dtype, facts.rows(&p)) else { return Ok(None) };
+            let (Some(gd), Some(pd), Some(rows)) = (gf.dtype, pf.dtype, facts.rows(&p)) else {
+                return Ok(None);
+            };
             if !(gf.contiguous && pf.contiguous) || gf.len != pf.len || gf.place != pf.place || *place.get_or_insert(pf.place) != pf.place {
                 return Ok(None);
             }
-            let unit_len = if rows == 0 { 1 } else { pf.len / rows };
+            let unit_len = pf.len.checked_div(rows).unwrap_or(1);
             self.pairs.push((gf.addr, pf.addr, gf.len, unit_len.max(1), gd.code(), pd.code()));
             self.positions.push(at);
         }
         let device = match place {
-            Some(Place::Cuda(i)) => i64::from(i),
+            Some(Place::Cuda(i)) => i,
             _ => -1,
         };
         if self.pairs == self.kept && !self.kept.is_empty() {
@@ -138,9 +155,22 @@ impl UnitReads {
             e.unwrap_or_else(|e| {
                 // The engine names pairs: name the parameters by their place in the call.
                 to_py(match e {
-                    Error::Overlap { first, second } => Error::Overlap { first: at(first), second: at(second) },
+                    Error::Overlap { first, second } => Error::Overlap {
+                        first: at(first),
+                        second: at(second),
+                    },
                     Error::Units { index, detail } => Error::Units { index: at(index), detail },
-                    Error::OptimizerLength { index, role, expected, found } => Error::OptimizerLength { index: at(index), role, expected, found },
+                    Error::OptimizerLength {
+                        index,
+                        role,
+                        expected,
+                        found,
+                    } => Error::OptimizerLength {
+                        index: at(index),
+                        role,
+                        expected,
+                        found,
+                    },
                     other => other,
                 })
             })

@@ -48,7 +48,11 @@ fn agree(dtype: DType, a: u64, b: u64) -> bool {
     if (fa.is_nan() && fb.is_nan()) || a == b {
         return true;
     }
-    if dtype == DType::F64 { rel_err(fa, fb) <= 4e-12 } else { a.abs_diff(b) <= 1 }
+    if dtype == DType::F64 {
+        rel_err(fa, fb) <= 4e-12
+    } else {
+        a.abs_diff(b) <= 1
+    }
 }
 
 trait BitsValue {
@@ -74,7 +78,10 @@ fn tensor(rng: &mut StdRng, dtype: DType, n: usize, scale: f64) -> Grad {
 
 #[test]
 fn agc_equals_the_exact_reference_for_every_dtype_and_unit_size() {
-    let agc = Agc { clip_factor: 0.01, eps: 1e-3 };
+    let agc = Agc {
+        clip_factor: 0.01,
+        eps: 1e-3,
+    };
     for seed in 0..6u64 {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut grads = Vec::new();
@@ -82,11 +89,11 @@ fn agc_equals_the_exact_reference_for_every_dtype_and_unit_size() {
         let mut unit_lens = Vec::new();
         for k in 0..10 {
             let (rows, cols) = match k % 5 {
-                0 => (1, rng.random_range(1..300)),      // a vector: one unit
+                0 => (1, rng.random_range(1..300)), // a vector: one unit
                 1 => (rng.random_range(1..40), rng.random_range(1..700)),
                 2 => (2, 16384 + rng.random_range(1..5000)), // units of two pieces
-                3 => (rng.random_range(1..4), 3 * 16384),     // whole pieces
-                _ => (0, 5),                              // empty
+                3 => (rng.random_range(1..4), 3 * 16384),    // whole pieces
+                _ => (0, 5),                                 // empty
             };
             let (gd, pd) = (DType::ALL[rng.random_range(0..4)], DType::ALL[rng.random_range(0..4)]);
             // Gradients from far below to far above their limit, per tensor.
@@ -105,7 +112,12 @@ fn agc_equals_the_exact_reference_for_every_dtype_and_unit_size() {
             }
         }
         let before: Vec<Grad> = grads.clone();
-        let pairs: Vec<UnitPair> = grads.iter().zip(&params).zip(&unit_lens).map(|((g, p), &u)| pair(g, p, u)).collect();
+        let pairs: Vec<UnitPair> = grads
+            .iter()
+            .zip(&params)
+            .zip(&unit_lens)
+            .map(|((g, p), &u)| pair(g, p, u))
+            .collect();
         run(&pairs, &agc).unwrap();
         let (mut kept, mut clipped) = (0, 0);
         for (i, ((g0, g), p)) in before.iter().zip(&grads).zip(&params).enumerate() {
@@ -117,7 +129,11 @@ fn agc_equals_the_exact_reference_for_every_dtype_and_unit_size() {
                 match want {
                     None => {
                         kept += 1;
-                        assert_eq!(&bits[r.clone()], &bits0[r.clone()], "seed {seed} tensor {i} unit {unit}: kept unit written");
+                        assert_eq!(
+                            &bits[r.clone()],
+                            &bits0[r.clone()],
+                            "seed {seed} tensor {i} unit {unit}: kept unit written"
+                        );
                     }
                     Some(f) => {
                         clipped += 1;
@@ -133,13 +149,19 @@ fn agc_equals_the_exact_reference_for_every_dtype_and_unit_size() {
                 }
             }
         }
-        assert!(kept > 0 && clipped > 0, "seed {seed}: both kinds of unit ({kept} kept, {clipped} clipped)");
+        assert!(
+            kept > 0 && clipped > 0,
+            "seed {seed}: both kinds of unit ({kept} kept, {clipped} clipped)"
+        );
     }
 }
 
 #[test]
 fn refused_inputs_write_nothing() {
-    let agc = Agc { clip_factor: 0.01, eps: 1e-3 };
+    let agc = Agc {
+        clip_factor: 0.01,
+        eps: 1e-3,
+    };
     let mut rng = StdRng::seed_from_u64(9);
     let g = tensor(&mut rng, DType::F32, 12, 1.0);
     let g2 = tensor(&mut rng, DType::Bf16, 12, 1.0);
@@ -158,9 +180,25 @@ fn refused_inputs_write_nothing() {
     let e = run(&[pair(&g, &p, 4), pair(&g2, &p, 4), pair(&g, &p, 4)], &agc).unwrap_err();
     assert!(matches!(e, Error::Overlap { first: 0, second: 2 }), "{e}");
     let e = run(&[pair(&g, &p, 4), pair(&g2, &g, 4)], &agc).unwrap_err();
-    assert!(matches!(e, Error::Units { index: 0, .. }) && e.to_string().contains("shares memory with parameter 1"), "{e}");
+    assert!(
+        matches!(e, Error::Units { index: 0, .. }) && e.to_string().contains("shares memory with parameter 1"),
+        "{e}"
+    );
     // Bad settings.
-    for bad in [Agc { clip_factor: 0.0, eps: 1e-3 }, Agc { clip_factor: f64::NAN, eps: 1e-3 }, Agc { clip_factor: 0.01, eps: -1.0 }] {
+    for bad in [
+        Agc {
+            clip_factor: 0.0,
+            eps: 1e-3,
+        },
+        Agc {
+            clip_factor: f64::NAN,
+            eps: 1e-3,
+        },
+        Agc {
+            clip_factor: 0.01,
+            eps: -1.0,
+        },
+    ] {
         let e = run(&[pair(&g, &p, 4)], &bad).unwrap_err();
         assert!(matches!(e, Error::InvalidHyperparameter { .. }), "{e}");
     }

@@ -19,7 +19,9 @@ use crate::units::{Agc, UnitTables};
 /// # Safety
 /// `addr` holds at least `start + len` readable elements of that dtype.
 unsafe fn piece_partial(code: u32, addr: u64, start: u64, len: u64) -> L2 {
-    let Some(dtype) = DType::from_code(code) else { return L2::identity(2.0) };
+    let Some(dtype) = DType::from_code(code) else {
+        return L2::identity(2.0);
+    };
     with_element!(dtype, E => {
         let at = addr + start * E::SIZE;
         let frame = Frame::new(at, len, E::SIZE);
@@ -55,7 +57,11 @@ impl Cpu {
         tables.check()?;
         crate::units::check_loss_scale(loss_scale)?;
         // SAFETY: the caller's contract.
-        let scale = if loss_scale == 0 { 1.0 } else { (unsafe { (loss_scale as *const f32).read() }) as f64 };
+        let scale = if loss_scale == 0 {
+            1.0
+        } else {
+            (unsafe { (loss_scale as *const f32).read() }) as f64
+        };
         // SAFETY: the caller's contract: the tables' words, then the partials.
         // (The tasks are the GPU's blocks: the CPU walks the pieces themselves.)
         let (tensors, partials) = unsafe {
@@ -65,7 +71,11 @@ impl Cpu {
             )
         };
         // Pieces in table order: (tensor, piece).
-        let order: Vec<(usize, u64)> = tensors.iter().enumerate().flat_map(|(i, t)| (0..num_pieces(t)).map(move |k| (i, k))).collect();
+        let order: Vec<(usize, u64)> = tensors
+            .iter()
+            .enumerate()
+            .flat_map(|(i, t)| (0..num_pieces(t)).map(move |k| (i, k)))
+            .collect();
         let at = SharedPartials(partials);
         workers::for_each_index(order.len(), |n| {
             let (i, k) = order[n];
@@ -85,7 +95,10 @@ impl Cpu {
             let t = &tensors[i];
             // SAFETY: every piece's partials were written by the pass above.
             let (g, p) = unsafe { unit_norms(t, k, at.base()) };
-            if let (Some(f), Some(dtype)) = (agc_factor(g / scale, p, agc.clip_factor, agc.eps), DType::from_code(dtype_codes(t).0)) {
+            if let (Some(f), Some(dtype)) = (
+                agc_factor(g / scale, p, agc.clip_factor, agc.eps),
+                DType::from_code(dtype_codes(t).0),
+            ) {
                 let (start, len) = piece_span(t, k);
                 // SAFETY: the piece lies in the gradient, which no other piece or parameter
                 // overlaps (the plan's checks).

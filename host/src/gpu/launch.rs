@@ -244,7 +244,13 @@ pub unsafe fn clip_policy(
 /// before on the stream, with room for its partials, used by nothing else until the launches
 /// complete; the plan's gradients (writable) and parameters are device memory of the context;
 /// `t.tasks >= 1`; `loss_scale` (not 0) one f32 of the context written before on the stream.
-pub unsafe fn agc(stream: &CudaStream, ks: &KernelSet, t: &crate::units::UnitTables, agc: &crate::units::Agc, loss_scale: u64) -> Result<()> {
+pub unsafe fn agc(
+    stream: &CudaStream,
+    ks: &KernelSet,
+    t: &crate::units::UnitTables,
+    agc: &crate::units::Agc,
+    loss_scale: u64,
+) -> Result<()> {
     let (units, tasks, partials) = (t.addr, t.tasks_at(), t.partials_at());
     let cfg = LaunchConfig {
         grid_dim: (t.tasks as u32, 1, 1),
@@ -256,7 +262,12 @@ pub unsafe fn agc(stream: &CudaStream, ks: &KernelSet, t: &crate::units::UnitTab
     // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
     unsafe { b.launch(cfg) }?;
     let mut b = stream.launch_builder(ks.get(Kernel::AgcScale));
-    b.arg(&units).arg(&tasks).arg(&partials).arg(&agc.clip_factor).arg(&agc.eps).arg(&loss_scale);
+    b.arg(&units)
+        .arg(&tasks)
+        .arg(&partials)
+        .arg(&agc.clip_factor)
+        .arg(&agc.eps)
+        .arg(&loss_scale);
     // SAFETY: as above; after the norms launch on the same stream.
     unsafe { b.launch(cfg) }?;
     Ok(())

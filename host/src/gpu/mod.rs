@@ -22,10 +22,10 @@ mod output;
 mod policy;
 pub mod ptx_guard;
 mod sharded;
-mod units;
 mod step;
 #[cfg(feature = "bench-kernels")]
 pub mod tools;
+mod units;
 mod update_tables;
 mod words;
 mod workspace;
