@@ -13,7 +13,6 @@ put back, untimed, before each timing).
 
   python3 benches/torch/agc_cost.py workloads.json out.json [--workload seed-500] [--rounds 9]
 """
-import argparse
 import json
 import statistics
 import time
@@ -23,7 +22,7 @@ import torch
 from gradclip.torch import optim
 from gradclip.torch.policies import AGC
 
-from optim_compare import DTYPES, prefix, rates
+from optim_compare import DTYPES, list_bench_args, list_parameters, prefix, rates
 from torch_compare import host_us
 
 
@@ -54,26 +53,11 @@ def timed(step, before, reps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("workloads")
-    ap.add_argument("out")
-    ap.add_argument("--workload", default="seed-500")
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--grad-gb", type=float, default=6.0)
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--reps", type=int, default=16)
-    ap.add_argument("--commit", default="")
-    args = ap.parse_args()
-    w = next(w for w in json.load(open(args.workloads)) if w["name"] == args.workload)
+    args, w = list_bench_args(6.0, 9, 16)
     dtype = DTYPES[args.dtype]
     copy_rate, read_rate = rates("cuda", 4.0)
     shapes = prefix(w["tensors"], dtype, args.grad_gb * 1e9)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    params = []
-    for s in shapes:
-        p = torch.nn.Parameter(torch.empty(s, dtype=dtype, device="cuda").uniform_(-1, 1, generator=gen))
-        p.grad = torch.empty_like(p).uniform_(-1e-3, 1e-3, generator=gen)
-        params.append(p)
+    params = list_parameters(shapes, dtype, "cuda")
     saved = [p.grad.clone() for p in params]
     numel = sum(p.numel() for p in params)
     size = params[0].element_size()

@@ -79,6 +79,35 @@ def prefix(tensors, dtype, grad_bytes):
     return out
 
 
+def list_parameters(shapes, dtype, device):
+    """Parameters of ``shapes`` with values in [-1, 1) and gradients in [-1e-3, 1e-3), seeded:
+    the list every optimizer benchmark steps."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter(torch.empty(s, dtype=dtype, device=device).uniform_(-1, 1, generator=gen))
+        p.grad = torch.empty_like(p).uniform_(-1e-3, 1e-3, generator=gen)
+        params.append(p)
+    return params
+
+
+def list_bench_args(grad_gb: float, rounds: int, reps: int):
+    """The arguments of an interleaved benchmark over one workload's list (policy_cost.py,
+    agc_cost.py), with its defaults; parsed."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workloads")
+    ap.add_argument("out")
+    ap.add_argument("--workload", default="seed-500")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--grad-gb", type=float, default=grad_gb)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    w = next(w for w in json.load(open(args.workloads)) if w["name"] == args.workload)
+    return args, w
+
+
 def memory_probe_ms(numel, dtype, reps):
     """Milliseconds for the step's memory traffic alone: four flat buffers of `numel` elements
     read and three written back (p += g, m += g, v += g) by a Triton kernel, one launch. What the
@@ -121,12 +150,7 @@ def full_history(policy, norm):
 
 
 def run_dtype(shapes, dtype, reps, device, copy_rate, read_rate, only=None, probe=False):
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = []
-    for s in shapes:
-        p = torch.nn.Parameter(torch.empty(s, dtype=dtype, device=device).uniform_(-1, 1, generator=gen))
-        p.grad = torch.empty_like(p).uniform_(-1e-3, 1e-3, generator=gen)
-        params.append(p)
+    params = list_parameters(shapes, dtype, device)
     numel = sum(p.numel() for p in params)
     size = params[0].element_size()
     grads = [p.grad for p in params]

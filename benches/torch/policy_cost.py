@@ -8,7 +8,6 @@ Every configuration times the same tensors, states and launches but the policies
 
   python3 benches/torch/policy_cost.py workloads.json out.json [--workload seed-500] [--rounds 15]
 """
-import argparse
 import json
 import statistics
 import time
@@ -18,30 +17,15 @@ import torch
 from gradclip.torch import optim
 from gradclip.torch.policies import AutoClip, SkipSpike, ZClip
 
-from optim_compare import DTYPES, full_history, prefix
+from optim_compare import DTYPES, full_history, list_bench_args, list_parameters, prefix
 from torch_compare import back_to_back
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("workloads")
-    ap.add_argument("out")
-    ap.add_argument("--workload", default="seed-500")
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--grad-gb", type=float, default=10.26)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--commit", default="")
-    args = ap.parse_args()
-    w = next(w for w in json.load(open(args.workloads)) if w["name"] == args.workload)
+    args, w = list_bench_args(10.26, 15, 20)
     dtype = DTYPES[args.dtype]
     shapes = prefix(w["tensors"], dtype, args.grad_gb * 1e9)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    params = []
-    for s in shapes:
-        p = torch.nn.Parameter(torch.empty(s, dtype=dtype, device="cuda").uniform_(-1, 1, generator=gen))
-        p.grad = torch.empty_like(p).uniform_(-1e-3, 1e-3, generator=gen)
-        params.append(p)
+    params = list_parameters(shapes, dtype, "cuda")
     import gradclip.torch as gt
 
     norm = float(gt.get_total_norm([p.grad for p in params]))

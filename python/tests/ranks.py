@@ -78,3 +78,21 @@ def leave(out: str, failures, clean: bool = True) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def gloo_worker(port: str, rank: int, world: int, out: str, body) -> None:
+    """One rank of a gloo test: the process group joined, ``body(failures)`` run (an exception
+    of it reported as this rank's failure: the other ranks may hang on it, the test's timeout),
+    then ``leave``."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    failures = []
+    try:
+        body(failures)
+    except Exception as e:
+        failures.append(f"rank {rank}: {type(e).__name__}: {e}")
+    leave(out, failures)
