@@ -110,7 +110,81 @@ def empty_inf(rank, world, inject, failures):
         failures.append(f"empty_inf: the norm is {got}, the full gradients' {want}")
 
 
-SCENARIOS = {"local_norm": local_norm, "hsdp": hsdp, "empty_inf": empty_inf}
+def ep_groups(rank, world, inject, failures):
+    """Expert-parallel groups with unequal and empty expert shards, beside dense shards on another
+    mesh, in one call: one norm on every rank, the full gradients' (NeMo Automodel issue #3816:
+    the groups' norms came out about 10x apart, and the shared dense weights drifted between
+    ranks, each clipped by its own coefficient)."""
+    import gradclip.torch as gt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dense_mesh = init_device_mesh("cpu", (world,))
+    ep_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("edp", "ep"))
+    ep_group = ep_mesh.get_group("ep")
+    dense = full_grads(61, [(12, 3), (5,)])
+    experts = full_grads(62, [(4, 3)] * 4)
+    for e in experts:
+        e.mul_(10.0)  # experts' gradients an order above the dense ones', as in the report
+    # Within each expert-parallel pair the four experts are split 1 + 3, or 0 + 4.
+    split = [[0], [1, 2, 3]] if ep_mesh.get_local_rank("edp") % 2 == 0 else [[], [0, 1, 2, 3]]
+    mine = [torch.nn.Parameter(torch.zeros(experts[i].shape)) for i in split[ep_mesh.get_local_rank("ep")]]
+    for q, i in zip(mine, split[ep_mesh.get_local_rank("ep")]):
+        q.grad = experts[i].clone()
+    dense_params = [torch.nn.Parameter(distribute_tensor(torch.zeros(f.shape), dense_mesh, [Shard(0)])) for f in dense]
+    for q, f in zip(dense_params, dense):
+        q.grad = distribute_tensor(f.clone(), dense_mesh, [Shard(0)])
+    want, coef = reference(dense + experts, 2.0)
+    if inject:  # the reported bug: each rank's experts left out of the other ranks' norms
+        d = float(gt.get_total_norm([q.grad for q in dense_params]).full_tensor())
+        e = math.sqrt(math.fsum(float(q.grad.double().square().sum()) for q in mine))
+        got = math.sqrt(d * d + e * e)
+        c = min(1.0, MAX_NORM / (got + 1e-6))
+        for q in dense_params + mine:
+            q.grad.mul_(c)
+    else:
+        got = gt.clip_grad_norm_(dense_params + [gt.Shards(mine, over=[ep_group])], MAX_NORM)
+        got = float(got.full_tensor() if hasattr(got, "full_tensor") else got)
+    if not math.isclose(got, want, rel_tol=1e-6):
+        failures.append(f"ep_groups: rank {rank}'s norm is {got}, the full gradients' {want}")
+    seen = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(seen, torch.tensor([got], dtype=torch.float64))
+    if len({float(s) for s in seen}) != 1:
+        failures.append(f"ep_groups: the ranks' norms differ: {[float(s) for s in seen]}")
+    for q, f in zip(dense_params, dense):
+        shard = distribute_tensor(f * coef, dense_mesh, [Shard(0)]).to_local()
+        if not torch.allclose(q.grad.to_local(), shard, rtol=1e-6, atol=0):
+            failures.append(f"ep_groups: rank {rank}'s dense shard is not clipped by the full clip's coefficient {coef}")
+
+
+def no_grads(rank, world, inject, failures):
+    """A rank that holds no gradient at all (every expert on the other rank) must still take part
+    in the clip's collective, so that no rank waits for it: every rank gets the norm. Injected: a
+    clip that returns early where there is nothing to clip, as a hand-written sharded clip does
+    (the other rank then waits in its all-reduce until the deadline)."""
+    import gradclip.torch as gt
+
+    experts = full_grads(71, [(3, 4), (6,)])
+    mine = []
+    if rank == 0:
+        mine = [torch.nn.Parameter(torch.zeros(f.shape)) for f in experts]
+        for q, f in zip(mine, experts):
+            q.grad = f.clone()
+    want, _ = reference(experts, 2.0)
+    group = dist.group.WORLD
+    if inject:
+        if not mine:
+            return  # nothing to clip here: this rank leaves, rank 0 waits in its all-reduce
+        sq = torch.tensor([math.fsum(float(q.grad.double().square().sum()) for q in mine)], dtype=torch.float64)
+        dist.all_reduce(sq, group=group)
+        got = math.sqrt(float(sq))
+    else:
+        got = float(gt.clip_grad_norm_([gt.Shards(mine, over=[group])], MAX_NORM))
+    if not math.isclose(got, want, rel_tol=1e-6):
+        failures.append(f"no_grads: rank {rank}'s norm is {got}, the full gradients' {want}")
+
+
+SCENARIOS = {"local_norm": local_norm, "hsdp": hsdp, "empty_inf": empty_inf, "ep_groups": ep_groups, "no_grads": no_grads}
 
 
 def main(port, rank, world, scenario, inject, out):

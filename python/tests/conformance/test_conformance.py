@@ -59,6 +59,21 @@ def test_an_inf_norm_with_empty_shards_never_hangs(tmp_path):
     _conforms(tmp_path, "empty_inf", 2, injected_timeout=30)
 
 
+@GLOO
+def test_expert_groups_give_every_rank_one_norm(tmp_path):
+    """NeMo Automodel issue #3816: expert-parallel groups whose norms ended up 10x apart, the
+    shared dense weights drifting between ranks. Four ranks: dense shards on the world mesh,
+    experts split unevenly (1 + 3, 0 + 4) over expert-parallel pairs, in one call."""
+    _conforms(tmp_path, "ep_groups", 4)
+
+
+@GLOO
+def test_a_rank_without_gradients_never_leaves_the_others_waiting(tmp_path):
+    """A rank with no gradient at all still takes part in the clip's collective (a clip that
+    returns early there leaves the other rank waiting: the injected run's deadline)."""
+    _conforms(tmp_path, "no_grads", 2, injected_timeout=30)
+
+
 def _mixed_list():
     """Every dtype and odd sizes, views at odd element offsets of one buffer among them."""
     g = torch.Generator().manual_seed(9)
