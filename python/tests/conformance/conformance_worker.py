@@ -184,12 +184,58 @@ def no_grads(rank, world, inject, failures):
         failures.append(f"no_grads: rank {rank}'s norm is {got}, the full gradients' {want}")
 
 
-SCENARIOS = {"local_norm": local_norm, "hsdp": hsdp, "empty_inf": empty_inf, "ep_groups": ep_groups, "no_grads": no_grads}
+def cpu_offload(rank, world, inject, failures):
+    """FSDP2 with ``CPUOffloadPolicy`` (its sharded gradients on the CPU) over an NCCL process
+    group, gradients accumulated over three micro-steps: the clip must take the norm of the
+    accumulated gradients, over the CPU shards, with the NCCL group (torch issue #148532: torch's
+    clip all-reduced the CPU norm over NCCL and failed; DeepSpeed PR #7967: gradients accumulated
+    for offload dropped from the norm). The reference is the same model unsharded on the GPU.
+    Injected: the clip as the report describes torch's, the CPU shards' squared norm
+    all-reduced over the NCCL group as it is (torch's own clip skips the collective on a mesh of
+    one rank, which is all one GPU gives)."""
+    import gradclip.torch as gt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda", (world,))
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))  # noqa: E731
+    ref = make().cuda()
+    model = make()
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    for x in xs:
+        ref(x.cuda()).square().sum().backward()
+        model(x.cuda()).square().sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    if any(g.to_local().device.type != "cpu" for g in grads):
+        failures.append("cpu_offload: the sharded gradients are not on the CPU (the scenario did not happen)")
+    want, coef = reference([p.grad.cpu() for p in ref.parameters()], 2.0)
+    if inject:
+        sq = sum(g.to_local().double().square().sum() for g in grads)
+        dist.all_reduce(sq)  # a CPU tensor over NCCL
+        got = math.sqrt(float(sq))
+        for g in grads:
+            g.to_local().mul_(min(1.0, MAX_NORM / (got + 1e-6)))
+    else:
+        got = gt.clip_grad_norm_(list(model.parameters()), MAX_NORM)
+        got = float(got.full_tensor() if hasattr(got, "full_tensor") else got)
+    if not math.isclose(got, want, rel_tol=1e-5):
+        failures.append(f"cpu_offload: the norm is {got}, the accumulated gradients' {want}")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if not torch.allclose(p.grad.full_tensor().cpu(), q.grad.cpu() * coef, rtol=1e-5, atol=1e-7):
+            failures.append("cpu_offload: a shard is not clipped by the accumulated gradients' coefficient")
+            break
+
+
+SCENARIOS = {"local_norm": local_norm, "hsdp": hsdp, "empty_inf": empty_inf, "ep_groups": ep_groups, "no_grads": no_grads, "cpu_offload": cpu_offload}
 
 
 def main(port, rank, world, scenario, inject, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # The offload scenario's process group is NCCL's alone (the report's setting); the rest gloo.
+    dist.init_process_group("nccl" if scenario == "cpu_offload" else "gloo", rank=rank, world_size=world)
     failures = []
     try:
         SCENARIOS[scenario](rank, world, inject, failures)

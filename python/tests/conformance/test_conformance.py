@@ -74,6 +74,15 @@ def test_a_rank_without_gradients_never_leaves_the_others_waiting(tmp_path):
     _conforms(tmp_path, "no_grads", 2, injected_timeout=30)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+def test_cpu_offloaded_shards_clip_by_the_accumulated_norm(tmp_path):
+    """torch issue #148532 and DeepSpeed PR #7967: FSDP2's CPUOffloadPolicy with the clip, over
+    an NCCL group (one rank: the GPU machine has one GPU), after three accumulated micro-steps.
+    The bug put back all-reduces the CPU shards' norm over NCCL, as torch's clip does on two or
+    more ranks."""
+    _conforms(tmp_path, "cpu_offload", 1)
+
+
 def _mixed_list():
     """Every dtype and odd sizes, views at odd element offsets of one buffer among them."""
     g = torch.Generator().manual_seed(9)
