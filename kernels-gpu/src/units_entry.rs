@@ -150,10 +150,10 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     // SAFETY: the kernel's contract.
     let (t, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
     let Some(dtype) = DType::from_code(dtype_codes(&t).0) else { return };
-    // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
     let scale = if loss_scale.is_null() {
         1.0
     } else {
+        // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
         (unsafe { loss_scale.read() }) as f64
     };
     // Whole warps iterate together (the piece is the warp's), so the shuffles have all 32 lanes.

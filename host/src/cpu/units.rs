@@ -56,10 +56,10 @@ impl Cpu {
         agc.check()?;
         tables.check()?;
         crate::units::check_loss_scale(loss_scale)?;
-        // SAFETY: the caller's contract.
         let scale = if loss_scale == 0 {
             1.0
         } else {
+            // SAFETY: the caller's contract: a loss scale not 0 is one f32 of host memory.
             (unsafe { (loss_scale as *const f32).read() }) as f64
         };
         // SAFETY: the caller's contract: the tables' words, then the partials.
