@@ -24,8 +24,9 @@ fn dtype(code: u32, index: usize) -> PyResult<DType> {
     DType::from_code(code).ok_or_else(|| PyValueError::new_err(format!("tensor {index}: dtype code {code} is not one gradclip reads")))
 }
 
-/// A plan as Python takes it: `(table words, bytes the tables and partials need, tensors, tasks)`.
-type PlanArgs = (Vec<u64>, usize, usize, usize);
+/// A plan as Python takes it: `(table words, bytes the tables and partials need, tensors, tasks)`;
+/// the words as int64 bits, which `torch.tensor` takes as they are (no Python pass over them).
+type PlanArgs = (Vec<i64>, usize, usize, usize);
 
 /// The plan of `pairs`, checked (errors name the pair by position).
 #[pyfunction]
@@ -56,7 +57,8 @@ fn plan_of(pairs: &[PairArgs]) -> Result<PlanArgs, Result<PyErr, gradclip::Error
         .collect::<PyResult<Vec<_>>>()
         .map_err(Ok)?;
     let plan = UnitPlan::new(&pairs).map_err(Err)?;
-    Ok((plan.table_words(), plan.bytes(), plan.tensors.len(), plan.tasks.len()))
+    let words = plan.table_words().into_iter().map(|w| w as i64).collect();
+    Ok((words, plan.bytes(), plan.tensors.len(), plan.tasks.len()))
 }
 
 /// AGC over the tables at `tables` (`tensors` and `tasks` as `unit_plan` gave them; the words

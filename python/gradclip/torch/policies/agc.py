@@ -166,7 +166,7 @@ class AGC:
         words, nbytes = plan[0], plan[1]
         buf = torch.empty(max(nbytes // 8, 1), dtype=torch.int64, device=device)
         if words:
-            buf[: len(words)].copy_(torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words], dtype=torch.int64))
+            buf[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
         return buf
 
     def _launch(self, device: torch.device, loss_scale: Optional[torch.Tensor]):
