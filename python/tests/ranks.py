@@ -62,17 +62,22 @@ def report(out: str, failures) -> None:
 
 
 def leave(out: str, failures, clean: bool = True) -> None:
-    """A gloo worker's end: its failures to OUT (``report``); with ``clean``, every rank through
-    its collectives and the process group destroyed; then the process leaves without the
+    """A gloo worker's end: its failures to OUT (``report``), then ``exit_process``."""
+    report(out, failures)
+    exit_process(clean)
+
+
+def exit_process(clean: bool = True) -> None:
+    """A rank's end: with ``clean``, every rank through its collectives and the process group
+    destroyed (where one was started); then the process leaves with status 0 without the
     interpreter's teardown, where gloo's threads can still abort it (pytorch/pytorch#190489,
-    seen in CI with four ranks even after a barrier)."""
+    seen in CI with four ranks even after a barrier, and under Lightning's FSDP2 after a
+    destroy). Write everything the test reads before calling it."""
     import os
-    import sys
 
     import torch.distributed as dist
 
-    report(out, failures)
-    if clean:
+    if clean and dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()

@@ -5,7 +5,7 @@ parameters and the optimizer's state dict, from a file: this may be a fresh proc
 to ``--steps``; ``--save FILE`` writes the cut run's state at ``--at``. Writes the final
 parameters and skip counts to OUT.
 
-Usage: python resume_worker.py OUT [--steps N] [--at K] [--save FILE | --resume FILE]"""
+Usage: python resume_worker.py OUT [--device D] [--steps N] [--at K] [--save FILE | --resume FILE]"""
 
 import argparse
 import math
@@ -24,9 +24,9 @@ UPDATES = ("gradclip", "torch")
 SHAPES = [(9, 5), (5,), (33,)]
 
 
-def params():
+def params(device):
     g = torch.Generator().manual_seed(3)
-    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float32)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float32).to(device)) for s in SHAPES]
 
 
 def make(cls, kwargs, ps, update):
@@ -36,7 +36,7 @@ def make(cls, kwargs, ps, update):
 
 def gradients(ps, step):
     g = torch.Generator().manual_seed(1000 + step)
-    gs = [torch.randn(p.shape, generator=g) * (4.0 if step % 3 == 0 else 0.3) for p in ps]
+    gs = [(torch.randn(p.shape, generator=g) * (4.0 if step % 3 == 0 else 0.3)).to(p.device) for p in ps]
     if step % 4 == 1:
         gs[1] = None  # a parameter without a gradient this step
     if step == 7:
@@ -44,13 +44,13 @@ def gradients(ps, step):
     return gs
 
 
-def run(steps, at, save, resume):
+def run(device, steps, at, save, resume):
     out = {}
-    state = torch.load(resume) if resume else None
+    state = torch.load(resume, map_location=device) if resume else None
     for name, (cls, kwargs) in CASES.items():
         for update in UPDATES:
             key = f"{name}/{update}"
-            ps = params()
+            ps = params(device)
             opt = make(cls, kwargs, ps, update)
             start = 0
             if state is not None:
@@ -67,19 +67,20 @@ def run(steps, at, save, resume):
                     p.grad = g
                 opt.step()
             else:
-                out[key] = {"params": [p.detach().clone() for p in ps], "skipped": None if opt.skipped_steps is None else int(opt.skipped_steps)}
+                out[key] = {"params": [p.detach().cpu() for p in ps], "skipped": None if opt.skipped_steps is None else int(opt.skipped_steps)}
     return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--at", type=int, default=9)
     ap.add_argument("--save")
     ap.add_argument("--resume")
     args = ap.parse_args()
-    torch.save(run(args.steps, args.at, args.save, args.resume), args.save or args.out)
+    torch.save(run(args.device, args.steps, args.at, args.save, args.resume), args.save or args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ use crate::error::{Error, Result};
 pub enum Reduce {
     /// Add (p-th powers of norms).
     Sum,
-    /// Take the maximum (inf-norms).
+    /// Take the maximum (inf-norms), a NaN on any rank giving NaN. The values are +0, positive,
+    /// +inf or the canonical NaN (the engine's inf partials), whose bits order as `i64` as the
+    /// values do, NaN above inf: reduce them as `i64` (what [`Nccl`] does). A float maximum
+    /// (NCCL's, gloo's) keeps the other operand of a NaN in some orders, and a NaN gradient would
+    /// become a finite norm.
     Max,
 }
 
@@ -161,13 +165,20 @@ impl Communicator for Nccl {
                 detail: "the communicator was created on another stream than the engine's: create it on the engine's stream".into(),
             });
         }
-        let op = match op {
-            Reduce::Sum => cudarc::nccl::ReduceOp::Sum,
-            Reduce::Max => cudarc::nccl::ReduceOp::Max,
+        let done = match op {
+            Reduce::Sum => self.comm.all_reduce_in_place(buf, &cudarc::nccl::ReduceOp::Sum),
+            Reduce::Max => {
+                let len = buf.len();
+                // SAFETY: i64 has f64's size and alignment and every bit pattern is an i64: the
+                // view covers the same bytes, borrowed from `buf` for the call only.
+                let mut bits = unsafe { buf.transmute_mut::<i64>(len) }.ok_or_else(|| Error::Nccl {
+                    what: "an all-reduce",
+                    detail: "the partials could not be viewed as i64".into(),
+                })?;
+                self.comm.all_reduce_in_place(&mut bits, &cudarc::nccl::ReduceOp::Max)
+            }
         };
-        self.comm
-            .all_reduce_in_place(buf, &op)
-            .map_err(|e| nccl_error("an all-reduce", e))?;
+        done.map_err(|e| nccl_error("an all-reduce", e))?;
         Ok(())
     }
 }

@@ -95,9 +95,16 @@ def key_partials(c: Combine, norms: torch.Tensor, keys: Tuple[Optional[int], ...
     return part
 
 
-def _reduce_op(p: float):
-    """How the ranks combine partials of the p-norm: the maximum for p = inf, else the sum."""
-    return dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+def _reduced(buf: torch.Tensor, p: float, group) -> None:
+    """``buf`` all-reduced in place over ``group``. For p = inf the maximum is taken of the
+    partials' int64 bits: the collectives' float maximum drops a NaN (gloo's ``std::max`` and
+    NCCL's keep the other operand in one order or both), which would turn a NaN gradient into a
+    finite norm. The engine's inf partials are +0, positive or the canonical NaN, whose bits
+    order as integers as the values do, with NaN above inf."""
+    if math.isinf(p):
+        dist.all_reduce(buf.view(torch.int64), op=dist.ReduceOp.MAX, group=group)
+    else:
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
 
 
 def zero_partials(c: Combine, device: torch.device) -> torch.Tensor:
@@ -109,16 +116,15 @@ def all_reduce(c: Combine, part: torch.Tensor, p: float) -> None:
     """Every all-reduce of ``c`` on ``part``, in place, in the reduction's order (every rank
     issues the same ones, one per group): a sum, or the maximum for p = inf. A group whose slots
     are apart reduces them gathered (copies, no arithmetic)."""
-    op = _reduce_op(p)
     whole = part.numel()
     for i, (g, runs) in enumerate(c.all_reduces):
         if len(runs) == 1:
             start, end = runs[0]
-            dist.all_reduce(part if (start, end) == (0, whole) else part[start:end], op=op, group=c.groups[g])
+            _reduced(part if (start, end) == (0, whole) else part[start:end], p, c.groups[g])
         else:
             idx = c.gather(i, part.device)
             sub = part.index_select(0, idx)
-            dist.all_reduce(sub, op=op, group=c.groups[g])
+            _reduced(sub, p, c.groups[g])
             part.index_copy_(0, idx, sub)
 
 
@@ -155,7 +161,6 @@ def all_reduce_together(found: Sequence[Tuple[Combine, torch.Tensor]], p: float)
         for c, part in found:
             all_reduce(c, part, p)
         return
-    op = _reduce_op(p)
     for group in order:
         pieces = [
             part[start:end]
@@ -165,7 +170,7 @@ def all_reduce_together(found: Sequence[Tuple[Combine, torch.Tensor]], p: float)
             for start, end in runs
         ]
         buf = torch.cat(pieces)
-        dist.all_reduce(buf, op=op, group=group)
+        _reduced(buf, p, group)
         at = 0
         for piece in pieces:
             piece.copy_(buf[at : at + piece.numel()])
@@ -178,10 +183,9 @@ def totals(found: Sequence[Tuple[Combine, torch.Tensor]], p: float) -> List[torc
     finals = {id(c.final) for c, _ in found}
     if len(found) == 1 or finals == {id(None)} or len(finals) > 1:
         return [total(c, part, p) for c, part in found]
-    op = _reduce_op(p)
     fold_p = math.inf if math.isinf(p) else 1.0
     folded = torch.cat([key_partials(_FOLD, part, (0,) * c.num_slots, fold_p) for c, part in found])
-    dist.all_reduce(folded, op=op, group=found[0][0].final)
+    _reduced(folded, p, found[0][0].final)
     return [_total_of(folded[i : i + 1], 1, p, NO_CLIP) for i in range(len(found))]
 
 
@@ -197,7 +201,7 @@ def total(c: Combine, part: torch.Tensor, p: float, max_norm: float = NO_CLIP) -
     num_slots = c.num_slots
     if c.final is not None:
         part = key_partials(_FOLD, part, (0,) * num_slots, math.inf if math.isinf(p) else 1.0)
-        dist.all_reduce(part, op=_reduce_op(p), group=c.final)
+        _reduced(part, p, c.final)
         num_slots = 1
     return _total_of(part, num_slots, p, max_norm)
 

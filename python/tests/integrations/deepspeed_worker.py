@@ -12,6 +12,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ranks  # noqa: E402
+
 STEPS, MAX_NORM, LR = 15, 0.05, 1e-2
 
 
@@ -73,10 +76,8 @@ def main(port, rank, world, stage, dtype, out):
     stock = train(deepspeed.initialize, lambda m: torch.optim.AdamW(params(m), lr=LR), True, stage, dtype, rank)
     mine = train(gds.initialize, lambda m: go.AdamW(params(m), lr=LR, max_grad_norm=MAX_NORM), False, stage, dtype, rank)
     torch.save({"stock": stock, "gradclip": mine}, out)
-    # Gloo's worker threads can abort the interpreter's exit when the group is left alive
-    # (pytorch/pytorch#190489): torch asks every trainer process to destroy it.
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
+    ranks.exit_process()

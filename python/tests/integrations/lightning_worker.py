@@ -13,6 +13,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ranks  # noqa: E402
+
 STEPS, MAX_NORM = 15, 0.05
 
 
@@ -126,9 +129,8 @@ def main(precision, strategy, out):
     norm = callback.last_grad_norm
     mine["last_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     torch.save({"stock": stock, "gradclip": mine}, out + os.environ.get("RANK", ""))
-    if torch.distributed.is_initialized():  # left alive, gloo can abort the exit (see deepspeed_worker.py)
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3])
+    ranks.exit_process()

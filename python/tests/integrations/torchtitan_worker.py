@@ -17,6 +17,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ranks  # noqa: E402
+
 STEPS, MAX_NORM = 15, 0.05
 
 
@@ -92,9 +95,8 @@ def main(port, rank, world, out):
     for norm_type in (2.0, math.inf):
         results["stages"][norm_type] = (stages(stock_clip, pp_mesh, rank, norm_type), stages(gtt.clip_grad_norm_, pp_mesh, rank, norm_type))
     torch.save(results, out)
-    dist.barrier()  # no rank tears gloo down while another still uses it (seen: an abort at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    ranks.exit_process()

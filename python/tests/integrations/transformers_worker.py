@@ -18,6 +18,9 @@ import tempfile
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ranks  # noqa: E402
+
 STEPS, MAX_NORM = 12, 0.05
 
 
@@ -141,8 +144,4 @@ def main(mode, out):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    # Gloo's worker threads left alive can abort the interpreter's exit (pytorch/pytorch#190489):
-    # torch asks every trainer process to destroy its group.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    ranks.exit_process()
