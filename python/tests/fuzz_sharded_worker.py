@@ -40,6 +40,8 @@ SIZES = [0, 1, 2, 3, 5, 7, 13, 31, 64]
 #: "local": the clip's all-reduces do nothing, so each rank clips by its own shards' norm (the
 #: local-norm bug, SpecForge #663): the fuzzer must catch it (test_fuzz_sharded.py).
 INJECT = os.environ.get("GRADCLIP_FUZZ_SHARDED_INJECT", "")
+#: Whether this torch builds DTensors with a zero-sized dimension (``distributes_empty``).
+EMPTY_DTENSORS = [True]
 
 
 def mesh_shapes(world):
@@ -104,10 +106,25 @@ class Case:
         return out
 
 
-def full_gradient(spec):
+def full_gradient(spec, empty_dtensors=True):
+    """The whole gradient of ``spec``. Without ``empty_dtensors`` (see ``distributes_empty``) a
+    DTensor's zero-sized dimensions are drawn as 1."""
     g = torch.Generator().manual_seed(spec["seed"])
     scale = 10.0 ** torch.empty(()).uniform_(-3, 2, generator=g)
-    return (torch.randn(spec["shape"], generator=g, dtype=torch.float64) * scale).to(spec["dtype"])
+    shape = spec["shape"] if empty_dtensors or spec["mesh"] is None else tuple(max(n, 1) for n in spec["shape"])
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(spec["dtype"])
+
+
+def distributes_empty(mesh) -> bool:
+    """Whether this torch's ``distribute_tensor`` shards a tensor with a zero-sized dimension
+    (torch 2.8 pads an uneven shard whose other dimension is 0, and raises): the fuzzer builds its DTensors with it."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    try:
+        distribute_tensor(torch.zeros(mesh.size() + 1, 0), mesh, [Shard(0)] * mesh.ndim)  # uneven: padded
+        return True
+    except RuntimeError:
+        return False
 
 
 def dtensor_gradient(full, mesh, placements, seed):
@@ -205,7 +222,7 @@ def run_case(case, all_meshes, failures):
     params, fulls, befores, what = [], [], [], f"case p={case.p} refused={case.refused} max_norm={case.max_norm}"
     inject = case.nonfinite
     for i, spec in enumerate(case.grads):
-        full = full_gradient(spec)
+        full = full_gradient(spec, EMPTY_DTENSORS[0])
         if inject is not None and not spec["none"] and full.numel():
             full.view(-1)[spec["seed"] % full.numel()] = inject
             inject = None
@@ -274,6 +291,7 @@ def fuzz(rank, world, seed, cases, seconds, failures):
     if failures:
         return 0
     all_meshes = meshes(world)
+    EMPTY_DTENSORS[0] = distributes_empty(all_meshes[0])
     start, done = time.monotonic(), 0
     for index in range(cases):
         case = Case(seed, index, len(all_meshes))
