@@ -40,8 +40,6 @@ SIZES = [0, 1, 2, 3, 5, 7, 13, 31, 64]
 #: "local": the clip's all-reduces do nothing, so each rank clips by its own shards' norm (the
 #: local-norm bug, SpecForge #663): the fuzzer must catch it (test_fuzz_sharded.py).
 INJECT = os.environ.get("GRADCLIP_FUZZ_SHARDED_INJECT", "")
-#: Whether this torch builds DTensors with a zero-sized dimension (``distributes_empty``).
-EMPTY_DTENSORS = [True]
 
 
 def mesh_shapes(world):
@@ -215,14 +213,15 @@ def local_norm_bug():
         dist.all_reduce = original
 
 
-def run_case(case, all_meshes, failures):
+def run_case(case, all_meshes, empty_dtensors, failures):
+    """One case; ``empty_dtensors``: ``distributes_empty``'s answer for this torch."""
     import gradclip.torch as gt
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
     params, fulls, befores, what = [], [], [], f"case p={case.p} refused={case.refused} max_norm={case.max_norm}"
     inject = case.nonfinite
     for i, spec in enumerate(case.grads):
-        full = full_gradient(spec, EMPTY_DTENSORS[0])
+        full = full_gradient(spec, empty_dtensors)
         if inject is not None and not spec["none"] and full.numel():
             full.view(-1)[spec["seed"] % full.numel()] = inject
             inject = None
@@ -235,8 +234,6 @@ def run_case(case, all_meshes, failures):
             pls = case.placements(mesh, full.ndim)
             grad = dtensor_gradient(full, mesh, pls, spec["seed"])
             param_pls = [Replicate() if isinstance(pl, Partial) else pl for pl in pls]
-            from torch.distributed.tensor import distribute_tensor
-
             param = torch.nn.Parameter(distribute_tensor(torch.zeros(full.shape, dtype=full.dtype), mesh, param_pls))
             desc = f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names} {pls}"
         what += f"\n  gradient {i}: {tuple(full.shape)} {full.dtype} {desc}{' None' if spec['none'] else ''}"
@@ -291,13 +288,13 @@ def fuzz(rank, world, seed, cases, seconds, failures):
     if failures:
         return 0
     all_meshes = meshes(world)
-    EMPTY_DTENSORS[0] = distributes_empty(all_meshes[0])
+    empty_dtensors = distributes_empty(all_meshes[0])
     start, done = time.monotonic(), 0
     for index in range(cases):
         case = Case(seed, index, len(all_meshes))
         seen = len(failures)
         try:
-            run_case(case, all_meshes, failures)
+            run_case(case, all_meshes, empty_dtensors, failures)
         except Exception as e:  # noqa: BLE001 - a crash is a finding, reported with the case
             failures.append(f"{type(e).__name__}: {e}")
         failures[seen:] = [f"seed {seed} case {index} (rank {rank}): {f}" for f in failures[seen:]]

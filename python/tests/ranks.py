@@ -36,13 +36,13 @@ def run_ranks(commands, timeout: float, env=None) -> list:
                 proc.kill()
 
 
-def run_worker(worker: str, out_dir, timeout: float, *args: str, world: int = 2):
+def run_worker(worker: str, out_dir, timeout: float, *args: str, world: int = 2, env=None):
     """Runs ``world`` ranks of the script ``worker`` (``python WORKER PORT RANK WORLD *ARGS OUT``,
-    OUT a file of ``out_dir`` per rank, on a free port); returns their exit codes (as
-    ``run_ranks``) and their OUT files."""
+    OUT a file of ``out_dir`` per rank, on a free port, in ``env`` as ``run_ranks`` takes it);
+    returns their exit codes (as ``run_ranks``) and their OUT files."""
     port = str(free_port())
     outs = [out_dir / f"rank{r}.out" for r in range(world)]
-    codes = run_ranks([[sys.executable, worker, port, str(r), str(world), *args, str(outs[r])] for r in range(world)], timeout)
+    codes = run_ranks([[sys.executable, worker, port, str(r), str(world), *args, str(outs[r])] for r in range(world)], timeout, env)
     return codes, outs
 
 

@@ -8,7 +8,6 @@ from the whole tensors. CI runs a fixed seed and a bounded count per world size;
 below 10**9) run it longer."""
 
 import os
-import sys
 
 import pytest
 import torch.distributed as dist
@@ -43,9 +42,7 @@ def test_random_sharded_clips_equal_the_f64_reference(tmp_path, world):
 def test_the_fuzzer_catches_a_clip_by_the_local_norm(tmp_path):
     # The local-norm bug put back (the clip's all-reduces skipped): the first sharded case fails.
     env = dict(os.environ, GRADCLIP_FUZZ_SHARDED_INJECT="local")
-    port = str(ranks.free_port())
-    outs = [tmp_path / f"rank{r}.out" for r in range(2)]
-    codes = ranks.run_ranks([[sys.executable, WORKER, port, str(r), "2", str(SEED), "40", "0", str(outs[r])] for r in range(2)], 300, env)
+    codes, outs = ranks.run_worker(WORKER, tmp_path, 300, str(SEED), "40", "0", world=2, env=env)
     assert codes == [0, 0]
     failures = [line for o in outs for line in o.read_text().splitlines() if not line.startswith("cases ")]
     assert any(": norm " in f for f in failures), failures

@@ -14,9 +14,9 @@ pub enum Reduce {
     Sum,
     /// Take the maximum (inf-norms), a NaN on any rank giving NaN. The values are +0, positive,
     /// +inf or the canonical NaN (the engine's inf partials), whose bits order as `i64` as the
-    /// values do, NaN above inf: reduce them as `i64` (what [`Nccl`] does). A float maximum
-    /// (NCCL's, gloo's) keeps the other operand of a NaN in some orders, and a NaN gradient would
-    /// become a finite norm.
+    /// values do, NaN above inf: reduce them as `i64` (what [`Nccl`] does). gloo's float maximum
+    /// keeps the other operand of a NaN in one order, and NCCL's is not specified to keep NaN: a
+    /// NaN gradient would become a finite norm.
     Max,
 }
 

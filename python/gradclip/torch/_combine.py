@@ -97,9 +97,8 @@ def key_partials(c: Combine, norms: torch.Tensor, keys: Tuple[Optional[int], ...
 
 def _reduced(buf: torch.Tensor, p: float, group) -> None:
     """``buf`` all-reduced in place over ``group``. For p = inf the maximum is taken of the
-    partials' int64 bits: the collectives' float maximum drops a NaN (gloo's ``std::max`` and
-    NCCL's keep the other operand in one order or both), which would turn a NaN gradient into a
-    finite norm. The engine's inf partials are +0, positive or the canonical NaN, whose bits
+    partials' int64 bits: gloo's float maximum keeps the other operand of a NaN in one order
+    (seen: a NaN on rank 1 gave a finite norm), and NCCL's is not specified to keep NaN either. The engine's inf partials are +0, positive or the canonical NaN, whose bits
     order as integers as the values do, with NaN above inf."""
     if math.isinf(p):
         dist.all_reduce(buf.view(torch.int64), op=dist.ReduceOp.MAX, group=group)
