@@ -1,50 +1,71 @@
 #!/usr/bin/env bash
-# Issue 39's GPU leftovers, in two device calls of under ten minutes each (run through
-# benches/device/run.sh exec; logs under $OUT):
-#   PART=1  the resume test on CUDA; racecheck over gpu_norm (its two giant tests apart); and, in
-#           parallel for FUZZ_S seconds, the optimizer fuzzer on the GPU (seeds from SEED0, 200
-#           cases a seed, GPU bits against the CPU backend) and the sharded fuzzer on the host's
-#           cores (gloo, every world size, SHARDED_S seconds a world).
-#   PART=2  synccheck over gpu_norm; memcheck over the Python CUDA subset (bounded); the fuzzers
-#           again with other seeds.
+# Issue 39's GPU work in one device call of under ten minutes (run through benches/device/run.sh
+# exec). Every job runs in parallel, each bounded by its own time:
+#   - the optimizer fuzzer on the GPU for FUZZ_S seconds (seeds from SEED0, 200 cases a seed, the
+#     GPU's bits against the CPU backend's);
+#   - the sharded fuzzer on the host's cores (gloo, every world size, SHARDED_S seconds a world);
+#   - compute-sanitizer over gpu_norm (synccheck whole, racecheck over its two giant tests) and
+#     the sharded GPU suite (NCCL over one rank), one after another;
+#   - memcheck over the Python CUDA subset, in MEMCHECK_SHARDS processes (the test files dealt
+#     round robin), each for at most MEMCHECK_S seconds.
+# The device tool brings back at most eight files: the summary is $OUT/summary.txt and every log
+# is in $OUT/logs.tar.gz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-part=${PART:?1 or 2}
-fuzz_s=${FUZZ_S:-280}
-seed0=${SEED0:-100}
+fuzz_s=${FUZZ_S:-480}
+seed0=${SEED0:-200}
+memcheck_s=${MEMCHECK_S:-480}
+shards=${MEMCHECK_SHARDS:-3}
+logs=$(mktemp -d)
 pytest_q="python3 -m pytest -q -p no:cacheprovider --import-mode=importlib"
 fuzz_gpu() {
-    local end=$((SECONDS + fuzz_s)) seed=$seed0
-    while [ $SECONDS -lt $end ]; do
-        GRADCLIP_FUZZ_SEED=$seed GRADCLIP_FUZZ_CASES=200 timeout $((end - SECONDS + 30)) \
-            $pytest_q python/tests/test_fuzz_optim.py -k gpu > "$OUT/fuzz-gpu-seed$seed.log" 2>&1
-        echo "fuzz-gpu seed $seed rc=$? $(tail -1 "$OUT/fuzz-gpu-seed$seed.log")"
+    local end=$((SECONDS + fuzz_s)) seed=$seed0 cases=0
+    while [ $((end - SECONDS)) -gt 20 ]; do
+        GRADCLIP_FUZZ_SEED=$seed GRADCLIP_FUZZ_CASES=200 timeout $((end - SECONDS)) \
+            $pytest_q python/tests/test_fuzz_optim.py -k gpu > "$logs/fuzz-gpu-seed$seed.log" 2>&1
+        local rc=$?
+        echo "fuzz-gpu seed $seed rc=$rc: $(tail -1 "$logs/fuzz-gpu-seed$seed.log")"
         seed=$((seed + 1))
     done
 }
 fuzz_sharded() {
-    GRADCLIP_FUZZ_SHARDED_SEED=$((seed0 * 1000)) GRADCLIP_FUZZ_SHARDED_SECONDS=${SHARDED_S:-50} \
-        $pytest_q -s python/tests/test_fuzz_sharded.py -k reference 2>&1 | grep -v "redistribut" > "$OUT/fuzz-sharded.log"
-    echo "fuzz-sharded: $(grep -E '^world|passed|failed' "$OUT/fuzz-sharded.log" | tr '\n' ' ')"
+    GRADCLIP_FUZZ_SHARDED_SEED=$((seed0 * 1000)) GRADCLIP_FUZZ_SHARDED_SECONDS=${SHARDED_S:-80} \
+        $pytest_q -s python/tests/test_fuzz_sharded.py -k reference 2>&1 | grep -v "redistribut" > "$logs/fuzz-sharded.log"
+    echo "fuzz-sharded: $(grep -E '^world|passed|failed' "$logs/fuzz-sharded.log" | tr '\n' ' ')"
 }
-if [ "$part" = 1 ]; then
-    $pytest_q python/tests/test_resume.py > "$OUT/resume.log" 2>&1; echo "resume: $(tail -1 "$OUT/resume.log")"
-    fuzz_gpu > "$OUT/fuzz-gpu-summary.txt" 2>&1 &
-    fuzz_sharded > "$OUT/fuzz-sharded-summary.txt" 2>&1 &
-    timeout 150 compute-sanitizer --tool racecheck .devbin/gpu-tests/gpu_norm --test-threads 1 \
-        --skip one_million_tensors --skip tensor_over_2_pow_32_elements > "$OUT/san-racecheck-gpu_norm.log" 2>&1
-    echo "racecheck gpu_norm rc=$?"; grep -E "test result|RACECHECK SUMMARY" "$OUT/san-racecheck-gpu_norm.log" | tail -2
-    wait
-else
-    fuzz_gpu > "$OUT/fuzz-gpu-summary.txt" 2>&1 &
-    fuzz_sharded > "$OUT/fuzz-sharded-summary.txt" 2>&1 &
-    timeout 120 compute-sanitizer --tool synccheck .devbin/gpu-tests/gpu_norm --test-threads 1 \
-        --skip one_million_tensors --skip tensor_over_2_pow_32_elements > "$OUT/san-synccheck-gpu_norm.log" 2>&1
-    echo "synccheck gpu_norm rc=$?"; grep -E "test result|ERROR SUMMARY" "$OUT/san-synccheck-gpu_norm.log" | tail -2
-    timeout 300 compute-sanitizer --tool memcheck --leak-check no $pytest_q python/tests -k cuda -x \
-        --deselect python/tests/test_cuda_graph.py::test_released_graph_frees_its_tables_and_the_plan_keeps_working \
-        > "$OUT/san-memcheck-python-cuda.log" 2>&1
-    echo "memcheck python cuda rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/san-memcheck-python-cuda.log" | tail -3
-    wait
-fi
-cat "$OUT/fuzz-gpu-summary.txt" "$OUT/fuzz-sharded-summary.txt"
+sanitize_rust() {
+    local t=.devbin/gpu-tests
+    timeout 200 compute-sanitizer --tool synccheck $t/gpu_norm --test-threads 1 > "$logs/synccheck-gpu_norm.log" 2>&1
+    echo "synccheck gpu_norm rc=$?: $(grep -E 'test result|ERROR SUMMARY' "$logs/synccheck-gpu_norm.log" | tr '\n' ' ')"
+    local giant
+    for giant in one_million_tensors tensor_over_2_pow_32_elements; do
+        timeout 150 compute-sanitizer --tool racecheck $t/gpu_norm --test-threads 1 --exact "$giant" \
+            > "$logs/racecheck-gpu_norm-$giant.log" 2>&1
+        echo "racecheck gpu_norm $giant rc=$?: $(grep -E 'test result|RACECHECK SUMMARY' "$logs/racecheck-gpu_norm-$giant.log" | tr '\n' ' ')"
+    done
+    $t/gpu_sharded --test-threads 1 > "$logs/gpu_sharded.log" 2>&1
+    echo "gpu_sharded rc=$?: $(grep -E 'test result' "$logs/gpu_sharded.log")"
+}
+memcheck_python() {
+    local files i pids=()
+    files=$(cd python/tests && ls test_*.py | grep -v -e fuzz -e resume)
+    for i in $(seq 0 $((shards - 1))); do
+        local mine
+        mine=$(echo "$files" | awk -v n="$shards" -v i="$i" 'NR % n == i { printf "python/tests/%s ", $0 }')
+        timeout "$memcheck_s" compute-sanitizer --tool memcheck --leak-check no $pytest_q $mine -k cuda -rf \
+            --deselect python/tests/test_cuda_graph.py::test_released_graph_frees_its_tables_and_the_plan_keeps_working \
+            > "$logs/memcheck-python-$i.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}"
+        echo "memcheck python shard $i rc=$?: $(grep -E 'ERROR SUMMARY|passed|failed' "$logs/memcheck-python-$i.log" | tail -3 | tr '\n' ' ')"
+    done
+}
+fuzz_gpu > "$logs/summary-fuzz-gpu.txt" 2>&1 &
+fuzz_sharded > "$logs/summary-fuzz-sharded.txt" 2>&1 &
+memcheck_python > "$logs/summary-memcheck.txt" 2>&1 &
+sanitize_rust > "$logs/summary-rust.txt" 2>&1
+wait
+cat "$logs"/summary-*.txt | tee "$OUT/summary.txt"
+tar -czf "$OUT/logs.tar.gz" -C "$logs" .

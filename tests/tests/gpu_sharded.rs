@@ -119,7 +119,8 @@ fn nccl_one_rank(gpu: &Gpu) -> TestResult {
     use gradclip::gpu::{Communicator, Nccl, NcclId, Reduce};
     let comm = Nccl::new(gpu.stream.clone(), 0, 1, NcclId::new().map_err(|e| format!("{e}"))?).map_err(|e| format!("{e}"))?;
     ensure(comm.size() == 1 && comm.rank() == 0, || "a one-rank communicator".to_string())?;
-    let host = [1.5f64, -0.0, f64::MIN_POSITIVE, 3e300];
+    // NaN and the infinities too: Max reduces the values' i64 bits, which one rank leaves as they are.
+    let host = [1.5f64, -0.0, f64::MIN_POSITIVE, 3e300, f64::NAN, f64::INFINITY, f64::NEG_INFINITY];
     let mut buf = gpu.stream.clone_htod(&host).map_err(|e| format!("{e}"))?;
     for op in [Reduce::Sum, Reduce::Max] {
         comm.all_reduce_f64(&mut buf.as_view_mut(), op, &gpu.stream)
