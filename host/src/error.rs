@@ -190,6 +190,15 @@ pub enum Error {
         /// What is wrong and what to pass instead.
         detail: String,
     },
+    /// A policy's state that the call cannot use (not a whole state of the policy, or too few
+    /// slots for the tensors given).
+    #[error("{policy}'s state: {detail}")]
+    PolicyState {
+        /// The policy.
+        policy: &'static str,
+        /// What is wrong and what to do.
+        detail: String,
+    },
     /// A hyperparameter is outside its valid range (torch's checks).
     #[error("invalid {what}: {value} (valid: {valid})")]
     InvalidHyperparameter {

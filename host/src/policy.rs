@@ -10,7 +10,7 @@ use gradclip_kernels::policy::{self, kind};
 use crate::error::{Error, Result};
 
 pub use gradclip_kernels::abi::{NormOutput, skip};
-pub use gradclip_kernels::policy::{autoclip, skip_spike, zclip};
+pub use gradclip_kernels::policy::{adagc, autoclip, skip_spike, zclip};
 
 /// One policy's state: `words` f64 at `addr` in the backend's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,7 +85,7 @@ pub fn skip_spike_state(settings: &skip_spike::Settings) -> Vec<f64> {
 /// Whether `state` is a whole state of a known policy (its header, length and counters): what a
 /// caller checks before loading a saved state.
 pub fn is_whole(state: &[f64]) -> bool {
-    matches!(policy::kind_of(state), Some(kind::ZCLIP | kind::SKIP_SPIKE | kind::AUTOCLIP))
+    matches!(policy::kind_of(state), Some(kind::ZCLIP | kind::SKIP_SPIKE | kind::AUTOCLIP | kind::ADAGC))
 }
 
 /// Runs the policies on the CPU: `out` holds the clip's norm, coefficient and flags as the GPU's

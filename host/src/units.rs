@@ -13,15 +13,41 @@ use crate::plan::{MAX_TASKS, RawTensor, check_disjoint};
 pub use gradclip_kernels::units::agc_factor;
 
 /// One gradient and its parameter, cut into units of `unit_len` elements: a weight's output
-/// rows or channels (`numel / shape[0]`), the whole tensor for one of at most one dimension.
+/// rows or channels (`numel / shape[0]`), the whole tensor for one of at most one dimension. A
+/// per-tensor policy (AdaGC) reads gradients alone: no parameter, one unit, and the tensor's
+/// `slot` in the policy's state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UnitPair {
     /// The gradient (written).
     pub grad: RawTensor,
-    /// The parameter (read; as many elements as the gradient).
-    pub param: RawTensor,
+    /// The parameter (read; as many elements as the gradient), or None.
+    pub param: Option<RawTensor>,
     /// Elements of a unit.
     pub unit_len: u64,
+    /// The tensor's slot in a per-tensor policy's state (0 for AGC).
+    pub slot: u32,
+}
+
+impl UnitPair {
+    /// A gradient and its parameter cut into units of `unit_len` elements (AGC).
+    pub fn with_param(grad: RawTensor, param: RawTensor, unit_len: u64) -> Self {
+        UnitPair {
+            grad,
+            param: Some(param),
+            unit_len,
+            slot: 0,
+        }
+    }
+
+    /// A gradient alone, one unit, whose state is slot `slot` of a per-tensor policy (AdaGC).
+    pub fn per_tensor(grad: RawTensor, slot: u32) -> Self {
+        UnitPair {
+            grad,
+            param: None,
+            unit_len: grad.len.max(1),
+            slot,
+        }
+    }
 }
 
 /// AGC's settings (Brock et al. 2021; timm's `adaptive_clip_grad`): each unit's gradient is
@@ -58,6 +84,30 @@ impl Agc {
     }
 }
 
+/// AdaGC's settings ([`gradclip_kernels::policy::adagc`]): they live in its state's header,
+/// which [`adagc_state`] writes.
+pub use gradclip_kernels::policy::adagc::Settings as AdaGc;
+
+/// A fresh AdaGC state for `slots` tensors ([`Error::InvalidHyperparameter`] for settings the
+/// rule is not defined for).
+pub fn adagc_state(settings: &AdaGc, slots: usize) -> Result<Vec<f64>> {
+    let bad = |what, value, valid| Err(Error::InvalidHyperparameter { what, value, valid });
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    if !positive(settings.clip_ratio) {
+        return bad("AdaGC clip_ratio", settings.clip_ratio, "a finite number > 0");
+    }
+    if !(0.0..1.0).contains(&settings.beta) {
+        return bad("AdaGC beta", settings.beta, "a number in [0, 1)");
+    }
+    if !(settings.eps.is_finite() && settings.eps >= 0.0) {
+        return bad("AdaGC eps", settings.eps, "a finite number >= 0");
+    }
+    if !positive(settings.max_grad_norm) {
+        return bad("AdaGC max_grad_norm", settings.max_grad_norm, "a finite number > 0");
+    }
+    Ok(gradclip_kernels::policy::adagc::state(settings, slots))
+}
+
 /// A checked unit plan: the kernels' tables for a list of [`UnitPair`]s.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UnitPlan {
@@ -77,14 +127,16 @@ impl UnitPlan {
     pub fn new(pairs: &[UnitPair]) -> Result<Self> {
         for (index, p) in pairs.iter().enumerate() {
             p.grad.validate(index)?;
-            p.param.validate(index)?;
-            if p.param.len != p.grad.len {
-                return Err(Error::OptimizerLength {
-                    index,
-                    role: "gradient",
-                    found: p.grad.len,
-                    expected: p.param.len,
-                });
+            if let Some(param) = p.param {
+                param.validate(index)?;
+                if param.len != p.grad.len {
+                    return Err(Error::OptimizerLength {
+                        index,
+                        role: "gradient",
+                        found: p.grad.len,
+                        expected: param.len,
+                    });
+                }
             }
             if p.grad.len > 0 && (p.unit_len == 0 || !p.grad.len.is_multiple_of(p.unit_len)) {
                 return Err(Error::Units {
@@ -98,34 +150,45 @@ impl UnitPlan {
         }
         check_disjoint(&pairs.iter().map(|p| p.grad).collect::<Vec<_>>())?;
         // A gradient sharing memory with a parameter would be read and written by two warps.
-        let all: Vec<RawTensor> = pairs.iter().map(|p| p.grad).chain(pairs.iter().map(|p| p.param)).collect();
+        let with_params: Vec<(usize, RawTensor)> = pairs.iter().enumerate().filter_map(|(i, p)| p.param.map(|q| (i, q))).collect();
+        let all: Vec<RawTensor> = pairs.iter().map(|p| p.grad).chain(with_params.iter().map(|&(_, q)| q)).collect();
         if let Err(Error::Overlap { first, second }) = check_disjoint(&all) {
             let n = pairs.len();
+            let param_of = |k: usize| with_params[k - n].0;
             return Err(Error::Units {
-                index: if first < n { first } else { first - n },
+                index: if first < n { first } else { param_of(first) },
                 detail: if first < n {
                     format!(
                         "its gradient shares memory with parameter {}: pass gradients of their own",
-                        second - n
+                        param_of(second)
                     )
                 } else {
                     format!(
                         "its parameter shares memory with parameter {}: pass each parameter once",
-                        second - n
+                        param_of(second)
                     )
                 },
+            });
+        }
+        // A per-tensor policy's slots: one tensor each.
+        let mut slots: Vec<(u32, usize)> = pairs.iter().enumerate().filter(|(_, p)| p.param.is_none()).map(|(i, p)| (p.slot, i)).collect();
+        slots.sort_unstable();
+        if let Some(w) = slots.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(Error::Units {
+                index: w[1].1,
+                detail: format!("its state slot {} is tensor {}'s too: give each tensor its own", w[0].0, w[0].1),
             });
         }
         let mut plan = UnitPlan::default();
         for (index, p) in pairs.iter().enumerate() {
             let t = UnitTensor {
                 grad: p.grad.addr,
-                param: p.param.addr,
+                param: p.param.map_or(0, |q| q.addr),
                 len: p.grad.len,
                 unit_len: p.unit_len.max(1),
                 first_piece: plan.pieces,
-                dtypes: p.grad.dtype.code() | (p.param.dtype.code() << 4),
-                reserved: 0,
+                dtypes: p.grad.dtype.code() | (p.param.map_or(0, |q| q.dtype.code()) << 4),
+                slot: p.slot,
             };
             plan.pieces += units::num_pieces(&t);
             let tasks = units::num_tasks(&t);
@@ -155,7 +218,7 @@ impl UnitPlan {
                 t.len,
                 t.unit_len,
                 t.first_piece,
-                t.dtypes as u64 | ((t.reserved as u64) << 32),
+                t.dtypes as u64 | ((t.slot as u64) << 32),
             ]);
         }
         words.extend(self.tasks.iter().map(|k| k.tensor as u64 | ((k.chunk as u64) << 32)));
@@ -167,9 +230,14 @@ impl UnitPlan {
         self.tensors.len() * size_of::<UnitTensor>() + self.tasks.len() * size_of::<ChunkTask>()
     }
 
-    /// Bytes of the tables and the partials: what the memory a caller keeps them in needs.
+    /// Bytes of the tables, the partials and the per-tensor words (each tensor's fold and
+    /// factor, and the call's two words: a per-tensor policy's): what the memory a caller keeps
+    /// them in needs.
     pub fn bytes(&self) -> usize {
-        self.partials_offset() + 2 * self.pieces as usize * size_of::<Partial>()
+        self.partials_offset()
+            + 2 * self.pieces as usize * size_of::<Partial>()
+            + self.tensors.len() * (size_of::<Partial>() + size_of::<f64>())
+            + 2 * size_of::<f64>()
     }
 }
 
@@ -183,6 +251,8 @@ pub struct UnitTables {
     pub tensors: usize,
     /// Tasks of the plan.
     pub tasks: usize,
+    /// Pieces of the plan.
+    pub pieces: u64,
 }
 
 impl UnitTables {
@@ -192,6 +262,7 @@ impl UnitTables {
             addr,
             tensors: plan.tensors.len(),
             tasks: plan.tasks.len(),
+            pieces: plan.pieces,
         }
     }
 
@@ -205,6 +276,16 @@ impl UnitTables {
         self.tasks_at() + (self.tasks * size_of::<ChunkTask>()) as u64
     }
 
+    /// The address of the per-tensor folds, after the partials.
+    pub(crate) fn folds_at(&self) -> u64 {
+        self.partials_at() + 2 * self.pieces * size_of::<Partial>() as u64
+    }
+
+    /// The address of the per-tensor factors and the call's words, after the folds.
+    pub(crate) fn factors_at(&self) -> u64 {
+        self.folds_at() + (self.tensors * size_of::<Partial>()) as u64
+    }
+
     /// [`Error::BadOutputAddress`] for a null or unaligned address.
     pub(crate) fn check(&self) -> Result<()> {
         if self.addr == 0 || !self.addr.is_multiple_of(8) {
@@ -215,6 +296,21 @@ impl UnitTables {
         }
         Ok(())
     }
+}
+
+/// [`Error::BadOutputAddress`] for a policy state's address that is null or not 8-byte aligned,
+/// [`Error::PolicyState`] for one shorter than a header.
+pub(crate) fn check_state(addr: u64, words: usize) -> Result<()> {
+    if addr == 0 || !addr.is_multiple_of(8) {
+        return Err(Error::BadOutputAddress { what: "the policy state", addr });
+    }
+    if words < gradclip_kernels::policy::adagc::HEADER {
+        return Err(Error::PolicyState {
+            policy: "AdaGC",
+            detail: format!("{words} words, fewer than its header's"),
+        });
+    }
+    Ok(())
 }
 
 /// [`Error::BadOutputAddress`] for a loss scale address that is not 4-byte aligned (0: none).

@@ -351,8 +351,9 @@ pub const UNIT_PIECE_ELEMS: u64 = 16384;
 pub const UNIT_TASK_PIECES: u64 = 32;
 
 /// One tensor of a unit-wise pass ([`crate::units`]): its gradient and parameter (both `len`
-/// elements), cut into units of `unit_len` elements (a weight's output rows or channels; the
-/// whole tensor for one of at most one dimension).
+/// elements; the parameter's address 0 when the pass reads gradients alone), cut into units of
+/// `unit_len` elements (a weight's output rows or channels; the whole tensor for one of at most
+/// one dimension, and for a per-tensor policy).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct UnitTensor {
@@ -369,8 +370,8 @@ pub struct UnitTensor {
     pub first_piece: u64,
     /// [`dtype_code`]s: the gradient's in bits 0-3, the parameter's in 4-7.
     pub dtypes: u32,
-    /// Keeps the struct free of padding.
-    pub reserved: u32,
+    /// The tensor's slot in a per-tensor policy's state ([`crate::policy::adagc`]); 0 otherwise.
+    pub slot: u32,
 }
 
 /// Hyperparameters of one Adam / AdamW step (torch's names and meanings).

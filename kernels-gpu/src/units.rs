@@ -88,21 +88,46 @@ pub unsafe fn unit_lane(t: &UnitTensor, piece: u64, partials: *const Partial, la
     (g, p)
 }
 
-/// The norms `(gradient, parameter)` of the unit of piece `piece` of `t`, as a warp folds them
-/// ([`unit_lane`] for each lane, then the shuffle tree of [`crate::model::warp_tree`]): the
+/// The accumulators `(gradient, parameter)` of the unit of piece `piece` of `t`, as a warp folds
+/// them ([`unit_lane`] for each lane, then the shuffle tree of [`crate::model::warp_tree`]): the
 /// CPU's model of the scale pass's fold.
 ///
 /// # Safety
 /// As [`unit_lane`].
 #[inline(always)]
-pub unsafe fn unit_norms(t: &UnitTensor, piece: u64, partials: *const Partial) -> (f64, f64) {
+pub unsafe fn unit_states(t: &UnitTensor, piece: u64, partials: *const Partial) -> (L2, L2) {
     let mut g = [L2::identity(2.0); WARP_THREADS as usize];
     let mut p = g;
     for lane in 0..WARP_THREADS as usize {
         // SAFETY: the caller's contract.
         (g[lane], p[lane]) = unsafe { unit_lane(t, piece, partials, lane as u64) };
     }
-    (crate::model::warp_tree(&mut g).norm(), crate::model::warp_tree(&mut p).norm())
+    (crate::model::warp_tree(&mut g), crate::model::warp_tree(&mut p))
+}
+
+/// The norms `(gradient, parameter)` of the unit of piece `piece` of `t` ([`unit_states`]).
+///
+/// # Safety
+/// As [`unit_lane`].
+#[inline(always)]
+pub unsafe fn unit_norms(t: &UnitTensor, piece: u64, partials: *const Partial) -> (f64, f64) {
+    // SAFETY: the caller's contract.
+    let (g, p) = unsafe { unit_states(t, piece, partials) };
+    (g.norm(), p.norm())
+}
+
+/// The gradient's accumulator of a per-tensor pass's tensor `t` (one unit), as a warp of the
+/// decide launch folds it: identity for an empty tensor (it has no pieces).
+///
+/// # Safety
+/// As [`unit_lane`].
+#[inline(always)]
+pub unsafe fn tensor_state(t: &UnitTensor, partials: *const Partial) -> L2 {
+    if num_pieces(t) == 0 {
+        return L2::identity(2.0);
+    }
+    // SAFETY: the caller's contract; the tensor has pieces.
+    unsafe { unit_states(t, 0, partials).0 }
 }
 
 /// AGC's factor for a unit whose gradient has norm `g` (unscaled: a loss-scaled gradient's norm

@@ -1,15 +1,18 @@
 //! The unit-wise passes' entry points ([`crate::units`]): `gradclip_unit_norms` writes two
 //! partials per piece (the gradient's and the parameter's), `gradclip_agc_scale` clips each
-//! piece by its unit's AGC factor. One block of `BLOCK_THREADS` per task, one warp per piece; no
-//! barrier (each warp works alone).
+//! piece by its unit's AGC factor, and for a per-tensor policy (AdaGC) `gradclip_adagc_decide`
+//! (one block) folds each tensor's norm and decides its factor, which `gradclip_tensor_scale`
+//! applies. The piece launches take one block of `BLOCK_THREADS` per task, one warp per piece,
+//! with no barrier (each warp works alone).
 
-use crate::abi::{ChunkTask, DType, Partial, UnitTensor, WARP_THREADS};
+use crate::abi::{BLOCK_THREADS, ChunkTask, DType, Partial, UnitTensor, WARP_THREADS};
 use crate::accum::{Accumulator, L2, Reduce};
-use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, from_lane0_f64, thread_idx, warp_reduce};
+use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, block_reduce, from_lane0_f64, sync_threads, thread_idx, warp_reduce};
 use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, accumulate_lane_pair, scale_lane};
-use crate::units::{WARPS, agc_factor, dtype_codes, piece_span, task_pieces, unit_lane};
+use crate::policy::{adagc, kind, kind_of};
+use crate::units::{WARPS, agc_factor, dtype_codes, num_pieces, piece_span, task_pieces, unit_lane};
 
 /// This lane's share of the piece of `len` elements of `E` from element `start` at `addr`.
 ///
@@ -57,12 +60,13 @@ unsafe fn lane_partial_of(code: u32, addr: u64, start: u64, len: u64, lane: u64)
     acc
 }
 
-/// This block's task: its tensor and its pieces, and this thread's warp and lane.
+/// This block's task: its tensor, the tensor's place in the table, this thread's warp's first
+/// piece, the task's end, the lane, and the step between a warp's pieces.
 ///
 /// # Safety
 /// The grid has one block per task of `tasks`, which name tensors of `units`.
 #[inline(always)]
-unsafe fn block_task(units: *const UnitTensor, tasks: *const ChunkTask) -> (UnitTensor, u64, u64, u64, u64) {
+unsafe fn block_task(units: *const UnitTensor, tasks: *const ChunkTask) -> (UnitTensor, usize, u64, u64, u64, u64) {
     // SAFETY: the contract.
     let (task, t) = unsafe {
         let task = tasks.add(block_idx() as usize).read();
@@ -70,7 +74,7 @@ unsafe fn block_task(units: *const UnitTensor, tasks: *const ChunkTask) -> (Unit
     };
     let (first, end) = task_pieces(&t, task.chunk as u64);
     let (warp, lane) = ((thread_idx() / WARP_THREADS) as u64, (thread_idx() % WARP_THREADS) as u64);
-    (t, first + warp, end, lane, WARPS)
+    (t, task.tensor as usize, first + warp, end, lane, WARPS)
 }
 
 /// The norms pass: for each piece, the L2 partial of its gradient at `partials[2k]` and of its
@@ -83,7 +87,7 @@ unsafe fn block_task(units: *const UnitTensor, tasks: *const ChunkTask) -> (Unit
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_unit_norms(units: *const UnitTensor, tasks: *const ChunkTask, partials: *mut Partial) {
     // SAFETY: the kernel's contract.
-    let (t, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
+    let (t, _, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
     let (g_code, p_code) = dtype_codes(&t);
     // Whole warps iterate together (the piece is the warp's), so the shuffles have all 32 lanes.
     while piece < end {
@@ -95,6 +99,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_unit_norms(units: *const UnitTensor, 
         // the two starts share their phase (both addresses alike modulo 16, one element size).
         let (g, p) = unsafe {
             match DType::from_code(g_code).filter(|_| same_frame) {
+                // No parameter (a per-tensor policy reads gradients alone): its partial is empty.
+                _ if t.param == 0 => (lane_partial_of(g_code, t.grad, start, len, lane), L2::identity(2.0)),
                 // One dtype, one phase: one walk of both (the common case, loads in flight together).
                 Some(dtype) => crate::with_element!(dtype, E => lane_partials::<E>(t.grad, t.param, start, len, lane)),
                 None => (
@@ -148,7 +154,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     loss_scale: *const f32,
 ) {
     // SAFETY: the kernel's contract.
-    let (t, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
+    let (t, _, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
     let Some(dtype) = DType::from_code(dtype_codes(&t).0) else { return };
     let scale = if loss_scale.is_null() {
         1.0
@@ -170,6 +176,156 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
             // the gradients pairwise and from the parameters: the host's checks).
             crate::with_element!(dtype, E => unsafe { scale_piece::<E>(t.grad, start, len, lane, f) });
         }
+        piece += step;
+    }
+}
+
+/// Where a per-tensor decision leaves the call's own words, after the `tensors` factors:
+/// [`CALL_COEF`] the warmup's global coefficient, [`CALL_MODE`] how the call decided.
+pub const CALL_COEF: usize = 0;
+/// See [`CALL_COEF`]: 0 the state was not a whole AdaGC state (every factor NaN), 1 the warmup
+/// (every factor the global coefficient), 2 per tensor.
+pub const CALL_MODE: usize = 1;
+
+/// AdaGC's decision ([`adagc`]), one block of `BLOCK_THREADS` after `gradclip_unit_norms` over a
+/// per-tensor plan (one unit a tensor, no parameters): each warp folds the pieces of every
+/// `WARPS`-th tensor into its accumulator at `folds[i]`; the block merges them (thread `t` the
+/// folds `t, t + BLOCK_THREADS, ...`, then the block's tree: [`crate::model::final_reduce`]) into
+/// the global norm; thread 0 reads the state's header, writes the call's words after the
+/// factors and counts the call; then each thread decides its tensors' factors into `factors[i]`,
+/// advancing each tensor's slot (`units[i].slot`). Norms are divided by the f32 at `loss_scale`
+/// when not null (the scale the gradients carry).
+///
+/// # Safety
+/// Launched with one block of `BLOCK_THREADS` and `BLOCK_SMEM_BYTES` of dynamic shared memory;
+/// `units` holds `tensors` entries of a per-tensor plan whose pieces' partials `partials` holds
+/// (written before on the stream), the slots distinct and inside the state; `folds` room for
+/// `tensors` partials and `factors` for `tensors + 2` f64, owned by the launch; `state` the
+/// policy's `state_words` f64 of device memory, written before on the stream and used by nothing
+/// else until this has run; a non-null `loss_scale` one f32 written before on the stream.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
+    units: *const UnitTensor,
+    tensors: u64,
+    partials: *const Partial,
+    folds: *mut Partial,
+    factors: *mut f64,
+    state: *mut f64,
+    state_words: u64,
+    loss_scale: *const f32,
+) {
+    let (t, n) = (thread_idx() as u64, tensors);
+    let (warp, lane) = (t / WARP_THREADS as u64, t % WARP_THREADS as u64);
+    // Whole warps iterate together (the tensor is the warp's), so the shuffles have all 32 lanes.
+    let mut i = warp;
+    while i < n {
+        // SAFETY: i < tensors: an entry of the plan, whose pieces' partials were written (the
+        // contract); an empty tensor has none and folds to the identity.
+        let u = unsafe { units.add(i as usize).read() };
+        let share = if num_pieces(&u) == 0 {
+            L2::identity(2.0)
+        } else {
+            // SAFETY: as above.
+            unsafe { unit_lane(&u, 0, partials, lane).0 }
+        };
+        let fold = warp_reduce(share, 2.0, WARP_THREADS / 2);
+        if lane == 0 {
+            // SAFETY: slot i of the folds is this warp's alone.
+            unsafe { folds.add(i as usize).write(fold.encode()) };
+        }
+        i += WARPS;
+    }
+    // SAFETY: every thread of the block reaches this barrier (the loop above is bounded by the
+    // kernel's arguments alone), which orders the folds' writes before the reads below.
+    unsafe { sync_threads() };
+    let mut acc = L2::identity(2.0);
+    let mut i = t;
+    while i < n {
+        // SAFETY: written above, before the barrier.
+        acc = acc.merge(L2::decode(unsafe { &*folds.add(i as usize) }, 2.0));
+        i += BLOCK_THREADS as u64;
+    }
+    // SAFETY: every thread calls it (nothing above returns), with the launch's shared memory.
+    let total = unsafe { block_reduce::<L2, { BLOCK_THREADS / WARP_THREADS }>(acc, 2.0) };
+    let scale = if loss_scale.is_null() {
+        1.0
+    } else {
+        // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
+        f64::from(unsafe { loss_scale.read() })
+    };
+    // SAFETY: the call's two words follow the factors (the contract's room).
+    let call = unsafe { factors.add(n as usize) };
+    if t == 0 {
+        // SAFETY: the state is `state_words` f64 of its own (the contract), which thread 0 alone
+        // touches until the barrier below.
+        let words = unsafe { core::slice::from_raw_parts_mut(state, state_words as usize) };
+        let whole = kind_of(words) == Some(kind::ADAGC);
+        let warm = adagc::warming(words);
+        // SAFETY: thread 0 alone writes the call's words and the header's count, before the
+        // barrier below; the other threads read neither before it.
+        unsafe {
+            call.add(CALL_COEF).write(adagc::global_coefficient(total.norm() / scale, words));
+            call.add(CALL_MODE).write(if !whole { 0.0 } else if warm { 1.0 } else { 2.0 });
+        }
+        if whole {
+            adagc::finish(words);
+        }
+    }
+    // SAFETY: every thread reaches it; it orders thread 0's writes before the reads below.
+    unsafe { sync_threads() };
+    // SAFETY: written by thread 0 before the barrier.
+    let (coef, mode) = unsafe { (call.add(CALL_COEF).read(), call.add(CALL_MODE).read()) };
+    let mut i = t;
+    while i < n {
+        // SAFETY: i < tensors (the contract); the fold was written before the first barrier.
+        let (u, fold) = unsafe { (units.add(i as usize).read(), L2::decode(&*folds.add(i as usize), 2.0)) };
+        let f = if mode == 0.0 {
+            f64::NAN
+        } else {
+            let at = adagc::HEADER + adagc::SLOT_WORDS * u.slot as usize;
+            if at + adagc::SLOT_WORDS > state_words as usize {
+                f64::NAN
+            } else {
+                // SAFETY: the header is only read here (thread 0 wrote its count before the
+                // barrier and reads nothing of it after), and the slot is this tensor's alone:
+                // the plan's slots are distinct (the contract), one thread a tensor.
+                let (header, slot) = unsafe {
+                    (
+                        core::slice::from_raw_parts(state as *const f64, adagc::HEADER),
+                        core::slice::from_raw_parts_mut(state.add(at), adagc::SLOT_WORDS),
+                    )
+                };
+                adagc::factor(fold.norm() / scale, header, slot, mode == 1.0, coef)
+            }
+        };
+        // SAFETY: factor i is this thread's alone.
+        unsafe { factors.add(i as usize).write(f) };
+        i += BLOCK_THREADS as u64;
+    }
+}
+
+/// Each piece of a per-tensor plan's gradients multiplied by its tensor's factor (`factors[i]`,
+/// written by `gradclip_adagc_decide`), left untouched where the factor is exactly 1.
+///
+/// # Safety
+/// After `gradclip_adagc_decide` on the same stream with the same tables; the gradients writable
+/// and pairwise disjoint.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn gradclip_tensor_scale(units: *const UnitTensor, tasks: *const ChunkTask, factors: *const f64) {
+    // SAFETY: the kernel's contract.
+    let (t, index, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
+    let Some(dtype) = DType::from_code(dtype_codes(&t).0) else { return };
+    // SAFETY: the decide launch wrote every tensor's factor before this one (the contract).
+    let f = unsafe { factors.add(index).read() };
+    if f == 1.0 {
+        return;
+    }
+    while piece < end {
+        let (start, len) = piece_span(&t, piece);
+        // SAFETY: the piece lies inside the gradient, this warp's alone (pieces are disjoint, the
+        // gradients pairwise: the host's checks).
+        crate::with_element!(dtype, E => unsafe { scale_piece::<E>(t.grad, start, len, lane, f) });
         piece += step;
     }
 }

@@ -19,7 +19,7 @@ from . import _native, _torch_probe
 from ._torch_probe import NATIVE_DTYPES
 
 __all__ = [
-    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "UnitReads", "agc", "autoclip_state", "capturing", "check_max_norm", "check_p",
+    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "UnitReads", "adagc", "adagc_state", "agc", "autoclip_state", "capturing", "check_max_norm", "check_p",
     "check_total_norm", "check_writable", "checked_norm", "clip_coef", "clip_grads", "clip_policy", "facts", "group_hyper",
     "guards", "key_partials", "keys_total", "list_step", "norm_output", "optim_step", "plan_clip", "plan_norm",
     "plan_norm_as", "plan_tensor_norms", "planner", "policy_state_is_whole", "raw_stream", "reduction", "refuse_host_read_under_capture",
@@ -55,13 +55,24 @@ unit_plan = _native.unit_plan
 UnitReads = _native.UnitReads
 
 
-def agc(device: torch.device, tables: torch.Tensor, tensors: int, tasks: int, clip_factor: float, eps: float, loss_scale: int = 0) -> None:
+def agc(device: torch.device, tables: torch.Tensor, plan, clip_factor: float, eps: float, loss_scale: int = 0) -> None:
     """AGC over the tables in ``tables`` (``unit_plan``'s words, room for the partials after
-    them, on ``device``), on torch's current stream there; ``loss_scale``: the address of one
-    float32 there that the gradients carry, or 0."""
+    them, on ``device``; ``plan``: its ``(tensors, tasks, pieces)``), on torch's current stream
+    there; ``loss_scale``: the address of one float32 there that the gradients carry, or 0."""
     stream, on_device = stream_of(device)
     with on_device:
-        _native.agc(device.index if device.type == "cuda" else -1, stream, tables.data_ptr(), tensors, tasks, clip_factor, eps, loss_scale)
+        _native.agc(device.index if device.type == "cuda" else -1, stream, (tables.data_ptr(), *plan), clip_factor, eps, loss_scale)
+
+
+adagc_state = _native.adagc_state
+
+
+def adagc(device: torch.device, tables: torch.Tensor, plan, state: torch.Tensor, loss_scale: int = 0) -> None:
+    """AdaGC over the per-tensor tables in ``tables`` (as for ``agc``) with its ``state`` (a
+    float64 tensor on ``device``), on torch's current stream there."""
+    stream, on_device = stream_of(device)
+    with on_device:
+        _native.adagc(device.index if device.type == "cuda" else -1, stream, (tables.data_ptr(), *plan), state.data_ptr(), state.numel(), loss_scale)
 
 
 def planner():

@@ -60,6 +60,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(policies::clip_policy, m)?)?;
     m.add_function(wrap_pyfunction!(units::unit_plan, m)?)?;
     m.add_function(wrap_pyfunction!(units::agc, m)?)?;
+    m.add_function(wrap_pyfunction!(units::adagc, m)?)?;
+    m.add_function(wrap_pyfunction!(units::adagc_state, m)?)?;
     m.add_class::<units::UnitReads>()?;
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::graph_tables_live, m)?)?;

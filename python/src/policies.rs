@@ -4,7 +4,7 @@
 //! float64 tensor on the gradients' device, passed by address with its length.
 
 use gradclip::cpu::Cpu;
-use gradclip::policy::{self, Policies, PolicyState, autoclip, skip_spike, zclip};
+use gradclip::policy::{self, Policies, PolicyState, adagc, autoclip, skip_spike, zclip};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -108,6 +108,18 @@ pub fn policy_words() -> Vec<(&'static str, Vec<(&'static str, usize)>)> {
                 ("next", autoclip::NEXT),
                 ("seen", autoclip::SEEN),
                 ("ring", autoclip::RING),
+            ],
+        ),
+        (
+            "adagc",
+            vec![
+                ("running", adagc::STEPS),
+                ("steps", adagc::STEPS),
+                ("header", adagc::HEADER),
+                ("slot_words", adagc::SLOT_WORDS),
+                ("ema", adagc::EMA),
+                ("clip_times", adagc::CLIP_TIMES),
+                ("seen", adagc::SEEN),
             ],
         ),
         (

@@ -1,11 +1,12 @@
-//! The unit-wise clip (AGC, `gradclip::units`) for `gradclip.torch.policies.AGC`: the checked
-//! plan of a call's gradient/parameter pairs as table words (which Python keeps in a tensor on
-//! the gradients' device, so that a captured graph reads them at every replay), and the two
-//! passes over those tables on torch's stream or on the CPU.
+//! The unit-wise clips (`gradclip::units`) for `gradclip.torch.policies.AGC` and `AdaGC`: the
+//! checked plan of a call's gradient/parameter pairs (AdaGC: gradients alone, each with its
+//! state slot) as table words (which Python keeps in a tensor on the gradients' device, so that a
+//! captured graph reads them at every replay), and the passes over those tables on torch's
+//! stream or on the CPU.
 
 use gradclip::cpu::Cpu;
 use gradclip::plan::RawTensor;
-use gradclip::units::{Agc, UnitPair, UnitPlan, UnitTables};
+use gradclip::units::{AdaGc, Agc, UnitPair, UnitPlan, UnitTables};
 use gradclip::{DType, Error};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -16,17 +17,19 @@ use crate::place::Place;
 use crate::py_errors::to_py;
 use crate::tensor_facts::TensorFacts;
 
-/// One pair as Python passes it: `(grad, param, elements, unit_len, grad_dtype, param_dtype)`,
-/// addresses and the kernels' dtype codes.
-type PairArgs = (u64, u64, u64, u64, u32, u32);
+/// One pair as Python passes it: `(grad, param, elements, unit_len, grad_dtype, param_dtype,
+/// slot)`, addresses and the kernels' dtype codes; a param address of 0: the gradient alone (a
+/// per-tensor policy's, one unit, its state slot `slot`).
+type PairArgs = (u64, u64, u64, u64, u32, u32, u32);
 
 fn dtype(code: u32, index: usize) -> PyResult<DType> {
     DType::from_code(code).ok_or_else(|| PyValueError::new_err(format!("tensor {index}: dtype code {code} is not one gradclip reads")))
 }
 
-/// A plan as Python takes it: `(table words, bytes the tables and partials need, tensors, tasks)`;
-/// the words as int64 bits, which `torch.tensor` takes as they are (no Python pass over them).
-type PlanArgs = (Vec<i64>, usize, usize, usize);
+/// A plan as Python takes it: `(table words, bytes the tables and partials need, tensors, tasks,
+/// pieces)`; the words as int64 bits, which `torch.tensor` takes as they are (no Python pass
+/// over them).
+type PlanArgs = (Vec<i64>, usize, usize, usize, u64);
 
 /// The plan of `pairs`, checked (errors name the pair by position).
 #[pyfunction]
@@ -39,49 +42,48 @@ fn plan_of(pairs: &[PairArgs]) -> Result<PlanArgs, Result<PyErr, gradclip::Error
     let pairs = pairs
         .iter()
         .enumerate()
-        .map(|(i, &(grad, param, len, unit_len, gd, pd))| {
-            Ok(UnitPair {
-                grad: RawTensor {
-                    addr: grad,
-                    len,
-                    dtype: dtype(gd, i)?,
-                },
-                param: RawTensor {
-                    addr: param,
-                    len,
-                    dtype: dtype(pd, i)?,
-                },
-                unit_len,
+        .map(|(i, &(grad, param, len, unit_len, gd, pd, slot))| {
+            let grad = RawTensor {
+                addr: grad,
+                len,
+                dtype: dtype(gd, i)?,
+            };
+            Ok(if param == 0 {
+                UnitPair::per_tensor(grad, slot)
+            } else {
+                UnitPair::with_param(
+                    grad,
+                    RawTensor {
+                        addr: param,
+                        len,
+                        dtype: dtype(pd, i)?,
+                    },
+                    unit_len,
+                )
             })
         })
         .collect::<PyResult<Vec<_>>>()
         .map_err(Ok)?;
     let plan = UnitPlan::new(&pairs).map_err(Err)?;
     let words = plan.table_words().into_iter().map(|w| w as i64).collect();
-    Ok((words, plan.bytes(), plan.tensors.len(), plan.tasks.len()))
+    Ok((words, plan.bytes(), plan.tensors.len(), plan.tasks.len(), plan.pieces))
 }
 
-/// AGC over the tables at `tables` (`tensors` and `tasks` as `unit_plan` gave them; the words
-/// written there, room for the partials after them) on `device` (a CUDA ordinal, on `stream`, or
-/// -1 for the CPU); `loss_scale`: one float32 the gradients carry (GradScaler's), or 0.
+/// AGC over the tables at `tables` (`tensors`, `tasks` and `pieces` as `unit_plan` gave them;
+/// the words written there, room for the partials after them) on `device` (a CUDA ordinal, on
+/// `stream`, or -1 for the CPU); `loss_scale`: one float32 the gradients carry (GradScaler's), or 0.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn agc(
     py: Python<'_>,
     device: i64,
     stream: usize,
-    tables: u64,
-    tensors: usize,
-    tasks: usize,
+    tables: (u64, usize, usize, u64),
     clip_factor: f64,
     eps: f64,
     loss_scale: u64,
 ) -> PyResult<()> {
-    let tables = UnitTables {
-        addr: tables,
-        tensors,
-        tasks,
-    };
+    let tables = tables_of(tables);
     let settings = Agc { clip_factor, eps };
     if device >= 0 {
         // SAFETY: the tables are the caller's tensor of this device holding the words of a plan
@@ -93,6 +95,59 @@ pub fn agc(
     }
     // SAFETY: as above, host tensors.
     py.detach(|| unsafe { Cpu::new().agc_raw(&tables, &settings, loss_scale) })
+        .map_err(to_py)
+}
+
+/// The tables as Python passes them: `(address, tensors, tasks, pieces)`.
+fn tables_of((addr, tensors, tasks, pieces): (u64, usize, usize, u64)) -> UnitTables {
+    UnitTables {
+        addr,
+        tensors,
+        tasks,
+        pieces,
+    }
+}
+
+/// A fresh AdaGC state (float64 words) for `slots` tensors and these settings (checked).
+#[pyfunction]
+pub fn adagc_state(clip_ratio: f64, beta: f64, eps: f64, start_clip_steps: u32, max_grad_norm: f64, slots: usize) -> PyResult<Vec<f64>> {
+    let settings = AdaGc {
+        clip_ratio,
+        beta,
+        eps,
+        start_clip_steps,
+        max_grad_norm,
+    };
+    gradclip::units::adagc_state(&settings, slots).map_err(to_py)
+}
+
+/// AdaGC over the per-tensor tables at `tables` (as for `agc`) with its state (`state_words`
+/// float64 at `state`, on the tables' device) on `device` (a CUDA ordinal, on `stream`, or -1
+/// for the CPU); `loss_scale` as for `agc`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn adagc(
+    py: Python<'_>,
+    device: i64,
+    stream: usize,
+    tables: (u64, usize, usize, u64),
+    state: u64,
+    state_words: usize,
+    loss_scale: u64,
+) -> PyResult<()> {
+    let tables = tables_of(tables);
+    if device >= 0 {
+        // SAFETY: the tables are the caller's tensor of this device holding the words of a
+        // per-tensor plan `unit_plan` checked (its slots distinct, inside the state: the
+        // caller's check), with room for its partials and per-tensor words, written before on
+        // `stream`; the plan's gradients are the caller's live CUDA tensors there; the state is
+        // the caller's float64 tensor there of `state_words` elements, written before on
+        // `stream`; nothing else uses the tables or the state until the stream passes this work;
+        // a loss scale is the caller's float32 there, written before on `stream`.
+        return py.detach(|| on_engine(device as usize, stream, |e| unsafe { e.adagc_raw(&tables, state, state_words, loss_scale) }));
+    }
+    // SAFETY: as above, host tensors.
+    py.detach(|| unsafe { Cpu::new().adagc_raw(&tables, state, state_words, loss_scale) })
         .map_err(to_py)
 }
 
@@ -123,7 +178,17 @@ impl UnitReads {
     /// devices, or a torch without the shape reads): the caller's own reading takes the call,
     /// with its checks and messages. Otherwise `(device, plan)`: the CUDA ordinal or -1, and the
     /// new plan, or None when the pairs are the last plan's (its tables are still right).
-    fn read(&mut self, facts: &TensorFacts, params: &Bound<'_, PyList>, exclude: Vec<usize>) -> PyResult<Option<(i64, Option<PlanArgs>)>> {
+    ///
+    /// `per_tensor` (AdaGC): gradients alone, each one unit whose state slot is its parameter's
+    /// position in `params`; empty gradients are left out.
+    #[pyo3(signature = (facts, params, exclude, per_tensor = false))]
+    fn read(
+        &mut self,
+        facts: &TensorFacts,
+        params: &Bound<'_, PyList>,
+        exclude: Vec<usize>,
+        per_tensor: bool,
+    ) -> PyResult<Option<(i64, Option<PlanArgs>)>> {
         self.pairs.clear();
         self.positions.clear();
         let mut place: Option<Place> = None;
@@ -135,6 +200,19 @@ impl UnitReads {
                 return Ok(None);
             };
             let Some(gf) = gf else { continue };
+            if per_tensor {
+                let (Some(gd), Ok(slot)) = (gf.dtype, u32::try_from(at)) else {
+                    return Ok(None);
+                };
+                if !gf.contiguous || *place.get_or_insert(gf.place) != gf.place {
+                    return Ok(None);
+                }
+                if gf.len > 0 {
+                    self.pairs.push((gf.addr, 0, gf.len, gf.len, gd.code(), 0, slot));
+                    self.positions.push(at);
+                }
+                continue;
+            }
             let (Some(gd), Some(pd), Some(rows)) = (gf.dtype, pf.dtype, facts.rows(&p)) else {
                 return Ok(None);
             };
@@ -142,7 +220,7 @@ impl UnitReads {
                 return Ok(None);
             }
             let unit_len = pf.len.checked_div(rows).unwrap_or(1);
-            self.pairs.push((gf.addr, pf.addr, gf.len, unit_len.max(1), gd.code(), pd.code()));
+            self.pairs.push((gf.addr, pf.addr, gf.len, unit_len.max(1), gd.code(), pd.code(), 0));
             self.positions.push(at);
         }
         let device = match place {

@@ -10,11 +10,7 @@ use gradclip_tests::*;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 fn pair(g: &Grad, p: &Grad, unit_len: u64) -> UnitPair {
-    UnitPair {
-        grad: g.host().raw(),
-        param: p.host().raw(),
-        unit_len,
-    }
+    UnitPair::with_param(g.host().raw(), p.host().raw(), unit_len)
 }
 
 /// Runs AGC on the CPU over `pairs` (tables in a host buffer).

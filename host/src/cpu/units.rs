@@ -1,17 +1,19 @@
-//! The unit-wise clip (AGC, [`crate::units`]) on the CPU: the kernels' two passes over the same
-//! tables, each piece's partials from the model of one warp ([`model::warp_partial`]), so the
-//! factors and the gradients written are the GPU's bits.
+//! The unit-wise clips (AGC and AdaGC, [`crate::units`]) on the CPU: the kernels' passes over
+//! the same tables, each piece's partials from the model of one warp ([`model::warp_partial`]),
+//! AdaGC's folds and decision as its one-block launch makes them, so the factors and the
+//! gradients written are the GPU's bits.
 
 use gradclip_kernels::abi::{Partial, UnitTensor};
-use gradclip_kernels::accum::{L2, Reduce};
+use gradclip_kernels::accum::{Accumulator, L2, Reduce};
 use gradclip_kernels::dtype::Element;
 use gradclip_kernels::geometry::Frame;
-use gradclip_kernels::units::{agc_factor, dtype_codes, num_pieces, piece_span, unit_norms};
+use gradclip_kernels::policy::{adagc, kind, kind_of};
+use gradclip_kernels::units::{agc_factor, dtype_codes, num_pieces, piece_span, tensor_state, unit_norms};
 use gradclip_kernels::{model, with_element};
 
 use super::{Cpu, HostTensor, workers};
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::units::{Agc, UnitTables};
 
 /// The partial of the piece of `len` elements from `start` of the tensor of `code` at `addr`.
@@ -42,6 +44,96 @@ unsafe fn scale_piece<E: Element>(addr: u64, start: u64, len: u64, f: f64) {
     }
 }
 
+/// The pieces of a unit plan's tables in table order, `(tensor, piece)`, and its partials.
+struct Pieces<'a> {
+    tensors: &'a [UnitTensor],
+    order: Vec<(usize, u64)>,
+    partials: SharedPartials,
+}
+
+impl<'a> Pieces<'a> {
+    /// The tables at `tables` (checked: a valid address).
+    ///
+    /// # Safety
+    /// As [`Cpu::agc_raw`]'s tables.
+    unsafe fn of(tables: &'a UnitTables) -> Self {
+        // SAFETY: the caller's contract: the tables' words, then the partials.
+        // (The tasks are the GPU's blocks: the CPU walks the pieces themselves.)
+        let (tensors, partials) = unsafe {
+            (
+                std::slice::from_raw_parts(tables.addr as *const UnitTensor, tables.tensors),
+                tables.partials_at() as *mut Partial,
+            )
+        };
+        let order = tensors
+            .iter()
+            .enumerate()
+            .flat_map(|(i, t)| (0..num_pieces(t)).map(move |k| (i, k)))
+            .collect();
+        Pieces {
+            tensors,
+            order,
+            partials: SharedPartials(partials),
+        }
+    }
+
+    /// The norms pass: every piece's two partials (the parameter's empty where there is none).
+    ///
+    /// # Safety
+    /// The tables' gradients and parameters are live host memory (the plan's checks).
+    unsafe fn norms(&self) {
+        workers::for_each_index(self.order.len(), |n| {
+            let (i, k) = self.order[n];
+            let t = &self.tensors[i];
+            let (start, len) = piece_span(t, k);
+            let (g, p) = dtype_codes(t);
+            // SAFETY: the piece lies in both parts (the plan's checks); its two slots are this
+            // call's alone.
+            unsafe {
+                let slot = 2 * (t.first_piece + k) as usize;
+                self.partials.write(slot, piece_partial(g, t.grad, start, len).encode());
+                let param = if t.param == 0 {
+                    L2::identity(2.0)
+                } else {
+                    piece_partial(p, t.param, start, len)
+                };
+                self.partials.write(slot + 1, param.encode());
+            }
+        });
+    }
+
+    /// Multiplies each piece of a gradient by `factor(tensor, its unit's first piece)` where that
+    /// is not None.
+    ///
+    /// # Safety
+    /// After [`Pieces::norms`]; the gradients writable, disjoint from each other and from the
+    /// parameters (the plan's checks).
+    unsafe fn scale(&self, factor: impl Fn(usize, u64) -> Option<f64> + Sync) {
+        workers::for_each_index(self.order.len(), |n| {
+            let (i, k) = self.order[n];
+            let t = &self.tensors[i];
+            if let (Some(f), Some(dtype)) = (factor(i, k), DType::from_code(dtype_codes(t).0)) {
+                let (start, len) = piece_span(t, k);
+                // SAFETY: the piece lies in the gradient, which no other piece or parameter
+                // overlaps (the plan's checks).
+                with_element!(dtype, E => unsafe { scale_piece::<E>(t.grad, start, len, f) });
+            }
+        });
+    }
+}
+
+/// The f32 loss scale at `addr` as f64 (1 for 0).
+///
+/// # Safety
+/// `addr` (not 0) is one f32 of host memory.
+unsafe fn loss_scale_at(addr: u64) -> f64 {
+    if addr == 0 {
+        return 1.0;
+    }
+    // SAFETY: the caller's contract.
+    f64::from(unsafe { (addr as *const f32).read() })
+}
+
 impl Cpu {
     /// AGC ([`crate::units`]) over the tables at `tables` in host memory: every unit's gradient
     /// clipped to `clip_factor * max(||W_i||, eps)`, the GPU's bits. `loss_scale`: the address of
@@ -56,55 +148,74 @@ impl Cpu {
         agc.check()?;
         tables.check()?;
         crate::units::check_loss_scale(loss_scale)?;
-        let scale = if loss_scale == 0 {
-            1.0
-        } else {
-            // SAFETY: the caller's contract: a loss scale not 0 is one f32 of host memory.
-            (unsafe { (loss_scale as *const f32).read() }) as f64
-        };
-        // SAFETY: the caller's contract: the tables' words, then the partials.
-        // (The tasks are the GPU's blocks: the CPU walks the pieces themselves.)
-        let (tensors, partials) = unsafe {
+        // SAFETY: the caller's contract.
+        let (scale, pieces) = unsafe { (loss_scale_at(loss_scale), Pieces::of(tables)) };
+        // SAFETY: the caller's contract (the plan's tensors); the scale pass after the norms.
+        unsafe {
+            pieces.norms();
+            pieces.scale(|i, k| {
+                let (g, p) = unit_norms(&pieces.tensors[i], k, pieces.partials.base());
+                agc_factor(g / scale, p, agc.clip_factor, agc.eps)
+            });
+        }
+        Ok(())
+    }
+
+    /// AdaGC ([`crate::units::AdaGc`]) over the per-tensor tables at `tables` in host memory with
+    /// its state (`state_words` f64 at `state`): each tensor's norm, the global norm, the
+    /// decision per tensor as `gradclip_adagc_decide` makes it (the same functions, the same
+    /// merge order), the state advanced and every gradient scaled by its tensor's factor: the
+    /// GPU's bits. `loss_scale` as for [`Cpu::agc_raw`]. A state that is not a whole AdaGC state
+    /// is refused ([`Error::PolicyState`]) before anything is written.
+    ///
+    /// # Safety
+    /// As [`Cpu::agc_raw`], for a plan of [`crate::units::UnitPair::per_tensor`] pairs whose
+    /// slots are inside the state; `state` is `state_words` f64 of host memory used by nothing
+    /// else during the call.
+    pub unsafe fn adagc_raw(&self, tables: &UnitTables, state: u64, state_words: usize, loss_scale: u64) -> Result<()> {
+        tables.check()?;
+        crate::units::check_loss_scale(loss_scale)?;
+        crate::units::check_state(state, state_words)?;
+        // SAFETY: the caller's contract: the state's words, the loss scale, the tables.
+        let (words, scale, pieces) = unsafe {
             (
-                std::slice::from_raw_parts(tables.addr as *const UnitTensor, tables.tensors),
-                tables.partials_at() as *mut Partial,
+                std::slice::from_raw_parts_mut(state as *mut f64, state_words),
+                loss_scale_at(loss_scale),
+                Pieces::of(tables),
             )
         };
-        // Pieces in table order: (tensor, piece).
-        let order: Vec<(usize, u64)> = tensors
+        if kind_of(words) != Some(kind::ADAGC) {
+            return Err(Error::PolicyState {
+                policy: "AdaGC",
+                detail: "its state's header is not a whole AdaGC state".into(),
+            });
+        }
+        if let Some((i, t)) = pieces.tensors.iter().enumerate().find(|(_, t)| t.slot as usize >= adagc::slots(state_words)) {
+            return Err(Error::PolicyState {
+                policy: "AdaGC",
+                detail: format!("tensor {i} has slot {} and the state {} slots", t.slot, adagc::slots(state_words)),
+            });
+        }
+        // SAFETY: the caller's contract (the plan's tensors).
+        unsafe { pieces.norms() };
+        let partials = pieces.partials.base();
+        // SAFETY: every piece's partials were written above.
+        let folds: Vec<L2> = pieces.tensors.iter().map(|t| unsafe { tensor_state(t, partials) }).collect();
+        let encoded: Vec<Partial> = folds.iter().map(|f| f.encode()).collect();
+        let total: L2 = model::final_reduce(&encoded, 2.0);
+        let (warm, coef) = (adagc::warming(words), adagc::global_coefficient(total.norm() / scale, words));
+        adagc::finish(words);
+        let factors: Vec<f64> = pieces
+            .tensors
             .iter()
-            .enumerate()
-            .flat_map(|(i, t)| (0..num_pieces(t)).map(move |k| (i, k)))
+            .zip(&folds)
+            .map(|(t, fold)| match adagc::split_slot(words, t.slot as usize) {
+                Some((header, slot)) => adagc::factor(fold.norm() / scale, header, slot, warm, coef),
+                None => f64::NAN,
+            })
             .collect();
-        let at = SharedPartials(partials);
-        workers::for_each_index(order.len(), |n| {
-            let (i, k) = order[n];
-            let t = &tensors[i];
-            let (start, len) = piece_span(t, k);
-            let (g, p) = dtype_codes(t);
-            // SAFETY: the piece lies in both parts (the plan's checks); its two slots are this
-            // call's alone.
-            unsafe {
-                let slot = 2 * (t.first_piece + k) as usize;
-                at.write(slot, piece_partial(g, t.grad, start, len).encode());
-                at.write(slot + 1, piece_partial(p, t.param, start, len).encode());
-            }
-        });
-        workers::for_each_index(order.len(), |n| {
-            let (i, k) = order[n];
-            let t = &tensors[i];
-            // SAFETY: every piece's partials were written by the pass above.
-            let (g, p) = unsafe { unit_norms(t, k, at.base()) };
-            if let (Some(f), Some(dtype)) = (
-                agc_factor(g / scale, p, agc.clip_factor, agc.eps),
-                DType::from_code(dtype_codes(t).0),
-            ) {
-                let (start, len) = piece_span(t, k);
-                // SAFETY: the piece lies in the gradient, which no other piece or parameter
-                // overlaps (the plan's checks).
-                with_element!(dtype, E => unsafe { scale_piece::<E>(t.grad, start, len, f) });
-            }
-        });
+        // SAFETY: after the norms pass; the plan's checks.
+        unsafe { pieces.scale(|i, _| (factors[i] != 1.0).then_some(factors[i])) };
         Ok(())
     }
 }

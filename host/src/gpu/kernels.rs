@@ -36,9 +36,12 @@ pub enum Kernel {
     KeysTotal,
     /// The clip policies' one-block launch ([`gradclip_kernels::policy`]).
     ClipPolicy,
-    /// The unit-wise passes ([`gradclip_kernels::units`]): the norms, AGC's scale.
+    /// The unit-wise passes ([`gradclip_kernels::units`]): the norms, AGC's scale, AdaGC's
+    /// decision and the per-tensor scale.
     UnitNorms,
     AgcScale,
+    AdagcDecide,
+    TensorScale,
     #[cfg(feature = "bench-kernels")]
     Fill,
     #[cfg(feature = "bench-kernels")]
@@ -68,6 +71,8 @@ impl Kernel {
         Kernel::ClipPolicy,
         Kernel::UnitNorms,
         Kernel::AgcScale,
+        Kernel::AdagcDecide,
+        Kernel::TensorScale,
         #[cfg(feature = "bench-kernels")]
         Kernel::Fill,
         #[cfg(feature = "bench-kernels")]
@@ -129,6 +134,8 @@ impl Kernel {
             Kernel::ClipPolicy => "gradclip_clip_policy",
             Kernel::UnitNorms => "gradclip_unit_norms",
             Kernel::AgcScale => "gradclip_agc_scale",
+            Kernel::AdagcDecide => "gradclip_adagc_decide",
+            Kernel::TensorScale => "gradclip_tensor_scale",
             #[cfg(feature = "bench-kernels")]
             Kernel::Fill => "gradclip_fill",
             #[cfg(feature = "bench-kernels")]

@@ -273,6 +273,52 @@ pub unsafe fn agc(
     Ok(())
 }
 
+/// AdaGC's launches ([`gradclip_kernels::policy::adagc`]) over a per-tensor plan: the norms
+/// (one block per task), the decision (one block, every call: it counts the call), the
+/// per-tensor scale (one block per task).
+///
+/// # Safety
+/// As [`agc`], for a plan of per-tensor pairs whose slots are distinct and inside the state
+/// (`state_words` f64 of the context at `state`, written before on the stream, used by nothing
+/// else until the launches complete); `t.tasks` may be 0.
+pub unsafe fn adagc(stream: &CudaStream, ks: &KernelSet, t: &crate::units::UnitTables, state: u64, state_words: u64, loss_scale: u64) -> Result<()> {
+    let (units, tasks, partials) = (t.addr, t.tasks_at(), t.partials_at());
+    let (folds, factors, tensors) = (t.folds_at(), t.factors_at(), t.tensors as u64);
+    let per_task = LaunchConfig {
+        grid_dim: (t.tasks as u32, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    if t.tasks > 0 {
+        let mut b = stream.launch_builder(ks.get(Kernel::UnitNorms));
+        b.arg(&units).arg(&tasks).arg(&partials);
+        // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+        unsafe { b.launch(per_task) }?;
+    }
+    let mut b = stream.launch_builder(ks.get(Kernel::AdagcDecide));
+    b.arg(&units)
+        .arg(&tensors)
+        .arg(&partials)
+        .arg(&folds)
+        .arg(&factors)
+        .arg(&state)
+        .arg(&state_words)
+        .arg(&loss_scale);
+    let one_block = LaunchConfig {
+        shared_mem_bytes: BLOCK_SMEM_BYTES,
+        ..ONE_BLOCK
+    };
+    // SAFETY: as above; one block with the block reduction's shared memory, after the norms.
+    unsafe { b.launch(one_block) }?;
+    if t.tasks > 0 {
+        let mut b = stream.launch_builder(ks.get(Kernel::TensorScale));
+        b.arg(&units).arg(&tasks).arg(&factors);
+        // SAFETY: as above; after the decision on the same stream.
+        unsafe { b.launch(per_task) }?;
+    }
+    Ok(())
+}
+
 /// One block of `BLOCK_THREADS` (the clip policies).
 const ONE_BLOCK: LaunchConfig = LaunchConfig {
     grid_dim: (1, 1, 1),

@@ -24,7 +24,8 @@ pub const PTX_TARGET: &str = "sm_80";
 /// Each kernel's `bar.sync` count, as reviewed; kernels not listed have none. The norm kernels:
 /// the block reduction's (two), and the last block's fold after its ticket (one, reached by the
 /// whole block: the ticket flag is shared). The updates: the tasks' loop and the tally's block
-/// reduction. The policies: after thread 0's decision, AutoClip's move (two per window), after it.
+/// reduction. The policies: after thread 0's decision, AutoClip's move (two per window), after it;
+/// AdaGC's decision: after the folds, the block reduction's, after thread 0's call words.
 pub const BARRIERS: &[(&str, usize)] = &[
     ("gradclip_norm_l1", 3),
     ("gradclip_norm_l2", 3),
@@ -37,6 +38,7 @@ pub const BARRIERS: &[(&str, usize)] = &[
     ("gradclip_sgd_stats", 6),
     ("gradclip_lion_stats", 6),
     ("gradclip_clip_policy", 4),
+    ("gradclip_adagc_decide", 3),
 ];
 
 /// The header's `.version` and `.target`, when they are the pinned ones; else what differs.

@@ -1,5 +1,5 @@
-//! The unit-wise clip (AGC, [`crate::units`]) on the GPU engine: two launches over tables the
-//! caller keeps in device memory, on the engine's stream, capturable.
+//! The unit-wise clips (AGC and AdaGC, [`crate::units`]) on the GPU engine: launches over
+//! tables the caller keeps in device memory, on the engine's stream, capturable.
 
 use super::{GpuEngine, launch};
 use crate::error::{Error, Result};
@@ -32,5 +32,30 @@ impl GpuEngine {
         let stream = self.stream().clone();
         // SAFETY: the caller's contract; at least one task.
         unsafe { launch::agc(&stream, self.kernels(), tables, agc, loss_scale) }
+    }
+
+    /// AdaGC ([`crate::units::AdaGc`]) over the per-tensor tables at `tables` (device memory) with
+    /// its state (`state_words` f64 of device memory at `state`): three launches (the norms, the
+    /// one-block decision, the per-tensor scale), on the stream, no host sync. The state's header
+    /// is read on the device: a state that is not a whole AdaGC state gives every factor NaN
+    /// (the gradients become NaN, never a silent clip), as does a slot past its end.
+    ///
+    /// # Safety
+    /// As [`GpuEngine::agc_raw`], for a plan of [`crate::units::UnitPair::per_tensor`] pairs whose
+    /// slots are inside the state; the state written before on the stream and used by nothing else
+    /// until the launches complete.
+    pub unsafe fn adagc_raw(&mut self, tables: &UnitTables, state: u64, state_words: usize, loss_scale: u64) -> Result<()> {
+        tables.check()?;
+        crate::units::check_loss_scale(loss_scale)?;
+        crate::units::check_state(state, state_words)?;
+        if tables.tasks > i32::MAX as usize {
+            return Err(Error::TooManyTasks {
+                tasks: tables.tasks as u64,
+                max: i32::MAX as u64,
+            });
+        }
+        let stream = self.stream().clone();
+        // SAFETY: the caller's contract.
+        unsafe { launch::adagc(&stream, self.kernels(), tables, state, state_words as u64, loss_scale) }
     }
 }

@@ -8,8 +8,11 @@
 //! A policy's state is one array of f64 words, which its owner keeps (a torch tensor, so that a
 //! state dict holds it): word [`KIND`] names the policy, word [`WORDS`] the array's length, then
 //! the policy's settings and its running state (each policy's module lists its words). A new
-//! policy is one module here and one arm in [`begin`] (and [`kind_of`]).
+//! policy is one module here and one arm in [`begin`] (and [`kind_of`]). [`adagc`] keeps a
+//! threshold per tensor: it has its own launch over the unit-wise tables ([`crate::units`]), and
+//! [`begin`] refuses its state as a step's clip policy.
 
+pub mod adagc;
 pub mod autoclip;
 pub mod skip_spike;
 pub mod zclip;
@@ -29,6 +32,8 @@ pub mod kind {
     pub const SKIP_SPIKE: u32 = 2;
     /// [`super::autoclip`]: a clip policy.
     pub const AUTOCLIP: u32 = 3;
+    /// [`super::adagc`]: a per-tensor clip, run by its own launch.
+    pub const ADAGC: u32 = 4;
 }
 
 /// The policy a state names, when its header is whole: its kind is known and its length is the
@@ -43,6 +48,7 @@ pub fn kind_of(state: &[f64]) -> Option<u32> {
         kind::ZCLIP if kind == kind::ZCLIP as f64 => zclip::fits(state),
         kind::SKIP_SPIKE if kind == kind::SKIP_SPIKE as f64 => skip_spike::fits(state),
         kind::AUTOCLIP if kind == kind::AUTOCLIP as f64 => autoclip::fits(state),
+        kind::ADAGC if kind == kind::ADAGC as f64 => adagc::fits(state),
         _ => false,
     };
     fits.then_some(kind as u32)

@@ -55,8 +55,8 @@ class AGC:
         # By identity (a tensor's == is elementwise), without keeping the parameters alive.
         self._exclude = {id(p): weakref.ref(p) for p in _as_list(exclude)}
         # The last tables: (the Python reading's key, or None for the native one's; the tables on
-        # the device; tensors; tasks), and the native reading (which keeps its own key).
-        self._tables: Optional[Tuple[Optional[tuple], torch.Tensor, int, int]] = None
+        # the device; (tensors, tasks, pieces)), and the native reading (which keeps its own key).
+        self._tables: Optional[Tuple[Optional[tuple], torch.Tensor, Tuple[int, int, int]]] = None
         self._reads = UnitReads()
 
     def __repr__(self) -> str:
@@ -149,41 +149,48 @@ class AGC:
         index, plan = found
         device = torch.device("cuda", index) if index >= 0 else torch.device("cpu")
         if plan is not None:
-            self._tables = (None, self._upload(device, plan), plan[2], plan[3])
+            self._tables = (None, upload_tables(device, plan), tuple(plan[2:]))
         elif self._tables is None or self._tables[0] is not None:
             # The kept tables are the Python reading's: read again.
             self._reads.forget()
             return self._native_work(params, loss_scale)
         return self._launch(device, loss_scale)
 
-    def _upload(self, device: torch.device, plan) -> torch.Tensor:
-        """A tensor on ``device`` holding a plan's table words, with room for its partials."""
-        if capturing():
-            raise RuntimeError(
-                "AGC's tables for these tensors are not made yet, and cannot be while a CUDA graph captures: "
-                "clip the same tensors once eagerly before capturing"
-            )
-        words, nbytes = plan[0], plan[1]
-        buf = torch.empty(max(nbytes // 8, 1), dtype=torch.int64, device=device)
-        if words:
-            buf[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
-        return buf
-
     def _launch(self, device: torch.device, loss_scale: Optional[torch.Tensor]):
         """The engine's call over the kept tables."""
-        _, buf, tensors, tasks = self._tables
+        _, buf, plan = self._tables
         clip_factor, eps = self.clip_factor, self.eps
-        scale = None if loss_scale is None else loss_scale.to(device=device, dtype=torch.float32).contiguous()
-        return lambda: _agc(device, buf, tensors, tasks, clip_factor, eps, 0 if scale is None else scale.data_ptr())
+        scale = loss_scale_on(device, loss_scale)
+        return lambda: _agc(device, buf, plan, clip_factor, eps, 0 if scale is None else scale.data_ptr())
 
     def _device_call(self, device: torch.device, pairs: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: Optional[torch.Tensor]):
         """The engine's call over ``pairs`` on ``device``, its tables made (or the kept ones)."""
         key = (device, tuple((g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), g.dtype, p.dtype) for p, g in pairs))
         if self._tables is None or self._tables[0] != key:
-            plan = unit_plan([(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype]) for p, g in pairs])
-            self._tables = (key, self._upload(device, plan), plan[2], plan[3])
+            plan = unit_plan([(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype], 0) for p, g in pairs])
+            self._tables = (key, upload_tables(device, plan), tuple(plan[2:]))
             self._reads.forget()  # the native reading's kept tables are these no more
         return self._launch(device, loss_scale)
+
+
+def upload_tables(device: torch.device, plan) -> torch.Tensor:
+    """A tensor on ``device`` holding a unit plan's table words, with room for its partials and
+    per-tensor words (``unit_plan``'s ``(words, bytes, ...)``)."""
+    if capturing():
+        raise RuntimeError(
+            "the unit-wise clip's tables for these tensors are not made yet, and cannot be while a CUDA graph captures: "
+            "clip the same tensors once eagerly before capturing"
+        )
+    words, nbytes = plan[0], plan[1]
+    buf = torch.empty(max(nbytes // 8, 1), dtype=torch.int64, device=device)
+    if words:
+        buf[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
+    return buf
+
+
+def loss_scale_on(device: torch.device, loss_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """GradScaler's scale as the engine reads it: one float32 on ``device``, or None."""
+    return None if loss_scale is None else loss_scale.to(device=device, dtype=torch.float32).contiguous()
 
 
 def _check(i: int, p: torch.Tensor, g: torch.Tensor) -> None:
