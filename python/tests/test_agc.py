@@ -212,7 +212,7 @@ def test_optimizer_clip_agc_steps_on_the_clipped_gradients(update):
     for p, q in zip(a, b):
         assert torch.equal(p.detach(), q.detach())
         assert torch.equal(p.grad, q.grad), "the step leaves the clipped gradients in .grad"
-    with pytest.raises(TypeError, match="AGC to the optimizer's clip="):
+    with pytest.raises(TypeError, match="AGC and AdaGC to the optimizer's clip="):
         optim.AdamW([{"params": a[:2], "clip": AGC()}, {"params": a[2:]}], lr=1e-2).step()
 
 

@@ -46,8 +46,8 @@ def check_group(group: Dict[str, Any], at: int) -> None:
         raise TypeError(f"param group {at}: clip_group must be a string; got {name!r}")
     if group.get("clip") is not None and not isinstance(group["clip"], _ClipPolicy):
         raise TypeError(
-            f"param group {at}: clip must be a clip policy (ZClip, AutoClip; a number goes to max_grad_norm; AGC to the "
-            f"optimizer's clip=, whose exclude= leaves parameters unclipped); got {type(group['clip']).__name__}"
+            f"param group {at}: clip must be a clip policy (ZClip, AutoClip; a number goes to max_grad_norm; AGC and AdaGC "
+            f"to the optimizer's clip=, whose exclude= leaves parameters unclipped); got {type(group['clip']).__name__}"
         )
     if group.get("skip") is not None and not isinstance(group["skip"], SkipSpike):
         raise TypeError(f"param group {at}: skip must be a skip policy (SkipSpike); got {type(group['skip']).__name__}")

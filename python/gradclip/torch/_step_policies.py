@@ -3,27 +3,27 @@ policies an optimizer runs, the clip threshold its step then takes, their place 
 and the steps that cannot run them (refused before anything is written).
 
 ``clip`` is a number (the fixed clip, as ``max_grad_norm``), a clip policy (``ZClip``,
-``AutoClip``) or ``AGC`` (the unit-wise clip, run on the gradients before the step); ``skip``
-a skip policy (``SkipSpike``). The engine's step runs them on the device after the norm, before the
+``AutoClip``), or ``AGC`` or ``AdaGC`` (unit-wise and per-tensor clips, run on the gradients
+before the step: a unit clip); ``skip`` a skip policy (``SkipSpike``). The engine's step runs them on the device after the norm, before the
 update reads the coefficient: the clip policy's coefficient replaces the fixed clip's, and a step
 the skip policy skips writes no parameter, state or step count (counted in ``skipped_steps``)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
-from .policies import AGC, SkipSpike
+from .policies import AGC, AdaGC, SkipSpike
 from .policies._base import _ClipPolicy, _Policy, clip_threshold, policies_args
 
 
-def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Optional[_Policy], Optional[_Policy], Optional[AGC]]:
+def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Optional[_Policy], Optional[_Policy], Optional[Union[AGC, AdaGC]]]:
     """``(max_grad_norm, clip_policy, skip_policy, unit_clip)`` from an optimizer's ``clip``,
     ``skip`` and ``max_grad_norm`` (a ValueError or TypeError, before anything is made, for a
     wrong one)."""
     if clip is not None and max_grad_norm is not None:
         raise ValueError("give max_grad_norm or clip, not both (clip=<number> is max_grad_norm=<number>)")
     policy = unit = None
-    if isinstance(clip, AGC):
+    if isinstance(clip, (AGC, AdaGC)):
         unit = clip
     elif isinstance(clip, _ClipPolicy):
         policy = clip
@@ -31,19 +31,25 @@ def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Op
         raise TypeError(f"clip takes a number or a clip policy (ZClip, AutoClip); {type(clip).__name__} goes to skip=")
     elif clip is not None:
         if isinstance(clip, bool) or not isinstance(clip, (int, float)):
-            raise TypeError(f"clip must be a number (the fixed clip), a clip policy (ZClip, AutoClip) or AGC; got {type(clip).__name__}")
+            raise TypeError(f"clip must be a number (the fixed clip), a clip policy (ZClip, AutoClip), AGC or AdaGC; got {type(clip).__name__}")
         max_grad_norm = clip
     if skip is not None and not isinstance(skip, SkipSpike):
         raise TypeError(f"skip must be a skip policy such as SkipSpike; got {type(skip).__name__}")
     if (policy is not None or skip is not None) and update != "gradclip":
         raise ValueError('clip and skip policies run in gradclip\'s update (update="gradclip"): torch\'s fused kernel cannot skip on them')
+    if isinstance(unit, AdaGC) and skip is not None:
+        raise ValueError(
+            "AdaGC learns from every step it clips, before the step is taken, so a step the skip policy then skips would "
+            "still teach it: give AdaGC or skip=, not both"
+        )
     if policy is not None and skip is not None and policy is skip:
         raise ValueError("one policy object cannot be both the clip and the skip policy")
     return max_grad_norm, policy, skip, unit
 
 
 def unit_clip(opt) -> None:
-    """The optimizer's AGC (``clip=AGC(...)``) on every gradient of its groups, before the step
+    """The optimizer's unit clip (``clip=AGC(...)`` or ``clip=AdaGC(...)``) on every gradient of
+    its groups, in their order (AdaGC's slots), before the step
     reads them (under GradScaler, whose scale the gradients still carry, by their unscaled
     norms)."""
     if opt.unit_clip is not None:
@@ -83,7 +89,11 @@ def refuse_torch_step(opt, why: str) -> None:
 
 def saved(opt) -> Dict[str, Any]:
     """The policies' state dicts, for the optimizer's (under ``"gradclip"``)."""
-    return {k: p.state_dict() for k, p in (("clip_policy", opt.clip_policy), ("skip_policy", opt.skip_policy)) if p is not None}
+    return {k: p.state_dict() for k, p in _saved_policies(opt) if p is not None}
+
+
+def _saved_policies(opt):
+    return (("clip_policy", opt.clip_policy), ("skip_policy", opt.skip_policy), ("unit_clip", opt.unit_clip))
 
 
 def pack_groups(groups) -> None:
@@ -128,7 +138,8 @@ def _probe(policy: _Policy) -> _Policy:
     """A copy of ``policy`` with its state on the CPU, to check a load on."""
     probe = type(policy).__new__(type(policy))
     probe.__dict__.update(policy.__dict__)
-    probe._state = policy._state.detach().to("cpu", copy=True)
+    if hasattr(policy, "_state"):
+        probe._state = policy._state.detach().to("cpu", copy=True)
     return probe
 
 
@@ -137,7 +148,7 @@ def load(opt, settings: Dict[str, Any]):
     checked now by loading into a copy (nothing is loaded on an error): a list of calls that
     load them into ``opt``'s own policies, for after torch's load succeeded."""
     loads = []
-    for key, name in (("clip_policy", "clip="), ("skip_policy", "skip=")):
+    for key, name in (("clip_policy", "clip="), ("skip_policy", "skip="), ("unit_clip", "clip=")):
         sd = settings.get(key)
         if sd is None:
             continue

@@ -1,6 +1,7 @@
 """Clip policies that decide on the device, from each step's global norm and a few words of state,
 the clip coefficient (``ZClip``, ``AutoClip``) or whether the step is skipped (``SkipSpike``), and
-AGC's unit-wise clip of each weight's rows against the weight's own (``AGC``): no host sync, in
+AGC's unit-wise clip of each weight's rows against the weight's own (``AGC``) and AdaGC's
+per-tensor thresholds (``AdaGC``): no host sync, in
 a CUDA graph too, the CPU backend deciding the same bits. A policy's state is one float64 tensor
 it owns (on the gradients' device from its first use), saved by ``state_dict``.
 
@@ -10,9 +11,10 @@ skipped steps leave every parameter, state and step count exactly as they were. 
 and the differences from each author's code are in ``gradclip_kernels::policy`` (the Rust
 crate) and docs/policies.md."""
 
+from .adagc import AdaGC
 from .agc import AGC
 from .autoclip import AutoClip
 from .skip_spike import SkipSpike
 from .zclip import ZClip
 
-__all__ = ["ZClip", "AutoClip", "AGC", "SkipSpike"]
+__all__ = ["ZClip", "AutoClip", "AGC", "AdaGC", "SkipSpike"]

@@ -1,0 +1,284 @@
+"""AdaGC, per-tensor adaptive clipping (Wang et al., 2025): the arithmetic is
+``kernels-gpu/src/policy/adagc.rs``; the tables are AGC's unit-wise tables, one unit a tensor,
+made here once per set of gradients and kept on their device with the state."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..._engine import POLICY_WORDS, UnitReads, adagc as _adagc, adagc_state, capturing, facts, policy_state_is_whole, returned_norm, unit_plan
+from .._functions import _as_list, _grads_norm64, _is_dtensor, _opaque_to_compile
+from .agc import _CODES, loss_scale_on, upload_tables
+
+_WORDS = POLICY_WORDS["adagc"]
+
+
+class AdaGC:
+    """AdaGC (Wang et al., 2025, "AdaGC: Improving Training Stability for Large Language Model
+    Pretraining"), as its authors' Paddle code (``ClipGradByAdaptiveNorm``) runs it, with its
+    defaults: each parameter's gradient keeps its own threshold, ``clip_ratio`` times an EMA of
+    its norm. For the first ``start_clip_steps + 1`` calls every gradient is clipped by the
+    global norm at ``max_grad_norm`` (the authors fix it at 1.0) and each parameter's EMA takes
+    the smallest norm it has seen; from then on a gradient whose norm is above
+    ``clip_ratio * ema`` is multiplied by ``clip_ratio * ema / (norm + eps)``, and the EMA
+    (``ema <- beta * ema + (1 - beta) * taken``) takes that limit in place of its norm.
+
+    The state lives on the gradients' device (one float64 tensor: the settings, the call count and
+    three words per parameter), decided there in one launch after one pass over the gradients and
+    before one scale pass: no host sync, in a captured CUDA graph once it has run eagerly on the
+    same tensors, the CPU backend giving the GPU's bits. A parameter's state is found by its
+    position in the list each call is given (``model.parameters()`` every step, or an
+    optimizer's parameters): a call with another list raises. Parameters without a gradient keep
+    their state as it is. ``exclude``: parameters left unclipped and out of the global norm (the
+    authors' ``need_clip=False``).
+
+    Differences from the authors' code (docs/policies.md): norms are exact in f64; a non-finite
+    norm changes no EMA (theirs would keep a NaN from then on), and a tensor first seen with one
+    starts its EMA at its first finite norm. One device per call; DTensor gradients are refused
+    (their per-tensor norms need a collective this class does not make yet)."""
+
+    _KIND = "adagc"
+
+    def __init__(
+        self,
+        clip_ratio: float = 1.03,
+        beta: float = 0.98,
+        start_clip_steps: int = 100,
+        eps: float = 1e-8,
+        max_grad_norm: float = 1.0,
+        exclude=(),
+    ):
+        if isinstance(start_clip_steps, bool) or not isinstance(start_clip_steps, int) or not 0 <= start_clip_steps < 2**32:
+            raise ValueError(f"start_clip_steps must be an int >= 0; got {start_clip_steps!r}")
+        for name, v in (("clip_ratio", clip_ratio), ("beta", beta), ("eps", eps), ("max_grad_norm", max_grad_norm)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number; got {v!r}")
+        self.clip_ratio, self.beta, self.eps = float(clip_ratio), float(beta), float(eps)
+        self.start_clip_steps, self.max_grad_norm = start_clip_steps, float(max_grad_norm)
+        self._state = torch.tensor(self._fresh(0), dtype=torch.float64)  # the engine checks the settings
+        self._exclude = {id(p): weakref.ref(p) for p in _as_list(exclude)}
+        # The ids of the parameter list the slots belong to (None: the next call's list adopts them).
+        self._ids: Optional[tuple] = None
+        # The last tables: (the Python reading's key, or None for the native one's; the tables on
+        # the device; (tensors, tasks, pieces)), and the native reading.
+        self._tables: Optional[Tuple[Optional[tuple], torch.Tensor, Tuple[int, int, int]]] = None
+        self._reads = UnitReads()
+
+    def _fresh(self, slots: int) -> list:
+        try:
+            return adagc_state(self.clip_ratio, self.beta, self.eps, self.start_clip_steps, self.max_grad_norm, slots)
+        except ValueError as e:
+            raise ValueError(str(e).replace("invalid AdaGC ", "AdaGC: invalid ")) from None
+
+    def _settings(self) -> Dict[str, Any]:
+        return {
+            "clip_ratio": self.clip_ratio, "beta": self.beta, "start_clip_steps": self.start_clip_steps, "eps": self.eps,
+            "max_grad_norm": self.max_grad_norm,
+        }
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        return f"AdaGC({settings}, exclude={len(self._exclude)} parameters)"
+
+    # The state, read where it lives (0-dim or 1-D tensors, no sync).
+
+    def _slots(self) -> torch.Tensor:
+        return self._state[_WORDS["header"]:].view(-1, _WORDS["slot_words"])
+
+    @property
+    def steps(self) -> torch.Tensor:
+        """The calls so far (a 0-dim float64 tensor where the state is)."""
+        return self._state[_WORDS["steps"]]
+
+    @property
+    def ema(self) -> torch.Tensor:
+        """Each parameter's EMA of its (clipped) gradient norm, by position (0 where unseen)."""
+        return self._slots()[:, _WORDS["ema"]]
+
+    @property
+    def clip_times(self) -> torch.Tensor:
+        """Each parameter's count of clips after the warmup, by position."""
+        return self._slots()[:, _WORDS["clip_times"]]
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """Whether each parameter has had a finite gradient norm yet, by position."""
+        return self._slots()[:, _WORDS["seen"]] != 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The settings and the state (a float64 CPU tensor): what ``load_state_dict`` takes."""
+        return {"policy": self._KIND, "settings": self._settings(), "state": self._state.detach().to("cpu", copy=True)}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Takes the settings and state of ``state_dict``, checked before anything changes (the
+        policy, valid settings, a whole state made for them); the state is copied into this
+        object's tensor where it has the same size (a captured graph keeps reading it). The next
+        call's parameter list is taken for the state's (it must have as many parameters)."""
+        if not isinstance(state_dict, dict) or state_dict.get("policy") != self._KIND:
+            raise ValueError(f"a state dict of {state_dict.get('policy') if isinstance(state_dict, dict) else state_dict!r}, not of 'adagc'")
+        loaded = AdaGC(**state_dict["settings"])
+        state = torch.as_tensor(state_dict["state"], dtype=torch.float64).detach().to("cpu").flatten()
+        header = _WORDS["header"]
+        fresh = loaded._state
+        running = _WORDS["running"]
+        if (
+            state.numel() < header
+            or (state.numel() - header) % _WORDS["slot_words"]
+            or not policy_state_is_whole(state.tolist())
+            or not (state[0] == fresh[0] and torch.equal(state[2:running], fresh[2:running]))  # its kind and settings
+        ):
+            raise ValueError(f"the state in this AdaGC state dict is not one made for its settings ({state.numel()} words): nothing was loaded")
+        if self._state.numel() == state.numel():
+            self._state.copy_(state)
+        else:
+            self._state = state.to(self._state.device)
+        self.clip_ratio, self.beta, self.eps = loaded.clip_ratio, loaded.beta, loaded.eps
+        self.start_clip_steps, self.max_grad_norm = loaded.start_clip_steps, loaded.max_grad_norm
+        self._ids = None
+
+    def _excluded(self, p: torch.Tensor) -> bool:
+        ref = self._exclude.get(id(p))
+        return ref is not None and ref() is p
+
+    @torch.no_grad()
+    def clip_(self, parameters, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips the gradients of ``parameters`` (a list or a generator, the same parameters in
+        the same order every call; None gradients and ``exclude``'s parameters skipped) by AdaGC,
+        and returns the total ``norm_type``-norm of all their gradients (``exclude``'s too) before
+        the clip, as ``clip_grad_norm_`` does (one more read of them; with ``error_if_nonfinite`` a
+        NaN or infinite norm raises, one host sync, before anything, the state included, is
+        written)."""
+        params = _as_list(parameters)
+        work = self._work(params)  # every check before any write
+        found = _grads_norm64(params, norm_type)
+        if found is None:
+            work()  # a call without gradients still counts (the authors' steps)
+            return torch.tensor(0.0)
+        total = returned_norm(found[0], found[1], error_if_nonfinite, norm_type)
+        work()
+        return total
+
+    def clip_unitwise_(self, parameters, loss_scale: Optional[torch.Tensor] = None) -> None:
+        """Clips the gradients of ``parameters`` by AdaGC, computing no norm to return: the
+        optimizers' ``clip=AdaGC(...)``. ``loss_scale``: the scale the gradients carry
+        (GradScaler's ``grad_scale``, one float32), which their norms are divided by."""
+        with torch.no_grad():
+            self._work(_as_list(parameters), loss_scale)()
+
+    def _binding(self, params: List[torch.Tensor]):
+        """Checks that ``params`` is the list the state's slots belong to (a ValueError, before
+        anything is written, when it is not), and returns what takes it as that list on a first
+        call (the state grown to it), or None when it is already."""
+        ids = tuple(map(id, params))
+        if self._ids is not None:
+            if ids != self._ids:
+                raise ValueError(
+                    f"AdaGC keeps each parameter's threshold by its position in the list it is given, and this call's "
+                    f"{len(params)} parameters are not the {len(self._ids)} it was given before: use one AdaGC per "
+                    "parameter list, in the same order every call"
+                )
+            return None
+        slots = len(self._slots())
+        if slots and slots != len(params):
+            raise ValueError(
+                f"this AdaGC's state holds {slots} parameters and this call gives {len(params)}: give it the "
+                "parameter list its state was made for"
+            )
+        if slots != len(params) and capturing():
+            raise RuntimeError("AdaGC's state is not made for these parameters yet, and cannot be while a CUDA graph captures: clip once eagerly first")
+
+        def adopt() -> None:
+            if slots != len(params):
+                grown = torch.tensor(self._fresh(len(params)), dtype=torch.float64)
+                grown[_WORDS["steps"]] = self._state[_WORDS["steps"]].cpu()
+                self._state = grown.to(self._state.device)
+            self._ids = ids
+
+        return adopt
+
+    def _work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor] = None):
+        """The clip of the gradients of ``params`` as one call, after every check (raised here,
+        naming the parameter by its position in ``params``)."""
+        adopt = self._binding(params)
+        launch = self._native_work(params, loss_scale) or self._python_work(params, loss_scale)
+        if adopt is None:
+            return launch
+
+        def run() -> None:
+            adopt()
+            launch()
+
+        return run
+
+    def _native_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor]):
+        """The call when the binding reads every gradient itself (plain contiguous tensors of one
+        device), keeping the last tables while the same gradients come back; None otherwise."""
+        reader = facts()
+        if reader is None or not type(params) is list:
+            return None
+        exclude = [id(p) for p in (r() for r in self._exclude.values()) if p is not None]
+        found = self._reads.read(reader, params, exclude, True)
+        if found is None:
+            return None
+        index, plan = found
+        device = torch.device("cuda", index) if index >= 0 else torch.device("cpu")
+        if plan is not None:
+            self._tables = (None, upload_tables(device, plan), tuple(plan[2:]))
+        elif self._tables is None or self._tables[0] is not None:
+            self._reads.forget()  # the kept tables are the Python reading's: read again
+            return self._native_work(params, loss_scale)
+        return self._launch(device, loss_scale)
+
+    def _python_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor]):
+        grads: List[Tuple[int, torch.Tensor]] = []
+        device = None
+        for i, p in enumerate(params):
+            g = p.grad
+            if g is None or self._excluded(p):
+                continue
+            if _is_dtensor(p) or _is_dtensor(g):
+                raise TypeError(
+                    f"AdaGC: parameter {i} is a DTensor: its per-tensor norm spans ranks, which AdaGC does not reduce yet; "
+                    "clip sharded parameters with gradclip.torch.clip_grad_norm_ or a global policy (ZClip, AutoClip)"
+                )
+            if g.is_sparse:
+                raise TypeError(f"AdaGC: parameter {i} has a sparse gradient: AdaGC clips dense tensors")
+            if g.dtype not in _CODES:
+                raise TypeError(f"AdaGC: parameter {i} has a {g.dtype} gradient: AdaGC reads bfloat16, float16, float32 and float64")
+            if not g.is_contiguous():
+                raise ValueError(f"AdaGC: the gradient of parameter {i} is not contiguous: pass contiguous gradients")
+            if device is not None and g.device != device:
+                raise ValueError(f"AdaGC: parameter {i}'s gradient is on {g.device} and an earlier one on {device}: one device per call")
+            device = g.device
+            if g.numel():
+                grads.append((i, g))
+        device = device or self._state.device
+        key = (device, tuple((g.data_ptr(), g.numel(), g.dtype, i) for i, g in grads))
+        if self._tables is None or self._tables[0] != key:
+            plan = unit_plan([(g.data_ptr(), 0, g.numel(), g.numel(), _CODES[g.dtype], 0, i) for i, g in grads])
+            self._tables = (key, upload_tables(device, plan), tuple(plan[2:]))
+            self._reads.forget()  # the native reading's kept tables are these no more
+        return self._launch(device, loss_scale)
+
+    def _launch(self, device: torch.device, loss_scale: Optional[torch.Tensor]):
+        """The engine's call over the kept tables, with the state on ``device``."""
+        _, buf, plan = self._tables
+        scale = loss_scale_on(device, loss_scale)
+        if self._state.device != device:
+            if capturing():
+                raise RuntimeError(f"AdaGC's state is on {self._state.device}, not on {device}, and cannot be moved while a CUDA graph captures")
+            self._state = self._state.to(device)
+
+        def run() -> None:
+            _adagc(device, buf, plan, self._state, 0 if scale is None else scale.data_ptr())
+
+        return run
+
+
+# Native calls on raw addresses: torch.compile calls them at a graph break, never traces them.
+AdaGC.clip_ = _opaque_to_compile(AdaGC.clip_)
+AdaGC.clip_unitwise_ = _opaque_to_compile(AdaGC.clip_unitwise_)
