@@ -85,7 +85,10 @@ pub fn skip_spike_state(settings: &skip_spike::Settings) -> Vec<f64> {
 /// Whether `state` is a whole state of a known policy (its header, length and counters): what a
 /// caller checks before loading a saved state.
 pub fn is_whole(state: &[f64]) -> bool {
-    matches!(policy::kind_of(state), Some(kind::ZCLIP | kind::SKIP_SPIKE | kind::AUTOCLIP | kind::ADAGC))
+    matches!(
+        policy::kind_of(state),
+        Some(kind::ZCLIP | kind::SKIP_SPIKE | kind::AUTOCLIP | kind::ADAGC)
+    )
 }
 
 /// Runs the policies on the CPU: `out` holds the clip's norm, coefficient and flags as the GPU's

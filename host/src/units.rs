@@ -171,7 +171,12 @@ impl UnitPlan {
             });
         }
         // A per-tensor policy's slots: one tensor each.
-        let mut slots: Vec<(u32, usize)> = pairs.iter().enumerate().filter(|(_, p)| p.param.is_none()).map(|(i, p)| (p.slot, i)).collect();
+        let mut slots: Vec<(u32, usize)> = pairs
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.param.is_none())
+            .map(|(i, p)| (p.slot, i))
+            .collect();
         slots.sort_unstable();
         if let Some(w) = slots.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(Error::Units {
@@ -302,7 +307,10 @@ impl UnitTables {
 /// [`Error::PolicyState`] for one shorter than a header.
 pub(crate) fn check_state(addr: u64, words: usize) -> Result<()> {
     if addr == 0 || !addr.is_multiple_of(8) {
-        return Err(Error::BadOutputAddress { what: "the policy state", addr });
+        return Err(Error::BadOutputAddress {
+            what: "the policy state",
+            addr,
+        });
     }
     if words < gradclip_kernels::policy::adagc::HEADER {
         return Err(Error::PolicyState {

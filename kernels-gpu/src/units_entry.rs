@@ -266,7 +266,13 @@ pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
         // barrier below; the other threads read neither before it.
         unsafe {
             call.add(CALL_COEF).write(adagc::global_coefficient(total.norm() / scale, words));
-            call.add(CALL_MODE).write(if !whole { 0.0 } else if warm { 1.0 } else { 2.0 });
+            call.add(CALL_MODE).write(if !whole {
+                0.0
+            } else if warm {
+                1.0
+            } else {
+                2.0
+            });
         }
         if whole {
             adagc::finish(words);

@@ -144,7 +144,11 @@ pub fn adagc(
         // the caller's float64 tensor there of `state_words` elements, written before on
         // `stream`; nothing else uses the tables or the state until the stream passes this work;
         // a loss scale is the caller's float32 there, written before on `stream`.
-        return py.detach(|| on_engine(device as usize, stream, |e| unsafe { e.adagc_raw(&tables, state, state_words, loss_scale) }));
+        return py.detach(|| {
+            on_engine(device as usize, stream, |e| unsafe {
+                e.adagc_raw(&tables, state, state_words, loss_scale)
+            })
+        });
     }
     // SAFETY: as above, host tensors.
     py.detach(|| unsafe { Cpu::new().adagc_raw(&tables, state, state_words, loss_scale) })
@@ -220,7 +224,8 @@ impl UnitReads {
                 return Ok(None);
             }
             let unit_len = pf.len.checked_div(rows).unwrap_or(1);
-            self.pairs.push((gf.addr, pf.addr, gf.len, unit_len.max(1), gd.code(), pd.code(), 0));
+            self.pairs
+                .push((gf.addr, pf.addr, gf.len, unit_len.max(1), gd.code(), pd.code(), 0));
             self.positions.push(at);
         }
         let device = match place {

@@ -281,7 +281,14 @@ pub unsafe fn agc(
 /// As [`agc`], for a plan of per-tensor pairs whose slots are distinct and inside the state
 /// (`state_words` f64 of the context at `state`, written before on the stream, used by nothing
 /// else until the launches complete); `t.tasks` may be 0.
-pub unsafe fn adagc(stream: &CudaStream, ks: &KernelSet, t: &crate::units::UnitTables, state: u64, state_words: u64, loss_scale: u64) -> Result<()> {
+pub unsafe fn adagc(
+    stream: &CudaStream,
+    ks: &KernelSet,
+    t: &crate::units::UnitTables,
+    state: u64,
+    state_words: u64,
+    loss_scale: u64,
+) -> Result<()> {
     let (units, tasks, partials) = (t.addr, t.tasks_at(), t.partials_at());
     let (folds, factors, tensors) = (t.folds_at(), t.factors_at(), t.tensors as u64);
     let per_task = LaunchConfig {

@@ -77,7 +77,13 @@ impl Settings {
     /// Whether the settings are ones the rule is defined for: a positive finite `clip_ratio`
     /// and `max_grad_norm`, `beta` in [0, 1), a finite `eps >= 0`.
     pub fn valid(&self) -> bool {
-        settings_valid(self.clip_ratio, self.beta, self.eps, self.start_clip_steps as f64, self.max_grad_norm)
+        settings_valid(
+            self.clip_ratio,
+            self.beta,
+            self.eps,
+            self.start_clip_steps as f64,
+            self.max_grad_norm,
+        )
     }
 }
 
@@ -123,7 +129,13 @@ pub fn state(s: &Settings, slots: usize) -> std::vec::Vec<f64> {
 pub fn fits(s: &[f64]) -> bool {
     s.len() >= HEADER
         && (s.len() - HEADER).is_multiple_of(SLOT_WORDS)
-        && settings_valid(rd(s, CLIP_RATIO), rd(s, BETA), rd(s, EPS), rd(s, START_CLIP_STEPS), rd(s, MAX_GRAD_NORM))
+        && settings_valid(
+            rd(s, CLIP_RATIO),
+            rd(s, BETA),
+            rd(s, EPS),
+            rd(s, START_CLIP_STEPS),
+            rd(s, MAX_GRAD_NORM),
+        )
         && rd(s, STEPS) >= 0.0
 }
 

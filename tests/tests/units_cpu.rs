@@ -1,10 +1,13 @@
-//! AGC on the CPU backend ([`gradclip::units`]) against an exact reference: every unit's norms
-//! summed with compensation in f64, the authors' rule, each element multiplied as torch's
-//! `mul_` does. Every dtype for gradient and parameter, units of one piece and of several,
-//! 16-byte phases, non-finite gradients; and each refused input refused before any write.
+//! The unit-wise clips on the CPU backend ([`gradclip::units`]) against exact references: every
+//! unit's norms summed with compensation in f64. AGC: the authors' rule, each element multiplied
+//! as torch's `mul_` does, every dtype for gradient and parameter, units of one piece and of
+//! several, 16-byte phases, non-finite gradients. AdaGC: the authors' rule call after call (its
+//! warmup, spikes, non-finite norms, tensors that come and go), the state it leaves. And each
+//! refused input refused before any write.
 
 use gradclip::cpu::Cpu;
-use gradclip::units::{Agc, UnitPair, UnitPlan, UnitTables};
+use gradclip::policy::adagc;
+use gradclip::units::{AdaGc, Agc, UnitPair, UnitPlan, UnitTables};
 use gradclip::{DType, Error};
 use gradclip_tests::*;
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -199,4 +202,177 @@ fn refused_inputs_write_nothing() {
         assert!(matches!(e, Error::InvalidHyperparameter { .. }), "{e}");
     }
     unchanged(&g, &g2);
+}
+
+/// Runs AdaGC on the CPU over per-tensor pairs of `grads` (slots as given) with `state`.
+fn run_adagc(grads: &[(&Grad, u32)], state: &mut [f64]) -> gradclip::Result<()> {
+    let pairs: Vec<UnitPair> = grads.iter().map(|(g, slot)| UnitPair::per_tensor(g.host().raw(), *slot)).collect();
+    let plan = UnitPlan::new(&pairs)?;
+    let words = plan.table_words();
+    let mut buf = vec![0u64; plan.bytes().div_ceil(8).max(1)];
+    buf[..words.len()].copy_from_slice(&words);
+    // Poison the partials and the per-tensor words: each pass must write what it reads.
+    buf[words.len()..].fill(f64::NAN.to_bits());
+    let tables = UnitTables::of(&plan, buf.as_mut_ptr() as u64);
+    // SAFETY: the tables are this buffer's (sized by the plan), the tensors and the state the
+    // test's own.
+    unsafe { Cpu::new().adagc_raw(&tables, state.as_mut_ptr() as u64, state.len(), 0) }
+}
+
+/// The authors' rule (their Paddle `ClipGradByAdaptiveNorm`) for one call over exact norms,
+/// with gradclip's two documented differences (a non-finite norm changes no EMA and starts
+/// none): each slot's factor, and the slots' `(ema, clips)` advanced.
+fn adagc_reference(norms: &[(u32, f64)], s: &AdaGc, steps: u32, slots: &mut [Option<(f64, f64)>]) -> Vec<f64> {
+    let warm = steps <= s.start_clip_steps;
+    let total = norms.iter().map(|(_, n)| n * n).sum::<f64>().sqrt();
+    let coef = {
+        let c = s.max_grad_norm / (total + s.eps);
+        if c < 1.0 { c } else { 1.0 }
+    };
+    norms
+        .iter()
+        .map(|&(slot, n)| {
+            let state = &mut slots[slot as usize];
+            if state.is_none() && n.is_finite() {
+                *state = Some((n, 0.0));
+            }
+            if warm {
+                if let Some((ema, _)) = state
+                    && n.is_finite()
+                    && n < *ema
+                {
+                    *ema = n;
+                }
+                return coef;
+            }
+            let Some((ema, clips)) = state else { return 1.0 };
+            let limit = s.clip_ratio * *ema;
+            let (f, taken) = if n > limit {
+                *clips += 1.0;
+                (limit / (n + s.eps), limit)
+            } else {
+                (1.0, n)
+            };
+            if n.is_finite() {
+                *ema = *ema * s.beta + taken * (1.0 - s.beta);
+            }
+            f
+        })
+        .collect()
+}
+
+#[test]
+fn adagc_equals_the_authors_rule_call_after_call() {
+    let settings = AdaGc {
+        start_clip_steps: 6,
+        ..Default::default()
+    };
+    let mut rng = StdRng::seed_from_u64(21);
+    let sizes = [300usize, 16384 * 2 + 17, 5, 40_000, 1, 777];
+    let mut state = gradclip::units::adagc_state(&settings, sizes.len()).unwrap();
+    let mut slots = vec![None; sizes.len()];
+    let mut clipped = 0;
+    for call in 0..80u32 {
+        // Each call: new gradients of every dtype; some tensors absent; a spike and non-finite
+        // values at known calls.
+        let mut grads = Vec::new();
+        for (k, &n) in sizes.iter().enumerate() {
+            if (call as usize + k) % 7 == 3 {
+                continue;
+            }
+            let spike = if call % 13 == 12 && k == call as usize % sizes.len() {
+                50.0
+            } else {
+                1.0
+            };
+            let mut g = tensor(&mut rng, DType::ALL[(k + call as usize) % 4], n, 0.05 * (k + 1) as f64 * spike);
+            if (call == 20 && k == 1) || (call == 33 && k == 3) {
+                let mut v = g.values();
+                v[0] = if call == 20 { f64::INFINITY } else { f64::NAN };
+                g = Grad::from_f64(g.dtype(), &v, g.start());
+            }
+            grads.push((g, k as u32));
+        }
+        let before: Vec<Grad> = grads.iter().map(|(g, _)| g.clone()).collect();
+        let norms: Vec<(u32, f64)> = grads.iter().map(|(g, k)| (*k, reference_norm_of(&g.values(), 2.0))).collect();
+        let factors = adagc_reference(&norms, &settings, call, &mut slots);
+        let refs: Vec<(&Grad, u32)> = grads.iter().map(|(g, k)| (g, *k)).collect();
+        run_adagc(&refs, &mut state).unwrap();
+        for ((g0, (g, k)), f) in before.iter().zip(&grads).zip(&factors) {
+            let (bits0, bits) = (g0.bits(), g.bits());
+            if *f == 1.0 {
+                assert_eq!(bits, bits0, "call {call} tensor {k}: a kept tensor was written");
+                continue;
+            }
+            clipped += (call > settings.start_clip_steps) as usize;
+            for e in 0..bits.len() {
+                let expect = torch_scaled_bits(g.dtype(), bits0[e], *f);
+                assert!(agree(g.dtype(), bits[e], expect), "call {call} tensor {k} element {e}: factor {f}");
+            }
+        }
+        assert_eq!(state[adagc::STEPS], (call + 1) as f64);
+        for (k, s) in slots.iter().enumerate() {
+            let at = adagc::HEADER + adagc::SLOT_WORDS * k;
+            match s {
+                Some((ema, clips)) => {
+                    assert!(rel_err(state[at + adagc::EMA], *ema) <= 1e-12, "call {call} slot {k}");
+                    assert_eq!(state[at + adagc::CLIP_TIMES], *clips);
+                }
+                None => assert_eq!(state[at + adagc::SEEN], 0.0),
+            }
+        }
+    }
+    assert!(clipped > 5, "spikes after the warmup were clipped ({clipped})");
+}
+
+#[test]
+fn adagc_refusals_write_nothing() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let g = tensor(&mut rng, DType::F32, 100, 3.0);
+    let g2 = tensor(&mut rng, DType::Bf16, 50, 3.0);
+    let fresh = gradclip::units::adagc_state(&AdaGc::default(), 2).unwrap();
+    let before = (g.bits(), g2.bits());
+    let check = |state: &mut Vec<f64>, grads: &[(&Grad, u32)], what: &str| {
+        let keep = state.clone();
+        let e = run_adagc(grads, state).unwrap_err();
+        assert!(e.to_string().contains(what), "{e}");
+        assert_eq!((g.bits(), g2.bits()), before, "nothing written");
+        assert!(
+            state.iter().zip(&keep).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "the state untouched"
+        );
+    };
+    // A slot past the state's end; two tensors in one slot; a state that is not AdaGC's.
+    check(
+        &mut fresh.clone(),
+        &[(&g, 0), (&g2, 2)],
+        "tensor 1 has slot 2 and the state 2 slots",
+    );
+    check(&mut fresh.clone(), &[(&g, 1), (&g2, 1)], "its state slot 1 is tensor 0's too");
+    let mut broken = fresh.clone();
+    broken[adagc::BETA] = 1.5;
+    check(&mut broken, &[(&g, 0)], "not a whole AdaGC state");
+    let mut short = fresh.clone();
+    short.truncate(adagc::HEADER + 1);
+    check(&mut short, &[(&g, 0)], "not a whole AdaGC state");
+    // Settings the rule is not defined for.
+    for bad in [
+        AdaGc {
+            clip_ratio: -1.0,
+            ..Default::default()
+        },
+        AdaGc {
+            beta: 1.0,
+            ..Default::default()
+        },
+        AdaGc {
+            max_grad_norm: 0.0,
+            ..Default::default()
+        },
+    ] {
+        assert!(matches!(
+            gradclip::units::adagc_state(&bad, 1),
+            Err(Error::InvalidHyperparameter { .. })
+        ));
+    }
 }
