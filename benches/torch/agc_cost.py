@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What AGC (``gradclip.torch.policies.AGC``) costs in gradclip's AdamW step, beside its floor:
+"""What AGC and AdaGC (``gradclip.torch.policies``) cost in gradclip's AdamW step, beside its floor:
 one list (a prefix of a gradclip-bench workload, as optim_compare.py takes it), one optimizer
 per configuration, the configurations interleaved over --rounds rounds (each a CUDA-event timing
 of --reps steps), the median of each; and the host time per step.
@@ -9,7 +9,13 @@ of --reps steps), the median of each; and the host time per step.
 the issue's floor: AGC's norm pass reads every gradient and parameter once, the step its streams.
 "every unit clipped" writes each gradient once more (the scale): each timed step takes a clip
 factor half the last one's, so every unit is above its limit at every step (the gradients are
-put back, untimed, before each timing).
+put back, untimed, before each timing). AdaGC's norm pass reads the gradients alone:
+
+  floor (AdaGC) = (the step's 7 streams) / device-copy rate + gradient bytes / read rate
+
+its rows are past the warmup (``start_clip_steps=0``, the warmup's global clip off), with
+``clip_ratio`` 1e3 (no tensor clipped) or 1e-3 (every tensor clipped at every step: its EMA
+shrinks 2% a step, its limit stays a thousandth of it).
 
   python3 benches/torch/agc_cost.py workloads.json out.json [--workload seed-500] [--rounds 9]
 """
@@ -20,7 +26,7 @@ import time
 import torch
 
 from gradclip.torch import optim
-from gradclip.torch.policies import AGC
+from gradclip.torch.policies import AGC, AdaGC
 
 from optim_compare import DTYPES, list_bench_args, list_parameters, prefix, rates
 from torch_compare import host_us
@@ -70,13 +76,18 @@ def main():
     # The gradients' unit norms are about 1e-3 of the parameters': 1e-2 keeps every unit, and
     # 1e-5 (halved at each step) clips every one.
     keep, clip_all = AGC(clip_factor=1e-2), AGC(clip_factor=1e-5)
+    adagc = {ratio: AdaGC(clip_ratio=ratio, start_clip_steps=0, max_grad_norm=1e30) for ratio in (1e3, 1e-3)}
+    adagc_alone = AdaGC(clip_ratio=1e-3, start_clip_steps=0, max_grad_norm=1e30)
     opts = {
         "AdamW, no clip": (optim.AdamW(params, lr=1e-6), None),
         "AdamW, fixed clip (max_grad_norm)": (optim.AdamW(params, lr=1e-6, max_grad_norm=max_norm), None),
         "AdamW, AGC, no unit clipped": (optim.AdamW(params, lr=1e-6, clip=keep), None),
         "AdamW, AGC, every unit clipped": (optim.AdamW(params, lr=1e-6, clip=clip_all), clip_all),
+        "AdamW, AdaGC, no tensor clipped": (optim.AdamW(params, lr=1e-6, clip=adagc[1e3]), None),
+        "AdamW, AdaGC, every tensor clipped": (optim.AdamW(params, lr=1e-6, clip=adagc[1e-3]), None),
         "AGC alone, no unit clipped": (None, None),
         "AGC alone, every unit clipped": (None, clip_all),
+        "AdaGC alone, every tensor clipped": (None, None),
         "timm-style AGC (torch ops per tensor), no unit clipped": (None, None),
     }
     floors = {
@@ -84,6 +95,9 @@ def main():
         "AdamW, fixed clip (max_grad_norm)": floor_clip,
         "AdamW, AGC, no unit clipped": floor_agc,
         "AdamW, AGC, every unit clipped": floor_agc,
+        "AdamW, AdaGC, no tensor clipped": floor_clip,
+        "AdamW, AdaGC, every tensor clipped": floor_clip,
+        "AdaGC alone, every tensor clipped": numel * size / read_rate * 1e3,
         "AGC alone, no unit clipped": 2 * numel * size / read_rate * 1e3,
         "AGC alone, every unit clipped": 2 * numel * size / read_rate * 1e3,
         "timm-style AGC (torch ops per tensor), no unit clipped": 2 * numel * size / read_rate * 1e3,
@@ -102,6 +116,8 @@ def main():
                 opt.step()
             elif name.startswith("timm"):
                 timm_agc(params, 1e-2)
+            elif name.startswith("AdaGC"):
+                adagc_alone.clip_unitwise_(params)
             else:
                 (halving or keep).clip_unitwise_(params)
 
