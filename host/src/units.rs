@@ -108,6 +108,31 @@ pub fn adagc_state(settings: &AdaGc, slots: usize) -> Result<Vec<f64>> {
     Ok(gradclip_kernels::policy::adagc::state(settings, slots))
 }
 
+/// What one AdaGC call runs ([`crate::cpu::Cpu::adagc_raw`], the GPU engine's): the whole clip
+/// of local tensors, or for sharded ones its two halves around the caller's all-reduce of each
+/// tensor's squared norm over its shards (the tables' sums, [`UnitPlan::sums_offset`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdagcPass {
+    /// Norms, decision and scale of whole tensors.
+    Local,
+    /// Norms and each tensor's squared norm into the sums; nothing decided, nothing written.
+    Fold,
+    /// Decision from the sums (summed over the shards) and the scale.
+    Given,
+}
+
+impl AdagcPass {
+    /// The kernel's code for the pass.
+    pub(crate) fn code(self) -> u32 {
+        use gradclip_kernels::policy::adagc::pass;
+        match self {
+            AdagcPass::Local => pass::LOCAL,
+            AdagcPass::Fold => pass::FOLD,
+            AdagcPass::Given => pass::GIVEN,
+        }
+    }
+}
+
 /// A checked unit plan: the kernels' tables for a list of [`UnitPair`]s.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UnitPlan {
@@ -235,10 +260,16 @@ impl UnitPlan {
         self.tensors.len() * size_of::<UnitTensor>() + self.tasks.len() * size_of::<ChunkTask>()
     }
 
-    /// Bytes of the tables, the partials and the per-tensor words (each tensor's fold and
-    /// factor, and the call's two words: a per-tensor policy's): what the memory a caller keeps
-    /// them in needs.
+    /// Bytes of the tables, the partials and the per-tensor words (each tensor's fold, factor
+    /// and squared norm, and the call's two words: a per-tensor policy's): what the memory a
+    /// caller keeps them in needs. The squared norms come last ([`UnitPlan::sums_offset`]).
     pub fn bytes(&self) -> usize {
+        self.sums_offset() + self.tensors.len() * size_of::<f64>()
+    }
+
+    /// Where each tensor's squared norm is, in bytes from the tables' address (a per-tensor
+    /// policy's: what the ranks of a sharded call all-reduce between its two passes).
+    pub fn sums_offset(&self) -> usize {
         self.partials_offset()
             + 2 * self.pieces as usize * size_of::<Partial>()
             + self.tensors.len() * (size_of::<Partial>() + size_of::<f64>())
@@ -289,6 +320,11 @@ impl UnitTables {
     /// The address of the per-tensor factors and the call's words, after the folds.
     pub(crate) fn factors_at(&self) -> u64 {
         self.folds_at() + (self.tensors * size_of::<Partial>()) as u64
+    }
+
+    /// The address of the per-tensor squared norms, after the factors and the call's words.
+    pub(crate) fn sums_at(&self) -> u64 {
+        self.factors_at() + ((self.tensors + 2) * size_of::<f64>()) as u64
     }
 
     /// [`Error::BadOutputAddress`] for a null or unaligned address.

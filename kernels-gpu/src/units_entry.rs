@@ -11,7 +11,8 @@ use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, block_reduce, from
 use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, accumulate_lane_pair, scale_lane};
-use crate::policy::{adagc, kind, kind_of};
+use crate::policy::adagc::{self, pass};
+use crate::policy::{kind, kind_of};
 use crate::units::{WARPS, agc_factor, dtype_codes, num_pieces, piece_span, task_pieces, unit_lane};
 
 /// This lane's share of the piece of `len` elements of `E` from element `start` at `addr`.
@@ -187,28 +188,34 @@ pub const CALL_COEF: usize = 0;
 /// (every factor the global coefficient), 2 per tensor.
 pub const CALL_MODE: usize = 1;
 
-/// AdaGC's decision ([`adagc`]), one block of `BLOCK_THREADS` after `gradclip_unit_norms` over a
-/// per-tensor plan (one unit a tensor, no parameters): each warp folds the pieces of every
-/// `WARPS`-th tensor into its accumulator at `folds[i]`; the block merges them (thread `t` the
-/// folds `t, t + BLOCK_THREADS, ...`, then the block's tree: [`crate::model::final_reduce`]) into
-/// the global norm; thread 0 reads the state's header, writes the call's words after the
-/// factors and counts the call; then each thread decides its tensors' factors into `factors[i]`,
-/// advancing each tensor's slot (`units[i].slot`). Norms are divided by the f32 at `loss_scale`
-/// when not null (the scale the gradients carry).
+/// AdaGC's decision ([`adagc`]), one block of `BLOCK_THREADS` over a per-tensor plan (one unit a
+/// tensor, no parameters): each warp folds the pieces of every `WARPS`-th tensor (written by
+/// `gradclip_unit_norms`) into its accumulator at `folds[i]` (with [`pass::GIVEN`], thread by
+/// thread, the accumulator of `sums[i]`); the block merges them (thread `t` the folds `t, t +
+/// BLOCK_THREADS, ...`, then the block's tree: [`crate::model::final_reduce`]) into the global
+/// norm; thread 0 reads the state's header, writes the call's words after the factors and counts
+/// the call; then each thread decides its tensors' factors into `factors[i]`, advancing each
+/// tensor's slot (`units[i].slot`). Norms are divided by the f32 at `loss_scale` when not null
+/// (the scale the gradients carry). With [`pass::FOLD`] the launch ends after the folds, each
+/// tensor's squared norm in `sums[i]`.
 ///
 /// # Safety
 /// Launched with one block of `BLOCK_THREADS` and `BLOCK_SMEM_BYTES` of dynamic shared memory;
-/// `units` holds `tensors` entries of a per-tensor plan whose pieces' partials `partials` holds
-/// (written before on the stream), the slots distinct and inside the state; `folds` room for
-/// `tensors` partials and `factors` for `tensors + 2` f64, owned by the launch; `state` the
-/// policy's `state_words` f64 of device memory, written before on the stream and used by nothing
-/// else until this has run; a non-null `loss_scale` one f32 written before on the stream.
+/// `units` holds `tensors` entries of a per-tensor plan, the slots distinct and inside the state,
+/// whose pieces' partials `partials` holds (written before on the stream) unless `pass` is
+/// [`pass::GIVEN`]; `sums` room for `tensors` f64 (written before on the stream for
+/// [`pass::GIVEN`]); `folds` room for `tensors` partials and `factors` for `tensors + 2` f64,
+/// owned by the launch; `state` the policy's `state_words` f64 of device memory, written before
+/// on the stream and used by nothing else until this has run; a non-null `loss_scale` one f32
+/// written before on the stream.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
     units: *const UnitTensor,
     tensors: u64,
     partials: *const Partial,
+    sums: *mut f64,
+    pass: u32,
     folds: *mut Partial,
     factors: *mut f64,
     state: *mut f64,
@@ -217,27 +224,45 @@ pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
 ) {
     let (t, n) = (thread_idx() as u64, tensors);
     let (warp, lane) = (t / WARP_THREADS as u64, t % WARP_THREADS as u64);
-    // Whole warps iterate together (the tensor is the warp's), so the shuffles have all 32 lanes.
-    let mut i = warp;
-    while i < n {
-        // SAFETY: i < tensors: an entry of the plan, whose pieces' partials were written (the
-        // contract); an empty tensor has none and folds to the identity.
-        let u = unsafe { units.add(i as usize).read() };
-        let share = if num_pieces(&u) == 0 {
-            L2::identity(2.0)
-        } else {
-            // SAFETY: as above.
-            unsafe { unit_lane(&u, 0, partials, lane).0 }
-        };
-        let fold = warp_reduce(share, 2.0, WARP_THREADS / 2);
-        if lane == 0 {
-            // SAFETY: slot i of the folds is this warp's alone.
-            unsafe { folds.add(i as usize).write(fold.encode()) };
+    if pass == pass::GIVEN {
+        let mut i = t;
+        while i < n {
+            // SAFETY: i < tensors: the sums were written before (the contract); fold i is this
+            // thread's alone.
+            unsafe { folds.add(i as usize).write(adagc::fold_of_sum(sums.add(i as usize).read()).encode()) };
+            i += BLOCK_THREADS as u64;
         }
-        i += WARPS;
+    } else {
+        // Whole warps iterate together (the tensor is the warp's), so the shuffles have all 32 lanes.
+        let mut i = warp;
+        while i < n {
+            // SAFETY: i < tensors: an entry of the plan, whose pieces' partials were written (the
+            // contract); an empty tensor has none and folds to the identity.
+            let u = unsafe { units.add(i as usize).read() };
+            let share = if num_pieces(&u) == 0 {
+                L2::identity(2.0)
+            } else {
+                // SAFETY: as above.
+                unsafe { unit_lane(&u, 0, partials, lane).0 }
+            };
+            let fold = warp_reduce(share, 2.0, WARP_THREADS / 2);
+            if lane == 0 {
+                // SAFETY: slot i of the folds and of the sums is this warp's alone.
+                unsafe {
+                    folds.add(i as usize).write(fold.encode());
+                    sums.add(i as usize).write(adagc::sum_of_fold(fold));
+                }
+            }
+            i += WARPS;
+        }
     }
-    // SAFETY: every thread of the block reaches this barrier (the loop above is bounded by the
-    // kernel's arguments alone), which orders the folds' writes before the reads below.
+    if pass == pass::FOLD {
+        // A kernel argument: the whole block returns here, before any barrier.
+        return;
+    }
+    // SAFETY: every thread of the block reaches this barrier (the loops above are bounded by the
+    // kernel's arguments alone, and `pass` is one for the block), which orders the folds' writes
+    // before the reads below.
     unsafe { sync_threads() };
     let mut acc = L2::identity(2.0);
     let mut i = t;

@@ -67,12 +67,15 @@ def agc(device: torch.device, tables: torch.Tensor, plan, clip_factor: float, ep
 adagc_state = _native.adagc_state
 
 
-def adagc(device: torch.device, tables: torch.Tensor, plan, state: torch.Tensor, loss_scale: int = 0) -> None:
+def adagc(device: torch.device, tables: torch.Tensor, plan, state: torch.Tensor, loss_scale: int = 0, pass_: int = 0) -> None:
     """AdaGC over the per-tensor tables in ``tables`` (as for ``agc``) with its ``state`` (a
-    float64 tensor on ``device``), on torch's current stream there."""
+    float64 tensor on ``device``), on torch's current stream there; ``pass_``: 0 the whole clip,
+    1 and 2 the halves of a sharded one (``gradclip::units::AdagcPass``)."""
     stream, on_device = stream_of(device)
     with on_device:
-        _native.adagc(device.index if device.type == "cuda" else -1, stream, (tables.data_ptr(), *plan), state.data_ptr(), state.numel(), loss_scale)
+        _native.adagc(
+            device.index if device.type == "cuda" else -1, stream, (tables.data_ptr(), *plan), state.data_ptr(), state.numel(), loss_scale, pass_
+        )
 
 
 def planner():

@@ -114,15 +114,17 @@ enum Grad<'py> {
 pub struct StepLayout {
     planner: Py<Planner>,
     state: Py<PyDict>,
-    /// The tensors are DTensors: the engine reads their local shards (`_local_tensor`).
+    /// Some tensors are DTensors: the engine reads their local shards (`_local_tensor`).
     local: bool,
     kept: Mutex<Kept>,
 }
 
-/// `t`, or its local shard when the layout's tensors are DTensors.
+/// `t`, or its local shard when the layout holds DTensors and `t` is one (a plain tensor beside
+/// them is its own: the sharded norm reduces nothing of it).
 fn shard<'py>(t: &Bound<'py, PyAny>, local: bool) -> PyResult<Bound<'py, PyAny>> {
-    if local {
-        t.getattr(intern!(t.py(), "_local_tensor"))
+    let name = intern!(t.py(), "_local_tensor");
+    if local && t.hasattr(name)? {
+        t.getattr(name)
     } else {
         Ok(t.clone())
     }

@@ -6,7 +6,7 @@
 
 use gradclip::cpu::Cpu;
 use gradclip::plan::RawTensor;
-use gradclip::units::{AdaGc, Agc, UnitPair, UnitPlan, UnitTables};
+use gradclip::units::{AdaGc, AdagcPass, Agc, UnitPair, UnitPlan, UnitTables};
 use gradclip::{DType, Error};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -27,9 +27,9 @@ fn dtype(code: u32, index: usize) -> PyResult<DType> {
 }
 
 /// A plan as Python takes it: `(table words, bytes the tables and partials need, tensors, tasks,
-/// pieces)`; the words as int64 bits, which `torch.tensor` takes as they are (no Python pass
-/// over them).
-type PlanArgs = (Vec<i64>, usize, usize, usize, u64);
+/// pieces, where the per-tensor squared norms are in 8-byte words)`; the words as int64 bits,
+/// which `torch.tensor` takes as they are (no Python pass over them).
+type PlanArgs = (Vec<i64>, usize, usize, usize, u64, usize);
 
 /// The plan of `pairs`, checked (errors name the pair by position).
 #[pyfunction]
@@ -66,7 +66,7 @@ fn plan_of(pairs: &[PairArgs]) -> Result<PlanArgs, Result<PyErr, gradclip::Error
         .map_err(Ok)?;
     let plan = UnitPlan::new(&pairs).map_err(Err)?;
     let words = plan.table_words().into_iter().map(|w| w as i64).collect();
-    Ok((words, plan.bytes(), plan.tensors.len(), plan.tasks.len(), plan.pieces))
+    Ok((words, plan.bytes(), plan.tensors.len(), plan.tasks.len(), plan.pieces, plan.sums_offset() / 8))
 }
 
 /// AGC over the tables at `tables` (`tensors`, `tasks` and `pieces` as `unit_plan` gave them;
@@ -123,7 +123,8 @@ pub fn adagc_state(clip_ratio: f64, beta: f64, eps: f64, start_clip_steps: u32, 
 
 /// AdaGC over the per-tensor tables at `tables` (as for `agc`) with its state (`state_words`
 /// float64 at `state`, on the tables' device) on `device` (a CUDA ordinal, on `stream`, or -1
-/// for the CPU); `loss_scale` as for `agc`.
+/// for the CPU); `loss_scale` as for `agc`; `pass`: 0 the whole clip, 1 and 2 the halves of a
+/// sharded one around the caller's all-reduce of the tables' sums (`AdagcPass`).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn adagc(
@@ -134,8 +135,15 @@ pub fn adagc(
     state: u64,
     state_words: usize,
     loss_scale: u64,
+    pass: u32,
 ) -> PyResult<()> {
     let tables = tables_of(tables);
+    let pass = match pass {
+        0 => AdagcPass::Local,
+        1 => AdagcPass::Fold,
+        2 => AdagcPass::Given,
+        p => return Err(PyValueError::new_err(format!("unknown AdaGC pass {p}"))),
+    };
     if device >= 0 {
         // SAFETY: the tables are the caller's tensor of this device holding the words of a
         // per-tensor plan `unit_plan` checked (its slots distinct, inside the state: the
@@ -146,12 +154,12 @@ pub fn adagc(
         // a loss scale is the caller's float32 there, written before on `stream`.
         return py.detach(|| {
             on_engine(device as usize, stream, |e| unsafe {
-                e.adagc_raw(&tables, state, state_words, loss_scale)
+                e.adagc_raw(&tables, state, state_words, loss_scale, pass)
             })
         });
     }
     // SAFETY: as above, host tensors.
-    py.detach(|| unsafe { Cpu::new().adagc_raw(&tables, state, state_words, loss_scale) })
+    py.detach(|| unsafe { Cpu::new().adagc_raw(&tables, state, state_words, loss_scale, pass) })
         .map_err(to_py)
 }
 

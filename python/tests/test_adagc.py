@@ -6,12 +6,15 @@ before any write; the optimizers' ``clip=AdaGC(...)`` and its resume; GradScaler
 torch.compile; and on CUDA the CPU backend's bits and a captured graph's replays."""
 
 import math
+import os
 
 import pytest
 import torch
 
 from gradclip.torch import optim
 from gradclip.torch.policies import AdaGC, SkipSpike
+
+import ranks
 
 CUDA = torch.cuda.is_available()
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
@@ -351,6 +354,17 @@ def test_compiled_clip_equals_eager():
     assert torch.equal(n, m)
     for p, q in zip(a, b):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="no gloo")
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_parameters_decide_as_the_whole_ones(tmp_path, world):
+    """DTensor parameters over gloo ranks (1-D, and a 2x2 mesh with HSDP's Shard x Replicate and
+    Shard x Shard layouts; uneven, empty and replicated shards; plain tensors beside them) decide
+    call after call as AdaGC over the whole tensors, with one all-reduce per process group
+    (adagc_sharded_worker)."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adagc_sharded_worker.py")
+    ranks.assert_workers_pass(worker, tmp_path, 300, world=world)
 
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA")

@@ -14,7 +14,7 @@ use gradclip_kernels::{model, with_element};
 use super::{Cpu, HostTensor, workers};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::units::{Agc, UnitTables};
+use crate::units::{AdagcPass, Agc, UnitTables};
 
 /// The partial of the piece of `len` elements from `start` of the tensor of `code` at `addr`.
 ///
@@ -162,26 +162,30 @@ impl Cpu {
     }
 
     /// AdaGC ([`crate::units::AdaGc`]) over the per-tensor tables at `tables` in host memory with
-    /// its state (`state_words` f64 at `state`): each tensor's norm, the global norm, the
-    /// decision per tensor as `gradclip_adagc_decide` makes it (the same functions, the same
-    /// merge order), the state advanced and every gradient scaled by its tensor's factor: the
-    /// GPU's bits. `loss_scale` as for [`Cpu::agc_raw`]. A state that is not a whole AdaGC state
-    /// is refused ([`Error::PolicyState`]) before anything is written.
+    /// its state (`state_words` f64 at `state`), the whole clip or one half of a sharded one
+    /// (`pass`): each tensor's norm (or, for [`AdagcPass::Given`], the tables' sums: each
+    /// tensor's squared norm over its shards), the global norm, the decision per tensor as
+    /// `gradclip_adagc_decide` makes it (the same functions, the same merge order), the state
+    /// advanced and every gradient scaled by its tensor's factor: the GPU's bits. With
+    /// [`AdagcPass::Fold`] only the sums are written. `loss_scale` as for [`Cpu::agc_raw`]. A
+    /// state that is not a whole AdaGC state, or too short for a tensor's slot, is refused
+    /// ([`Error::PolicyState`]) before anything is written.
     ///
     /// # Safety
-    /// As [`Cpu::agc_raw`], for a plan of [`crate::units::UnitPair::per_tensor`] pairs whose
-    /// slots are inside the state; `state` is `state_words` f64 of host memory used by nothing
-    /// else during the call.
-    pub unsafe fn adagc_raw(&self, tables: &UnitTables, state: u64, state_words: usize, loss_scale: u64) -> Result<()> {
+    /// As [`Cpu::agc_raw`], for a plan of [`crate::units::UnitPair::per_tensor`] pairs; `state` is
+    /// `state_words` f64 of host memory used by nothing else during the call.
+    pub unsafe fn adagc_raw(&self, tables: &UnitTables, state: u64, state_words: usize, loss_scale: u64, pass: AdagcPass) -> Result<()> {
         tables.check()?;
         crate::units::check_loss_scale(loss_scale)?;
         crate::units::check_state(state, state_words)?;
-        // SAFETY: the caller's contract: the state's words, the loss scale, the tables.
-        let (words, scale, pieces) = unsafe {
+        // SAFETY: the caller's contract: the state's words, the loss scale, the tables (the sums
+        // after the rest, `tables.tensors` of them).
+        let (words, scale, pieces, sums) = unsafe {
             (
                 std::slice::from_raw_parts_mut(state as *mut f64, state_words),
                 loss_scale_at(loss_scale),
                 Pieces::of(tables),
+                std::slice::from_raw_parts_mut(tables.sums_at() as *mut f64, tables.tensors),
             )
         };
         if kind_of(words) != Some(kind::ADAGC) {
@@ -190,22 +194,28 @@ impl Cpu {
                 detail: "its state's header is not a whole AdaGC state".into(),
             });
         }
-        if let Some((i, t)) = pieces
-            .tensors
-            .iter()
-            .enumerate()
-            .find(|(_, t)| t.slot as usize >= adagc::slots(state_words))
-        {
+        if let Some((i, t)) = pieces.tensors.iter().enumerate().find(|(_, t)| t.slot as usize >= adagc::slots(state_words)) {
             return Err(Error::PolicyState {
                 policy: "AdaGC",
                 detail: format!("tensor {i} has slot {} and the state {} slots", t.slot, adagc::slots(state_words)),
             });
         }
-        // SAFETY: the caller's contract (the plan's tensors).
-        unsafe { pieces.norms() };
-        let partials = pieces.partials.base();
-        // SAFETY: every piece's partials were written above.
-        let folds: Vec<L2> = pieces.tensors.iter().map(|t| unsafe { tensor_state(t, partials) }).collect();
+        let folds: Vec<L2> = if pass == AdagcPass::Given {
+            sums.iter().map(|&s| adagc::fold_of_sum(s)).collect()
+        } else {
+            // SAFETY: the caller's contract (the plan's tensors).
+            unsafe { pieces.norms() };
+            let partials = pieces.partials.base();
+            // SAFETY: every piece's partials were written above.
+            let folds: Vec<L2> = pieces.tensors.iter().map(|t| unsafe { tensor_state(t, partials) }).collect();
+            for (s, f) in sums.iter_mut().zip(&folds) {
+                *s = adagc::sum_of_fold(*f);
+            }
+            folds
+        };
+        if pass == AdagcPass::Fold {
+            return Ok(());
+        }
         let encoded: Vec<Partial> = folds.iter().map(|f| f.encode()).collect();
         let total: L2 = model::final_reduce(&encoded, 2.0);
         let (warm, coef) = (adagc::warming(words), adagc::global_coefficient(total.norm() / scale, words));
@@ -219,7 +229,8 @@ impl Cpu {
                 None => f64::NAN,
             })
             .collect();
-        // SAFETY: after the norms pass; the plan's checks.
+        // SAFETY: after the norms pass (or with the sums given: the scale reads no partial); the
+        // plan's checks.
         unsafe { pieces.scale(|i, _| (factors[i] != 1.0).then_some(factors[i])) };
         Ok(())
     }

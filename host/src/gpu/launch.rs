@@ -273,14 +273,16 @@ pub unsafe fn agc(
     Ok(())
 }
 
-/// AdaGC's launches ([`gradclip_kernels::policy::adagc`]) over a per-tensor plan: the norms
-/// (one block per task), the decision (one block, every call: it counts the call), the
-/// per-tensor scale (one block per task).
+/// AdaGC's launches ([`gradclip_kernels::policy::adagc`]) over a per-tensor plan for `pass`:
+/// the norms (one block per task; not for [`crate::units::AdagcPass::Given`]), the decision (one
+/// block, every call: it counts the call), the per-tensor scale (one block per task; not for
+/// [`crate::units::AdagcPass::Fold`]).
 ///
 /// # Safety
 /// As [`agc`], for a plan of per-tensor pairs whose slots are distinct and inside the state
 /// (`state_words` f64 of the context at `state`, written before on the stream, used by nothing
-/// else until the launches complete); `t.tasks` may be 0.
+/// else until the launches complete); `t.tasks` may be 0; for a given pass the tables' sums
+/// written before on the stream.
 pub unsafe fn adagc(
     stream: &CudaStream,
     ks: &KernelSet,
@@ -288,15 +290,17 @@ pub unsafe fn adagc(
     state: u64,
     state_words: u64,
     loss_scale: u64,
+    pass: crate::units::AdagcPass,
 ) -> Result<()> {
+    use crate::units::AdagcPass;
     let (units, tasks, partials) = (t.addr, t.tasks_at(), t.partials_at());
-    let (folds, factors, tensors) = (t.folds_at(), t.factors_at(), t.tensors as u64);
+    let (folds, factors, sums, tensors, code) = (t.folds_at(), t.factors_at(), t.sums_at(), t.tensors as u64, pass.code());
     let per_task = LaunchConfig {
         grid_dim: (t.tasks as u32, 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    if t.tasks > 0 {
+    if t.tasks > 0 && pass != AdagcPass::Given {
         let mut b = stream.launch_builder(ks.get(Kernel::UnitNorms));
         b.arg(&units).arg(&tasks).arg(&partials);
         // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
@@ -306,6 +310,8 @@ pub unsafe fn adagc(
     b.arg(&units)
         .arg(&tensors)
         .arg(&partials)
+        .arg(&sums)
+        .arg(&code)
         .arg(&folds)
         .arg(&factors)
         .arg(&state)
@@ -317,7 +323,7 @@ pub unsafe fn adagc(
     };
     // SAFETY: as above; one block with the block reduction's shared memory, after the norms.
     unsafe { b.launch(one_block) }?;
-    if t.tasks > 0 {
+    if t.tasks > 0 && pass != AdagcPass::Fold {
         let mut b = stream.launch_builder(ks.get(Kernel::TensorScale));
         b.arg(&units).arg(&tasks).arg(&factors);
         // SAFETY: as above; after the decision on the same stream.

@@ -35,7 +35,8 @@ impl GpuEngine {
     }
 
     /// AdaGC ([`crate::units::AdaGc`]) over the per-tensor tables at `tables` (device memory) with
-    /// its state (`state_words` f64 of device memory at `state`): three launches (the norms, the
+    /// its state (`state_words` f64 of device memory at `state`), the whole clip or one half of
+    /// a sharded one (`pass`, [`crate::units::AdagcPass`]): up to three launches (the norms, the
     /// one-block decision, the per-tensor scale), on the stream, no host sync. The state's header
     /// is read on the device: a state that is not a whole AdaGC state gives every factor NaN
     /// (the gradients become NaN, never a silent clip), as does a slot past its end.
@@ -43,8 +44,16 @@ impl GpuEngine {
     /// # Safety
     /// As [`GpuEngine::agc_raw`], for a plan of [`crate::units::UnitPair::per_tensor`] pairs whose
     /// slots are inside the state; the state written before on the stream and used by nothing else
-    /// until the launches complete.
-    pub unsafe fn adagc_raw(&mut self, tables: &UnitTables, state: u64, state_words: usize, loss_scale: u64) -> Result<()> {
+    /// until the launches complete; for [`crate::units::AdagcPass::Given`], the tables' sums
+    /// written before on the stream.
+    pub unsafe fn adagc_raw(
+        &mut self,
+        tables: &UnitTables,
+        state: u64,
+        state_words: usize,
+        loss_scale: u64,
+        pass: crate::units::AdagcPass,
+    ) -> Result<()> {
         tables.check()?;
         crate::units::check_loss_scale(loss_scale)?;
         crate::units::check_state(state, state_words)?;
@@ -56,6 +65,6 @@ impl GpuEngine {
         }
         let stream = self.stream().clone();
         // SAFETY: the caller's contract.
-        unsafe { launch::adagc(&stream, self.kernels(), tables, state, state_words as u64, loss_scale) }
+        unsafe { launch::adagc(&stream, self.kernels(), tables, state, state_words as u64, loss_scale, pass) }
     }
 }

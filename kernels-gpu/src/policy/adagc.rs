@@ -22,6 +22,8 @@
 #[cfg(not(target_arch = "nvptx64"))]
 use super::{WORDS, kind};
 use super::{rd, wr};
+use crate::accum::{Accumulator, L2};
+use crate::combine::{self, to_partial};
 
 /// Word: the threshold's multiple of the EMA (`clip_ratio`).
 pub const CLIP_RATIO: usize = 2;
@@ -45,6 +47,18 @@ pub const EMA: usize = 0;
 pub const CLIP_TIMES: usize = 1;
 /// Slot word: 1 once the tensor has had a finite norm.
 pub const SEEN: usize = 2;
+
+/// What a decide launch does (`gradclip_adagc_decide`'s `pass`): over local tensors, the whole
+/// decision; over shards, [`pass::FOLD`] then, after the caller's all-reduce of the sums over
+/// the shards, [`pass::GIVEN`].
+pub mod pass {
+    /// Folds, global norm, decision.
+    pub const LOCAL: u32 = 0;
+    /// Each tensor's fold only, its squared norm into the sums; no state touched.
+    pub const FOLD: u32 = 1;
+    /// The decision from the sums (each tensor's squared norm over all its shards).
+    pub const GIVEN: u32 = 2;
+}
 
 /// AdaGC's settings, with the defaults of the authors' Paddle code.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -201,6 +215,21 @@ pub fn split_slot(s: &mut [f64], slot: usize) -> Option<(&[f64], &mut [f64])> {
     Some((&header[..HEADER], &mut rest[..SLOT_WORDS]))
 }
 
+/// What the ranks sum for a tensor's fold over its local shard: its squared norm
+/// ([`crate::combine::to_partial`] of the L2 norm).
+#[inline(always)]
+pub fn sum_of_fold(fold: L2) -> f64 {
+    to_partial(fold.norm(), combine::kind::L2, 2.0)
+}
+
+/// The fold a tensor's summed squared norm stands for (its norm the square root of the sum, as
+/// [`crate::combine::from_partial`] takes it), merged with the others' into the global norm as
+/// local folds are.
+#[inline(always)]
+pub fn fold_of_sum(sum: f64) -> L2 {
+    L2::from_parts((0.0, sum, 0.0))
+}
+
 /// Ends a call: one more step.
 #[inline(always)]
 pub fn finish(s: &mut [f64]) {
@@ -307,6 +336,18 @@ mod tests {
         assert_eq!(s[HEADER + CLIP_TIMES], 1.0);
         // A slot past the state's end: none.
         assert!(split_slot(&mut s, 1).is_none());
+    }
+
+    #[test]
+    fn a_summed_fold_has_the_norm_of_its_sum() {
+        for sum in [0.0, 1e-300, 0.25, 9.0, 1e300, f64::INFINITY] {
+            assert_eq!(fold_of_sum(sum).norm(), crate::combine::from_partial(sum, combine::kind::L2, 2.0));
+        }
+        assert!(fold_of_sum(f64::NAN).norm().is_nan());
+        let mut l = L2::from_parts((0.0, 0.0, 0.0));
+        l.push::<crate::dtype::F32>(3.0f32.to_bits());
+        l.push::<crate::dtype::F32>(4.0f32.to_bits());
+        assert_eq!(sum_of_fold(l), 25.0);
     }
 
     #[test]

@@ -4,7 +4,6 @@ made here once per set of gradients and kept on their device with the state."""
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -38,8 +37,10 @@ class AdaGC:
 
     Differences from the authors' code (docs/policies.md): norms are exact in f64; a non-finite
     norm changes no EMA (theirs would keep a NaN from then on), and a tensor first seen with one
-    starts its EMA at its first finite norm. One device per call; DTensor gradients are refused
-    (their per-tensor norms need a collective this class does not make yet)."""
+    starts its EMA at its first finite norm. One device per call. DTensor parameters (FSDP2's,
+    any mesh, Shard and Replicate placements) take each parameter's norm over all its shards:
+    each rank's squared norms of its shards, summed by one all-reduce per process group that
+    cuts them, decide as the whole tensors would."""
 
     _KIND = "adagc"
 
@@ -63,10 +64,11 @@ class AdaGC:
         self._exclude = {id(p): weakref.ref(p) for p in _as_list(exclude)}
         # The ids of the parameter list the slots belong to (None: the next call's list adopts them).
         self._ids: Optional[tuple] = None
-        # The last tables: (the Python reading's key, or None for the native one's; the tables on
-        # the device; (tensors, tasks, pieces)), and the native reading.
-        self._tables: Optional[Tuple[Optional[tuple], torch.Tensor, Tuple[int, int, int]]] = None
+        # The last tables and the native reading.
+        self._tables: Optional[_Tables] = None
         self._reads = UnitReads()
+        # A sharded call's all-reduces, kept for the list and device they were made for.
+        self._layout: Optional[tuple] = None
 
     def _fresh(self, slots: int) -> list:
         try:
@@ -227,24 +229,26 @@ class AdaGC:
         index, plan = found
         device = torch.device("cuda", index) if index >= 0 else torch.device("cpu")
         if plan is not None:
-            self._tables = (None, upload_tables(device, plan), tuple(plan[2:]))
-        elif self._tables is None or self._tables[0] is not None:
+            self._tables = _Tables(None, device, plan)
+        elif self._tables is None or self._tables.key is not None:
             self._reads.forget()  # the kept tables are the Python reading's: read again
             return self._native_work(params, loss_scale)
-        return self._launch(device, loss_scale)
+        return self._launch(device, loss_scale, None)
 
     def _python_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor]):
+        """The call read in Python: plain gradients and DTensor ones (each rank's shard, whose
+        squared norm the ranks sum before the decision), checked here."""
         grads: List[Tuple[int, torch.Tensor]] = []
         device = None
+        sharded = False
         for i, p in enumerate(params):
             g = p.grad
             if g is None or self._excluded(p):
                 continue
-            if _is_dtensor(p) or _is_dtensor(g):
-                raise TypeError(
-                    f"AdaGC: parameter {i} is a DTensor: its per-tensor norm spans ranks, which AdaGC does not reduce yet; "
-                    "clip sharded parameters with gradclip.torch.clip_grad_norm_ or a global policy (ZClip, AutoClip)"
-                )
+            shard = _is_dtensor(p) or _is_dtensor(g)
+            if shard:
+                g = _local_shard(i, p, g)
+                sharded = True
             if g.is_sparse:
                 raise TypeError(f"AdaGC: parameter {i} has a sparse gradient: AdaGC clips dense tensors")
             if g.dtype not in _CODES:
@@ -254,29 +258,115 @@ class AdaGC:
             if device is not None and g.device != device:
                 raise ValueError(f"AdaGC: parameter {i}'s gradient is on {g.device} and an earlier one on {device}: one device per call")
             device = g.device
-            if g.numel():
+            # An empty shard still takes its tensor's decision (the other ranks' squared norms).
+            if g.numel() or shard:
                 grads.append((i, g))
         device = device or self._state.device
         key = (device, tuple((g.data_ptr(), g.numel(), g.dtype, i) for i, g in grads))
-        if self._tables is None or self._tables[0] != key:
+        if self._tables is None or self._tables.key != key:
             plan = unit_plan([(g.data_ptr(), 0, g.numel(), g.numel(), _CODES[g.dtype], 0, i) for i, g in grads])
-            self._tables = (key, upload_tables(device, plan), tuple(plan[2:]))
+            self._tables = _Tables(key, device, plan, [i for i, _ in grads])
             self._reads.forget()  # the native reading's kept tables are these no more
-        return self._launch(device, loss_scale)
+        reductions = None
+        if sharded:
+            layout = (tuple(map(id, params)), device)
+            if self._layout is None or self._layout[0] != layout:
+                self._layout = (layout, _reductions(params, self._excluded, device))
+            reductions = self._layout[1]
+        return self._launch(device, loss_scale, reductions)
 
-    def _launch(self, device: torch.device, loss_scale: Optional[torch.Tensor]):
-        """The engine's call over the kept tables, with the state on ``device``."""
-        _, buf, plan = self._tables
+    def _launch(self, device: torch.device, loss_scale: Optional[torch.Tensor], reductions):
+        """The engine's call over the kept tables, with the state on ``device``; with
+        ``reductions`` (a sharded call's: each process group and the positions it sums), its two
+        halves around the all-reduces of the tensors' squared norms."""
+        tables = self._tables
         scale = loss_scale_on(device, loss_scale)
         if self._state.device != device:
             if capturing():
                 raise RuntimeError(f"AdaGC's state is on {self._state.device}, not on {device}, and cannot be moved while a CUDA graph captures")
             self._state = self._state.to(device)
+        at = 0 if scale is None else scale.data_ptr()
+        if reductions is None:
+            return lambda: _adagc(device, tables.buf, tables.plan, self._state, at, _LOCAL)
 
         def run() -> None:
-            _adagc(device, buf, plan, self._state, 0 if scale is None else scale.data_ptr())
+            import torch.distributed as dist
+
+            _adagc(device, tables.buf, tables.plan, self._state, at, _FOLD)
+            sums = tables.sums()
+            full = torch.zeros(max(len(self._slots()), 1), dtype=torch.float64, device=device)
+            full.index_copy_(0, tables.positions, sums)
+            for group, sel in reductions:
+                part = full.index_select(0, sel)
+                dist.all_reduce(part, group=group)
+                full.index_copy_(0, sel, part)
+            sums.copy_(full.index_select(0, tables.positions))
+            _adagc(device, tables.buf, tables.plan, self._state, at, _GIVEN)
 
         return run
+
+
+#: The engine's passes (``gradclip::units::AdagcPass``).
+_LOCAL, _FOLD, _GIVEN = 0, 1, 2
+
+
+class _Tables:
+    """One call's kept tables on their device: the Python reading's key (None: the native
+    reading's), the plan's ``(tensors, tasks, pieces)``, and where each tensor's squared norm is
+    (and, for a sharded call, each table entry's position in the parameter list)."""
+
+    __slots__ = ("key", "buf", "plan", "sums_at", "positions")
+
+    def __init__(self, key, device: torch.device, plan, positions: Optional[List[int]] = None):
+        self.key, self.buf, self.plan, self.sums_at = key, upload_tables(device, plan), tuple(plan[2:5]), plan[5]
+        self.positions = None if positions is None else torch.tensor(positions, dtype=torch.int64, device=device)
+
+    def sums(self) -> torch.Tensor:
+        """Each table entry's squared norm, a float64 view into the tables."""
+        return self.buf[self.sums_at : self.sums_at + self.plan[0]].view(torch.float64)
+
+
+def _local_shard(i: int, p, g) -> torch.Tensor:
+    """The local tensor of a DTensor parameter's gradient (a ValueError or TypeError naming
+    parameter ``i`` for a layout the sharded decision cannot take)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if not (_is_dtensor(p) and _is_dtensor(g)):
+        raise TypeError(f"AdaGC: parameter {i} and its gradient are not both DTensors")
+    if any(isinstance(pl, Partial) for pl in g.placements):
+        raise ValueError(f"AdaGC: the gradient of parameter {i} is Partial (not reduced yet): reduce it before clipping")
+    if tuple(p.placements) != tuple(g.placements) or p.device_mesh != g.device_mesh:
+        raise ValueError(f"AdaGC: parameter {i} ({p.placements}) and its gradient ({g.placements}) are laid out differently")
+    if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
+        raise ValueError(f"AdaGC: parameter {i} has placements {p.placements}: AdaGC takes Shard and Replicate")
+    return g._local_tensor
+
+
+def _reductions(params: List[torch.Tensor], excluded, device: torch.device):
+    """The all-reduces of a sharded call: for each process group that cuts some parameter (a
+    mesh dim it is sharded over), in the order the list first names it, the positions of every
+    DTensor parameter it cuts, whether or not this rank holds its gradient (the same positions on
+    every rank of the group), as an index tensor on ``device``."""
+    from torch.distributed.tensor import Shard
+
+    order: List[Any] = []
+    positions: Dict[int, List[int]] = {}
+    for i, p in enumerate(params):
+        if not _is_dtensor(p) or excluded(p):
+            continue
+        mesh = p.device_mesh
+        for d, pl in enumerate(p.placements):
+            if not isinstance(pl, Shard):
+                continue
+            group = mesh.get_group(d)
+            if group.size() == 1:
+                continue
+            if id(group) not in positions:
+                order.append(group)
+                positions[id(group)] = []
+            if not positions[id(group)] or positions[id(group)][-1] != i:
+                positions[id(group)].append(i)
+    return [(g, torch.tensor(positions[id(g)], dtype=torch.int64, device=device)) for g in order]
 
 
 # Native calls on raw addresses: torch.compile calls them at a graph break, never traces them.

@@ -149,7 +149,7 @@ class AGC:
         index, plan = found
         device = torch.device("cuda", index) if index >= 0 else torch.device("cpu")
         if plan is not None:
-            self._tables = (None, upload_tables(device, plan), tuple(plan[2:]))
+            self._tables = (None, upload_tables(device, plan), tuple(plan[2:5]))
         elif self._tables is None or self._tables[0] is not None:
             # The kept tables are the Python reading's: read again.
             self._reads.forget()
@@ -168,7 +168,7 @@ class AGC:
         key = (device, tuple((g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), g.dtype, p.dtype) for p, g in pairs))
         if self._tables is None or self._tables[0] != key:
             plan = unit_plan([(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype], 0) for p, g in pairs])
-            self._tables = (key, upload_tables(device, plan), tuple(plan[2:]))
+            self._tables = (key, upload_tables(device, plan), tuple(plan[2:5]))
             self._reads.forget()  # the native reading's kept tables are these no more
         return self._launch(device, loss_scale)
 
