@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 39's GPU work in one device call of under ten minutes (run through benches/device/run.sh
-# exec). Every job runs in parallel, each bounded by its own time:
+# exec). AdaGC's and AGC's CUDA tests first; then every job runs in parallel, each bounded by its
+# own time:
 #   - the optimizer fuzzer on the GPU for FUZZ_S seconds (seeds from SEED0, 200 cases a seed, the
 #     GPU's bits against the CPU backend's);
 #   - the sharded fuzzer on the host's cores (gloo, every world size, SHARDED_S seconds a world);
@@ -62,6 +63,10 @@ memcheck_python() {
         echo "memcheck python shard $i rc=$?: $(grep -E 'ERROR SUMMARY|passed|failed' "$logs/memcheck-python-$i.log" | tail -3 | tr '\n' ' ')"
     done
 }
+# The unit-wise clips' CUDA cases first, on a quiet GPU (a few seconds).
+python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_adagc.py python/tests/test_agc.py \
+    -k "cuda or captured" > "$logs/unit-clips-cuda.log" 2>&1
+echo "unit clips on CUDA rc=$?: $(tail -1 "$logs/unit-clips-cuda.log")" > "$logs/summary-0-unit-clips.txt"
 fuzz_gpu > "$logs/summary-fuzz-gpu.txt" 2>&1 &
 fuzz_sharded > "$logs/summary-fuzz-sharded.txt" 2>&1 &
 memcheck_python > "$logs/summary-memcheck.txt" 2>&1 &
