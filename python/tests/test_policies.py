@@ -124,6 +124,55 @@ def test_skip_spike_decides_as_its_authors(device, rule):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("torch_opt", ["fused_adamw", "sgd"])
+@pytest.mark.parametrize("generator", [False, True])
+def test_functional_skip_steps_torch_optimizers_as_its_authors_decide(device, torch_opt, generator):
+    """``SkipSpike.clip_`` + ``SkipSpike.step`` with torch's own optimizers: the decisions are the
+    reference's step by step; a taken step is clipped at ``max_norm`` and stepped, a skipped one
+    leaves the gradients, every parameter, state and step count as they were (torch's fused AdamW
+    on the device through ``found_inf``, SGD on the host); and the run equals one that takes only
+    the reference's taken steps with torch's clip."""
+    rule = {"threshold": 30.0, "ema_factor": 6.0, "sigma": 4.0, "window": 16}
+    make = {
+        "fused_adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    }[torch_opt]
+    params, twins = _params(device), _params(device)
+    opt, ref_opt = make(params), make(twins)
+    skip, ref = SkipSpike(**rule), SkipReference(**rule)
+    skipped = 0
+    for step, scale in enumerate(norms_with_spikes(120)):
+        grads = _grads(params, scale, step)
+        for p, q, g in zip(params, twins, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        before = [p.detach().clone() for p in params]
+        states = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
+        norm = skip.clip_((p for p in params) if generator else params, max_norm=5.0)
+        expect = ref.skips(float(norm))
+        assert float(skip.found_inf) == float(expect), f"step {step}: norm {float(norm)}"
+        opt_ret = skip.step(opt)
+        assert opt_ret is None
+        if expect:
+            skipped += 1
+            for b, p, g in zip(before, params, grads):
+                assert torch.equal(b, p.detach()), f"step {step}: a skipped step moved a parameter"
+                torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True, msg=f"step {step}: a skipped step wrote")
+            for i, p in enumerate(params):
+                for k, v in states[i].items():
+                    assert torch.equal(v, opt.state[p][k]), f"step {step}: a skipped step changed {k}"
+        else:
+            torch.nn.utils.clip_grad_norm_(twins, 5.0)
+            for p, q in zip(params, twins):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0, equal_nan=True)
+            ref_opt.step()
+        for p, q in zip(params, twins):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-15, msg=f"step {step}")
+    assert 5 <= skipped < 60 and float(skip.skipped) == skipped
+    with pytest.raises(TypeError, match="skip=SkipSpike"):
+        skip.step(optim.AdamW(params, lr=1e-2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_zclip_in_the_step_equals_torch_after_the_authors_clip(device):
     params = _params(device)
     mine = [torch.nn.Parameter(p.detach().clone()) for p in params]

@@ -8,8 +8,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..._engine import skip_spike_state
-from ._base import _Policy
+from ..._engine import check_max_norm, clip_coef, clip_policy, returned_norm, skip_spike_state
+from .._functions import _as_list, _grads_norm64, _opaque_to_compile
+from ._base import _Policy, _gradient_scale
 
 
 class SkipSpike(_Policy):
@@ -21,7 +22,9 @@ class SkipSpike(_Policy):
     last ``window`` norms (OLMo-core's ``SkipStepOptimizer``: ``sigma_factor``,
     ``rolling_interval_length``). Hand it to gradclip's optimizers (``skip=``): a skipped step
     leaves every parameter, optimizer state and step count exactly as it was, and counts in
-    ``skipped``."""
+    ``skipped``. With any other optimizer, use it functionally: ``clip_`` decides (and clips a
+    taken step at ``max_norm``), ``step(optimizer)`` steps unless it skipped; torch's fused
+    optimizers skip on the device, through the ``found_inf`` input GradScaler uses."""
 
     _KIND = "skip_spike"
 
@@ -46,6 +49,76 @@ class SkipSpike(_Policy):
         off = lambda v: math.inf if v is None else v  # noqa: E731
         return skip_spike_state(off(self.threshold), off(self.ema_factor), self.ema_decay, off(self.sigma), self.window if self.sigma is not None else 0)
 
+    @torch.no_grad()
+    def clip_(self, parameters, max_norm: Optional[float] = None, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Decides on the device whether this step is skipped, from the total ``norm_type``-norm
+        of the gradients of ``parameters`` (a list or a generator; None gradients left out;
+        DTensor gradients by their global norm), and returns that norm as ``clip_grad_norm_``
+        does. A taken step's gradients are clipped at ``max_norm`` (None: not clipped); a skipped
+        step's are left as they are. The decision is ``found_inf`` (1 to skip), which ``step``
+        reads. With ``error_if_nonfinite`` a NaN or infinite norm raises (one host sync) before
+        anything, the state included, is written."""
+        params = _as_list(parameters)
+        limit = math.inf if max_norm is None else check_max_norm(max_norm)
+        scale = _gradient_scale(params)  # every check of the gradients before any write
+        found = _grads_norm64(params, norm_type)
+        if found is None:
+            self._decided(torch.zeros((), dtype=torch.float32))
+            return torch.tensor(0.0)
+        norm64, dtype = found
+        total = returned_norm(norm64, dtype, error_if_nonfinite, norm_type)
+        device = norm64.device
+        # The norm output the policy reads and rewrites: the norm, the fixed clip's coefficient,
+        # no flags; a skip sets a flag, and the coefficient applied is then 1.
+        out = torch.stack((norm64, clip_coef(limit, norm64), torch.zeros((), dtype=torch.float64, device=device)))
+        clip_policy(device, out, ((0, 0), self.engine_args(device)))
+        skip = out[2] != 0
+        if limit != math.inf:
+            scale(torch.where(skip, torch.ones_like(out[1]), out[1]))
+        self._decided(skip.to(torch.float32))
+        return total
+
+    def _decided(self, found_inf: torch.Tensor) -> None:
+        """Keeps the last decision in one tensor (its address stays: a captured graph writes it)."""
+        if getattr(self, "_found_inf", None) is None or self._found_inf.device != found_inf.device:
+            self._found_inf = found_inf.clone()
+        else:
+            self._found_inf.copy_(found_inf)
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """The last ``clip_``'s decision: a 0-dim float32 tensor where the norm was, 1 when the
+        step is to be skipped (GradScaler's ``found_inf``; no sync)."""
+        if getattr(self, "_found_inf", None) is None:
+            raise RuntimeError("SkipSpike.found_inf: call clip_ first (it decides the step)")
+        return self._found_inf
+
+    def step(self, optimizer: torch.optim.Optimizer, closure=None):
+        """Steps ``optimizer`` unless the last ``clip_`` decided to skip, and returns what its
+        step returns. torch's fused optimizers (``fused=True``), which take GradScaler's
+        ``found_inf``, skip on the device: no host sync, and torch leaves their parameters, states
+        and step counts as they were. Any other optimizer is stepped or not on the host (one
+        sync). gradclip's own optimizers take ``skip=`` instead; under GradScaler, step through
+        the scaler."""
+        from .._spine import _ClippingStep  # the optimizers import the policies
+
+        found = self.found_inf
+        if isinstance(optimizer, _ClippingStep):
+            raise TypeError("gradclip's optimizers skip through skip=SkipSpike(...): pass it there instead of stepping through SkipSpike.step")
+        if "found_inf" in optimizer.__dict__ or "grad_scale" in optimizer.__dict__:
+            raise RuntimeError("this optimizer already has a found_inf or grad_scale (GradScaler's): step it through the scaler")
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            if bool(found):  # one host sync
+                return None
+            return optimizer.step(closure) if closure is not None else optimizer.step()
+        optimizer.grad_scale = torch.ones((), dtype=torch.float32, device=found.device)
+        optimizer.found_inf = found
+        try:
+            return optimizer.step(closure) if closure is not None else optimizer.step()
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+
     @property
     def skipped(self) -> torch.Tensor:
         """Steps skipped so far (a 0-dim float64 tensor where the state is; no sync)."""
@@ -55,3 +128,7 @@ class SkipSpike(_Policy):
     def ema(self) -> torch.Tensor:
         """The EMA of the taken steps' norms (0 before the first), a 0-dim tensor."""
         return self._word("ema")
+
+
+# Native calls on raw addresses: torch.compile calls them at a graph break, never traces them.
+SkipSpike.clip_ = _opaque_to_compile(SkipSpike.clip_)
