@@ -431,12 +431,14 @@ def rule_states(kind: str, h, flags) -> Tuple[Tuple[str, ...], bool]:
     return tuple(names), own
 
 
-def list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, nonfinite) -> torch.Tensor:
+def list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, nonfinite, policy_states=(), policy_roles=()) -> torch.Tensor:
     """The op ``gradclip::optim_step_``: one optimizer step over explicit lists (groups one after
     another: ``sizes`` parameters each, ``kinds`` their rules, ``hypers`` eight floats each: lr,
     four hyperparameters, three flags; ``lrs`` a tensor learning rate or None per group; the
     states and own step counts of each parameter as ``rule_states`` lists them; ``counts``
-    one int64 tensor of a row per group, steps and skipped), with the clip ``clip`` = [max_norm, p] or []:
+    one int64 tensor of a row per group, steps and skipped), with the clip ``clip`` = [max_norm, p] or []
+    and its policies (``policy_states``, float64 tensors on the device, each with its role in
+    ``policy_roles``: ``POLICY_ROLES``):
     the engine's norm and updates, as the eager step runs them, on what a ``ListStep`` kept of
     the last call's lists (kept on the count tensor, which is the optimizer's).
     Version counters are left as the eager step leaves them (2,775 bumps cost 155 us on the
@@ -458,9 +460,17 @@ def list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, c
     out = torch.zeros(3, dtype=torch.float64, device=device)  # (no clip: the norm stays 0)
     policy = (float(clip[0]), float(clip[1]), nonfinite) if clip else None
     stream, on_device = stream_of(device)
+    policies = None
+    if policy_states:
+        by_role = {POLICY_ROLES[r]: (t.data_ptr(), t.numel()) for r, t in zip(policy_roles, policy_states)}
+        policies = (by_role.get("clip", (0, 0)), by_role.get("skip", (0, 0)))
     with on_device:
-        _native.list_step(cache, planner(), params, grads, states, steps, groups, (stream, policy, out.data_ptr(), 0, 0, 0))
+        _native.list_step(cache, planner(), params, grads, states, steps, groups, (stream, policy, out.data_ptr(), 0, 0, 0), policies)
     return out[0].clone()
+
+
+#: The roles of the policy states the list op takes, by code.
+POLICY_ROLES = {1: "clip", 2: "skip"}
 
 
 class StepVerdict:

@@ -20,6 +20,7 @@ use pyo3::types::PyList;
 use crate::guards::{AddressCheck, ListGuard};
 use crate::hyper::{Hyper, read_hyper};
 use crate::place::Place;
+use crate::policies::{PolicyArgs, policies_of};
 use crate::py_errors::to_py;
 use crate::scan::Planner;
 use crate::step_run::{StepInputs, run_step};
@@ -321,10 +322,12 @@ fn keep(planner: &Planner, shape: Vec<GroupShape>, l: &Lists<'_, '_>, read: Read
 /// them), `steps` (each parameter's own step count, for the groups whose rule reads one), and
 /// `groups` = `(parameters, hyper)` per group, `hyper` as [`crate::optim::optim_step`] takes it.
 /// `cache` keeps what was read for the next call. `inputs` as [`crate::optim::optim_step`]
-/// takes them ([`StepInputs`]). Raises (nothing
-/// written) when a tensor is not one the engine reads, naming it, or when the lists do not fit
-/// the rules; returns the norm on the CPU.
+/// takes them ([`StepInputs`]); `policies` the clip's policies (as `clip_policy` takes them),
+/// run on the norm before the updates read it. Raises (nothing written) when a tensor is not
+/// one the engine reads, naming it, or when the lists do not fit the rules; returns the norm on
+/// the CPU.
 #[pyfunction]
+#[pyo3(signature = (cache, planner, params, grads, states, steps, groups, inputs, policies=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn list_step(
     py: Python<'_>,
@@ -336,6 +339,7 @@ pub fn list_step(
     steps: &Bound<'_, PyList>,
     groups: &Bound<'_, PyList>,
     inputs: StepInputs,
+    policies: Option<PolicyArgs>,
 ) -> PyResult<Option<f64>> {
     let inputs = inputs.checked()?;
     if inputs.norm_out == 0 {
@@ -377,6 +381,7 @@ pub fn list_step(
     let Some((list, place)) = cache.get().list(planner.get(), shape, &lists)? else {
         return Ok(None); // no tensor at all: nothing to step
     };
-    let (_, norm) = run_step(py, place, &list, &hypers, inputs, &Default::default(), (0, &[]), &[])?;
+    let policies: Vec<_> = policies.map(policies_of).into_iter().collect();
+    let (_, norm) = run_step(py, place, &list, &hypers, inputs, &Default::default(), (0, &[]), &policies)?;
     Ok(norm)
 }

@@ -233,6 +233,7 @@ def test_reduce_overhead_step_with_gradclips_clip_and_optimizer_equals_eager():
 
 def _optimizers():
     from gradclip.torch.optim import SGD, AdamW, Lion
+    from gradclip.torch.policies import AutoClip, SkipSpike, ZClip
 
     return {
         # Two groups: one with a tensor learning rate (a scheduler's, no recompile), one with amsgrad.
@@ -243,6 +244,9 @@ def _optimizers():
         "SGD-plain": lambda m: SGD(m.parameters(), lr=1e-2, max_grad_norm=0.5),
         "Lion": lambda m: Lion(m.parameters(), lr=1e-3, max_grad_norm=0.5, norm_type=float("inf")),
         "AdamW-no-clip": lambda m: AdamW(m.parameters(), lr=1e-2),
+        # Clip and skip policies: their states are the list op's inputs, written on the device.
+        "AdamW-policies": lambda m: AdamW(m.parameters(), lr=1e-2, clip=ZClip(warmup_steps=2, max_grad_norm=0.5), skip=SkipSpike(sigma=0.5, window=2)),
+        "SGD-AutoClip": lambda m: SGD(m.parameters(), lr=1e-2, momentum=0.9, clip=AutoClip(clip_percentile=50.0, history_size=3)),
     }
 
 
@@ -350,6 +354,9 @@ def test_a_compiled_optimizer_step_is_the_eager_step_or_one_op_in_the_graph(devi
             for attr in ("last_grad_norm", "skipped_steps"):
                 x_, y_ = getattr(oa, attr), getattr(ob, attr)
                 assert (x_ is None and y_ is None) or torch.equal(x_, y_), (name, i, attr, x_, y_)
+            for attr in ("clip_policy", "skip_policy"):
+                x_, y_ = getattr(oa, attr), getattr(ob, attr)
+                assert (x_ is None and y_ is None) or torch.equal(x_._state, y_._state), (name, i, attr)
             if how == "inside" and i >= 2:  # the traced step ran the op on the parameters' own memory
                 own = [p.data_ptr() for g in oa.param_groups for p in g["params"]]
                 assert spy.addresses and spy.addresses[-1] == own, (name, i)

@@ -67,8 +67,8 @@ class _CompiledStep:
             and self._given_norm is None
             # The telemetry's records are the eager step's (the list op writes none).
             and not self._stats
-            # The policies' states are the eager step's to hand the engine, and AGC is a pass of its own.
-            and not _step_policies.any_policy(self)
+            # AGC and AdaGC are passes of their own (the optimizer's clip and skip policies are
+            # the list op's inputs).
             and self.unit_clip is None
         )
 
@@ -101,11 +101,15 @@ class _CompiledStep:
             lrs.append(None if lr_t is None else lr_t.to(device=self._layout.device, dtype=torch.float64))
             hypers.extend((lr, *h, *(float(f) for f in flags)))
             kinds.append(STEP_KINDS.index(kind))
-        clip = [] if self.max_grad_norm is None else [float(self.max_grad_norm), float(self.norm_type)]
-        norm = _ops.OPS.optim_step_(lists.params, grads, lists.states, lists.steps, self._counts, lrs, lists.sizes, kinds, hypers, clip, self.nonfinite)
+        limit = _step_policies.limit(self)
+        clip = [] if limit is None else [float(limit), float(self.norm_type)]
+        states, roles = _step_policies.list_op_policies(self, self._layout.device)
+        norm = _ops.OPS.optim_step_(
+            lists.params, grads, lists.states, lists.steps, self._counts, lrs, lists.sizes, kinds, hypers, clip, self.nonfinite, states, roles
+        )
         if clip:
             self._reported["last_grad_norm"] = norm.to(self._layout.result_dtype)
-            if self.nonfinite == "skip":
+            if self.nonfinite == "skip" or self.skip_policy is not None:
                 self._reported["skipped_steps"] = self._skipped
         return None
 

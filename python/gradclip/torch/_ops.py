@@ -85,8 +85,8 @@ _LIB = None
 
 def _register_step(step: Callable[..., torch.Tensor]):
     """``gradclip::optim_step_``: the optimizer step over explicit lists (parameters, states, own
-    step counts and each group's (steps, skipped) counts written; gradients read, None where a
-    parameter has none), returning the
+    step counts, each group's (steps, skipped) counts and the clip's policies' states written;
+    gradients read, None where a parameter has none), returning the
     norm (f64, 0-dim). Defined with ``torch.library.Library`` rather than ``custom_op``, whose
     Python wrapper bumps each mutated tensor's version one Python call at a time (5 ms for 2,775
     tensors on the development host). ``step`` leaves versions as the eager step does; a
@@ -95,7 +95,8 @@ def _register_step(step: Callable[..., torch.Tensor]):
     _LIB = torch.library.Library("gradclip", "FRAGMENT")
     _LIB.define(
         "optim_step_(Tensor(a!)[] params, Tensor?[] grads, Tensor(b!)[] states, Tensor(c!)[] steps, Tensor(d!) counts, "
-        "Tensor?[] lrs, int[] sizes, int[] kinds, float[] hypers, float[] clip, str nonfinite) -> Tensor"
+        "Tensor?[] lrs, int[] sizes, int[] kinds, float[] hypers, float[] clip, str nonfinite, "
+        "Tensor(e!)[] policy_states, int[] policy_roles) -> Tensor"
     )
     _LIB.impl("optim_step_", step, "CompositeExplicitAutograd")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple, Union
 
+from .._engine import POLICY_ROLES
 from .policies import AGC, AdaGC, SkipSpike
 from .policies._base import _ClipPolicy, _Policy, clip_threshold, policies_args
 
@@ -59,6 +60,20 @@ def unit_clip(opt) -> None:
 def limit(opt) -> Optional[float]:
     """The threshold the step's norm stage clips at (``clip_threshold`` of the optimizer's own)."""
     return clip_threshold(opt.max_grad_norm, opt.clip_policy, opt.skip_policy)
+
+
+def list_op_policies(opt, device) -> Tuple[list, list]:
+    """The optimizer's clip and skip policies as the compiled list op takes them: their state
+    tensors on ``device`` and each one's role (``_engine.POLICY_ROLES``)."""
+    states, roles = [], []
+    for role, policy in ((_ROLE_CODES["clip"], opt.clip_policy), (_ROLE_CODES["skip"], opt.skip_policy)):
+        if policy is not None:
+            states.append(policy.state_on(device))
+            roles.append(role)
+    return states, roles
+
+
+_ROLE_CODES = {name: code for code, name in POLICY_ROLES.items()}
 
 
 def any_policy(opt) -> bool:
