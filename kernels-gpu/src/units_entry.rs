@@ -229,7 +229,11 @@ pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
         while i < n {
             // SAFETY: i < tensors: the sums were written before (the contract); fold i is this
             // thread's alone.
-            unsafe { folds.add(i as usize).write(adagc::fold_of_sum(sums.add(i as usize).read()).encode()) };
+            unsafe {
+                folds
+                    .add(i as usize)
+                    .write(adagc::fold_of_sum(sums.add(i as usize).read()).encode())
+            };
             i += BLOCK_THREADS as u64;
         }
     } else {

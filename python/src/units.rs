@@ -66,7 +66,14 @@ fn plan_of(pairs: &[PairArgs]) -> Result<PlanArgs, Result<PyErr, gradclip::Error
         .map_err(Ok)?;
     let plan = UnitPlan::new(&pairs).map_err(Err)?;
     let words = plan.table_words().into_iter().map(|w| w as i64).collect();
-    Ok((words, plan.bytes(), plan.tensors.len(), plan.tasks.len(), plan.pieces, plan.sums_offset() / 8))
+    Ok((
+        words,
+        plan.bytes(),
+        plan.tensors.len(),
+        plan.tasks.len(),
+        plan.pieces,
+        plan.sums_offset() / 8,
+    ))
 }
 
 /// AGC over the tables at `tables` (`tensors`, `tasks` and `pieces` as `unit_plan` gave them;

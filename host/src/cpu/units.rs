@@ -194,7 +194,12 @@ impl Cpu {
                 detail: "its state's header is not a whole AdaGC state".into(),
             });
         }
-        if let Some((i, t)) = pieces.tensors.iter().enumerate().find(|(_, t)| t.slot as usize >= adagc::slots(state_words)) {
+        if let Some((i, t)) = pieces
+            .tensors
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.slot as usize >= adagc::slots(state_words))
+        {
             return Err(Error::PolicyState {
                 policy: "AdaGC",
                 detail: format!("tensor {i} has slot {} and the state {} slots", t.slot, adagc::slots(state_words)),
