@@ -3,7 +3,8 @@ as FSDP2 shards them, on dim 1, uneven and empty shards, replicated ones; on fou
 mesh with a Shard x Replicate (HSDP) and a Shard x Shard layout) and plain ones, call after call
 with spikes and gradients that come and go, against AdaGC over the whole tensors in this process:
 the same factors (to rounding), the same state, one all-reduce per process group per call;
-functionally and as an optimizer's ``clip=``; a Partial gradient refused before any write.
+functionally and as an optimizer's ``clip=``; a Partial gradient refused before any write; and
+``get_tensor_norms`` of the same gradients, each its global norm.
 Writes one line per failure to OUT.
 
 Usage: python adagc_sharded_worker.py PORT RANK WORLD OUT"""
@@ -102,6 +103,14 @@ def check(world: int, failures: list) -> None:
         clipped = int(whole.clip_times.sum())
     if clipped < 3:
         failures.append(f"the case should clip spikes after the warmup ({clipped} clips)")
+    # Each parameter's global gradient norm (get_tensor_norms over DTensors and plain tensors).
+    from gradclip.torch import get_tensor_norms
+
+    given = [(p.grad, q.grad) for p, q in zip(ps, pw) if q.grad is not None]
+    got = get_tensor_norms(g for g, _ in given)
+    want = torch.stack([torch.linalg.vector_norm(w.double()) for _, w in given])
+    if not torch.allclose(got, want, rtol=1e-12, atol=0):
+        failures.append(f"get_tensor_norms: {got.tolist()} against the whole tensors' {want.tolist()}")
     # As an optimizer's clip=.
     ps = [torch.nn.Parameter(dt(t, i)) for i, t in enumerate(start)]
     pw = [torch.nn.Parameter(t.clone()) for t in start]

@@ -23,5 +23,6 @@ as torch's ``_foreach_mul_`` does.
 from .shards import Shards
 from ._functions import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from .clip_groups import clip_grad_norms_
+from .tensor_norms import get_tensor_norms
 
-__all__ = ["clip_grad_norm_", "clip_grad_norms_", "get_total_norm", "clip_grads_with_norm_", "Shards"]
+__all__ = ["clip_grad_norm_", "clip_grad_norms_", "get_total_norm", "get_tensor_norms", "clip_grads_with_norm_", "Shards"]
