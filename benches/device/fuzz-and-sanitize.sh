@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Issue 39's GPU work in one device call of under ten minutes (run through benches/device/run.sh
-# exec). AdaGC's and AGC's CUDA tests first; then every job runs in parallel, each bounded by its
-# own time:
+# exec). Optionally a cost run and the newest CUDA tests first, on a quiet GPU; then every job
+# runs in parallel, each bounded by its own time:
 #   - the optimizer fuzzer on the GPU for FUZZ_S seconds (seeds from SEED0, 200 cases a seed, the
 #     GPU's bits against the CPU backend's);
 #   - the sharded fuzzer on the host's cores (gloo, every world size, SHARDED_S seconds a world);
-#   - compute-sanitizer over gpu_norm (synccheck whole, racecheck over its two giant tests) and
-#     the sharded GPU suite (NCCL over one rank), one after another;
+#   - compute-sanitizer over gpu_norm (synccheck whole, racecheck over its two giant tests), the
+#     sharded GPU suite (NCCL over one rank), racecheck and synccheck over AdaGC's CUDA cases,
+#     one after another;
 #   - memcheck over the Python CUDA subset, in MEMCHECK_SHARDS processes (the test files dealt
 #     round robin), each for at most MEMCHECK_S seconds.
 # The device tool brings back at most eight files: the summary is $OUT/summary.txt and every log
@@ -46,6 +47,12 @@ sanitize_rust() {
     done
     $t/gpu_sharded --test-threads 1 > "$logs/gpu_sharded.log" 2>&1
     echo "gpu_sharded rc=$?: $(grep -E 'test result' "$logs/gpu_sharded.log")"
+    # AdaGC's decide launch has barriers: racecheck and synccheck over its CUDA cases.
+    for tool in racecheck synccheck; do
+        timeout 150 compute-sanitizer --tool "$tool" python3 -m pytest -q -p no:cacheprovider --import-mode=importlib \
+            python/tests/test_adagc.py -k "cuda or captured" > "$logs/$tool-adagc.log" 2>&1
+        echo "$tool adagc rc=$?: $(grep -E 'passed|failed|SUMMARY' "$logs/$tool-adagc.log" | tail -2 | tr '\n' ' ')"
+    done
 }
 memcheck_python() {
     local files i pids=()
@@ -63,10 +70,19 @@ memcheck_python() {
         echo "memcheck python shard $i rc=$?: $(grep -E 'ERROR SUMMARY|passed|failed' "$logs/memcheck-python-$i.log" | tail -3 | tr '\n' ' ')"
     done
 }
-# The unit-wise clips' CUDA cases first, on a quiet GPU (a few seconds).
+# On a quiet GPU first: with COST_WORKLOAD, AGC's and AdaGC's cost in the AdamW step there
+# (benches/torch/agc_cost.py, its record to $OUT); then the newest CUDA cases (the unit-wise
+# clips, SkipSpike with torch's optimizers, policies in the compiled list op, per-tensor norms).
+if [ -n "${COST_WORKLOAD:-}" ]; then
+    python3 benches/torch/agc_cost.py .devbin/w-all.json "$OUT/agc-cost-$COST_WORKLOAD.json" --workload "$COST_WORKLOAD" \
+        --commit "$(cat .devbin/commit)" --rounds "${COST_ROUNDS:-7}" > "$OUT/agc-cost-$COST_WORKLOAD.txt" 2>&1
+    cat "$OUT/agc-cost-$COST_WORKLOAD.txt"
+fi
 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_adagc.py python/tests/test_agc.py \
-    -k "cuda or captured" > "$logs/unit-clips-cuda.log" 2>&1
-echo "unit clips on CUDA rc=$?: $(tail -1 "$logs/unit-clips-cuda.log")" > "$logs/summary-0-unit-clips.txt"
+    python/tests/test_tensor_norms.py python/tests/test_policies.py python/tests/test_compile.py \
+    -k "cuda or captured or gpu" > "$logs/newest-cuda.log" 2>&1
+echo "newest CUDA cases rc=$?: $(tail -1 "$logs/newest-cuda.log")" > "$logs/summary-0-newest.txt"
+cat "$logs/summary-0-newest.txt"
 fuzz_gpu > "$logs/summary-fuzz-gpu.txt" 2>&1 &
 fuzz_sharded > "$logs/summary-fuzz-sharded.txt" 2>&1 &
 memcheck_python > "$logs/summary-memcheck.txt" 2>&1 &
