@@ -37,19 +37,21 @@ fuzz_sharded() {
 }
 sanitize_rust() {
     local t=.devbin/gpu-tests
-    timeout 200 compute-sanitizer --tool synccheck $t/gpu_norm --test-threads 1 > "$logs/synccheck-gpu_norm.log" 2>&1
+    timeout "${NORM_SYNC_S:-150}" compute-sanitizer --tool synccheck $t/gpu_norm --test-threads 1 > "$logs/synccheck-gpu_norm.log" 2>&1
     echo "synccheck gpu_norm rc=$?: $(grep -E 'test result|ERROR SUMMARY' "$logs/synccheck-gpu_norm.log" | tr '\n' ' ')"
     local giant
     for giant in one_million_tensors tensor_over_2_pow_32_elements; do
-        timeout 150 compute-sanitizer --tool racecheck $t/gpu_norm --test-threads 1 --exact "$giant" \
+        timeout "${GIANT_RACE_S:-90}" compute-sanitizer --tool racecheck $t/gpu_norm --test-threads 1 --exact "$giant" \
             > "$logs/racecheck-gpu_norm-$giant.log" 2>&1
         echo "racecheck gpu_norm $giant rc=$?: $(grep -E 'test result|RACECHECK SUMMARY' "$logs/racecheck-gpu_norm-$giant.log" | tr '\n' ' ')"
     done
     $t/gpu_sharded --test-threads 1 > "$logs/gpu_sharded.log" 2>&1
     echo "gpu_sharded rc=$?: $(grep -E 'test result' "$logs/gpu_sharded.log")"
+}
+sanitize_adagc() {
     # AdaGC's decide launch has barriers: racecheck and synccheck over its CUDA cases.
     for tool in racecheck synccheck; do
-        timeout 150 compute-sanitizer --tool "$tool" python3 -m pytest -q -p no:cacheprovider --import-mode=importlib \
+        timeout "${ADAGC_SAN_S:-120}" compute-sanitizer --tool "$tool" python3 -m pytest -q -p no:cacheprovider --import-mode=importlib \
             python/tests/test_adagc.py -k "cuda or captured" > "$logs/$tool-adagc.log" 2>&1
         echo "$tool adagc rc=$?: $(grep -E 'passed|failed|SUMMARY' "$logs/$tool-adagc.log" | tail -2 | tr '\n' ' ')"
     done
@@ -86,6 +88,7 @@ cat "$logs/summary-0-newest.txt"
 fuzz_gpu > "$logs/summary-fuzz-gpu.txt" 2>&1 &
 fuzz_sharded > "$logs/summary-fuzz-sharded.txt" 2>&1 &
 memcheck_python > "$logs/summary-memcheck.txt" 2>&1 &
+sanitize_adagc > "$logs/summary-adagc-sanitizers.txt" 2>&1 &
 sanitize_rust > "$logs/summary-rust.txt" 2>&1
 wait
 cat "$logs"/summary-*.txt | tee "$OUT/summary.txt"
