@@ -11,7 +11,7 @@ import torch
 
 from ..._engine import POLICY_WORDS, UnitReads, adagc as _adagc, adagc_state, capturing, facts, policy_state_is_whole, returned_norm, unit_plan
 from .._functions import _as_list, _grads_norm64, _is_dtensor, _opaque_to_compile
-from .agc import _CODES, loss_scale_on, upload_tables
+from ._unit_clip import CODES as _CODES, check_dtensor_pair, loss_scale_on, upload_tables
 
 _WORDS = POLICY_WORDS["adagc"]
 
@@ -329,14 +329,9 @@ class _Tables:
 def _local_shard(i: int, p, g) -> torch.Tensor:
     """The local tensor of a DTensor parameter's gradient (a ValueError or TypeError naming
     parameter ``i`` for a layout the sharded decision cannot take)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
-    if not (_is_dtensor(p) and _is_dtensor(g)):
-        raise TypeError(f"AdaGC: parameter {i} and its gradient are not both DTensors")
-    if any(isinstance(pl, Partial) for pl in g.placements):
-        raise ValueError(f"AdaGC: the gradient of parameter {i} is Partial (not reduced yet): reduce it before clipping")
-    if tuple(p.placements) != tuple(g.placements) or p.device_mesh != g.device_mesh:
-        raise ValueError(f"AdaGC: parameter {i} ({p.placements}) and its gradient ({g.placements}) are laid out differently")
+    check_dtensor_pair("AdaGC", i, p, g)
     if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
         raise ValueError(f"AdaGC: parameter {i} has placements {p.placements}: AdaGC takes Shard and Replicate")
     return g._local_tensor

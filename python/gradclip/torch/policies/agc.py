@@ -10,11 +10,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..._engine import UnitReads, agc as _agc, capturing, facts, returned_norm, unit_plan
+from ..._engine import UnitReads, agc as _agc, facts, returned_norm, unit_plan
 from .._functions import _as_list, _grads_norm64, _is_dtensor, _opaque_to_compile
+from ._unit_clip import CODES as _CODES, check_dtensor_pair, loss_scale_on, upload_tables
 
-#: The kernels' dtype codes (``gradclip_kernels::abi::DType``).
-_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
 
 
 def _unit_len(t: torch.Tensor) -> int:
@@ -173,26 +172,6 @@ class AGC:
         return self._launch(device, loss_scale)
 
 
-def upload_tables(device: torch.device, plan) -> torch.Tensor:
-    """A tensor on ``device`` holding a unit plan's table words, with room for its partials and
-    per-tensor words (``unit_plan``'s ``(words, bytes, ...)``)."""
-    if capturing():
-        raise RuntimeError(
-            "the unit-wise clip's tables for these tensors are not made yet, and cannot be while a CUDA graph captures: "
-            "clip the same tensors once eagerly before capturing"
-        )
-    words, nbytes = plan[0], plan[1]
-    buf = torch.empty(max(nbytes // 8, 1), dtype=torch.int64, device=device)
-    if words:
-        buf[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
-    return buf
-
-
-def loss_scale_on(device: torch.device, loss_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """GradScaler's scale as the engine reads it: one float32 on ``device``, or None."""
-    return None if loss_scale is None else loss_scale.to(device=device, dtype=torch.float32).contiguous()
-
-
 def _check(i: int, p: torch.Tensor, g: torch.Tensor) -> None:
     """TypeError or ValueError naming parameter ``i`` for what the engine does not read."""
     if g.is_sparse or p.is_sparse:
@@ -214,14 +193,9 @@ def _sharded_pair(i: int, p, g):
     """The local tensors of a DTensor parameter whose units are whole on each rank (a weight of
     two or more dims sharded on dim 0 only, or replicated), or None when its units span ranks;
     a Partial gradient (not reduced yet) is refused."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
-    if not (_is_dtensor(p) and _is_dtensor(g)):
-        raise TypeError(f"AGC: parameter {i} and its gradient are not both DTensors")
-    if any(isinstance(pl, Partial) for pl in g.placements):
-        raise ValueError(f"AGC: the gradient of parameter {i} is Partial (not reduced yet): reduce it before clipping")
-    if tuple(p.placements) != tuple(g.placements) or p.device_mesh != g.device_mesh:
-        raise ValueError(f"AGC: parameter {i} ({p.placements}) and its gradient ({g.placements}) are laid out differently")
+    check_dtensor_pair("AGC", i, p, g)
     whole = all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0 and p.dim() >= 2) for pl in p.placements)
     return (p._local_tensor, g._local_tensor) if whole else None
 
