@@ -15,6 +15,7 @@ from gradclip.torch import optim
 from gradclip.torch.policies import AdaGC, SkipSpike
 
 import ranks
+from cuda_capture import capture_on_side_stream
 from unit_clip_refusals import refused_extras
 
 CUDA = torch.cuda.is_available()
@@ -385,13 +386,7 @@ def test_captured_graph_replays_the_decisions():
     for p, s in zip(eager_params, src):
         p.grad = s.clone()
     eager.clip_unitwise_(eager_params)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            agc.clip_unitwise_(params)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_on_side_stream(lambda: agc.clip_unitwise_(params))
     for round in range(12):
         fresh = [s * (40.0 if round in (5, 9) else 1.0 + 0.1 * round) for s in src]
         for p, q, f in zip(params, eager_params, fresh):

@@ -15,6 +15,7 @@ from gradclip.torch import optim
 from gradclip.torch.policies import AGC
 
 import ranks
+from cuda_capture import capture_on_side_stream
 from unit_clip_refusals import refused_extras
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
@@ -265,13 +266,7 @@ def test_captured_graph_replays_the_clip():
     agc.clip_unitwise_(params)  # eagerly first: the tables are made
     for p, s in zip(params, src):
         p.grad.copy_(s)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            agc.clip_unitwise_(params)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_on_side_stream(lambda: agc.clip_unitwise_(params))
     for round in range(3):
         fresh = [s * (round + 1) for s in src]
         for p, f in zip(params, fresh):
