@@ -19,7 +19,7 @@ from . import _native, _torch_probe
 from ._torch_probe import NATIVE_DTYPES
 
 __all__ = [
-    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "UnitReads", "adagc", "adagc_state", "agc", "autoclip_state", "capturing", "check_max_norm", "check_p",
+    "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "UnitReads", "adagc", "adagc_state", "agc", "autoclip_state", "capturing", "check_max_norm", "check_p", "groups_have_keys",
     "check_total_norm", "check_writable", "checked_norm", "clip_coef", "clip_grads", "clip_policy", "facts", "group_hyper",
     "guards", "key_partials", "keys_total", "list_step", "norm_output", "optim_step", "plan_clip", "plan_norm",
     "plan_norm_as", "plan_tensor_norms", "planner", "policy_state_is_whole", "raw_stream", "reduction", "refuse_host_read_under_capture",
@@ -65,6 +65,9 @@ def agc(device: torch.device, tables: torch.Tensor, plan, clip_factor: float, ep
 
 
 adagc_state = _native.adagc_state
+
+# Whether some param group holds one of the given keys (the clip groups' per-step test).
+groups_have_keys = _native.groups_have_keys
 
 
 def adagc(device: torch.device, tables: torch.Tensor, plan, state: torch.Tensor, loss_scale: int = 0, pass_: int = 0) -> None:

@@ -68,6 +68,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(optim::optim_step, m)?)?;
     m.add_function(wrap_pyfunction!(optim::step_layout, m)?)?;
     m.add_function(wrap_pyfunction!(hyper::rule_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(hyper::groups_have_keys, m)?)?;
     m.add_class::<list_step::ListStep>()?;
     m.add_function(wrap_pyfunction!(list_step::list_step, m)?)?;
     m.add_function(wrap_pyfunction!(list_step::rule_states, m)?)?;

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from .._engine import check_max_norm
+from .._engine import check_max_norm, groups_have_keys
 from .policies import SkipSpike
 from .policies._base import _ClipPolicy, clip_threshold
 
@@ -61,13 +61,22 @@ def check_group(group: Dict[str, Any], at: int) -> None:
 KEYS = ("clip_group", "max_grad_norm", "clip", "skip")
 
 
+def _any_keys(param_groups: List[Dict[str, Any]]) -> bool:
+    """Whether a group holds one of ``KEYS``: natively every step (a few nanoseconds a key; the
+    Python test cost 63 us for 465 groups on the development host), in Python where dynamo
+    traces it."""
+    if type(param_groups) is list and not torch.compiler.is_compiling():
+        return groups_have_keys(param_groups, KEYS)
+    return any(k in g for g in param_groups for k in KEYS)
+
+
 def read(param_groups: List[Dict[str, Any]], max_grad_norm: Optional[float], clip=None, skip=None) -> Optional[ClipGroups]:
     """The clip groups of ``param_groups`` (``max_grad_norm``, ``clip``, ``skip``: the optimizer's
     threshold and policies, for groups without their own), or None when no group names a clip
     group, a threshold or a policy of its own. A clip group's threshold is its ``max_grad_norm``;
     without one, its clip policy's cap, or, with a skip policy alone, infinite (measured for it).
     Errors name the groups."""
-    if not any(k in g for g in param_groups for k in KEYS):
+    if not _any_keys(param_groups):
         return None
     names: Dict[str, int] = {}
     thresholds: List[Optional[float]] = []
