@@ -100,10 +100,8 @@ class SkipSpike(_Policy):
         and step counts as they were. Any other optimizer is stepped or not on the host (one
         sync). gradclip's own optimizers take ``skip=`` instead; under GradScaler, step through
         the scaler."""
-        from .._spine import _ClippingStep  # the optimizers import the policies
-
         found = self.found_inf
-        if isinstance(optimizer, _ClippingStep):
+        if hasattr(optimizer, "skip_policy"):  # gradclip's optimizers (which import the policies)
             raise TypeError("gradclip's optimizers skip through skip=SkipSpike(...): pass it there instead of stepping through SkipSpike.step")
         if "found_inf" in optimizer.__dict__ or "grad_scale" in optimizer.__dict__:
             raise RuntimeError("this optimizer already has a found_inf or grad_scale (GradScaler's): step it through the scaler")
