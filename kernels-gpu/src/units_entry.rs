@@ -12,7 +12,6 @@ use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, accumulate_lane_pair, scale_lane};
 use crate::policy::adagc::{self, pass};
-use crate::policy::{kind, kind_of};
 use crate::units::{WARPS, agc_factor, dtype_codes, num_pieces, piece_span, task_pieces, unit_lane};
 
 /// This lane's share of the piece of `len` elements of `E` from element `start` at `addr`.
@@ -184,8 +183,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
 /// Where a per-tensor decision leaves the call's own words, after the `tensors` factors:
 /// [`CALL_COEF`] the warmup's global coefficient, [`CALL_MODE`] how the call decided.
 pub const CALL_COEF: usize = 0;
-/// See [`CALL_COEF`]: 0 the state was not a whole AdaGC state (every factor NaN), 1 the warmup
-/// (every factor the global coefficient), 2 per tensor.
+/// See [`CALL_COEF`]: the call's [`adagc::mode`].
 pub const CALL_MODE: usize = 1;
 
 /// AdaGC's decision ([`adagc`]), one block of `BLOCK_THREADS` over a per-tensor plan (one unit a
@@ -196,8 +194,9 @@ pub const CALL_MODE: usize = 1;
 /// norm; thread 0 reads the state's header, writes the call's words after the factors and counts
 /// the call; then each thread decides its tensors' factors into `factors[i]`, advancing each
 /// tensor's slot (`units[i].slot`). Norms are divided by the f32 at `loss_scale` when not null
-/// (the scale the gradients carry). With [`pass::FOLD`] the launch ends after the folds, each
-/// tensor's squared norm in `sums[i]`.
+/// (the scale the gradients carry); a non-zero f32 at `found_inf` (GradScaler's overflow: the
+/// step will be skipped) leaves every factor 1 and the state as it was. With [`pass::FOLD`] the
+/// launch ends after the folds, each tensor's squared norm in `sums[i]`.
 ///
 /// # Safety
 /// Launched with one block of `BLOCK_THREADS` and `BLOCK_SMEM_BYTES` of dynamic shared memory;
@@ -206,8 +205,8 @@ pub const CALL_MODE: usize = 1;
 /// [`pass::GIVEN`]; `sums` room for `tensors` f64 (written before on the stream for
 /// [`pass::GIVEN`]); `folds` room for `tensors` partials and `factors` for `tensors + 2` f64,
 /// owned by the launch; `state` the policy's `state_words` f64 of device memory, written before
-/// on the stream and used by nothing else until this has run; a non-null `loss_scale` one f32
-/// written before on the stream.
+/// on the stream and used by nothing else until this has run; a non-null `loss_scale` or
+/// `found_inf` one f32 written before on the stream.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
@@ -221,6 +220,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
     state: *mut f64,
     state_words: u64,
     loss_scale: *const f32,
+    found_inf: *const f32,
 ) {
     let (t, n) = (thread_idx() as u64, tensors);
     let (warp, lane) = (t / WARP_THREADS as u64, t % WARP_THREADS as u64);
@@ -289,22 +289,15 @@ pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
         // SAFETY: the state is `state_words` f64 of its own (the contract), which thread 0 alone
         // touches until the barrier below.
         let words = unsafe { core::slice::from_raw_parts_mut(state, state_words as usize) };
-        let whole = kind_of(words) == Some(kind::ADAGC);
-        let warm = adagc::warming(words);
+        // SAFETY: a non-null found_inf is one f32 written before on the stream (the contract).
+        let skipped = !found_inf.is_null() && unsafe { found_inf.read() } != 0.0;
+        let coef = adagc::global_coefficient(total.norm() / scale, words);
+        let m = adagc::begin_call(words, skipped);
         // SAFETY: thread 0 alone writes the call's words and the header's count, before the
         // barrier below; the other threads read neither before it.
         unsafe {
-            call.add(CALL_COEF).write(adagc::global_coefficient(total.norm() / scale, words));
-            call.add(CALL_MODE).write(if !whole {
-                0.0
-            } else if warm {
-                1.0
-            } else {
-                2.0
-            });
-        }
-        if whole {
-            adagc::finish(words);
+            call.add(CALL_COEF).write(coef);
+            call.add(CALL_MODE).write(m);
         }
     }
     // SAFETY: every thread reaches it; it orders thread 0's writes before the reads below.
@@ -315,9 +308,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
     while i < n {
         // SAFETY: i < tensors (the contract); the fold was written before the first barrier.
         let (u, fold) = unsafe { (units.add(i as usize).read(), L2::decode(&*folds.add(i as usize), 2.0)) };
-        let f = if mode == 0.0 {
-            f64::NAN
-        } else {
+        let f = {
             let at = adagc::HEADER + adagc::SLOT_WORDS * u.slot as usize;
             if at + adagc::SLOT_WORDS > state_words as usize {
                 f64::NAN
@@ -331,7 +322,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
                         core::slice::from_raw_parts_mut(state.add(at), adagc::SLOT_WORDS),
                     )
                 };
-                adagc::factor(fold.norm() / scale, header, slot, mode == 1.0, coef)
+                adagc::tensor_factor(mode, fold.norm() / scale, header, slot, coef)
             }
         };
         // SAFETY: factor i is this thread's alone.

@@ -70,14 +70,16 @@ adagc_state = _native.adagc_state
 groups_have_keys = _native.groups_have_keys
 
 
-def adagc(device: torch.device, tables: torch.Tensor, plan, state: torch.Tensor, loss_scale: int = 0, pass_: int = 0) -> None:
+def adagc(device: torch.device, tables: torch.Tensor, plan, state: torch.Tensor, loss_scale: int = 0, pass_: int = 0, found_inf: int = 0) -> None:
     """AdaGC over the per-tensor tables in ``tables`` (as for ``agc``) with its ``state`` (a
     float64 tensor on ``device``), on torch's current stream there; ``pass_``: 0 the whole clip,
-    1 and 2 the halves of a sharded one (``gradclip::units::AdagcPass``)."""
+    1 and 2 the halves of a sharded one (``gradclip::units::AdagcPass``); ``loss_scale`` and
+    ``found_inf``: the addresses of GradScaler's float32 scale and overflow flag there, or 0."""
     stream, on_device = stream_of(device)
     with on_device:
         _native.adagc(
-            device.index if device.type == "cuda" else -1, stream, (tables.data_ptr(), *plan), state.data_ptr(), state.numel(), loss_scale, pass_
+            device.index if device.type == "cuda" else -1, stream, (tables.data_ptr(), *plan), state.data_ptr(), state.numel(),
+            (loss_scale, found_inf), pass_,
         )
 
 

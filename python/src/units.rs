@@ -130,8 +130,10 @@ pub fn adagc_state(clip_ratio: f64, beta: f64, eps: f64, start_clip_steps: u32, 
 
 /// AdaGC over the per-tensor tables at `tables` (as for `agc`) with its state (`state_words`
 /// float64 at `state`, on the tables' device) on `device` (a CUDA ordinal, on `stream`, or -1
-/// for the CPU); `loss_scale` as for `agc`; `pass`: 0 the whole clip, 1 and 2 the halves of a
-/// sharded one around the caller's all-reduce of the tables' sums (`AdagcPass`).
+/// for the CPU); `scaler`: the addresses of GradScaler's f32 scale and overflow
+/// flag (not 0: every gradient and the state left as they were), or 0; `pass`: 0 the whole
+/// clip, 1 and 2 the halves of a sharded one around the caller's all-reduce of the tables' sums
+/// (`AdagcPass`).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn adagc(
@@ -141,7 +143,7 @@ pub fn adagc(
     tables: (u64, usize, usize, u64),
     state: u64,
     state_words: usize,
-    loss_scale: u64,
+    scaler: (u64, u64),
     pass: u32,
 ) -> PyResult<()> {
     let tables = tables_of(tables);
@@ -158,15 +160,16 @@ pub fn adagc(
         // `stream`; the plan's gradients are the caller's live CUDA tensors there; the state is
         // the caller's float64 tensor there of `state_words` elements, written before on
         // `stream`; nothing else uses the tables or the state until the stream passes this work;
-        // a loss scale is the caller's float32 there, written before on `stream`.
+        // a loss scale and an overflow flag are the caller's float32 there, written before on
+        // `stream`.
         return py.detach(|| {
             on_engine(device as usize, stream, |e| unsafe {
-                e.adagc_raw(&tables, state, state_words, loss_scale, pass)
+                e.adagc_raw(&tables, state, state_words, scaler, pass)
             })
         });
     }
     // SAFETY: as above, host tensors.
-    py.detach(|| unsafe { Cpu::new().adagc_raw(&tables, state, state_words, loss_scale, pass) })
+    py.detach(|| unsafe { Cpu::new().adagc_raw(&tables, state, state_words, scaler, pass) })
         .map_err(to_py)
 }
 

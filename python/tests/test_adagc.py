@@ -280,6 +280,32 @@ def test_loss_scaled_gradients_are_clipped_by_their_unscaled_norms():
     assert torch.equal(x.state_dict()["state"], y.state_dict()["state"])
 
 
+def test_an_overflow_flag_leaves_gradients_and_state_as_they_were():
+    """GradScaler's ``found_inf`` (the step will be skipped): not 0, the call writes nothing and
+    learns nothing (its count too); 0, the call is the plain one."""
+    a, gen = _params(11)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    x, y = AdaGC(start_clip_steps=2), AdaGC(start_clip_steps=2)
+    for step in range(8):
+        _grads(a, gen, step, [torch.float32], {(5, 0)}, set(), {})
+        for p, q in zip(a, b):
+            q.grad = None if p.grad is None else p.grad.clone()
+        before = [None if p.grad is None else p.grad.clone() for p in a]
+        state = x.state_dict()["state"]
+        x.clip_unitwise_(a, found_inf=torch.tensor([1.0]))
+        if step == 0:  # the first call sizes the state for the list: nothing in it yet
+            assert float(x.steps) == 0 and not bool(x.seen.any())
+        else:
+            assert torch.equal(x.state_dict()["state"], state), f"step {step}: a skipped step taught AdaGC"
+        for p, w in zip(a, before):
+            assert (p.grad is None and w is None) or torch.equal(p.grad, w)
+        x.clip_unitwise_(a, found_inf=torch.tensor([0.0]))
+        y.clip_unitwise_(b)
+        for p, q in zip(a, b):
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    assert torch.equal(x.state_dict()["state"], y.state_dict()["state"])
+
+
 @pytest.mark.parametrize("update", ["gradclip", "torch"])
 def test_optimizer_clip_adagc_steps_on_the_clipped_gradients_and_resumes(update, tmp_path):
     params, gen = _params(7)

@@ -216,7 +216,7 @@ fn run_adagc(grads: &[(&Grad, u32)], state: &mut [f64]) -> gradclip::Result<()> 
     let tables = UnitTables::of(&plan, buf.as_mut_ptr() as u64);
     // SAFETY: the tables are this buffer's (sized by the plan), the tensors and the state the
     // test's own.
-    unsafe { Cpu::new().adagc_raw(&tables, state.as_mut_ptr() as u64, state.len(), 0, AdagcPass::Local) }
+    unsafe { Cpu::new().adagc_raw(&tables, state.as_mut_ptr() as u64, state.len(), (0, 0), AdagcPass::Local) }
 }
 
 /// The authors' rule (their Paddle `ClipGradByAdaptiveNorm`) for one call over exact norms,

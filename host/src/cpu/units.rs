@@ -122,16 +122,22 @@ impl<'a> Pieces<'a> {
     }
 }
 
-/// The f32 loss scale at `addr` as f64 (1 for 0).
+/// The f32 at `addr` as f64, None for 0 (a loss scale or an overflow flag not given).
 ///
 /// # Safety
 /// `addr` (not 0) is one f32 of host memory.
-unsafe fn loss_scale_at(addr: u64) -> f64 {
-    if addr == 0 {
-        return 1.0;
-    }
+unsafe fn f32_at(addr: u64) -> Option<f64> {
     // SAFETY: the caller's contract.
-    f64::from(unsafe { (addr as *const f32).read() })
+    (addr != 0).then(|| f64::from(unsafe { (addr as *const f32).read() }))
+}
+
+/// The f32 loss scale at `addr` as f64 (1 for 0).
+///
+/// # Safety
+/// As [`f32_at`].
+unsafe fn loss_scale_at(addr: u64) -> f64 {
+    // SAFETY: the caller's contract.
+    unsafe { f32_at(addr) }.unwrap_or(1.0)
 }
 
 impl Cpu {
@@ -167,16 +173,26 @@ impl Cpu {
     /// tensor's squared norm over its shards), the global norm, the decision per tensor as
     /// `gradclip_adagc_decide` makes it (the same functions, the same merge order), the state
     /// advanced and every gradient scaled by its tensor's factor: the GPU's bits. With
-    /// [`AdagcPass::Fold`] only the sums are written. `loss_scale` as for [`Cpu::agc_raw`]. A
+    /// [`AdagcPass::Fold`] only the sums are written. `loss_scale` as for [`Cpu::agc_raw`];
+    /// `found_inf` (not 0) the address of GradScaler's f32 overflow flag: not 0, every gradient
+    /// and the state are left as they were (the step will be skipped). A
     /// state that is not a whole AdaGC state, or too short for a tensor's slot, is refused
     /// ([`Error::PolicyState`]) before anything is written.
     ///
     /// # Safety
     /// As [`Cpu::agc_raw`], for a plan of [`crate::units::UnitPair::per_tensor`] pairs; `state` is
     /// `state_words` f64 of host memory used by nothing else during the call.
-    pub unsafe fn adagc_raw(&self, tables: &UnitTables, state: u64, state_words: usize, loss_scale: u64, pass: AdagcPass) -> Result<()> {
+    pub unsafe fn adagc_raw(
+        &self,
+        tables: &UnitTables,
+        state: u64,
+        state_words: usize,
+        (loss_scale, found_inf): (u64, u64),
+        pass: AdagcPass,
+    ) -> Result<()> {
         tables.check()?;
         crate::units::check_loss_scale(loss_scale)?;
+        crate::units::check_loss_scale(found_inf)?;
         crate::units::check_state(state, state_words)?;
         // SAFETY: the caller's contract: the state's words, the loss scale, the tables (the sums
         // after the rest, `tables.tensors` of them).
@@ -223,14 +239,16 @@ impl Cpu {
         }
         let encoded: Vec<Partial> = folds.iter().map(|f| f.encode()).collect();
         let total: L2 = model::final_reduce(&encoded, 2.0);
-        let (warm, coef) = (adagc::warming(words), adagc::global_coefficient(total.norm() / scale, words));
-        adagc::finish(words);
+        // SAFETY: the caller's contract: a found_inf not 0 is one f32 of host memory.
+        let skipped = unsafe { f32_at(found_inf) }.is_some_and(|v| v != 0.0);
+        let coef = adagc::global_coefficient(total.norm() / scale, words);
+        let m = adagc::begin_call(words, skipped);
         let factors: Vec<f64> = pieces
             .tensors
             .iter()
             .zip(&folds)
             .map(|(t, fold)| match adagc::split_slot(words, t.slot as usize) {
-                Some((header, slot)) => adagc::factor(fold.norm() / scale, header, slot, warm, coef),
+                Some((header, slot)) => adagc::tensor_factor(m, fold.norm() / scale, header, slot, coef),
                 None => f64::NAN,
             })
             .collect();

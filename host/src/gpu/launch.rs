@@ -282,14 +282,15 @@ pub unsafe fn agc(
 /// As [`agc`], for a plan of per-tensor pairs whose slots are distinct and inside the state
 /// (`state_words` f64 of the context at `state`, written before on the stream, used by nothing
 /// else until the launches complete); `t.tasks` may be 0; for a given pass the tables' sums
-/// written before on the stream.
+/// written before on the stream; a non-zero `found_inf` one f32 of the context written before on
+/// the stream (GradScaler's overflow flag: not 0 leaves every gradient and the state as they were).
 pub unsafe fn adagc(
     stream: &CudaStream,
     ks: &KernelSet,
     t: &crate::units::UnitTables,
     state: u64,
     state_words: u64,
-    loss_scale: u64,
+    (loss_scale, found_inf): (u64, u64),
     pass: crate::units::AdagcPass,
 ) -> Result<()> {
     use crate::units::AdagcPass;
@@ -316,7 +317,8 @@ pub unsafe fn adagc(
         .arg(&factors)
         .arg(&state)
         .arg(&state_words)
-        .arg(&loss_scale);
+        .arg(&loss_scale)
+        .arg(&found_inf);
     let one_block = LaunchConfig {
         shared_mem_bytes: BLOCK_SMEM_BYTES,
         ..ONE_BLOCK

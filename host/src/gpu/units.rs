@@ -45,17 +45,20 @@ impl GpuEngine {
     /// As [`GpuEngine::agc_raw`], for a plan of [`crate::units::UnitPair::per_tensor`] pairs whose
     /// slots are inside the state; the state written before on the stream and used by nothing else
     /// until the launches complete; for [`crate::units::AdagcPass::Given`], the tables' sums
-    /// written before on the stream.
+    /// written before on the stream; `found_inf` (not 0) one f32 of it written before on the
+    /// stream: GradScaler's overflow flag, whose non-zero value leaves the gradients and the state
+    /// as they were (the step will be skipped).
     pub unsafe fn adagc_raw(
         &mut self,
         tables: &UnitTables,
         state: u64,
         state_words: usize,
-        loss_scale: u64,
+        (loss_scale, found_inf): (u64, u64),
         pass: crate::units::AdagcPass,
     ) -> Result<()> {
         tables.check()?;
         crate::units::check_loss_scale(loss_scale)?;
+        crate::units::check_loss_scale(found_inf)?;
         crate::units::check_state(state, state_words)?;
         if tables.tasks > i32::MAX as usize {
             return Err(Error::TooManyTasks {
@@ -65,6 +68,16 @@ impl GpuEngine {
         }
         let stream = self.stream().clone();
         // SAFETY: the caller's contract.
-        unsafe { launch::adagc(&stream, self.kernels(), tables, state, state_words as u64, loss_scale, pass) }
+        unsafe {
+            launch::adagc(
+                &stream,
+                self.kernels(),
+                tables,
+                state,
+                state_words as u64,
+                (loss_scale, found_inf),
+                pass,
+            )
+        }
     }
 }

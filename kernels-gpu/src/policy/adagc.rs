@@ -236,6 +236,47 @@ pub fn finish(s: &mut [f64]) {
     wr(s, STEPS, rd(s, STEPS) + 1.0);
 }
 
+/// How a call decides ([`begin_call`]), one value for all its tensors.
+pub mod mode {
+    /// The state is not a whole AdaGC state: every factor NaN (never a silent clip).
+    pub const BROKEN: f64 = 0.0;
+    /// The warmup: every factor the global coefficient.
+    pub const WARM: f64 = 1.0;
+    /// Each tensor by its own threshold.
+    pub const PER_TENSOR: f64 = 2.0;
+    /// The step is skipped (GradScaler found an overflow): every factor 1, nothing learned, the
+    /// call not counted, as the authors' code is not called for a skipped step.
+    pub const SKIPPED: f64 = 3.0;
+}
+
+/// Starts a call on the state `s`: its [`mode`], the call counted unless it is skipped
+/// (`skipped`: the step will not be taken) or the state is broken.
+#[inline(always)]
+pub fn begin_call(s: &mut [f64], skipped: bool) -> f64 {
+    if super::kind_of(s) != Some(super::kind::ADAGC) {
+        return mode::BROKEN;
+    }
+    if skipped {
+        return mode::SKIPPED;
+    }
+    let m = if warming(s) { mode::WARM } else { mode::PER_TENSOR };
+    finish(s);
+    m
+}
+
+/// A tensor's factor in a call of mode `m` ([`begin_call`]; `header` and `slot` as for
+/// [`factor`], `global_coef` the call's).
+#[inline(always)]
+pub fn tensor_factor(m: f64, norm: f64, header: &[f64], slot: &mut [f64], global_coef: f64) -> f64 {
+    if m == mode::SKIPPED {
+        1.0
+    } else if m == mode::WARM || m == mode::PER_TENSOR {
+        factor(norm, header, slot, m == mode::WARM, global_coef)
+    } else {
+        f64::NAN
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

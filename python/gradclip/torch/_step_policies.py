@@ -52,9 +52,10 @@ def unit_clip(opt) -> None:
     """The optimizer's unit clip (``clip=AGC(...)`` or ``clip=AdaGC(...)``) on every gradient of
     its groups, in their order (AdaGC's slots), before the step
     reads them (under GradScaler, whose scale the gradients still carry, by their unscaled
-    norms)."""
+    norms; a step GradScaler skips for an overflow teaches AdaGC nothing)."""
     if opt.unit_clip is not None:
-        opt.unit_clip.clip_unitwise_((p for g in opt.param_groups for p in g["params"]), getattr(opt, "grad_scale", None))
+        params = (p for g in opt.param_groups for p in g["params"])
+        opt.unit_clip.clip_unitwise_(params, getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None))
 
 
 def limit(opt) -> Optional[float]:

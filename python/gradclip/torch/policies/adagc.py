@@ -164,12 +164,14 @@ class AdaGC:
         work()
         return total
 
-    def clip_unitwise_(self, parameters, loss_scale: Optional[torch.Tensor] = None) -> None:
+    def clip_unitwise_(self, parameters, loss_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
         """Clips the gradients of ``parameters`` by AdaGC, computing no norm to return: the
         optimizers' ``clip=AdaGC(...)``. ``loss_scale``: the scale the gradients carry
-        (GradScaler's ``grad_scale``, one float32), which their norms are divided by."""
+        (GradScaler's ``grad_scale``, one float32), which their norms are divided by;
+        ``found_inf``: GradScaler's overflow flag (one float32), whose non-zero value (the step
+        will be skipped) leaves the gradients and the state as they were, decided on the device."""
         with torch.no_grad():
-            self._work(_as_list(parameters), loss_scale)()
+            self._work(_as_list(parameters), loss_scale, found_inf)()
 
     def _binding(self, params: List[torch.Tensor]):
         """Checks that ``params`` is the list the state's slots belong to (a ValueError, before
@@ -202,11 +204,12 @@ class AdaGC:
 
         return adopt
 
-    def _work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor] = None):
+    def _work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None):
         """The clip of the gradients of ``params`` as one call, after every check (raised here,
         naming the parameter by its position in ``params``)."""
         adopt = self._binding(params)
-        launch = self._native_work(params, loss_scale) or self._python_work(params, loss_scale)
+        scaler = (loss_scale, found_inf)
+        launch = self._native_work(params, scaler) or self._python_work(params, scaler)
         if adopt is None:
             return launch
 
@@ -216,7 +219,7 @@ class AdaGC:
 
         return run
 
-    def _native_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor]):
+    def _native_work(self, params: List[torch.Tensor], scaler):
         """The call when the binding reads every gradient itself (plain contiguous tensors of one
         device), keeping the last tables while the same gradients come back; None otherwise."""
         reader = facts()
@@ -232,10 +235,10 @@ class AdaGC:
             self._tables = _Tables(None, device, plan)
         elif self._tables is None or self._tables.key is not None:
             self._reads.forget()  # the kept tables are the Python reading's: read again
-            return self._native_work(params, loss_scale)
-        return self._launch(device, loss_scale, None)
+            return self._native_work(params, scaler)
+        return self._launch(device, scaler, None)
 
-    def _python_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor]):
+    def _python_work(self, params: List[torch.Tensor], scaler):
         """The call read in Python: plain gradients and DTensor ones (each rank's shard, whose
         squared norm the ranks sum before the decision), checked here."""
         grads: List[Tuple[int, torch.Tensor]] = []
@@ -273,26 +276,28 @@ class AdaGC:
             if self._layout is None or self._layout[0] != layout:
                 self._layout = (layout, _reductions(params, self._excluded, device))
             reductions = self._layout[1]
-        return self._launch(device, loss_scale, reductions)
+        return self._launch(device, scaler, reductions)
 
-    def _launch(self, device: torch.device, loss_scale: Optional[torch.Tensor], reductions):
-        """The engine's call over the kept tables, with the state on ``device``; with
-        ``reductions`` (a sharded call's: each process group and the positions it sums), its two
-        halves around the all-reduces of the tensors' squared norms."""
+    def _launch(self, device: torch.device, scaler, reductions):
+        """The engine's call over the kept tables, with the state on ``device`` (``scaler``:
+        GradScaler's scale and overflow flag, or None); with ``reductions`` (a sharded call's: each
+        process group and the positions it sums), its two halves around the all-reduces of the
+        tensors' squared norms."""
         tables = self._tables
-        scale = loss_scale_on(device, loss_scale)
+        scale, found = (loss_scale_on(device, t) for t in scaler)
         if self._state.device != device:
             if capturing():
                 raise RuntimeError(f"AdaGC's state is on {self._state.device}, not on {device}, and cannot be moved while a CUDA graph captures")
             self._state = self._state.to(device)
         at = 0 if scale is None else scale.data_ptr()
+        skip = 0 if found is None else found.data_ptr()
         if reductions is None:
-            return lambda: _adagc(device, tables.buf, tables.plan, self._state, at, _LOCAL)
+            return lambda: _adagc(device, tables.buf, tables.plan, self._state, at, _LOCAL, skip)
 
         def run() -> None:
             import torch.distributed as dist
 
-            _adagc(device, tables.buf, tables.plan, self._state, at, _FOLD)
+            _adagc(device, tables.buf, tables.plan, self._state, at, _FOLD, skip)
             sums = tables.sums()
             full = torch.zeros(max(len(self._slots()), 1), dtype=torch.float64, device=device)
             full.index_copy_(0, tables.positions, sums)
@@ -301,7 +306,7 @@ class AdaGC:
                 dist.all_reduce(part, group=group)
                 full.index_copy_(0, sel, part)
             sums.copy_(full.index_select(0, tables.positions))
-            _adagc(device, tables.buf, tables.plan, self._state, at, _GIVEN)
+            _adagc(device, tables.buf, tables.plan, self._state, at, _GIVEN, skip)
 
         return run
 

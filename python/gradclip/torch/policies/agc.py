@@ -92,10 +92,12 @@ class AGC:
         work()
         return total
 
-    def clip_unitwise_(self, parameters, loss_scale: Optional[torch.Tensor] = None) -> None:
+    def clip_unitwise_(self, parameters, loss_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None) -> None:
         """Clips the gradients of ``parameters`` unit-wise, computing no global norm: the
         optimizers' ``clip=AGC(...)``. ``loss_scale``: the scale the gradients carry (GradScaler's
-        ``grad_scale``, one float32), which their unit norms are divided by."""
+        ``grad_scale``, one float32), which their unit norms are divided by. ``found_inf``
+        (GradScaler's overflow flag) is taken and not read: AGC keeps no state, and the gradients
+        of a step GradScaler skips are not stepped with."""
         with torch.no_grad():
             self._work(_as_list(parameters), loss_scale)()
 
