@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 39's GPU work in one device call of under ten minutes (run through benches/device/run.sh
-# exec). Optionally a cost run and the newest CUDA tests first, on a quiet GPU; then every job
-# runs in parallel, each bounded by its own time:
+# exec). Optionally a cost run first, on a quiet GPU; then every job runs in parallel, each
+# bounded by its own time:
 #   - the optimizer fuzzer on the GPU for FUZZ_S seconds (seeds from SEED0, 200 cases a seed, the
 #     GPU's bits against the CPU backend's);
 #   - the sharded fuzzer on the host's cores (gloo, every world size, SHARDED_S seconds a world);
@@ -73,18 +73,21 @@ memcheck_python() {
     done
 }
 # On a quiet GPU first: with COST_WORKLOAD, AGC's and AdaGC's cost in the AdamW step there
-# (benches/torch/agc_cost.py, its record to $OUT); then the newest CUDA cases (the unit-wise
-# clips, SkipSpike with torch's optimizers, policies in the compiled list op, per-tensor norms).
+# (benches/torch/agc_cost.py, its record to $OUT). Then, beside the jobs below, the newest CUDA
+# cases (the unit-wise clips, SkipSpike with torch's optimizers, policies in the compiled list
+# op, per-tensor norms).
 if [ -n "${COST_WORKLOAD:-}" ]; then
     python3 benches/torch/agc_cost.py .devbin/w-all.json "$OUT/agc-cost-$COST_WORKLOAD.json" --workload "$COST_WORKLOAD" \
         --commit "$(cat .devbin/commit)" --rounds "${COST_ROUNDS:-7}" > "$OUT/agc-cost-$COST_WORKLOAD.txt" 2>&1
     cat "$OUT/agc-cost-$COST_WORKLOAD.txt"
 fi
-python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_adagc.py python/tests/test_agc.py \
-    python/tests/test_tensor_norms.py python/tests/test_policies.py python/tests/test_compile.py \
-    -k "cuda or captured or gpu" > "$logs/newest-cuda.log" 2>&1
-echo "newest CUDA cases rc=$?: $(tail -1 "$logs/newest-cuda.log")" > "$logs/summary-0-newest.txt"
-cat "$logs/summary-0-newest.txt"
+newest() {
+    python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_adagc.py python/tests/test_agc.py \
+        python/tests/test_tensor_norms.py python/tests/test_policies.py python/tests/test_compile.py \
+        -k "cuda or captured or gpu" > "$logs/newest-cuda.log" 2>&1
+    echo "newest CUDA cases rc=$?: $(tail -1 "$logs/newest-cuda.log")"
+}
+newest > "$logs/summary-0-newest.txt" 2>&1 &
 fuzz_gpu > "$logs/summary-fuzz-gpu.txt" 2>&1 &
 fuzz_sharded > "$logs/summary-fuzz-sharded.txt" 2>&1 &
 memcheck_python > "$logs/summary-memcheck.txt" 2>&1 &
