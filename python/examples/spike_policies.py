@@ -12,6 +12,8 @@ norm up about 500x; the default puts a burst of eight of them at 150 and of four
   zclip   gradclip AdamW(clip=ZClip(max_grad_norm=None))       the authors' defaults otherwise
   skip    gradclip AdamW(max_grad_norm=max_norm, skip=SkipSpike(sigma=6, window=64))
   both    gradclip AdamW(clip=ZClip(max_grad_norm=None), skip=SkipSpike(ema_factor=20))
+  adagc   gradclip AdamW(clip=AdaGC())                           per-tensor thresholds, the authors' defaults
+  agc     gradclip AdamW(clip=AGC())                             unit-wise, the authors' defaults
 
 Writes OUT.json (every step: loss, norm, thresholds; every 10 steps: held-out loss) and, with
 matplotlib installed, OUT.png.
@@ -27,8 +29,12 @@ import time
 
 import torch
 
+import gradclip.torch as gt
 from gradclip.torch import optim
-from gradclip.torch.policies import SkipSpike, ZClip
+from gradclip.torch.policies import AGC, AdaGC, SkipSpike, ZClip
+
+#: Runs whose optimizer clips by a unit-wise or per-tensor policy (no global norm in its step).
+UNIT_CLIPS = ("adagc", "agc")
 
 
 class Decoder(torch.nn.Module):
@@ -72,6 +78,10 @@ def make_optimizer(kind, params, lr, max_norm):
         return optim.AdamW(params, lr=lr, max_grad_norm=max_norm, skip=SkipSpike(sigma=6.0, window=64))
     if kind == "both":
         return optim.AdamW(params, lr=lr, clip=ZClip(max_grad_norm=None), skip=SkipSpike(ema_factor=20.0))
+    if kind == "adagc":
+        return optim.AdamW(params, lr=lr, clip=AdaGC())
+    if kind == "agc":
+        return optim.AdamW(params, lr=lr, clip=AGC())
     raise ValueError(kind)
 
 
@@ -105,8 +115,10 @@ def run(kind, args, batches, evals, spikes):
         loss.backward()
         if kind == "torch":
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+        elif kind in UNIT_CLIPS:  # their step takes no global norm: the norm before the clip
+            norm = gt.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         opt.step()
-        if kind != "torch":
+        if kind != "torch" and kind not in UNIT_CLIPS:
             norm = opt.last_grad_norm
         row["loss"] = loss.item() / weight
         row["grad_norm"] = float(norm)
@@ -131,21 +143,26 @@ def plot(record, path):
         print("matplotlib is not installed: no PNG (the JSON has every figure)")
         return
     runs = record["runs"]
-    colors = {"torch": "tab:gray", "zclip": "tab:blue", "skip": "tab:green", "both": "tab:purple"}
+    colors = {"torch": "tab:gray", "zclip": "tab:blue", "skip": "tab:green", "both": "tab:purple", "adagc": "tab:orange", "agc": "tab:brown"}
     labels = {
         "torch": f"torch clip_grad_norm_({record['args']['max_norm']}) + AdamW",
         "zclip": "gradclip ZClip()",
         "skip": f"gradclip SkipSpike(sigma=6, window=64) + clip {record['args']['max_norm']}",
         "both": "gradclip ZClip() + SkipSpike(ema_factor=20)",
+        "adagc": "gradclip AdaGC() (per-tensor thresholds)",
+        "agc": "gradclip AGC() (unit-wise)",
     }
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
     for kind, rows in runs.items():
         ev = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
         top.plot(*zip(*ev), color=colors[kind], label=labels[kind])
         bottom.plot([r["step"] for r in rows], [r["grad_norm"] for r in rows], color=colors[kind], lw=0.8, alpha=0.8)
-    steps = [r["step"] for r in runs["zclip"]]
-    bottom.plot(steps, [r["threshold"] for r in runs["zclip"]], color="tab:blue", ls="--", lw=1.2, label="ZClip's spike boundary (mean + 2.5 std)")
-    bottom.plot(steps, [r.get("skip_threshold", math.nan) for r in runs["both"]], color="tab:purple", ls=":", lw=1.2, label="SkipSpike's skip line (20 x EMA)")
+    if "zclip" in runs:
+        steps = [r["step"] for r in runs["zclip"]]
+        bottom.plot(steps, [r["threshold"] for r in runs["zclip"]], color="tab:blue", ls="--", lw=1.2, label="ZClip's spike boundary (mean + 2.5 std)")
+    if "both" in runs:
+        steps = [r["step"] for r in runs["both"]]
+        bottom.plot(steps, [r.get("skip_threshold", math.nan) for r in runs["both"]], color="tab:purple", ls=":", lw=1.2, label="SkipSpike's skip line (20 x EMA)")
     bottom.axhline(record["args"]["max_norm"], color="tab:gray", ls="--", lw=1.0, label=f"fixed clip {record['args']['max_norm']}")
     for s in record["spikes"]:
         for ax in (top, bottom):
@@ -177,7 +194,7 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--max-norm", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--runs", default="torch,zclip,skip,both")
+    ap.add_argument("--runs", default="torch,zclip,skip,both,adagc,agc")
     args = ap.parse_args()
     spikes = set()
     for part in filter(None, args.spikes.split(",")):
