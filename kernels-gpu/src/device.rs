@@ -59,6 +59,21 @@ pub fn shfl_idx_u32(v: u32, src: u32) -> u32 {
     r
 }
 
+/// The f32 at `p` as f64, or `none` when `p` is null: an optional scalar input of a launch (a
+/// loss scale, an overflow flag).
+///
+/// # Safety
+/// A non-null `p` is one f32 of device memory written before on the stream.
+#[inline(always)]
+pub unsafe fn f32_or(p: *const f32, none: f64) -> f64 {
+    if p.is_null() {
+        none
+    } else {
+        // SAFETY: the caller's contract.
+        f64::from(unsafe { p.read() })
+    }
+}
+
 /// Lane 0's `x`, in every lane. Must be called by all 32 lanes.
 #[inline(always)]
 pub fn from_lane0_f64(x: f64) -> f64 {

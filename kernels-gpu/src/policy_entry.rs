@@ -3,7 +3,7 @@
 //! thread 0 decides and whose threads together move AutoClip's sorted history.
 
 use crate::abi::{BLOCK_THREADS, NormOutput};
-use crate::device::{sync_threads, thread_idx};
+use crate::device::{f32_or, sync_threads, thread_idx};
 use crate::policy::{autoclip, begin, finish};
 
 /// One block of `BLOCK_THREADS`: [`begin`] and [`finish`] (thread 0) on the NormOutput at `out`
@@ -30,12 +30,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_clip_policy(
     // SAFETY: the kernel's contract: each state is its own memory of the length given; thread 0
     // alone makes slices of them, while the other threads wait at the barrier below.
     let state = |p: *mut f64, n: u64| (!p.is_null()).then(|| unsafe { core::slice::from_raw_parts_mut(p, n as usize) });
-    let scale = if loss_scale.is_null() {
-        1.0
-    } else {
-        // SAFETY: `loss_scale`, when given, is one f32 written before on the stream (contract).
-        f64::from(unsafe { loss_scale.read() })
-    };
+    // SAFETY: `loss_scale`, when given, is one f32 written before on the stream (contract).
+    let scale = unsafe { f32_or(loss_scale, 1.0) };
     if t == 0 {
         // SAFETY: `out` is a NormOutput written before on the stream; thread 0 alone uses it.
         unsafe {

@@ -7,7 +7,9 @@
 
 use crate::abi::{BLOCK_THREADS, ChunkTask, DType, Partial, UnitTensor, WARP_THREADS};
 use crate::accum::{Accumulator, L2, Reduce};
-use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, block_reduce, from_lane0_f64, sync_threads, thread_idx, warp_reduce};
+use crate::device::{
+    DeviceTensor, DeviceTensorMut, block_idx, block_reduce, f32_or, from_lane0_f64, sync_threads, thread_idx, warp_reduce,
+};
 use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, accumulate_lane_pair, scale_lane};
@@ -156,12 +158,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     // SAFETY: the kernel's contract.
     let (t, _, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
     let Some(dtype) = DType::from_code(dtype_codes(&t).0) else { return };
-    let scale = if loss_scale.is_null() {
-        1.0
-    } else {
-        // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
-        (unsafe { loss_scale.read() }) as f64
-    };
+    // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
+    let scale = unsafe { f32_or(loss_scale, 1.0) };
     // Whole warps iterate together (the piece is the warp's), so the shuffles have all 32 lanes.
     while piece < end {
         // SAFETY: the norms pass wrote every piece's partials before this launch (the contract).
@@ -277,12 +275,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
     }
     // SAFETY: every thread calls it (nothing above returns), with the launch's shared memory.
     let total = unsafe { block_reduce::<L2, { BLOCK_THREADS / WARP_THREADS }>(acc, 2.0) };
-    let scale = if loss_scale.is_null() {
-        1.0
-    } else {
-        // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
-        f64::from(unsafe { loss_scale.read() })
-    };
+    // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
+    let scale = unsafe { f32_or(loss_scale, 1.0) };
     // SAFETY: the call's two words follow the factors (the contract's room).
     let call = unsafe { factors.add(n as usize) };
     if t == 0 {
@@ -290,7 +284,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_adagc_decide(
         // touches until the barrier below.
         let words = unsafe { core::slice::from_raw_parts_mut(state, state_words as usize) };
         // SAFETY: a non-null found_inf is one f32 written before on the stream (the contract).
-        let skipped = !found_inf.is_null() && unsafe { found_inf.read() } != 0.0;
+        let skipped = unsafe { f32_or(found_inf, 0.0) } != 0.0;
         let coef = adagc::global_coefficient(total.norm() / scale, words);
         let m = adagc::begin_call(words, skipped);
         // SAFETY: thread 0 alone writes the call's words and the header's count, before the
