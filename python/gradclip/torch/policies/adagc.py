@@ -173,11 +173,11 @@ class AdaGC:
         with torch.no_grad():
             self._work(_as_list(parameters), loss_scale, found_inf)()
 
-    def _binding(self, params: List[torch.Tensor]):
-        """Checks that ``params`` is the list the state's slots belong to (a ValueError, before
-        anything is written, when it is not), and returns what takes it as that list on a first
-        call (the state grown to it), or None when it is already."""
-        ids = tuple(map(id, params))
+    def _binding(self, params: List[torch.Tensor], ids: tuple):
+        """Checks that ``params`` (whose objects' ids are ``ids``) is the list the state's slots
+        belong to (a ValueError, before anything is written, when it is not), and returns what
+        takes it as that list on a first call (the state grown to it), or None when it is
+        already."""
         if self._ids is not None:
             if ids != self._ids:
                 raise ValueError(
@@ -207,9 +207,10 @@ class AdaGC:
     def _work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None):
         """The clip of the gradients of ``params`` as one call, after every check (raised here,
         naming the parameter by its position in ``params``)."""
-        adopt = self._binding(params)
+        ids = tuple(map(id, params))
+        adopt = self._binding(params, ids)
         scaler = (loss_scale, found_inf)
-        launch = self._native_work(params, scaler) or self._python_work(params, scaler)
+        launch = self._native_work(params, scaler) or self._python_work(params, scaler, ids)
         if adopt is None:
             return launch
 
@@ -238,9 +239,10 @@ class AdaGC:
             return self._native_work(params, scaler)
         return self._launch(device, scaler, None)
 
-    def _python_work(self, params: List[torch.Tensor], scaler):
+    def _python_work(self, params: List[torch.Tensor], scaler, ids: tuple):
         """The call read in Python: plain gradients and DTensor ones (each rank's shard, whose
-        squared norm the ranks sum before the decision), checked here."""
+        squared norm the ranks sum before the decision), checked here (``ids``: the parameters'
+        objects' ids, which key a sharded call's all-reduces)."""
         grads: List[Tuple[int, torch.Tensor]] = []
         device = None
         sharded = False
@@ -268,11 +270,11 @@ class AdaGC:
         key = (device, tuple((g.data_ptr(), g.numel(), g.dtype, i) for i, g in grads))
         if self._tables is None or self._tables.key != key:
             plan = unit_plan([(g.data_ptr(), 0, g.numel(), g.numel(), _CODES[g.dtype], 0, i) for i, g in grads])
-            self._tables = _Tables(key, device, plan, [i for i, _ in grads])
+            self._tables = _Tables(key, device, plan, [i for i, _ in grads] if sharded else None)
             self._reads.forget()  # the native reading's kept tables are these no more
         reductions = None
         if sharded:
-            layout = (tuple(map(id, params)), device)
+            layout = (ids, device)
             if self._layout is None or self._layout[0] != layout:
                 self._layout = (layout, _reductions(params, self._excluded, device))
             reductions = self._layout[1]
