@@ -105,20 +105,32 @@ class _ClipPolicy(_Policy):
         coefficient, decided on the device, and returns their total norm as ``clip_grad_norm_``
         does. With ``error_if_nonfinite`` a NaN or infinite norm raises (one host sync) before
         anything, the policy's state included, is written."""
-        params = _as_list(parameters)
-        scale = _gradient_scale(params)  # every check of the gradients before any write
-        found = _grads_norm64(params, norm_type, pipeline_group, norm_group)
-        if found is None:
+        decided = decide(_as_list(parameters), self.limit, lambda device: (self.engine_args(device), (0, 0)), norm_type, error_if_nonfinite, pipeline_group, norm_group)
+        if decided is None:
             return torch.tensor(0.0)
-        norm64, dtype = found
-        total = returned_norm(norm64, dtype, error_if_nonfinite, norm_type)
-        device = norm64.device
-        # The norm output the policy reads and rewrites: the norm, the fixed clip's coefficient
-        # (a non-finite norm keeps it) and no flags.
-        out = torch.stack((norm64, clip_coef(self.limit, norm64), torch.zeros((), dtype=torch.float64, device=device)))
-        clip_policy(device, out, (self.engine_args(device), (0, 0)))
+        total, out, scale = decided
         scale(out[1])
         return total
+
+
+def decide(params: list, limit: float, policies, norm_type: float, error_if_nonfinite: bool, pipeline_group=None, norm_group=None):
+    """The functional clip's norm and its policies' decision: ``(total, out, scale)``, the norm
+    as ``clip_grad_norm_`` returns it, the NormOutput the policies rewrote on the norm's device
+    (the norm, the coefficient (``limit``'s fixed one unless a policy replaced it), the flags) and
+    the multiply of the gradients by a coefficient, for the caller to apply; None without a
+    gradient. ``policies(device)``: the policies as the engine takes them. Every check of the
+    gradients runs before anything, the policies' states included, is written."""
+    scale = _gradient_scale(params)
+    found = _grads_norm64(params, norm_type, pipeline_group, norm_group)
+    if found is None:
+        return None
+    norm64, dtype = found
+    total = returned_norm(norm64, dtype, error_if_nonfinite, norm_type)
+    device = norm64.device
+    # A non-finite norm keeps the fixed clip's coefficient.
+    out = torch.stack((norm64, clip_coef(limit, norm64), torch.zeros((), dtype=torch.float64, device=device)))
+    clip_policy(device, out, policies(device))
+    return total, out, scale
 
 
 def _gradient_scale(params: list):

@@ -8,9 +8,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..._engine import check_max_norm, clip_coef, clip_policy, returned_norm, skip_spike_state
-from .._functions import _as_list, _grads_norm64, _opaque_to_compile
-from ._base import _Policy, _gradient_scale
+from ..._engine import check_max_norm, skip_spike_state
+from .._functions import _as_list, _opaque_to_compile
+from ._base import _Policy, decide
 
 
 class SkipSpike(_Policy):
@@ -58,22 +58,14 @@ class SkipSpike(_Policy):
         step's are left as they are. The decision is ``found_inf`` (1 to skip), which ``step``
         reads. With ``error_if_nonfinite`` a NaN or infinite norm raises (one host sync) before
         anything, the state included, is written."""
-        params = _as_list(parameters)
         limit = math.inf if max_norm is None else check_max_norm(max_norm)
-        scale = _gradient_scale(params)  # every check of the gradients before any write
-        found = _grads_norm64(params, norm_type)
-        if found is None:
+        decided = decide(_as_list(parameters), limit, lambda device: ((0, 0), self.engine_args(device)), norm_type, error_if_nonfinite)
+        if decided is None:
             self._decided(torch.zeros((), dtype=torch.float32))
             return torch.tensor(0.0)
-        norm64, dtype = found
-        total = returned_norm(norm64, dtype, error_if_nonfinite, norm_type)
-        device = norm64.device
-        # The norm output the policy reads and rewrites: the norm, the fixed clip's coefficient,
-        # no flags; a skip sets a flag, and the coefficient applied is then 1.
-        out = torch.stack((norm64, clip_coef(limit, norm64), torch.zeros((), dtype=torch.float64, device=device)))
-        clip_policy(device, out, ((0, 0), self.engine_args(device)))
+        total, out, scale = decided
         skip = out[2] != 0
-        if limit != math.inf:
+        if limit != math.inf:  # a skipped step's gradients are left as they are
             scale(torch.where(skip, torch.ones_like(out[1]), out[1]))
         self._decided(skip.to(torch.float32))
         return total
@@ -105,14 +97,13 @@ class SkipSpike(_Policy):
             raise TypeError("gradclip's optimizers skip through skip=SkipSpike(...): pass it there instead of stepping through SkipSpike.step")
         if "found_inf" in optimizer.__dict__ or "grad_scale" in optimizer.__dict__:
             raise RuntimeError("this optimizer already has a found_inf or grad_scale (GradScaler's): step it through the scaler")
+        step = (lambda: optimizer.step(closure)) if closure is not None else optimizer.step
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
-            if bool(found):  # one host sync
-                return None
-            return optimizer.step(closure) if closure is not None else optimizer.step()
+            return None if bool(found) else step()  # one host sync
         optimizer.grad_scale = torch.ones((), dtype=torch.float32, device=found.device)
         optimizer.found_inf = found
         try:
-            return optimizer.step(closure) if closure is not None else optimizer.step()
+            return step()
         finally:
             del optimizer.grad_scale
             del optimizer.found_inf
