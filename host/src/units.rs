@@ -91,19 +91,8 @@ pub use gradclip_kernels::policy::adagc::Settings as AdaGc;
 /// A fresh AdaGC state for `slots` tensors ([`Error::InvalidHyperparameter`] for settings the
 /// rule is not defined for).
 pub fn adagc_state(settings: &AdaGc, slots: usize) -> Result<Vec<f64>> {
-    let bad = |what, value, valid| Err(Error::InvalidHyperparameter { what, value, valid });
-    let positive = |x: f64| x.is_finite() && x > 0.0;
-    if !positive(settings.clip_ratio) {
-        return bad("AdaGC clip_ratio", settings.clip_ratio, "a finite number > 0");
-    }
-    if !(0.0..1.0).contains(&settings.beta) {
-        return bad("AdaGC beta", settings.beta, "a number in [0, 1)");
-    }
-    if !(settings.eps.is_finite() && settings.eps >= 0.0) {
-        return bad("AdaGC eps", settings.eps, "a finite number >= 0");
-    }
-    if !positive(settings.max_grad_norm) {
-        return bad("AdaGC max_grad_norm", settings.max_grad_norm, "a finite number > 0");
+    if let Some((what, value, valid)) = settings.invalid() {
+        return Err(Error::InvalidHyperparameter { what, value, valid });
     }
     Ok(gradclip_kernels::policy::adagc::state(settings, slots))
 }

@@ -88,29 +88,34 @@ impl Default for Settings {
 }
 
 impl Settings {
-    /// Whether the settings are ones the rule is defined for: a positive finite `clip_ratio`
-    /// and `max_grad_norm`, `beta` in [0, 1), a finite `eps >= 0`.
+    /// The first setting the rule is not defined for, `(its name in an error, value, the valid
+    /// values in words)`: `clip_ratio` and `max_grad_norm` positive and finite, `beta` in [0, 1), `eps`
+    /// finite and not negative; None when all are valid.
+    pub fn invalid(&self) -> Option<(&'static str, f64, &'static str)> {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !positive(self.clip_ratio) {
+            Some(("AdaGC clip_ratio", self.clip_ratio, "a finite number > 0"))
+        } else if !(0.0..1.0).contains(&self.beta) {
+            Some(("AdaGC beta", self.beta, "a number in [0, 1)"))
+        } else if !(self.eps.is_finite() && self.eps >= 0.0) {
+            Some(("AdaGC eps", self.eps, "a finite number >= 0"))
+        } else if !positive(self.max_grad_norm) {
+            Some(("AdaGC max_grad_norm", self.max_grad_norm, "a finite number > 0"))
+        } else {
+            None
+        }
+    }
+
+    /// Whether the settings are ones the rule is defined for ([`Settings::invalid`]).
     pub fn valid(&self) -> bool {
-        settings_valid(
-            self.clip_ratio,
-            self.beta,
-            self.eps,
-            self.start_clip_steps as f64,
-            self.max_grad_norm,
-        )
+        self.invalid().is_none()
     }
 }
 
+/// Whether a state word holds a count of calls a `u32` holds (`start_clip_steps`).
 #[inline(always)]
-fn settings_valid(clip_ratio: f64, beta: f64, eps: f64, start: f64, max_grad_norm: f64) -> bool {
-    let positive = |x: f64| x.is_finite() && x > 0.0;
-    positive(clip_ratio)
-        && positive(max_grad_norm)
-        && (0.0..1.0).contains(&beta)
-        && eps.is_finite()
-        && eps >= 0.0
-        && start >= 0.0
-        && start == (start as u32) as f64
+fn whole_count(x: f64) -> bool {
+    x >= 0.0 && x == (x as u32) as f64
 }
 
 /// The number of words of a state with `slots` tensors.
@@ -143,13 +148,15 @@ pub fn state(s: &Settings, slots: usize) -> std::vec::Vec<f64> {
 pub fn fits(s: &[f64]) -> bool {
     s.len() >= HEADER
         && (s.len() - HEADER).is_multiple_of(SLOT_WORDS)
-        && settings_valid(
-            rd(s, CLIP_RATIO),
-            rd(s, BETA),
-            rd(s, EPS),
-            rd(s, START_CLIP_STEPS),
-            rd(s, MAX_GRAD_NORM),
-        )
+        && whole_count(rd(s, START_CLIP_STEPS))
+        && Settings {
+            clip_ratio: rd(s, CLIP_RATIO),
+            beta: rd(s, BETA),
+            eps: rd(s, EPS),
+            start_clip_steps: rd(s, START_CLIP_STEPS) as u32,
+            max_grad_norm: rd(s, MAX_GRAD_NORM),
+        }
+        .valid()
         && rd(s, STEPS) >= 0.0
 }
 
