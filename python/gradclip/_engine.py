@@ -22,7 +22,7 @@ __all__ = [
     "NATIVE_DTYPES", "OPS_RUNNING", "POLICY_WORDS", "STEP_KINDS", "StepVerdict", "UnitReads", "adagc", "adagc_state", "agc", "autoclip_state", "capturing", "check_max_norm", "check_p", "groups_have_keys",
     "check_total_norm", "check_writable", "checked_norm", "clip_coef", "clip_grads", "clip_policy", "facts", "group_hyper",
     "guards", "key_partials", "keys_total", "list_step", "norm_output", "optim_step", "plan_clip", "plan_norm",
-    "plan_norm_as", "plan_tensor_norms", "planner", "policy_state_is_whole", "raw_stream", "reduction", "refuse_host_read_under_capture",
+    "plan_norm_as", "plan_tensor_norms", "planner", "policy_role", "policy_state_is_whole", "raw_stream", "reduction", "refuse_host_read_under_capture",
     "result_dtype", "returned_norm", "returned_norm_buffer", "rule_states", "scale_grads", "scale_group", "scale_plan", "skip_spike_state",
     "step_layout", "stream_of", "to_partial", "total_norm64", "unit_plan", "written", "zclip_state",
 ]
@@ -436,18 +436,25 @@ def rule_states(kind: str, h, flags) -> Tuple[Tuple[str, ...], bool]:
     return tuple(names), own
 
 
-def list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, nonfinite, policy_states=(), policy_roles=()) -> torch.Tensor:
+def list_step(
+    params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, nonfinite,
+    policy_states=(), policy_roles=(), clip_limits=(), clip_index=(), records=(), record_rows=(),
+) -> torch.Tensor:
     """The op ``gradclip::optim_step_``: one optimizer step over explicit lists (groups one after
     another: ``sizes`` parameters each, ``kinds`` their rules, ``hypers`` eight floats each: lr,
     four hyperparameters, three flags; ``lrs`` a tensor learning rate or None per group; the
     states and own step counts of each parameter as ``rule_states`` lists them; ``counts``
-    one int64 tensor of a row per group, steps and skipped), with the clip ``clip`` = [max_norm, p] or []
-    and its policies (``policy_states``, float64 tensors on the device, each with its role in
-    ``policy_roles``: ``POLICY_ROLES``):
+    one int64 tensor of a row per group, steps and skipped), with the clip ``clip`` = [max_norm, p] or [],
+    named clip groups (``clip_limits``: each one's threshold, None where it is measured, not
+    clipped; ``clip_index``: each group's clip group; both empty for one clip), each clip's
+    policies (``policy_states``, float64 tensors on the device, each with its role in
+    ``policy_roles``: ``policy_role``) and the telemetry (``records``: the one records tensor
+    or none, ``record_rows`` each parameter's row there):
     the engine's norm and updates, as the eager step runs them, on what a ``ListStep`` kept of
     the last call's lists (kept on the count tensor, which is the optimizer's).
     Version counters are left as the eager step leaves them (2,775 bumps cost 155 us on the
-    development host). Returns the norm (f64, 0-dim; 0 without a clip)."""
+    development host). Returns each clip's output (three float64: norm, coefficient, flags;
+    the norm 0 without a clip)."""
     device = counts.device
     groups, keep = [], []
     for g, n in enumerate(sizes):
@@ -462,20 +469,27 @@ def list_step(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, c
     cache = getattr(counts, "_gradclip_list_step", None)
     if cache is None:
         cache = counts._gradclip_list_step = _native.ListStep()
-    out = torch.zeros(3, dtype=torch.float64, device=device)  # (no clip: the norm stays 0)
+    clips = max(1, len(clip_limits))
+    out = torch.zeros(3 * clips, dtype=torch.float64, device=device)  # (no clip: the norm stays 0)
     policy = (float(clip[0]), float(clip[1]), nonfinite) if clip else None
-    stream, on_device = stream_of(device)
+    named = (list(clip_limits), list(clip_index)) if clip_limits else None
     policies = None
     if policy_states:
-        by_role = {POLICY_ROLES[r]: (t.data_ptr(), t.numel()) for r, t in zip(policy_roles, policy_states)}
-        policies = (by_role.get("clip", (0, 0)), by_role.get("skip", (0, 0)))
+        policies = [[(0, 0), (0, 0)] for _ in range(clips)]
+        for r, t in zip(policy_roles, policy_states):
+            policies[r // 2][r % 2] = (t.data_ptr(), t.numel())
+        policies = [tuple(p) for p in policies]
+    stats = (records[0].data_ptr(), records[0].shape[0], list(record_rows)) if records else None
+    stream, on_device = stream_of(device)
     with on_device:
-        _native.list_step(cache, planner(), params, grads, states, steps, groups, (stream, policy, out.data_ptr(), 0, 0, 0), policies)
-    return out[0].clone()
+        _native.list_step(cache, planner(), params, grads, states, steps, groups, (stream, policy, out.data_ptr(), 0, 0, 0), named, policies, stats)
+    return out
 
 
-#: The roles of the policy states the list op takes, by code.
-POLICY_ROLES = {1: "clip", 2: "skip"}
+def policy_role(clip: int, skip: bool) -> int:
+    """The role code of a policy state the list op takes: clip ``clip``'s (its clip group's place,
+    0 for the one clip over every group) clip policy, or its skip policy."""
+    return 2 * clip + int(skip)
 
 
 class StepVerdict:

@@ -23,7 +23,7 @@ use crate::place::Place;
 use crate::policies::{PolicyArgs, policies_of};
 use crate::py_errors::to_py;
 use crate::scan::Planner;
-use crate::step_run::{StepInputs, run_step};
+use crate::step_run::{ClipGroups, StepInputs, run_step};
 
 /// The states a group's rule keeps, by name, and whether it reads each parameter's own step
 /// count (`hyper` as [`crate::optim::optim_step`] takes it): what the caller lists per parameter.
@@ -252,8 +252,15 @@ fn read_lists(planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyR
 }
 
 impl ListStep {
-    /// The step list of this call's lists: the kept one when it fits, else read (and kept).
-    fn list(&self, planner: &Planner, shape: Vec<GroupShape>, l: &Lists<'_, '_>) -> PyResult<Option<(StepList, Place)>> {
+    /// The step list of this call's lists: the kept one when it fits, else read (and kept); with
+    /// `rows` (a telemetry row per parameter), the rows of the parameters the list holds.
+    fn list(
+        &self,
+        planner: &Planner,
+        shape: Vec<GroupShape>,
+        l: &Lists<'_, '_>,
+        rows: &[u32],
+    ) -> PyResult<Option<(StepList, Place, Vec<u32>)>> {
         let mut kept = match self.kept.try_lock() {
             Ok(k) => k,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -264,16 +271,21 @@ impl ListStep {
         if let Some(k) = kept.as_mut()
             && let Some(list) = k.fits(planner, &shape, l)?
         {
-            return Ok(Some((list, k.place)));
+            return Ok(Some((list, k.place, listed_rows(&k.listed, rows))));
         }
         *kept = None;
         let Some(read) = read_lists(planner, &shape, l)? else {
             return Ok(None);
         };
-        let out = (read.list.clone(), read.place);
+        let out = (read.list.clone(), read.place, listed_rows(&read.listed, rows));
         *kept = keep(planner, shape, l, read)?;
         Ok(Some(out))
     }
+}
+
+/// The rows (one per parameter) of the parameters the list holds (`listed`), in its order.
+fn listed_rows(listed: &[bool], rows: &[u32]) -> Vec<u32> {
+    rows.iter().zip(listed).filter(|(_, l)| **l).map(|(r, _)| *r).collect()
 }
 
 /// What the next call checks, for lists just read; None without torch's guards (every call then
@@ -317,17 +329,23 @@ fn keep(planner: &Planner, shape: Vec<GroupShape>, l: &Lists<'_, '_>, read: Read
     }))
 }
 
+/// A compiled step's telemetry as Python passes it: the records' address (five float64 a row),
+/// their rows, and each parameter's row (in the lists' order).
+pub(crate) type ListStats = (u64, usize, Vec<u32>);
+
 /// One step over explicit lists, groups one after another: `params` and `grads` (None where a
-/// parameter has none this step: it is left as torch's step leaves it), `states` (each parameter's, in the order [`rule_states`] names
-/// them), `steps` (each parameter's own step count, for the groups whose rule reads one), and
-/// `groups` = `(parameters, hyper)` per group, `hyper` as [`crate::optim::optim_step`] takes it.
-/// `cache` keeps what was read for the next call. `inputs` as [`crate::optim::optim_step`]
-/// takes them ([`StepInputs`]); `policies` the clip's policies (as `clip_policy` takes them),
-/// run on the norm before the updates read it. Raises (nothing written) when a tensor is not
-/// one the engine reads, naming it, or when the lists do not fit the rules; returns the norm on
-/// the CPU.
+/// parameter has none this step: it is left as torch's step leaves it), `states` (each
+/// parameter's, in the order [`rule_states`] names them), `steps` (each parameter's own step
+/// count, for the groups whose rule reads one), and `groups` = `(parameters, hyper)` per group,
+/// `hyper` as [`crate::optim::optim_step`] takes it. `cache` keeps what was read for the next
+/// call. `inputs` as [`crate::optim::optim_step`] takes them ([`StepInputs`]); `clip_groups`
+/// the named clip groups ([`ClipGroups`]: `norm_out` then holds three float64 per clip group) or
+/// None for one clip; `policies` each clip's policies (as the eager step takes them), run on its
+/// norm before the updates read it; `stats` the telemetry ([`ListStats`]) or None. Raises
+/// (nothing written) when a tensor is not one the engine reads, naming it, or when the lists do
+/// not fit the rules; returns the norm on the CPU.
 #[pyfunction]
-#[pyo3(signature = (cache, planner, params, grads, states, steps, groups, inputs, policies=None))]
+#[pyo3(signature = (cache, planner, params, grads, states, steps, groups, inputs, clip_groups=None, policies=None, stats=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn list_step(
     py: Python<'_>,
@@ -339,7 +357,9 @@ pub fn list_step(
     steps: &Bound<'_, PyList>,
     groups: &Bound<'_, PyList>,
     inputs: StepInputs,
-    policies: Option<PolicyArgs>,
+    clip_groups: Option<ClipGroups>,
+    policies: Option<Vec<PolicyArgs>>,
+    stats: Option<ListStats>,
 ) -> PyResult<Option<f64>> {
     let inputs = inputs.checked()?;
     if inputs.norm_out == 0 {
@@ -372,16 +392,44 @@ pub fn list_step(
             steps.len()
         )));
     }
+    let (stats_out, rows) = match &stats {
+        None => (0, &[][..]),
+        Some((addr, held, rows)) => {
+            checked_rows(*addr, *held, rows, n)?;
+            (*addr, &rows[..])
+        }
+    };
     let lists = Lists {
         params,
         grads,
         states,
         steps,
     };
-    let Some((list, place)) = cache.get().list(planner.get(), shape, &lists)? else {
+    let Some((list, place, rows)) = cache.get().list(planner.get(), shape, &lists, rows)? else {
         return Ok(None); // no tensor at all: nothing to step
     };
-    let policies: Vec<_> = policies.map(policies_of).into_iter().collect();
-    let (_, norm) = run_step(py, place, &list, &hypers, inputs, &Default::default(), (0, &[]), &policies)?;
+    let policies: Vec<_> = policies.unwrap_or_default().into_iter().map(policies_of).collect();
+    let clips = clip_groups.unwrap_or_default();
+    let (_, norm) = run_step(py, place, &list, &hypers, inputs, &clips, (stats_out, &rows), &policies)?;
     Ok(norm)
+}
+
+/// A compiled step's telemetry rows checked against its records: float64-aligned, a row per
+/// parameter of the lists (`n`), each below the `held` rows there.
+fn checked_rows(addr: u64, held: usize, rows: &[u32], n: usize) -> PyResult<()> {
+    if addr == 0 || !addr.is_multiple_of(8) {
+        return Err(PyValueError::new_err("the step's telemetry must be a float64 tensor"));
+    }
+    if rows.len() != n {
+        return Err(PyValueError::new_err(format!(
+            "the telemetry takes a row per parameter: {n} parameters, {} rows",
+            rows.len()
+        )));
+    }
+    if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r as usize >= held) {
+        return Err(PyValueError::new_err(format!(
+            "parameter {i}'s telemetry row {r} is past the {held} rows of the records"
+        )));
+    }
+    Ok(())
 }

@@ -247,7 +247,35 @@ def _optimizers():
         # Clip and skip policies: their states are the list op's inputs, written on the device.
         "AdamW-policies": lambda m: AdamW(m.parameters(), lr=1e-2, clip=ZClip(warmup_steps=2, max_grad_norm=0.5), skip=SkipSpike(sigma=0.5, window=2)),
         "SGD-AutoClip": lambda m: SGD(m.parameters(), lr=1e-2, momentum=0.9, clip=AutoClip(clip_percentile=50.0, history_size=3)),
+        # Named clip groups, each with its threshold and policies, and the step's telemetry:
+        # every clip group's norm in the op's one output, the records its input.
+        "AdamW-clip-groups": lambda m, z=None: AdamW(
+            [
+                {"params": list(m[0].parameters()), "clip_group": "body", "clip": (z := ZClip(warmup_steps=2, max_grad_norm=0.5))},
+                {"params": [m[2].weight], "clip_group": "head", "max_grad_norm": None, "skip": SkipSpike(sigma=0.5, window=2)},
+                {"params": [m[2].bias], "clip_group": "body", "clip": z, "weight_decay": 0.0},
+            ],
+            lr=1e-2, max_grad_norm=0.25, stats=True),
+        "SGD-stats": lambda m: SGD(m.parameters(), lr=1e-2, momentum=0.9, max_grad_norm=0.5, stats=True),
     }
+
+
+def _assert_same_reports(oa, ob, where):
+    """What two optimizers stepped alike report: each clip group's norm, its policies' states
+    and, with telemetry, every figure per parameter."""
+    na, nb = oa.last_grad_norms, ob.last_grad_norms
+    assert (na is None and nb is None) or (na.keys() == nb.keys() and all(torch.equal(na[k], nb[k]) for k in na)), (where, na, nb)
+    for ga, gb in zip(oa.param_groups, ob.param_groups):
+        for key in ("clip", "skip"):
+            if ga.get(key) is not None:
+                assert torch.equal(ga[key]._state, gb[key]._state), (where, key)
+    if oa._stats:
+        sa, sb = oa.stats(per_param=True), ob.stats(per_param=True)
+        assert sa.keys() == sb.keys() and sa, (where, sa, sb)
+        for k in sa:
+            for fig, v in sa[k].items():
+                w = sb[k][fig]
+                assert (v is None and w is None) or torch.equal(v, w), (where, k, fig, v, w)
 
 
 class _SpyNative:
@@ -357,6 +385,7 @@ def test_a_compiled_optimizer_step_is_the_eager_step_or_one_op_in_the_graph(devi
             for attr in ("clip_policy", "skip_policy"):
                 x_, y_ = getattr(oa, attr), getattr(ob, attr)
                 assert (x_ is None and y_ is None) or torch.equal(x_._state, y_._state), (name, i, attr)
+            _assert_same_reports(oa, ob, (name, i))
             if how == "inside" and i >= 2:  # the traced step ran the op on the parameters' own memory
                 own = [p.data_ptr() for g in oa.param_groups for p in g["params"]]
                 assert spy.addresses and spy.addresses[-1] == own, (name, i)
@@ -502,7 +531,7 @@ def _adamw_lr_on(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
-@pytest.mark.parametrize("name", ["AdamW", "AdamW-lr-on-cuda", "SGD", "Lion"])
+@pytest.mark.parametrize("name", ["AdamW", "AdamW-lr-on-cuda", "SGD", "Lion", "AdamW-clip-groups", "SGD-stats"])
 @pytest.mark.parametrize("how", ["alone", "inside"])
 def test_reduce_overhead_optimizer_step_equals_eager(name, how):
     """torch.compile(mode="reduce-overhead") of gradclip's step (clip inside), on new gradient
@@ -533,6 +562,7 @@ def test_reduce_overhead_optimizer_step_equals_eager(name, how):
         ob.step()
         assert _same(list(a.parameters()), list(b.parameters())), (name, i)
         assert torch.equal(oa.last_grad_norm, ob.last_grad_norm), (name, i)
+        _assert_same_reports(oa, ob, (name, i))
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
@@ -609,7 +639,7 @@ def test_what_a_compiled_optimizer_step_does_not_take_runs_eagerly():
 
 def test_two_optimizers_stepped_at_a_graph_break_by_one_compiled_function():
     """One compiled training function run with two optimizers in turn whose step the graph does
-    not take (``stats=True``: the eager step at a graph break): dynamo recompiles the function for
+    not take (``nonfinite="error"``, which reads the norm on the host: the eager step at a graph break): dynamo recompiles the function for
     the second, and the optimizer's number that the break notes must stay a constant to it (an
     int attribute became a symbolic int there, which the note could not take)."""
     from gradclip.torch.optim import AdamW
@@ -623,7 +653,8 @@ def test_two_optimizers_stepped_at_a_graph_break_by_one_compiled_function():
     torch._dynamo.reset()
     for seed in (0, 1, 2):
         a, b = _model("cpu", torch.float32, seed), _model("cpu", torch.float32, seed)
-        oa, ob = AdamW(a.parameters(), lr=1e-2, max_grad_norm=0.5, stats=True), AdamW(b.parameters(), lr=1e-2, max_grad_norm=0.5, stats=True)
+        oa = AdamW(a.parameters(), lr=1e-2, max_grad_norm=0.5, nonfinite="error")
+        ob = AdamW(b.parameters(), lr=1e-2, max_grad_norm=0.5, nonfinite="error")
         for _ in range(3):
             compiled(a, oa)
             train(b, ob)

@@ -4,6 +4,8 @@ list op (``gradclip::optim_step_``, the eager step's bits) over the lists an eag
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._engine import rule_states, STEP_KINDS
@@ -16,20 +18,22 @@ class _StepLists:
     without states (a gradient on one sends the step to the eager path, which makes them), and
     each group's ``_hyper`` when they were read (which decides the states its rule keeps)."""
 
-    __slots__ = ("params", "states", "steps", "sizes", "hypers", "stateless")
+    __slots__ = ("params", "states", "steps", "sizes", "hypers", "stateless", "rows")
 
-    def __init__(self, params, states, steps, sizes, hypers, stateless):
+    def __init__(self, params, states, steps, sizes, hypers, stateless, rows):
         self.params, self.states, self.steps, self.sizes, self.hypers, self.stateless = params, states, steps, sizes, hypers, stateless
+        #: Each listed parameter's place in the optimizer's order (its telemetry row).
+        self.rows = rows
 
 
-def _mark_static(lists: _StepLists, counts) -> None:
+def _mark_static(lists: _StepLists, counts, records) -> None:
     """Marks the tensors the registered step mutates (parameters, states, step counts, the
     groups' counts) as inputs at fixed addresses, as torch does for its own optimizer's under
     dynamo: CUDA graphs (``mode="reduce-overhead"``) accept mutations of such inputs only (a
     graph that mutates any other input runs without one), and dynamo guards their addresses (a
     new state tensor, as a state dict load makes, recompiles). The gradients stay plain inputs:
-    a training loop hands over new ones every step."""
-    for t in (*lists.params, *lists.states, *lists.steps, *counts):
+    a training loop hands over new ones every step. ``records``: the telemetry's, if kept."""
+    for t in (*lists.params, *lists.states, *lists.steps, *counts, *records):
         torch._dynamo.mark_static_address(t, guard=True)
 
 
@@ -63,10 +67,9 @@ class _CompiledStep:
             and getattr(self, "found_inf", None) is None
             and self._counts is not None
             and self._counts.shape[0] == len(self.param_groups)
-            and _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy) is None
             and self._given_norm is None
-            # The telemetry's records are the eager step's (the list op writes none).
-            and not self._stats
+            # The telemetry's records, made by an eager step.
+            and (not self._stats or self._layout.records is not None)
             # AGC and AdaGC are passes of their own (the optimizer's clip and skip policies are
             # the list op's inputs).
             and self.unit_clip is None
@@ -101,16 +104,34 @@ class _CompiledStep:
             lrs.append(None if lr_t is None else lr_t.to(device=self._layout.device, dtype=torch.float64))
             hypers.extend((lr, *h, *(float(f) for f in flags)))
             kinds.append(STEP_KINDS.index(kind))
+        named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
         limit = _step_policies.limit(self)
-        clip = [] if limit is None else [float(limit), float(self.norm_type)]
-        states, roles = _step_policies.list_op_policies(self, self._layout.device)
-        norm = _ops.OPS.optim_step_(
-            lists.params, grads, lists.states, lists.steps, self._counts, lrs, lists.sizes, kinds, hypers, clip, self.nonfinite, states, roles
+        limits, index = [], []
+        if named is None:
+            clip = [] if limit is None else [float(limit), float(self.norm_type)]
+        else:  # each clip group's threshold (None: measured, not clipped), as the eager step
+            clip = [math.inf, float(self.norm_type)]
+            limits = list(named.thresholds)
+            index = list(named.index)
+        states, roles = _step_policies.list_op_policies(self, self._layout.device, named)
+        records = []
+        if self._stats:
+            records = [self._layout.records]
+            if self._layout.records_clear:
+                records[0].zero_()
+        out = _ops.OPS.optim_step_(
+            lists.params, grads, lists.states, lists.steps, self._counts, lrs, lists.sizes, kinds, hypers, clip, self.nonfinite,
+            states, roles, limits, index, records, lists.rows if records else [],
         )
         if clip:
-            self._reported["last_grad_norm"] = norm.to(self._layout.result_dtype)
-            if self.nonfinite == "skip" or self.skip_policy is not None:
+            dtype = self._layout.result_dtype
+            self._reported["last_grad_norm"] = out[0].to(dtype)
+            if named is not None:
+                self._reported["last_grad_norms"] = {name: out[3 * k].to(dtype) for k, name in enumerate(named.names)}
+            if self.nonfinite == "skip" or _step_policies.any_skip(self, named):
                 self._reported["skipped_steps"] = self._skipped
+        # The clips' outputs, which stats() reads (none without a clip).
+        self._reported["stats_norms"] = out if clip and self._stats else None
         return None
 
     # Called, not traced, by torch.compile: the step reads its tensors' addresses in native code
@@ -130,18 +151,20 @@ class _CompiledStep:
         layout = self._layout
         if relist and layout is not None and layout.lists is None and self.update == "gradclip":
             layout.lists = self._step_lists()
-            _mark_static(layout.lists, [self._counts])
+            _mark_static(layout.lists, [self._counts], [] if layout.records is None else [layout.records])
         return loss
 
     def _step_lists(self) -> _StepLists:
         """The step's tensors for the registered op, read from the groups and the state dict."""
-        params, states, steps, sizes, hypers, stateless = [], [], [], [], [], []
+        params, states, steps, sizes, hypers, stateless, rows = [], [], [], [], [], [], []
+        at = -1
         for group in self.param_groups:
             kind, h, flags = self._hyper(group)
             keys, own = rule_states(kind, h, flags)
             hypers.append((kind, h, flags))
             n = 0
             for p in group["params"]:
+                at += 1
                 if keys or own:  # (SGD without momentum keeps no state)
                     st = self.state.get(p)
                     if st is None or any(st.get(k) is None for k in keys) or (own and st.get("step") is None):
@@ -151,6 +174,7 @@ class _CompiledStep:
                     if own:
                         steps.append(st["step"])
                 params.append(p)
+                rows.append(at)
                 n += 1
             sizes.append(n)
-        return _StepLists(params, states, steps, sizes, hypers, stateless)
+        return _StepLists(params, states, steps, sizes, hypers, stateless, rows)

@@ -19,7 +19,7 @@ class _Layout:
     of a step needs of it: the tensors' device, the dtype torch returns their norm in, and whether
     the norm is global over process groups (DTensor parameters, a pipeline group)."""
 
-    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream", "tensor_lrs", "records", "records_norms", "records_clear")
+    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream", "tensor_lrs", "records", "records_clear")
 
     def __init__(self, native, device, result_dtype, sharded):
         self.native, self.device, self.result_dtype, self.sharded = native, device, result_dtype, sharded
@@ -32,7 +32,7 @@ class _Layout:
         #: norm element, and the stream the steps that wrote it ran on (see ``result``).
         self.out = self.norm = self.out_stream = None
         #: The step's telemetry records (``stats=True``: ``_step_stats``).
-        self.records = self.records_norms = None
+        self.records = None
         self.records_clear = False
 
     def result(self, stream: int) -> torch.Tensor:
@@ -181,7 +181,7 @@ class _EngineStep:
             params = [p for g in self.param_groups for p in g["params"]]
             stats_out = _step_stats.records(layout, params, device).data_ptr()
             # The step's NormOutputs (norm, factor, flags per clip), read by stats().
-            layout.records_norms = None if clip is None else out
+            self._reported["stats_norms"] = None if clip is None else out
         for _ in range(5):
             try:
                 with on_device:

@@ -85,9 +85,10 @@ _LIB = None
 
 def _register_step(step: Callable[..., torch.Tensor]):
     """``gradclip::optim_step_``: the optimizer step over explicit lists (parameters, states, own
-    step counts, each group's (steps, skipped) counts and the clip's policies' states written;
-    gradients read, None where a parameter has none), returning the
-    norm (f64, 0-dim). Defined with ``torch.library.Library`` rather than ``custom_op``, whose
+    step counts, each group's (steps, skipped) counts, the clips' policies' states and the
+    telemetry's records written; gradients read, None where a parameter has none), returning
+    each clip's output (three float64: norm, coefficient, flags; one clip, or one per named
+    clip group). Defined with ``torch.library.Library`` rather than ``custom_op``, whose
     Python wrapper bumps each mutated tensor's version one Python call at a time (5 ms for 2,775
     tensors on the development host). ``step`` leaves versions as the eager step does; a
     compiled graph's runtime bumps its mutated inputs' own."""
@@ -96,12 +97,13 @@ def _register_step(step: Callable[..., torch.Tensor]):
     _LIB.define(
         "optim_step_(Tensor(a!)[] params, Tensor?[] grads, Tensor(b!)[] states, Tensor(c!)[] steps, Tensor(d!) counts, "
         "Tensor?[] lrs, int[] sizes, int[] kinds, float[] hypers, float[] clip, str nonfinite, "
-        "Tensor(e!)[] policy_states, int[] policy_roles) -> Tensor"
+        "Tensor(e!)[] policy_states, int[] policy_roles, float?[] clip_limits, int[] clip_index, "
+        "Tensor(f!)[] records, int[] record_rows) -> Tensor"
     )
     _LIB.impl("optim_step_", step, "CompositeExplicitAutograd")
 
-    def fake(params, grads, states, steps, counts, *rest):
-        return torch.empty((), dtype=torch.float64, device=counts.device)
+    def fake(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, nonfinite, policy_states, policy_roles, clip_limits, *rest):
+        return torch.empty(3 * max(1, len(clip_limits)), dtype=torch.float64, device=counts.device)
 
     torch.library.register_fake("gradclip::optim_step_", fake, lib=_LIB)
     return torch.ops.gradclip.optim_step_.default

@@ -213,7 +213,7 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
             members = {n: [i for i, k in enumerate(index) if k == c] for c, n in enumerate(named.names)}
         # Each clip's norm as the step wrote it (float64, of the gradients as the step read them);
         # none without a clip.
-        out = self._layout.records_norms
+        out = self._reported.get("stats_norms")
         norms = {n: None if out is None else out[3 * c] for c, n in enumerate(members)}
         coefs = {n: None if out is None else _step_stats.coefficient(out[3 * c], limits[c]) for c, n in enumerate(members)}
         skipped = (rec[:, 4].sum() == 0) & (rec[:, 1].sum() > 0)

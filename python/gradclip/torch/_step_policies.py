@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple, Union
 
-from .._engine import POLICY_ROLES
+from .._engine import policy_role
 from .policies import AGC, AdaGC, SkipSpike
 from .policies._base import _ClipPolicy, _Policy, clip_threshold, policies_args
 
@@ -63,18 +63,18 @@ def limit(opt) -> Optional[float]:
     return clip_threshold(opt.max_grad_norm, opt.clip_policy, opt.skip_policy)
 
 
-def list_op_policies(opt, device) -> Tuple[list, list]:
-    """The optimizer's clip and skip policies as the compiled list op takes them: their state
-    tensors on ``device`` and each one's role (``_engine.POLICY_ROLES``)."""
+def list_op_policies(opt, device, named) -> Tuple[list, list]:
+    """The step's policies as the compiled list op takes them: their state tensors on ``device``
+    and each one's role (``_engine.policy_role``), for each clip (``named``'s clip groups, or the
+    one clip over every group)."""
     states, roles = [], []
-    for role, policy in ((_ROLE_CODES["clip"], opt.clip_policy), (_ROLE_CODES["skip"], opt.skip_policy)):
-        if policy is not None:
-            states.append(policy.state_on(device))
-            roles.append(role)
+    pairs = [(opt.clip_policy, opt.skip_policy)] if named is None else named.policies
+    for k, pair in enumerate(pairs):
+        for skip, policy in enumerate(pair):
+            if policy is not None:
+                states.append(policy.state_on(device))
+                roles.append(policy_role(k, bool(skip)))
     return states, roles
-
-
-_ROLE_CODES = {name: code for code, name in POLICY_ROLES.items()}
 
 
 def any_policy(opt) -> bool:
