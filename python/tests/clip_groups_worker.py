@@ -127,13 +127,16 @@ def check_optimizer(rank, mesh, failures, idle_on_one_rank):
             got = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             if not math.isclose(got, want[n], rel_tol=1e-6):
                 failures.append(f"{case} step {step}: group {n} norm {got} against the f64 reference {want[n]}")
-    # A rank's tallies are its shards' alone: the telemetry refuses rather than report them.
-    try:
-        opt.stats()
-        failures.append(f"{case}: stats() over FSDP2 parameters returned rank-local figures")
-    except NotImplementedError as e:
-        if "sharded" not in str(e):
-            failures.append(f"{case}: stats() refused with {e!r}")
+    # The telemetry combines the ranks' tallies (stats_sharded_worker checks every figure): each
+    # clip group's gradient norm is its global one, its parameter norm the whole parameters' (the
+    # shards that stepped: a rank without the idle group's gradients adds nothing there).
+    figs = opt.stats(as_floats=True)
+    for n, ps in groups.items():
+        full = math.sqrt(sum(float(p.full_tensor().double().square().sum()) for p in ps))
+        if not (idle_on_one_rank and n == "idle") and not math.isclose(figs[n]["param_norm"], full, rel_tol=1e-9):
+            failures.append(f"{case}: stats() gives group {n} a parameter norm of {figs[n]['param_norm']}, not {full}")
+        if not math.isclose(figs[n]["grad_norm"], want[n], rel_tol=1e-6):
+            failures.append(f"{case}: stats() gives group {n} a gradient norm of {figs[n]['grad_norm']}, not {want[n]}")
 
 
 def check_shards(rank, world, failures):

@@ -4,12 +4,15 @@ group and per parameter, for bf16, f32 and f64 parameters; a parameter without a
 skipped step; named clip groups; the settings refused."""
 
 import math
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from gradclip.torch import optim
 from cuda_capture import capture_on_side_stream
+import ranks
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 
@@ -225,3 +228,15 @@ def test_a_captured_step_reports_at_every_replay():
         for k in per:
             assert torch.equal(per[k], per_want[k]), f"replay {step}: per-parameter {k} differs"
         _assert_figures(got, _reference(before, [p.detach() for p in ours], grads, 0.5), f"replay {step}", torch.bfloat16)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_parameters_report_the_whole_models_figures(tmp_path, world):
+    """Over gloo ranks (DTensor parameters on a 1-D mesh and a 2x2 mesh with HSDP's layout,
+    uneven, empty and replicated shards; ``shards_over`` slices), ``stats()`` combines every
+    rank's tallies: each clip group's figures, and each DTensor parameter's, are those of the
+    same optimizer over the whole tensors, with two all-reduces per process group
+    (stats_sharded_worker)."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stats_sharded_worker.py")
+    ranks.assert_workers_pass(worker, tmp_path, 300, world=world)

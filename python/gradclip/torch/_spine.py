@@ -190,19 +190,15 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         (gradient elements) and ``skipped``: 0-dim tensors on the parameters' device, made
         without a host synchronization; ``per_param``: 1-D tensors, one value per parameter of
         the clip group in the optimizer's order (0 for a parameter without a gradient);
-        ``as_floats``: Python numbers, after one synchronization. Empty before the first step."""
+        ``as_floats``: Python numbers, after one synchronization. Empty before the first step.
+        ``skipped`` is each clip group's. Over sharded parameters (DTensors, ``shards_over``, a
+        pipeline group) the figures are the whole model's, combined over the ranks by a few
+        all-reduces (``_step_stats_sharded``): call it on every rank."""
         if not self._stats:
             raise RuntimeError("stats() needs the optimizer made with stats=True")
         rec = getattr(self._layout, "records", None) if self._layout is not None else None
         if rec is None:
             return {}
-        if self._layout.sharded:
-            # Each rank tallied its own shards: its sums are not the model's, and no collective
-            # combines them yet (the norms are global).
-            raise NotImplementedError(
-                "stats() over sharded parameters (DTensor, shards_over, a pipeline or norm group) is not supported yet: "
-                "the step tallies each rank's local shards only; the global grad norm is opt.last_grad_norm(s)"
-            )
         named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
         if named is None:
             members = {_step_clip_groups.DEFAULT: list(range(rec.shape[0]))}
@@ -211,13 +207,20 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
             limits = named.thresholds
             index = [named.index[k] for k, g in enumerate(self.param_groups) for _ in g["params"]]
             members = {n: [i for i, k in enumerate(index) if k == c] for c, n in enumerate(named.names)}
+        if self._layout.sharded:
+            # Each rank tallied its own shards: the figures are combined over the ranks.
+            from . import _step_stats_sharded
+
+            params = [p for g in self.param_groups for p in g["params"]]
+            rec, totals = _step_stats_sharded.combined(rec, params, members, self.shards_over, self.pipeline_group)
+        else:
+            totals = _step_stats.group_totals(rec, members)
         # Each clip's norm as the step wrote it (float64, of the gradients as the step read them);
         # none without a clip.
         out = self._reported.get("stats_norms")
         norms = {n: None if out is None else out[3 * c] for c, n in enumerate(members)}
         coefs = {n: None if out is None else _step_stats.coefficient(out[3 * c], limits[c]) for c, n in enumerate(members)}
-        skipped = (rec[:, 4].sum() == 0) & (rec[:, 1].sum() > 0)
-        return _step_stats.figures(rec, members, norms, coefs, skipped, per_param, as_floats)
+        return _step_stats.figures(rec, members, norms, coefs, totals, per_param, as_floats)
 
     @property
     def skipped_steps(self) -> Optional[torch.Tensor]:

@@ -64,30 +64,46 @@ def _figures(rec: torch.Tensor, grad_norm, coef, skipped) -> Dict[str, torch.Ten
     }
 
 
+def group_totals(rec: torch.Tensor, members: Dict[str, List[int]]) -> torch.Tensor:
+    """Each clip group's records summed over its rows (``members``, in order): one row of five
+    per clip group, the largest |g| its rows' maximum."""
+    rows = []
+    for ids in members.values():
+        part = rec.index_select(0, torch.tensor(ids, dtype=torch.long, device=rec.device))
+        big = part[:, 2].amax() if len(ids) else part.new_zeros(())
+        rows.append(torch.stack([part[:, 0].sum(), part[:, 1].sum(), big, part[:, 3].sum(), part[:, 4].sum()]))
+    return torch.stack(rows) if rows else rec.new_zeros((0, WORDS))
+
+
+def skipped_of(total: torch.Tensor) -> torch.Tensor:
+    """Whether a clip group's step (its ``group_totals`` row) was skipped: it updated no element
+    of gradients it read (a skipped step tallies each gradient it leaves: its largest |g| and
+    non-finite count; a clip group without gradients updates nothing and tallies nothing)."""
+    return (total[4] == 0) & ((total[2] > 0) | (total[3] > 0))
+
+
 def figures(
     rec: torch.Tensor,
     members: Dict[str, List[int]],
     norms: Dict[str, Optional[torch.Tensor]],
     coefs: Dict[str, Optional[torch.Tensor]],
-    skipped: torch.Tensor,
+    totals: torch.Tensor,
     per_param: bool,
     as_floats: bool,
 ):
     """Per clip group name (``members``: its parameters' rows), the figures of ``NAMES``: 0-dim
-    float64 tensors on the device (``per_param``: 1-D, one value per parameter of the group, in
-    the optimizer's order), or floats after one synchronization (``as_floats``). ``grad_norm``
-    and ``clip_coef`` are the clip group's (None without a clip); ``skipped`` whether the last
-    step was skipped."""
+    float64 tensors on the device from the clip groups' ``totals`` (``group_totals``, in
+    ``members``' order), or, with ``per_param``, 1-D ones from the rows, one value per parameter
+    of the group in the optimizer's order; floats after one synchronization (``as_floats``).
+    ``grad_norm`` and ``clip_coef`` are the clip group's (None without a clip)."""
     out = {}
-    for name, rows in members.items():
-        index = torch.tensor(rows, dtype=torch.long, device=rec.device)
-        part = rec.index_select(0, index)
+    for k, (name, rows) in enumerate(members.items()):
+        skipped = skipped_of(totals[k])
         if per_param:
-            got = _figures(part, norms.get(name), coefs.get(name), skipped)
+            part = rec.index_select(0, torch.tensor(rows, dtype=torch.long, device=rec.device))
+            out[name] = _figures(part, norms.get(name), coefs.get(name), skipped)
         else:
-            total = torch.stack([part[:, 0].sum(), part[:, 1].sum(), part[:, 2].amax() if len(rows) else part.new_zeros(()), part[:, 3].sum(), part[:, 4].sum()])
-            got = _figures(total, norms.get(name), coefs.get(name), skipped)
-        out[name] = got
+            out[name] = _figures(totals[k], norms.get(name), coefs.get(name), skipped)
     if as_floats:
         # Every figure in one copy to the host: one synchronization.
         flat = [(k, n, v) for k, d in out.items() for n, v in d.items() if v is not None]

@@ -152,14 +152,15 @@ class Layout:
         else:
             self.pieces.append(_Piece(g, g, self.key_at(over) if counted else None))
 
-    def add_key_of(self, param) -> None:
-        """Registers the key of a DTensor parameter whose gradient this rank does not hold (an
-        MoE expert without tokens here): its slot and groups take part in the all-reduces as on
-        the ranks that hold one, so no rank waits on a collective another skips."""
+    def add_key_of(self, param) -> int:
+        """Registers (and returns) the key of a DTensor parameter, for one whose gradient this
+        rank does not hold (an MoE expert without tokens here): its slot and groups take part in
+        the all-reduces as on the ranks that hold one, so no rank waits on a collective another
+        skips."""
         dims, _ = self._dims_of(param.device_mesh, tuple(param.placements))
         if self.mesh is None:
             self.mesh = param.device_mesh
-        self.key_at([(lv, g) for lv, g in dims])
+        return self.key_at([(lv, g) for lv, g in dims])
 
     def _dims_of(self, mesh, placements: tuple):
         """``(reduced dimensions as (level, group), partial)`` of a DTensor spec (kept per spec)."""
