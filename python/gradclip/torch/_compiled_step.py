@@ -9,7 +9,7 @@ import math
 import torch
 
 from .._engine import rule_states, STEP_KINDS
-from . import _ops, _step_clip_groups, _step_policies, _whole_step
+from . import _ops, _step_clip_groups, _step_policies, _step_unit_clip, _whole_step
 
 
 class _StepLists:
@@ -26,14 +26,15 @@ class _StepLists:
         self.rows = rows
 
 
-def _mark_static(lists: _StepLists, counts, records) -> None:
+def _mark_static(lists: _StepLists, counts, written) -> None:
     """Marks the tensors the registered step mutates (parameters, states, step counts, the
     groups' counts) as inputs at fixed addresses, as torch does for its own optimizer's under
     dynamo: CUDA graphs (``mode="reduce-overhead"``) accept mutations of such inputs only (a
     graph that mutates any other input runs without one), and dynamo guards their addresses (a
     new state tensor, as a state dict load makes, recompiles). The gradients stay plain inputs:
-    a training loop hands over new ones every step. ``records``: the telemetry's, if kept."""
-    for t in (*lists.params, *lists.states, *lists.steps, *counts, *records):
+    a training loop hands over new ones every step. ``written``: the other tensors the step
+    writes (the telemetry's records, a unit clip's state)."""
+    for t in (*lists.params, *lists.states, *lists.steps, *counts, *written):
         torch._dynamo.mark_static_address(t, guard=True)
 
 
@@ -70,9 +71,6 @@ class _CompiledStep:
             and self._given_norm is None
             # The telemetry's records, made by an eager step.
             and (not self._stats or self._layout.records is not None)
-            # AGC and AdaGC are passes of their own (the optimizer's clip and skip policies are
-            # the list op's inputs).
-            and self.unit_clip is None
         )
 
     def _traced_step(self):
@@ -104,6 +102,8 @@ class _CompiledStep:
             lrs.append(None if lr_t is None else lr_t.to(device=self._layout.device, dtype=torch.float64))
             hypers.extend((lr, *h, *(float(f) for f in flags)))
             kinds.append(STEP_KINDS.index(kind))
+        if self.unit_clip is not None:  # AGC or AdaGC first: the step reads the clipped gradients
+            _step_unit_clip.traced(self.unit_clip, [p for g in self.param_groups for p in g["params"]])
         named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
         limit = _step_policies.limit(self)
         limits, index = [], []
@@ -151,7 +151,11 @@ class _CompiledStep:
         layout = self._layout
         if relist and layout is not None and layout.lists is None and self.update == "gradclip":
             layout.lists = self._step_lists()
-            _mark_static(layout.lists, [self._counts], [] if layout.records is None else [layout.records])
+            written = [] if layout.records is None else [layout.records]
+            if self.unit_clip is not None:
+                _step_unit_clip.register(self.unit_clip)
+                written += _step_unit_clip.states(self.unit_clip)
+            _mark_static(layout.lists, [self._counts], written)
         return loss
 
     def _step_lists(self) -> _StepLists:

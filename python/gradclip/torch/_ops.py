@@ -136,3 +136,26 @@ def register_whole_step(run: Callable[[int], None]):
     _WHOLE_LIB.impl("whole_step_", whole_step_, "CompositeExplicitAutograd")
     torch.library.register_fake("gradclip::whole_step_", lambda token, stepper: None, lib=_WHOLE_LIB)
     return torch.ops.gradclip.whole_step_.default
+
+
+#: The library of ``gradclip::unit_clip_`` (see ``register_unit_clip``).
+_UNIT_LIB = None
+
+
+def register_unit_clip(run: Callable[..., None]):
+    """``gradclip::unit_clip_(params, grads, at, states, loss_scale, found_inf, clip)``: a
+    unit-wise clip (``AGC``, ``AdaGC``) of the gradients ``grads`` of ``params[at[k]]`` as an
+    op of a compiled graph, ``run(...)`` the eager clip (``_step_unit_clip``): the gradients and
+    the clip's ``states`` (AdaGC's thresholds) written, the parameters read; ``clip`` names the
+    clip object (a string: a constant to dynamo). Defined with ``torch.library.Library``, as
+    ``optim_step_`` is (``custom_op``'s per-tensor version bumps cost host time per call)."""
+    global _UNIT_LIB
+    _UNIT_LIB = torch.library.Library("gradclip", "FRAGMENT")
+    _UNIT_LIB.define(
+        "unit_clip_(Tensor[] params, Tensor(a!)[] grads, int[] at, Tensor(b!)[] states, Tensor? loss_scale, "
+        "Tensor? found_inf, str clip) -> ()"
+    )
+    _frames.run_untraced(run.__code__)
+    _UNIT_LIB.impl("unit_clip_", run, "CompositeExplicitAutograd")
+    torch.library.register_fake("gradclip::unit_clip_", lambda *args: None, lib=_UNIT_LIB)
+    return torch.ops.gradclip.unit_clip_.default
