@@ -22,6 +22,7 @@ mod plan_ops;
 mod policies;
 mod py_errors;
 mod scan;
+mod stated_lists;
 mod step_grads;
 mod step_run;
 mod tensor_addresses;

@@ -1,12 +1,12 @@
 //! The optimizer step over explicit tensor lists: what the registered op
 //! `gradclip::optim_step_` runs (a compiled step hands the op its tensors, as lists). The first
-//! call reads every tensor and checks the list ([`StepList::new`]: lengths, dtypes, no written
-//! part sharing a byte with another); a [`ListStep`] keeps what it read, so that the next calls
-//! of a training loop (the same parameters, states and step counts; gradients of the same
-//! shapes, new ones at new addresses after `zero_grad(set_to_none=True)`) cost an identity and
-//! address check of the written tensors, torch's tensor guards over the gradients and, when
-//! they moved, [`StepList::with_grads`]. The norm and updates are [`crate::optim::optim_step`]'s
-//! ([`run_step`]), so a compiled step gives the eager step's bits.
+//! call reads the parameters, states and step counts; a [`ListStep`] keeps what it read, so that
+//! the next calls of a training loop (the same parameters, states and step counts) cost an
+//! identity and address check of them. The gradients are recognized as the eager step's are
+//! ([`StepGrads`]: the same objects, new ones at the kept addresses, new addresses, another set
+//! of None gradients), and the step list made of them as the eager step's is ([`StatedLists`]).
+//! The norm and updates are [`crate::optim::optim_step`]'s ([`run_step`]), so a compiled step
+//! gives the eager step's bits.
 
 use std::sync::{Mutex, TryLockError};
 
@@ -17,12 +17,14 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::guards::{AddressCheck, ListGuard};
+use crate::guards::AddressCheck;
 use crate::hyper::{Hyper, read_hyper};
 use crate::place::Place;
 use crate::policies::{PolicyArgs, policies_of};
 use crate::py_errors::to_py;
 use crate::scan::Planner;
+use crate::stated_lists::{StatedGroup, StatedLists};
+use crate::step_grads::StepGrads;
 use crate::step_run::{ClipGroups, StepInputs, run_step};
 
 /// The states a group's rule keeps, by name, and whether it reads each parameter's own step
@@ -58,34 +60,36 @@ impl ListStep {
     }
 }
 
+/// One group of the lists as read: each parameter's parts (its gradient each step's own).
+struct ListGroup {
+    parts: Vec<Option<Parts>>,
+    names: &'static [&'static str],
+}
+
+impl StatedGroup for ListGroup {
+    fn states(&self) -> &[Option<Parts>] {
+        &self.parts
+    }
+
+    fn names(&self) -> &'static [&'static str] {
+        self.names
+    }
+}
+
+/// The written lists as read (parameters, states, step counts), and their addresses.
+type Written = ([Py<PyList>; 3], [AddressCheck; 3]);
+
 struct KeptLists {
     place: Place,
     shape: Vec<GroupShape>,
     /// Parameters, states, step counts as read: compared by identity, then by address (their
-    /// storages held: a kept address is still theirs).
-    written: [Py<PyList>; 3],
-    written_at: [AddressCheck; 3],
+    /// storages held: a kept address is still theirs); None without torch's address check (every
+    /// call then reads them).
+    written: Option<Written>,
     _storages: Vec<Py<PyAny>>,
-    /// Which parameters had a gradient (the others are in the list with an absent one).
-    mask: Vec<bool>,
-    /// Each parameter as read, and whether it is in the list (an empty parameter without a
-    /// gradient is left out: its absent gradient would read as an empty one, whose step counts).
-    param_tensors: Vec<RawTensor>,
-    listed: Vec<bool>,
-    /// The present gradients' sizes, strides and dtypes (torch's guards), and where they were.
-    grads: ListGuard,
-    /// The list's gradients (absent ones included), in order.
-    grad_tensors: Vec<RawTensor>,
-    list: StepList,
-}
-
-/// The gradients of `grads` that are not None, and which are.
-fn present<'py>(grads: &Bound<'py, PyList>) -> PyResult<(Bound<'py, PyList>, Vec<bool>)> {
-    let mask: Vec<bool> = grads.iter().map(|g| !g.is_none()).collect();
-    if mask.iter().all(|&m| m) {
-        return Ok((grads.clone(), mask));
-    }
-    Ok((PyList::new(grads.py(), grads.iter().filter(|g| !g.is_none()))?, mask))
+    groups: Vec<ListGroup>,
+    /// The gradients, recognized as the eager step's are ([`StepGrads`]).
+    grads: StepGrads,
 }
 
 /// The lists of one call.
@@ -102,158 +106,118 @@ fn same_objects(a: &Bound<'_, PyList>, b: &Bound<'_, PyList>) -> bool {
 }
 
 impl KeptLists {
-    /// The kept list for this call's lists, with the gradients' new addresses when they moved or
-    /// the set of None gradients changed; None when something else differs (the caller drops
-    /// these lists and reads everything again).
-    fn fits(&mut self, planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyResult<Option<StepList>> {
+    /// Whether this call's parameters, states and step counts are the ones read.
+    fn fits(&self, shape: &[GroupShape], l: &Lists<'_, '_>) -> bool {
+        let Some((objects, at)) = &self.written else {
+            return false;
+        };
         let py = l.params.py();
-        let written = [l.params, l.states, l.steps];
-        if self.shape != shape
-            || !written
-                .iter()
-                .zip(&self.written)
-                .all(|(now, kept)| same_objects(now, kept.bind(py)))
-            || !written.iter().zip(&self.written_at).all(|(now, at)| at.same(now))
-        {
-            return Ok(None);
-        }
-        let Some(fns) = planner.guard_fns() else {
-            return Ok(None);
-        };
-        let (present, mask) = present(l.grads)?;
-        let mut now = Vec::with_capacity(present.len()); // each present gradient as it is now
-        if mask == self.mask {
-            if !self.grads.same_layout(&present) {
-                return Ok(None);
-            }
-            if self.grads.same_addresses(&present) {
-                return Ok(Some(self.list.clone()));
-            }
-            let ptrs = fns.data_ptrs(&present)?;
-            let kept = self
-                .grad_tensors
-                .iter()
-                .zip(self.listed.iter().zip(&self.mask).filter(|(l, _)| **l))
-                .filter(|(_, (_, m))| **m);
-            now.extend(kept.zip(&ptrs).map(|((t, _), &addr)| RawTensor { addr, ..*t }));
-            self.grads.moved_to(py, &ptrs)?;
-        } else {
-            // Another set of None gradients: the present ones read (the rest of the list kept).
-            if self.listed.iter().any(|l| !l) || self.param_tensors.iter().any(|p| p.len == 0) {
-                return Ok(None);
-            }
-            let mut place = Some(self.place);
-            for g in present.iter() {
-                match planner.entry_at(&g, &mut place)? {
-                    Some(t) => now.push(t),
-                    None => return Ok(None),
-                }
-            }
-            let Some(guard) = fns.guard(&present, &fns.data_ptrs(&present)?) else {
-                return Ok(None);
-            };
-            self.grads = guard;
-        }
-        let mut next = now.into_iter();
-        let full: Vec<RawTensor> = self
-            .param_tensors
-            .iter()
-            .zip(&mask)
-            .zip(&self.listed)
-            .filter(|(_, listed)| **listed)
-            .map(|((&p, &has), _)| {
-                if has {
-                    next.next().unwrap_or(Parts::absent_grad(p))
-                } else {
-                    Parts::absent_grad(p)
-                }
-            })
-            .collect();
-        let Ok(list) = self.list.with_grads(&full) else {
-            return Ok(None); // the caller drops these lists; StepList::new decides, and names what is wrong
-        };
-        self.mask = mask;
-        self.grad_tensors = full;
-        self.list = list.clone();
-        Ok(Some(list))
+        let now = [l.params, l.states, l.steps];
+        self.shape == shape
+            && now.iter().zip(objects).all(|(now, kept)| same_objects(now, kept.bind(py)))
+            && now.iter().zip(at).all(|(now, at)| at.same(now))
     }
 }
 
-/// Every tensor of the lists as read: the checked step list, the tensors' place, each
-/// parameter, whether it is listed, and the list's gradients.
-struct Read {
-    list: StepList,
-    place: Place,
-    params: Vec<RawTensor>,
-    listed: Vec<bool>,
-    grads: Vec<RawTensor>,
-}
-
-/// Reads every tensor of the lists; raises naming the first tensor the engine does not read.
-/// A None gradient is an absent one ([`Parts::without_grad`]); an empty parameter without a
-/// gradient is left out of the list.
-fn read_lists(planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyResult<Option<Read>> {
+/// Reads the parameters, states and step counts of the lists (none of their gradients); raises
+/// naming the first tensor the engine does not read. None when the lists hold no tensor.
+fn read_lists(planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyResult<Option<(Place, Vec<ListGroup>)>> {
     let mut place: Option<Place> = None;
-    let read = |what: &str, t: Bound<'_, PyAny>, i: usize, place: &mut Option<Place>| -> PyResult<RawTensor> {
-        planner.entry_at(&t, place)?.ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "{what}[{i}] is not a tensor gradclip's step reads (a contiguous bf16, f16, f32 or f64 tensor on the device of the others)"
-            ))
-        })
+    let mut read = |what: &str, t: Bound<'_, PyAny>, i: usize| -> PyResult<RawTensor> {
+        planner.entry_at(&t, &mut place)?.ok_or_else(|| unread(what, i))
     };
     let (mut at, mut st, mut sp) = (0, 0, 0);
     let mut groups = Vec::with_capacity(shape.len());
-    let (mut params, mut listed, mut grads) = (Vec::new(), Vec::new(), Vec::new());
     for g in shape {
         let mut parts = Vec::with_capacity(g.params);
         for _ in 0..g.params {
-            let param = read("params", l.params.get_item(at)?, at, &mut place)?;
-            let grad_obj = l.grads.get_item(at)?;
-            let grad = if grad_obj.is_none() {
-                None
-            } else {
-                Some(read("grads", grad_obj, at, &mut place)?)
-            };
+            let param = read("params", l.params.get_item(at)?, at)?;
             let mut states = Vec::with_capacity(g.names.len());
             for _ in 0..g.names.len() {
-                states.push(read("states", l.states.get_item(st)?, st, &mut place)?);
+                states.push(read("states", l.states.get_item(st)?, st)?);
                 st += 1;
             }
-            let step = if g.own {
+            let mut p = Parts::new(param, Parts::absent_grad(param), &states);
+            if g.own {
+                p.step = Some(read("steps", l.steps.get_item(sp)?, sp)?);
                 sp += 1;
-                Some(read("steps", l.steps.get_item(sp - 1)?, sp - 1, &mut place)?)
-            } else {
-                None
-            };
-            params.push(param);
-            at += 1;
-            let keep = grad.is_some() || param.len > 0;
-            listed.push(keep);
-            if keep {
-                let grad = grad.unwrap_or(Parts::absent_grad(param));
-                let mut p = Parts::new(param, grad, &states);
-                p.step = step;
-                parts.push(p);
-                grads.push(grad);
             }
+            parts.push(Some(p));
+            at += 1;
         }
-        groups.push((parts, g.names));
+        groups.push(ListGroup { parts, names: g.names });
     }
-    let Some(place) = place else {
-        return Ok(None);
+    Ok(place.map(|p| (p, groups)))
+}
+
+/// The error naming tensor `i` of list `what`, which the engine does not read.
+fn unread(what: &str, i: usize) -> PyErr {
+    PyValueError::new_err(format!(
+        "{what}[{i}] is not a tensor gradclip's step reads (a contiguous bf16, f16, f32 or f64 tensor on the device of the others)"
+    ))
+}
+
+/// What the next call checks, for lists just read (None without torch's address check).
+fn written(planner: &Planner, l: &Lists<'_, '_>) -> PyResult<(Option<Written>, Vec<Py<PyAny>>)> {
+    let py = l.params.py();
+    let Some(fns) = planner.guard_fns() else {
+        return Ok((None, Vec::new()));
     };
-    Ok(Some(Read {
-        list: StepList::new(&groups).map_err(to_py)?,
-        place,
-        params,
-        listed,
-        grads,
-    }))
+    let mut storages = Vec::new();
+    let mut at = Vec::with_capacity(3);
+    for w in [l.params, l.states, l.steps] {
+        for t in w.iter() {
+            storages.push(t.call_method0(intern!(py, "untyped_storage"))?.unbind());
+        }
+        let Some(check) = fns.addresses(py, &fns.data_ptrs(w)?) else {
+            return Ok((None, Vec::new()));
+        };
+        at.push(check);
+    }
+    let Ok(at) = <[AddressCheck; 3]>::try_from(at) else {
+        return Ok((None, Vec::new()));
+    };
+    let copy = |w: &Bound<'_, PyList>| PyList::new(py, w.iter()).map(|c| c.unbind());
+    Ok((Some(([copy(l.params)?, copy(l.states)?, copy(l.steps)?], at)), storages))
+}
+
+/// Why no list came of these gradients: the first gradient the engine does not read, named, or
+/// the list's own check's error.
+fn refused(planner: &Planner, place: Place, groups: &[ListGroup], l: &Lists<'_, '_>) -> PyErr {
+    let mut grads = Vec::new();
+    for (i, g) in l.grads.iter().enumerate() {
+        if g.is_none() {
+            grads.push(None);
+            continue;
+        }
+        match planner.entry_at(&g, &mut Some(place)) {
+            Ok(Some(t)) => grads.push(Some(t)),
+            Ok(None) => return unread("grads", i),
+            Err(e) => return e,
+        }
+    }
+    let mut next = grads.into_iter();
+    let lists: Vec<(Vec<Parts>, &'static [&'static str])> = groups
+        .iter()
+        .map(|g| {
+            let parts = g.parts.iter().flatten().map(|p| Parts {
+                grad: next.next().flatten().unwrap_or(Parts::absent_grad(p.param)),
+                ..*p
+            });
+            (parts.collect(), g.names)
+        })
+        .collect();
+    match StepList::new(&lists) {
+        Err(e) => to_py(e),
+        Ok(_) => PyValueError::new_err("the step's lists do not fit its groups' rules"),
+    }
 }
 
 impl ListStep {
-    /// The step list of this call's lists: the kept one when it fits, else read (and kept); with
-    /// `rows` (a telemetry row per parameter), the rows of the parameters the list holds.
+    /// The step list of this call's lists, the kept parameters, states and step counts when they
+    /// fit, the gradients recognized as the eager step's are; with `rows` (a telemetry row per
+    /// parameter), the rows of the parameters the list holds. Raises (nothing written) naming
+    /// what the engine does not read.
     fn list(
         &self,
         planner: &Planner,
@@ -268,65 +232,38 @@ impl ListStep {
                 return Err(PyRuntimeError::new_err("one optimizer's step ran on two threads at once"));
             }
         };
-        if let Some(k) = kept.as_mut()
-            && let Some(list) = k.fits(planner, &shape, l)?
-        {
-            return Ok(Some((list, k.place, listed_rows(&k.listed, rows))));
+        if !kept.as_ref().is_some_and(|k| k.fits(&shape, l)) {
+            *kept = None;
+            let Some((place, groups)) = read_lists(planner, &shape, l)? else {
+                return Ok(None); // no tensor at all: nothing to step
+            };
+            let (written, storages) = written(planner, l)?;
+            let n = groups.iter().map(|g| g.parts.len()).sum();
+            *kept = Some(KeptLists {
+                place,
+                shape,
+                written,
+                _storages: storages,
+                groups,
+                grads: StepGrads::new(n),
+            });
         }
-        *kept = None;
-        let Some(read) = read_lists(planner, &shape, l)? else {
+        let Some(k) = kept.as_mut() else {
             return Ok(None);
         };
-        let out = (read.list.clone(), read.place, listed_rows(&read.listed, rows));
-        *kept = keep(planner, shape, l, read)?;
-        Ok(Some(out))
-    }
-}
-
-/// The rows (one per parameter) of the parameters the list holds (`listed`), in its order.
-fn listed_rows(listed: &[bool], rows: &[u32]) -> Vec<u32> {
-    rows.iter().zip(listed).filter(|(_, l)| **l).map(|(r, _)| *r).collect()
-}
-
-/// What the next call checks, for lists just read; None without torch's guards (every call then
-/// reads its lists).
-fn keep(planner: &Planner, shape: Vec<GroupShape>, l: &Lists<'_, '_>, read: Read) -> PyResult<Option<KeptLists>> {
-    let py = l.params.py();
-    let Some(fns) = planner.guard_fns() else {
-        return Ok(None);
-    };
-    let mut storages = Vec::new();
-    let mut at = Vec::with_capacity(3);
-    for w in [l.params, l.states, l.steps] {
-        for t in w.iter() {
-            storages.push(t.call_method0(intern!(py, "untyped_storage"))?.unbind());
-        }
-        let Some(check) = fns.addresses(py, &fns.data_ptrs(w)?) else {
-            return Ok(None);
+        let mask: Vec<bool> = l.grads.iter().map(|g| !g.is_none()).collect();
+        let present = PyList::new(l.grads.py(), l.grads.iter().filter(|g| !g.is_none()))?;
+        let lists = StatedLists::new(&k.groups);
+        let listed_rows = if rows.is_empty() {
+            Vec::new()
+        } else {
+            lists.listed(&mask).map(|i| rows[i]).collect()
         };
-        at.push(check);
+        match k.grads.list(planner, k.place, false, mask, &present, &lists)? {
+            Some(list) => Ok(Some((list, k.place, listed_rows))),
+            None => Err(refused(planner, k.place, &k.groups, l)),
+        }
     }
-    let (present, mask) = present(l.grads)?;
-    let Some(grads) = fns.guard(&present, &fns.data_ptrs(&present)?) else {
-        return Ok(None);
-    };
-    let Ok(written_at) = <[AddressCheck; 3]>::try_from(at) else {
-        return Ok(None);
-    };
-    let copy = |w: &Bound<'_, PyList>| PyList::new(py, w.iter()).map(|c| c.unbind());
-    Ok(Some(KeptLists {
-        place: read.place,
-        shape,
-        written: [copy(l.params)?, copy(l.states)?, copy(l.steps)?],
-        written_at,
-        _storages: storages,
-        mask,
-        param_tensors: read.params,
-        listed: read.listed,
-        grads,
-        grad_tensors: read.grads,
-        list: read.list,
-    }))
 }
 
 /// A compiled step's telemetry as Python passes it: the records' address (five float64 a row),

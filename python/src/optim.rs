@@ -26,7 +26,8 @@ use crate::hyper::{self, Hyper, read_hyper};
 use crate::place::Place;
 use crate::policies::{PolicyArgs, policies_of};
 use crate::scan::Planner;
-use crate::step_grads::{ListMaker, StepGrads};
+use crate::stated_lists::{StatedGroup, StatedLists};
+use crate::step_grads::StepGrads;
 use crate::step_run::{ClipGroups, StepInputs, run_step};
 use crate::tensor_facts::{Facts, TensorFacts};
 
@@ -460,13 +461,12 @@ impl Kept {
         }
         let t2 = Instant::now();
         self.timings[2] = (t2 - t1).as_nanos() as u64;
-        let lists = LayoutLists::new(&self.groups);
+        let lists = StatedLists::new(&self.groups);
         if let Some(rows) = rows {
             // Each list tensor's parameter, by its place in the optimizer's order (the step's
             // telemetry rows).
-            let keep = lists.keeps_absent();
             rows.clear();
-            rows.extend(stated(&self.groups).filter(|&(i, _)| keep || mask[i]).map(|(i, _)| i as u32));
+            rows.extend(lists.listed(&mask).map(|i| i as u32));
         }
         let r = match present {
             Present::Facts(facts) => self.grads.list_read(planner, self.place, mask, &facts, &lists)?,
@@ -530,83 +530,13 @@ impl Kept {
     }
 }
 
-/// The step lists of a layout's groups ([`ListMaker`]): every parameter that has its states, a
-/// parameter whose gradient is None kept with an absent one, so that every set of None gradients
-/// makes a list of the same parts; only when some such parameter is empty (its absent gradient
-/// would read as an empty one, whose step count advances) do the lists hold the parameters with
-/// a gradient alone.
-struct LayoutLists<'a> {
-    groups: &'a [Group],
-    /// Whether every parameter with states has elements: decided once, when first asked (only a
-    /// step whose set of gradients changed asks).
-    keep_absent: std::cell::OnceCell<bool>,
-}
-
-impl<'a> LayoutLists<'a> {
-    fn new(groups: &'a [Group]) -> Self {
-        LayoutLists {
-            groups,
-            keep_absent: std::cell::OnceCell::new(),
-        }
-    }
-}
-
-/// Each parameter of `groups` with its states, in order, and its place in the mask (every
-/// parameter's).
-fn stated(groups: &[Group]) -> impl Iterator<Item = (usize, &Parts)> + '_ {
-    groups
-        .iter()
-        .flat_map(|g| g.states.iter())
-        .enumerate()
-        .filter_map(|(i, st)| st.as_ref().map(|st| (i, st)))
-}
-
-impl ListMaker for LayoutLists<'_> {
-    fn full(&self, mask: &[bool], present: &[RawTensor]) -> (Vec<RawTensor>, Vec<usize>) {
-        if !self.keeps_absent() {
-            return (present.to_vec(), (0..present.len()).collect());
-        }
-        let (mut full, mut at, mut next) = (Vec::with_capacity(mask.len()), Vec::with_capacity(present.len()), present.iter());
-        for (i, st) in stated(self.groups) {
-            match mask[i].then(|| next.next()).flatten() {
-                Some(&g) => {
-                    at.push(full.len());
-                    full.push(g);
-                }
-                None => full.push(Parts::absent_grad(st.param)),
-            }
-        }
-        (full, at)
+impl StatedGroup for Group {
+    fn states(&self) -> &[Option<Parts>] {
+        &self.states
     }
 
-    fn keeps_absent(&self) -> bool {
-        *self.keep_absent.get_or_init(|| stated(self.groups).all(|(_, st)| st.param.len > 0))
-    }
-
-    fn make(&self, mask: &[bool], full: &[RawTensor]) -> Option<StepList> {
-        let keep = self.keeps_absent();
-        let (mut i, mut next) = (0, full.iter());
-        let groups: Vec<(Vec<Parts>, &'static [&'static str])> = self
-            .groups
-            .iter()
-            .map(|g| {
-                let parts = g
-                    .states
-                    .iter()
-                    .filter_map(|st| {
-                        let has = mask[i];
-                        i += 1;
-                        let st = st.as_ref()?;
-                        (has || keep).then(|| Parts {
-                            grad: *next.next().expect("one gradient per listed parameter"),
-                            ..*st
-                        })
-                    })
-                    .collect();
-                (parts, g.names)
-            })
-            .collect();
-        StepList::new(&groups).ok()
+    fn names(&self) -> &'static [&'static str] {
+        self.names
     }
 }
 

@@ -155,6 +155,45 @@ def test_non_tensors_are_named_by_position():
         gt.Shards([t], over=[3])
 
 
+def test_the_step_op_names_what_it_does_not_read_and_writes_nothing():
+    """``gradclip::optim_step_`` over lists (SGD with momentum: one state a parameter) refuses,
+    before anything is written, a gradient the engine does not read (strided), naming it by its
+    place in the list, and a gradient of another length than its parameter; kept lists take the
+    next call's gradients whatever their set of None ones."""
+    from gradclip._engine import STEP_KINDS
+    from gradclip.torch import _ops
+    from gradclip.torch.optim import SGD
+
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in ((6, 4), (5,), (3, 3))]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt = SGD(ps, lr=0.1, momentum=0.9)
+    opt.step()  # the states, and the lists the compiled step hands the op
+    lists = opt._step_lists()
+    kind, lr, h, flags = opt._hyper_of(opt.param_groups[0])
+    bufs, counts = lists.states + lists.steps, opt._counts
+
+    def step(grads):
+        return _ops.OPS.optim_step_(
+            lists.params, grads, lists.states, lists.steps, counts, [None], lists.sizes, [STEP_KINDS.index(kind)],
+            [lr, *h, *(float(f) for f in flags)], [1.0, 2.0], "skip", [], [], [], [], [], [],
+        )
+
+    kept = [t.detach().clone() for t in ps + bufs + [counts]]
+    written = lambda: all(torch.equal(a, b) for a, b in zip(ps + bufs + [counts], kept))  # noqa: E731
+    with pytest.raises(ValueError, match=r"grads\[2\] is not a tensor gradclip's step reads"):
+        step([torch.ones(6, 4), None, torch.ones(3, 3).t()])
+    assert written()
+    with pytest.raises(ValueError):
+        step([torch.ones(6, 4), torch.ones(7), None])
+    assert written()
+    for grads in ([torch.ones(6, 4), None, torch.ones(3, 3)], [None, torch.ones(5), torch.ones(3, 3)], [torch.ones(6, 4), torch.ones(5), torch.ones(3, 3)]):
+        before = [p.detach().clone() for p in ps]
+        step(grads)
+        for p, b, g in zip(ps, before, grads):
+            assert torch.equal(p, b) == (g is None)
+
+
 def _clip_and_step(m, opt):
     """A training step's end: gradclip's clip (max norm 0.5), then ``opt``'s step; the norm."""
     n = gt.clip_grad_norm_(m.parameters(), 0.5)
