@@ -200,9 +200,8 @@ def main(port: str, rank: int, world: int, out: str) -> None:
         check_optimizer(rank, mesh, failures, idle)
     check_shards(rank, world, failures)
     check_optimizer_shards(rank, world, failures)
-    ranks.report(out, failures)
-    dist.barrier()  # no rank tears gloo down while another still uses it
-    dist.destroy_process_group()
+    # Barrier, destroy, then out without the interpreter's teardown (gloo's threads can abort it).
+    ranks.leave(out, failures)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import gradclip.torch as gt
-from gradclip.torch import replicas
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ranks  # noqa: E402
+
+import gradclip.torch as gt  # noqa: E402
+from gradclip.torch import replicas  # noqa: E402
 
 NORMS = [2.0, 1.0, math.inf, 3.0]
 MAX_NORM = 0.5
@@ -594,8 +597,7 @@ def main():
     finally:
         with open(out, "w") as f:
             f.write(",".join(done))
-    dist.barrier()
-    dist.destroy_process_group()
+    ranks.exit_process()  # barrier, destroy, out without the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -86,9 +86,8 @@ def main(port: str, rank: int, world: int, out: str) -> None:
             failures.append("without shards_over the partition's norm equals the global one: the test's data shows nothing")
     except Exception as e:  # a failure, reported as one
         failures.append(f"rank {rank}: {type(e).__name__}: {e}")
-    ranks.report(out, failures)
-    dist.barrier()  # no rank tears gloo down while another still uses it (seen: an abort at exit)
-    dist.destroy_process_group()
+    # Barrier, destroy, then out without the interpreter's teardown (gloo's threads can abort it).
+    ranks.leave(out, failures)
 
 
 if __name__ == "__main__":

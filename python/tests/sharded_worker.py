@@ -9,7 +9,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-import gradclip.torch as gt
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ranks  # noqa: E402
+
+import gradclip.torch as gt  # noqa: E402
 
 
 def full_list(dtype):
@@ -41,7 +44,7 @@ def main():
         total = powered ** (1.0 / p)
     gt.clip_grads_with_norm_(params, 0.5, total)
     torch.save((float(total), [q.grad.cpu() for q in params]), out)
-    dist.destroy_process_group()
+    ranks.exit_process()  # barrier, destroy, out without the interpreter's teardown
 
 
 if __name__ == "__main__":

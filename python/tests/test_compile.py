@@ -574,7 +574,7 @@ def _adamw_lr_on(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
-@pytest.mark.parametrize("name", ["AdamW", "AdamW-lr-on-cuda", "SGD", "Lion", "AdamW-clip-groups", "SGD-stats"])
+@pytest.mark.parametrize("name", ["AdamW", "AdamW-lr-on-cuda", "SGD", "Lion", "AdamW-policies", "AdamW-clip-groups", "SGD-stats"])
 @pytest.mark.parametrize("how", ["alone", "inside"])
 def test_reduce_overhead_optimizer_step_equals_eager(name, how):
     """torch.compile(mode="reduce-overhead") of gradclip's step (clip inside), on new gradient

@@ -152,6 +152,9 @@ class _CompiledStep:
         if relist and layout is not None and layout.lists is None and self.update == "gradclip":
             layout.lists = self._step_lists()
             written = [] if layout.records is None else [layout.records]
+            # The clip and skip policies' states (the optimizer's, or each clip group's).
+            named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
+            written += _step_policies.list_op_policies(self, layout.device, named)[0]
             if self.unit_clip is not None:
                 _step_unit_clip.register(self.unit_clip)
                 written += _step_unit_clip.states(self.unit_clip)
