@@ -117,10 +117,7 @@ def check(world: int, failures: list) -> None:
     opt_s = optim.AdamW(ps, lr=1e-2, clip=AdaGC(start_clip_steps=2))
     opt_w = optim.AdamW(pw, lr=1e-2, clip=AdaGC(start_clip_steps=2))
     for step in range(8):
-        gs = grads_of(step)
-        for i, (p, q, g) in enumerate(zip(ps, pw, gs)):
-            p.grad = None if g is None else dt(g, i)
-            q.grad = None if g is None else g.clone()
+        ranks.twin_grads(ps, pw, grads_of(step), dt)
         opt_s.step()
         opt_w.step()
         for i, (p, q) in enumerate(zip(ps, pw)):

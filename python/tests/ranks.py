@@ -101,3 +101,11 @@ def gloo_worker(port: str, rank: int, world: int, out: str, body) -> None:
     except Exception as e:
         failures.append(f"rank {rank}: {type(e).__name__}: {e}")
     leave(out, failures)
+
+
+def twin_grads(sharded, whole, grads, shard) -> None:
+    """One step's gradients ``grads`` (None: no gradient) given to a sharded run's parameters
+    (``shard(g, i)``: parameter ``i``'s piece of ``g`` on this rank) and to the whole run's."""
+    for i, (p, q, g) in enumerate(zip(sharded, whole, grads)):
+        p.grad = None if g is None else shard(g, i)
+        q.grad = None if g is None else g.clone()

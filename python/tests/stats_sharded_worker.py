@@ -112,10 +112,7 @@ def check(world: int, failures: list) -> None:
             opt_s.shards_over = dist.group.WORLD
         opt_w = optimizer(pw)
         for step in range(5):
-            gs = grads_of(step)
-            for i, (p, q, g) in enumerate(zip(ps, pw, gs)):
-                p.grad = None if g is None else shard(g, i)
-                q.grad = None if g is None else g.clone()
+            ranks.twin_grads(ps, pw, grads_of(step), shard)
             opt_s.step()
             opt_w.step()
             calls, counted, real = counting(dist)
