@@ -10,7 +10,18 @@ use std::cell::OnceCell;
 use gradclip::optim::{Parts, StepList};
 use gradclip::plan::RawTensor;
 
-use crate::step_grads::ListMaker;
+/// How a layout turns a step's gradients into a step list.
+pub(crate) trait ListMaker {
+    /// The step list's gradients, `present` (those of the parameters set in `mask`, in order)
+    /// in the list's order with the absent ones the layout keeps
+    /// ([`gradclip::optim::Parts::without_grad`]), and each present gradient's position there.
+    fn full(&self, mask: &[bool], present: &[RawTensor]) -> (Vec<RawTensor>, Vec<usize>);
+    /// True when lists of every mask have the same parts (absent gradients kept): a list then
+    /// takes another mask's gradients ([`StepList::with_grads`]).
+    fn keeps_absent(&self) -> bool;
+    /// A new checked list of the gradients `full` for `mask`; None when it fails its checks.
+    fn make(&self, mask: &[bool], full: &[RawTensor]) -> Option<StepList>;
+}
 
 /// One parameter group as a step list takes it.
 pub(crate) trait StatedGroup {

@@ -42,21 +42,9 @@ use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 use crate::guards::{AddressCheck, data_ptr};
 use crate::place::Place;
 use crate::scan::{Planner, entry_of, readable_at};
+use crate::stated_lists::ListMaker;
 use crate::tensor_addresses::DataPtrReader;
 use crate::tensor_facts::{Facts, TensorFacts};
-
-/// How the optimizer's layout turns a step's gradients into a step list.
-pub(crate) trait ListMaker {
-    /// The step list's gradients, `present` (those of the parameters set in `mask`, in order)
-    /// in the list's order with the absent ones the layout keeps
-    /// ([`gradclip::optim::Parts::without_grad`]), and each present gradient's position there.
-    fn full(&self, mask: &[bool], present: &[RawTensor]) -> (Vec<RawTensor>, Vec<usize>);
-    /// True when lists of every mask have the same parts (absent gradients kept): a list then
-    /// takes another mask's gradients ([`StepList::with_grads`]).
-    fn keeps_absent(&self) -> bool;
-    /// A new checked list of the gradients `full` for `mask`; None when it fails its checks.
-    fn make(&self, mask: &[bool], full: &[RawTensor]) -> Option<StepList>;
-}
 
 /// The gradients of the steps so far, as far as the next step needs them.
 pub(crate) struct StepGrads {
