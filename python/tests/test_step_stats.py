@@ -160,9 +160,11 @@ def test_a_compiled_step_reports_as_the_eager_one():
     """``torch.compile(opt.step)`` with ``stats=True`` (the step alone in its graph: the eager
     step inside one op) and a compiled training step that inlines it (its first trace breaks at
     the step, whose eager run makes the lists; traced again, the list op writes the records in
-    the graph, without a break): the figures equal the float64 reference at every step."""
-    for whole in (True, False):
-        ps = _params("cpu", torch.float32)
+    the graph, without a break): the figures equal the float64 reference at every step. Also
+    inlined with an empty parameter beside them (the records are zeroed before each step then,
+    in the graph too) and a gradient None at one step (its row reads as nothing updated)."""
+    for whole, empty in ((True, False), (False, False), (False, True)):
+        ps = _params("cpu", torch.float32) + ([torch.nn.Parameter(torch.zeros(0))] if empty else [])
         opt = optim.AdamW(ps, lr=1e-2, max_grad_norm=0.5, stats=True)
 
         def train(grads):
@@ -177,6 +179,8 @@ def test_a_compiled_step_reports_as_the_eager_one():
                 torch._dynamo.reset()
                 run = torch.compile(train)
             grads = [torch.randn(p.shape, generator=gen) for p in ps]
+            if empty and step == 3:
+                grads[1] = None
             before = [p.detach().clone() for p in ps]
             if whole:
                 for p, g in zip(ps, grads):
@@ -187,7 +191,7 @@ def test_a_compiled_step_reports_as_the_eager_one():
             want = _reference(before, [p.detach() for p in ps], grads, 0.5)
             _assert_figures(opt.stats(as_floats=True)["default"], want, f"compiled ({'alone' if whole else 'inlined'}) step {step}")
         if not whole:
-            explained = torch._dynamo.explain(train)([torch.zeros(p.shape) for p in ps])
+            explained = torch._dynamo.explain(train)([torch.zeros(p.shape) for p in ps])  # (a new trace: no break)
             assert explained.graph_break_count == 0 and "gradclip.optim_step_" in explained.graphs[0].code, explained.break_reasons
 
 
