@@ -11,6 +11,7 @@ mod cpu;
 mod cuda;
 mod guards;
 mod hyper;
+mod kept_step;
 mod list_step;
 mod loaded_libs;
 #[cfg(unix)]
@@ -23,7 +24,6 @@ mod policies;
 mod py_errors;
 mod scan;
 mod stated_lists;
-mod step_grads;
 mod step_run;
 mod tensor_addresses;
 mod tensor_facts;

@@ -19,12 +19,12 @@ use pyo3::types::PyList;
 
 use crate::guards::AddressCheck;
 use crate::hyper::{Hyper, read_hyper};
+use crate::kept_step::{KeptStep, Present};
 use crate::place::Place;
 use crate::policies::{PolicyArgs, policies_of};
 use crate::py_errors::to_py;
 use crate::scan::Planner;
-use crate::stated_lists::{StatedGroup, StatedLists};
-use crate::step_grads::StepGrads;
+use crate::stated_lists::StepGroup;
 use crate::step_run::{ClipGroups, StepInputs, run_step};
 
 /// The states a group's rule keeps, by name, and whether it reads each parameter's own step
@@ -60,36 +60,17 @@ impl ListStep {
     }
 }
 
-/// One group of the lists as read: each parameter's parts (its gradient each step's own).
-struct ListGroup {
-    parts: Vec<Option<Parts>>,
-    names: &'static [&'static str],
-}
-
-impl StatedGroup for ListGroup {
-    fn states(&self) -> &[Option<Parts>] {
-        &self.parts
-    }
-
-    fn names(&self) -> &'static [&'static str] {
-        self.names
-    }
-}
-
 /// The written lists as read (parameters, states, step counts), and their addresses.
 type Written = ([Py<PyList>; 3], [AddressCheck; 3]);
 
 struct KeptLists {
-    place: Place,
     shape: Vec<GroupShape>,
     /// Parameters, states, step counts as read: compared by identity, then by address (their
     /// storages held: a kept address is still theirs); None without torch's address check (every
     /// call then reads them).
     written: Option<Written>,
-    _storages: Vec<Py<PyAny>>,
-    groups: Vec<ListGroup>,
-    /// The gradients, recognized as the eager step's are ([`StepGrads`]).
-    grads: StepGrads,
+    /// Each group's parts, the storages held and the gradients' recognizer.
+    step: KeptStep,
 }
 
 /// The lists of one call.
@@ -121,7 +102,7 @@ impl KeptLists {
 
 /// Reads the parameters, states and step counts of the lists (none of their gradients); raises
 /// naming the first tensor the engine does not read. None when the lists hold no tensor.
-fn read_lists(planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyResult<Option<(Place, Vec<ListGroup>)>> {
+fn read_lists(planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyResult<Option<(Place, Vec<StepGroup>)>> {
     let mut place: Option<Place> = None;
     let mut read = |what: &str, t: Bound<'_, PyAny>, i: usize| -> PyResult<RawTensor> {
         planner.entry_at(&t, &mut place)?.ok_or_else(|| unread(what, i))
@@ -145,7 +126,11 @@ fn read_lists(planner: &Planner, shape: &[GroupShape], l: &Lists<'_, '_>) -> PyR
             parts.push(Some(p));
             at += 1;
         }
-        groups.push(ListGroup { parts, names: g.names });
+        groups.push(StepGroup {
+            parts,
+            names: g.names,
+            own_step: g.own,
+        });
     }
     Ok(place.map(|p| (p, groups)))
 }
@@ -183,7 +168,7 @@ fn written(planner: &Planner, l: &Lists<'_, '_>) -> PyResult<(Option<Written>, V
 
 /// Why no list came of these gradients: the first gradient the engine does not read, named, or
 /// the list's own check's error.
-fn refused(planner: &Planner, place: Place, groups: &[ListGroup], l: &Lists<'_, '_>) -> PyErr {
+fn refused(planner: &Planner, place: Place, groups: &[StepGroup], l: &Lists<'_, '_>) -> PyErr {
     let mut grads = Vec::new();
     for (i, g) in l.grads.iter().enumerate() {
         if g.is_none() {
@@ -238,30 +223,26 @@ impl ListStep {
                 return Ok(None); // no tensor at all: nothing to step
             };
             let (written, storages) = written(planner, l)?;
-            let n = groups.iter().map(|g| g.parts.len()).sum();
             *kept = Some(KeptLists {
-                place,
                 shape,
                 written,
-                _storages: storages,
-                groups,
-                grads: StepGrads::new(n),
+                step: KeptStep::new(place, groups, storages),
             });
         }
         let Some(k) = kept.as_mut() else {
             return Ok(None);
         };
         let mask: Vec<bool> = l.grads.iter().map(|g| !g.is_none()).collect();
-        let present = PyList::new(l.grads.py(), l.grads.iter().filter(|g| !g.is_none()))?;
-        let lists = StatedLists::new(&k.groups);
+        let present = Present::Objects(PyList::new(l.grads.py(), l.grads.iter().filter(|g| !g.is_none()))?);
         let listed_rows = if rows.is_empty() {
             Vec::new()
         } else {
-            lists.listed(&mask).map(|i| rows[i]).collect()
+            k.step.listed(&mask).into_iter().map(|i| rows[i]).collect()
         };
-        match k.grads.list(planner, k.place, false, mask, &present, &lists)? {
-            Some(list) => Ok(Some((list, k.place, listed_rows))),
-            None => Err(refused(planner, k.place, &k.groups, l)),
+        let place = k.step.place;
+        match k.step.list(planner, false, mask, &present)? {
+            Some(list) => Ok(Some((list, place, listed_rows))),
+            None => Err(refused(planner, place, &k.step.groups, l)),
         }
     }
 }

@@ -3,7 +3,7 @@
 //! addresses, dtypes, lengths); each step then walks the state dict by identity, checks the
 //! parameters' addresses, reads every parameter's `.grad` here (a None gradient leaves its
 //! parameter as torch's step leaves it, its own step count included), recognizes the gradients
-//! without holding them ([`crate::step_grads`]), reads every group's hyperparameters
+//! without holding them ([`crate::kept_step`]), reads every group's hyperparameters
 //! ([`crate::hyper`]), and runs the norm (with a clip) and the update of every group in one
 //! [`StepBackend::step_list`]: on CUDA the norm kernel and each group's update launch on torch's
 //! stream, on the CPU the CPU backend's one parallel pass. The checks of a
@@ -23,11 +23,11 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::guards::AddressCheck;
 use crate::hyper::{self, Hyper, read_hyper};
+use crate::kept_step::{KeptStep, Present};
 use crate::place::Place;
 use crate::policies::{PolicyArgs, policies_of};
 use crate::scan::Planner;
-use crate::stated_lists::{StatedGroup, StatedLists};
-use crate::step_grads::StepGrads;
+use crate::stated_lists::StepGroup;
 use crate::step_run::{ClipGroups, StepInputs, run_step};
 use crate::tensor_facts::{Facts, TensorFacts};
 
@@ -42,38 +42,24 @@ pub const STEP_NEW_STATES: u8 = 3;
 /// Some group's learning rate is a tensor: call again with their device addresses (`lrs`).
 pub const STEP_LR_TENSORS: u8 = 4;
 
-/// One parameter group as read.
-struct Group {
-    params: Vec<Py<PyAny>>,
-    /// Each parameter's parts as its update reads them (the gradient each step's own); None: the
-    /// parameter has no state yet (it never had a gradient).
-    states: Vec<Option<Parts>>,
-    /// The states its rule keeps ([`Rule::states`]), and whether each parameter's own step count
-    /// (`state["step"]`) is read: Adam's bias correction and SGD's first momentum step need it.
-    names: &'static [&'static str],
-    own_step: bool,
-}
-
 struct Kept {
-    place: Place,
-    groups: Vec<Group>,
+    /// Each group's parts, the storages held and the gradients' recognizer.
+    step: KeptStep,
+    /// Each group's parameters, as read.
+    group_params: Vec<Vec<Py<PyAny>>>,
     /// The optimizer's state dict as read, in its order: each parameter, its state dict and that
     /// dict's values. Compared by identity every step, walking the dicts (no hashing: torch's
     /// `Tensor.__hash__` is Python code), so a state replaced, added or removed is seen.
     states: Vec<StateEntry>,
-    /// The storage of every state tensor and step count, held: the states are the optimizer's,
-    /// known every step by identity ([`Kept::states`]); holding their storages keeps the memory
-    /// the kernels write alive even if a state's storage were swapped in place (`.data =`,
-    /// `set_`), which the identity walk does not see (the update would then go to the old
-    /// storage until the next layout).
-    _storages: Vec<Py<PyAny>>,
-    /// The parameters, whose storages `_storages` holds too: their addresses are checked every
+    /// The parameters, whose storages the kept step holds (with every state's: the states are
+    /// known every step by identity, [`Kept::states`], and holding their storages keeps the
+    /// memory the kernels write alive even if a state's storage were swapped in place, `.data
+    /// =` or `set_`, which the identity walk does not see): their addresses are checked every
     /// step (`p.data = ...` gives a parameter new storage, which the next step reads anew). With
     /// the storage held, memory at a kept address stays the parameter's, so the address alone
     /// says the layout read is still the one written (torch's guards here cost as much again).
     params: Py<PyList>,
     param_addresses: AddressCheck,
-    grads: StepGrads,
     /// Each parameter's (group, position), by the address of its Python object (the layout holds
     /// the objects, so the addresses stay theirs).
     slot_of: HashMap<usize, (usize, usize)>,
@@ -94,12 +80,6 @@ enum Read<'py> {
     Grads(Vec<bool>, Present<'py>),
     /// Some gradient could not be read natively: read `.grad`.
     NotNative,
-}
-
-/// The present gradients of a step: their facts read natively, or their Python objects.
-enum Present<'py> {
-    Facts(Vec<Facts>),
-    Objects(Bound<'py, PyList>),
 }
 
 /// One parameter's gradient as read.
@@ -163,16 +143,16 @@ pub fn step_layout(
         return Ok(None);
     };
     let mut place = None;
-    let (mut kept_groups, mut storages, all_params) = (Vec::new(), Vec::new(), PyList::empty(py));
+    let (mut kept_groups, mut all_group_params, mut storages, all_params) = (Vec::new(), Vec::new(), Vec::new(), PyList::empty(py));
     for g in groups.iter() {
         let (params, hyper): (Bound<'_, PyList>, Bound<'_, PyAny>) = g.extract()?;
         let rule = read_hyper(&hyper)?.rule;
-        let mut group = Group {
-            params: Vec::with_capacity(params.len()),
-            states: Vec::with_capacity(params.len()),
+        let mut group = StepGroup {
+            parts: Vec::with_capacity(params.len()),
             names: rule.states(),
             own_step: rule.uses_own_step(),
         };
+        let mut group_params = Vec::with_capacity(params.len());
         for p in params.iter() {
             let lp = shard(&p, local)?;
             let Some(param) = pl.entry_at(&lp, &mut place)? else {
@@ -182,8 +162,8 @@ pub fn step_layout(
             all_params.append(&lp)?;
             if group.names.is_empty() && !group.own_step {
                 // Nothing of the state dict is read (SGD without momentum).
-                group.params.push(p.unbind());
-                group.states.push(Some(Parts::new(param, param, &[])));
+                group_params.push(p.unbind());
+                group.parts.push(Some(Parts::new(param, param, &[])));
                 continue;
             }
             let first_key = group.names.first().copied().unwrap_or("step");
@@ -195,18 +175,19 @@ pub fn step_layout(
                     d
                 }
                 _ => {
-                    group.params.push(p.unbind());
-                    group.states.push(None);
+                    group_params.push(p.unbind());
+                    group.parts.push(None);
                     continue;
                 }
             };
             let Some(st) = read_state(pl, st.cast::<PyDict>()?, param, &group, local, &mut place, &mut storages)? else {
                 return Ok(None);
             };
-            group.params.push(p.unbind());
-            group.states.push(Some(st));
+            group_params.push(p.unbind());
+            group.parts.push(Some(st));
         }
         kept_groups.push(group);
+        all_group_params.push(group_params);
     }
     let Some(place) = place else {
         return Ok(None);
@@ -215,24 +196,21 @@ pub fn step_layout(
         return Ok(None);
     };
     let states = read_states(state, 0)?;
-    let grads = StepGrads::new(all_params.len());
-    let slot_of = kept_groups
+    let slot_of = all_group_params
         .iter()
         .enumerate()
-        .flat_map(|(g, group)| group.params.iter().enumerate().map(move |(i, p)| (p.as_ptr() as usize, (g, i))))
+        .flat_map(|(g, ps)| ps.iter().enumerate().map(move |(i, p)| (p.as_ptr() as usize, (g, i))))
         .collect();
     Ok(Some(StepLayout {
         planner: planner.clone().unbind(),
         state: state.clone().unbind(),
         local,
         kept: Mutex::new(Kept {
-            place,
-            groups: kept_groups,
+            step: KeptStep::new(place, kept_groups, storages),
+            group_params: all_group_params,
             states,
-            _storages: storages,
             params: all_params.unbind(),
             param_addresses,
-            grads,
             slot_of,
             timings: [0; 5],
             native_grads: true,
@@ -326,7 +304,7 @@ fn read_state(
     planner: &Planner,
     d: &Bound<'_, PyDict>,
     param: RawTensor,
-    group: &Group,
+    group: &StepGroup,
     local: bool,
     place: &mut Option<Place>,
     storages: &mut Vec<Py<PyAny>>,
@@ -382,14 +360,14 @@ impl Kept {
         if state.len() <= n || !same_states_prefix(state, &self.states) {
             return Ok(false);
         }
-        let mut place = Some(self.place);
+        let mut place = Some(self.step.place);
         let (mut added, mut storages) = (Vec::new(), Vec::new());
         for (k, d) in state.iter().skip(n) {
             let Some(&(g, i)) = self.slot_of.get(&(k.as_ptr() as usize)) else {
                 return Ok(false);
             };
-            let group = &self.groups[g];
-            if group.states[i].is_some() {
+            let group = &self.step.groups[g];
+            if group.parts[i].is_some() {
                 return Ok(false);
             }
             let Ok(dict) = d.cast::<PyDict>() else {
@@ -405,11 +383,11 @@ impl Kept {
             }
         }
         for (g, i, st) in added {
-            self.groups[g].states[i] = Some(st);
+            self.step.groups[g].parts[i] = Some(st);
         }
-        self._storages.extend(storages);
+        self.step.storages.extend(storages);
         self.states.extend(read_states(state, n)?);
-        self.grads.forget_list(); // the next step list has the new parameters
+        self.step.grads.forget_list(); // the next step list has the new parameters
         Ok(true)
     }
 
@@ -428,7 +406,7 @@ impl Kept {
         // The state as read: the same dicts and tensors (load_state_dict, an assignment into the
         // state, or a first state made elsewhere, makes new ones).
         let t0 = Instant::now();
-        if groups.len() != self.groups.len() {
+        if groups.len() != self.step.groups.len() {
             return Ok(Err(Miss::Relayout));
         }
         if !same_states(state, &self.states) && !self.extend_states(planner, state, local)? {
@@ -461,17 +439,13 @@ impl Kept {
         }
         let t2 = Instant::now();
         self.timings[2] = (t2 - t1).as_nanos() as u64;
-        let lists = StatedLists::new(&self.groups);
         if let Some(rows) = rows {
             // Each list tensor's parameter, by its place in the optimizer's order (the step's
             // telemetry rows).
             rows.clear();
-            rows.extend(lists.listed(&mask).map(|i| i as u32));
+            rows.extend(self.step.listed(&mask).into_iter().map(|i| i as u32));
         }
-        let r = match present {
-            Present::Facts(facts) => self.grads.list_read(planner, self.place, mask, &facts, &lists)?,
-            Present::Objects(objects) => self.grads.list(planner, self.place, local, mask, &objects, &lists)?,
-        };
+        let r = self.step.list(planner, local, mask, &present)?;
         self.timings[3] = t2.elapsed().as_nanos() as u64;
         Ok(r.ok_or(Miss::Torch))
     }
@@ -487,13 +461,13 @@ impl Kept {
         facts: Option<&TensorFacts>,
     ) -> PyResult<Read<'py>> {
         let (mut mask, mut first, mut native, objects) = (Vec::new(), Vec::new(), Vec::new(), PyList::empty(py));
-        for (g, kept) in groups.iter().zip(&self.groups) {
+        for (g, (kept, kept_params)) in groups.iter().zip(self.step.groups.iter().zip(&self.group_params)) {
             let params = g.get_item(intern!(py, "params"))?;
             let params = params.cast::<PyList>()?;
-            if params.len() != kept.params.len() {
+            if params.len() != kept_params.len() {
                 return Ok(Read::Relayout);
             }
-            for (p, (kp, st)) in params.iter().zip(kept.params.iter().zip(&kept.states)) {
+            for (p, (kp, st)) in params.iter().zip(kept_params.iter().zip(&kept.parts)) {
                 if !p.is(kp) {
                     return Ok(Read::Relayout);
                 }
@@ -527,16 +501,6 @@ impl Kept {
             None => Present::Objects(objects),
         };
         Ok(Read::Grads(mask, present))
-    }
-}
-
-impl StatedGroup for Group {
-    fn states(&self) -> &[Option<Parts>] {
-        &self.states
-    }
-
-    fn names(&self) -> &'static [&'static str] {
-        self.names
     }
 }
 
@@ -623,7 +587,7 @@ pub fn optim_step(
     if hypers.len() != list.groups() || hypers.iter().enumerate().any(|(i, h)| h.rule.states() != list.group(i).1) {
         return Ok((STEP_RELAYOUT, None));
     }
-    let place = kept.place;
+    let place = kept.step.place;
     let started = Instant::now();
     if !stats_out.is_multiple_of(8) {
         return Err(PyValueError::new_err("the step's telemetry must be a float64 tensor"));

@@ -23,25 +23,27 @@ pub(crate) trait ListMaker {
     fn make(&self, mask: &[bool], full: &[RawTensor]) -> Option<StepList>;
 }
 
-/// One parameter group as a step list takes it.
-pub(crate) trait StatedGroup {
-    /// Each parameter's parts (the gradient each step's own); None: the parameter has no state
-    /// yet (it never had a gradient), and is in no list.
-    fn states(&self) -> &[Option<Parts>];
-    /// The states its rule keeps, by name.
-    fn names(&self) -> &'static [&'static str];
+/// One parameter group as a step keeps it.
+pub(crate) struct StepGroup {
+    /// Each parameter's parts as its update reads them (the gradient each step's own); None: the
+    /// parameter has no state yet (it never had a gradient), and is in no list.
+    pub(crate) parts: Vec<Option<Parts>>,
+    /// The states its rule keeps, by name, and whether each parameter's own step count is read
+    /// (Adam's bias correction and SGD's first momentum step need it).
+    pub(crate) names: &'static [&'static str],
+    pub(crate) own_step: bool,
 }
 
 /// The step lists of some groups ([`ListMaker`]; see the module's documentation).
-pub(crate) struct StatedLists<'a, G> {
-    groups: &'a [G],
+pub(crate) struct StatedLists<'a> {
+    groups: &'a [StepGroup],
     /// Whether every parameter with states has elements: decided once, when first asked (only a
     /// step whose set of gradients changed asks).
     keep_absent: OnceCell<bool>,
 }
 
-impl<'a, G: StatedGroup> StatedLists<'a, G> {
-    pub(crate) fn new(groups: &'a [G]) -> Self {
+impl<'a> StatedLists<'a> {
+    pub(crate) fn new(groups: &'a [StepGroup]) -> Self {
         StatedLists {
             groups,
             keep_absent: OnceCell::new(),
@@ -59,15 +61,15 @@ impl<'a, G: StatedGroup> StatedLists<'a, G> {
 
 /// Each parameter of `groups` with its states, in order, and its place in the mask (every
 /// parameter's).
-fn stated<G: StatedGroup>(groups: &[G]) -> impl Iterator<Item = (usize, &Parts)> + '_ {
+fn stated(groups: &[StepGroup]) -> impl Iterator<Item = (usize, &Parts)> + '_ {
     groups
         .iter()
-        .flat_map(|g| g.states().iter())
+        .flat_map(|g| g.parts.iter())
         .enumerate()
         .filter_map(|(i, st)| st.as_ref().map(|st| (i, st)))
 }
 
-impl<G: StatedGroup> ListMaker for StatedLists<'_, G> {
+impl ListMaker for StatedLists<'_> {
     fn full(&self, mask: &[bool], present: &[RawTensor]) -> (Vec<RawTensor>, Vec<usize>) {
         if !self.keeps_absent() {
             return (present.to_vec(), (0..present.len()).collect());
@@ -97,7 +99,7 @@ impl<G: StatedGroup> ListMaker for StatedLists<'_, G> {
             .iter()
             .map(|g| {
                 let parts = g
-                    .states()
+                    .parts
                     .iter()
                     .filter_map(|st| {
                         let has = mask[i];
@@ -109,7 +111,7 @@ impl<G: StatedGroup> ListMaker for StatedLists<'_, G> {
                         })
                     })
                     .collect();
-                (parts, g.names())
+                (parts, g.names)
             })
             .collect();
         StepList::new(&groups).ok()

@@ -1,4 +1,4 @@
-"""How gradclip's optimizer step reads each step's gradients (``python/src/step_grads.rs``): the
+"""How gradclip's optimizer step reads each step's gradients (``python/src/kept_step.rs``): the
 same gradient objects again, new objects of the same set, a set whose None gradients changed,
 a gradient moved in place, a gradient the engine does not read. Every regime must give the
 result of torch's clip + fused AdamW on the same gradients, and no gradient may outlive the

@@ -1,4 +1,10 @@
-//! Each optimizer step's gradients, recognized without holding them.
+//! What an optimizer step keeps between calls, whichever reader made it: torch's param groups
+//! and state dict ([`crate::optim`], the eager step) or the compiled op's lists
+//! ([`crate::list_step`]). Each reader checks that its tensors are still the ones read; the kept
+//! step then makes the step's list of this call's gradients, one way for both: the gradients
+//! recognized ([`StepGrads`]) and placed by the one list rule ([`StatedLists`]).
+//!
+//! # The gradients, recognized without holding them
 //!
 //! With torch's C shim and libc10's gradient getter ([`crate::tensor_facts`]) every gradient is
 //! read natively from its parameter, without its Python object (autograd makes gradients without
@@ -23,7 +29,8 @@
 //!   The step list keeps the parameters whose gradient is None, marked absent, so the list and
 //!   the kernels' tables stay those of the layout whatever the set of None gradients.
 //!
-//! torch's list guard (`TensorGuards`, which the clip's planner uses without the shim) is not used here: on new
+//! torch's list guard (`TensorGuards`, which the clip's planner uses without the shim) is not
+//! used here: on new
 //! gradient objects it reads more of each tensor (dispatch keys, sizes, strides, requires_grad)
 //! than the contiguity and address the step needs, and those first reads of new objects are what
 //! a step with new gradients pays for (the MoE step's `grads` stage on the H200's host: about a
@@ -42,9 +49,55 @@ use pyo3::types::{PyList, PyType, PyWeakrefMethods, PyWeakrefReference};
 use crate::guards::{AddressCheck, data_ptr};
 use crate::place::Place;
 use crate::scan::{Planner, entry_of, readable_at};
-use crate::stated_lists::ListMaker;
+use crate::stated_lists::{ListMaker, StatedLists, StepGroup};
 use crate::tensor_addresses::DataPtrReader;
 use crate::tensor_facts::{Facts, TensorFacts};
+
+/// A step's tensors as read (see the module's documentation).
+pub(crate) struct KeptStep {
+    pub(crate) place: Place,
+    pub(crate) groups: Vec<StepGroup>,
+    /// The storages of the tensors the step writes (parameters, states, step counts), held: a
+    /// kept address stays theirs, so the readers' address checks say the tensors are the ones
+    /// read.
+    pub(crate) storages: Vec<Py<PyAny>>,
+    pub(crate) grads: StepGrads,
+}
+
+/// The gradients of a step: their facts read natively, or their Python objects.
+pub(crate) enum Present<'py> {
+    Facts(Vec<Facts>),
+    Objects(Bound<'py, PyList>),
+}
+
+impl KeptStep {
+    pub(crate) fn new(place: Place, groups: Vec<StepGroup>, storages: Vec<Py<PyAny>>) -> Self {
+        let params = groups.iter().map(|g| g.parts.len()).sum();
+        KeptStep {
+            place,
+            groups,
+            storages,
+            grads: StepGrads::new(params),
+        }
+    }
+
+    /// Each list tensor's parameter, by its place among every group's parameters, for the
+    /// gradients of `mask` (the telemetry's rows).
+    pub(crate) fn listed(&self, mask: &[bool]) -> Vec<usize> {
+        StatedLists::new(&self.groups).listed(mask).collect()
+    }
+
+    /// The checked step list of this call's gradients `present` (those of the parameters set in
+    /// `mask`, local shards when `local`); None when a gradient is not the engine's to read or
+    /// the list fails its checks.
+    pub(crate) fn list(&mut self, planner: &Planner, local: bool, mask: Vec<bool>, present: &Present<'_>) -> PyResult<Option<StepList>> {
+        let lists = StatedLists::new(&self.groups);
+        match present {
+            Present::Facts(facts) => self.grads.list_read(planner, self.place, mask, facts, &lists),
+            Present::Objects(objects) => self.grads.list(planner, self.place, local, mask, objects, &lists),
+        }
+    }
+}
 
 /// The gradients of the steps so far, as far as the next step needs them.
 pub(crate) struct StepGrads {
