@@ -88,13 +88,19 @@ impl KeptStep {
     }
 
     /// The checked step list of this call's gradients `present` (those of the parameters set in
-    /// `mask`, local shards when `local`); None when a gradient is not the engine's to read or
+    /// `mask`; `check_len`: see [`StepGrads::list`]); None when a gradient is not the engine's to read or
     /// the list fails its checks.
-    pub(crate) fn list(&mut self, planner: &Planner, local: bool, mask: Vec<bool>, present: &Present<'_>) -> PyResult<Option<StepList>> {
+    pub(crate) fn list(
+        &mut self,
+        planner: &Planner,
+        check_len: bool,
+        mask: Vec<bool>,
+        present: &Present<'_>,
+    ) -> PyResult<Option<StepList>> {
         let lists = StatedLists::new(&self.groups);
         match present {
             Present::Facts(facts) => self.grads.list_read(planner, self.place, mask, facts, &lists),
-            Present::Objects(objects) => self.grads.list(planner, self.place, local, mask, objects, &lists),
+            Present::Objects(objects) => self.grads.list(planner, self.place, check_len, mask, objects, &lists),
         }
     }
 }
@@ -178,12 +184,23 @@ impl StepGrads {
         }
     }
 
+    /// A step's gradients were refused: nothing of them is kept, not even the lengths and dtypes
+    /// their reads noted per parameter (a refused gradient of another length than its parameter
+    /// would otherwise be the length the next gradients are read by).
+    fn refused(&mut self) {
+        self.last = None;
+        self.slots.iter_mut().for_each(|s| *s = None);
+    }
+
     /// The layout gained parameters' states: the next step list is made anew.
     pub(crate) fn forget_list(&mut self) {
         self.last = None;
     }
 
-    /// The checked step list for this step's gradients `present` (local shards when `local`),
+    /// The checked step list for this step's gradients `present` (`check_len`: each one read by
+    /// address has its length checked against its parameter's, where torch's `.grad` setter does
+    /// not promise it: a DTensor's local shard, whose placements may differ from its
+    /// parameter's, or the compiled op's lists, which hold any tensors),
     /// the gradients of the parameters in `mask`; `lists` places them in the layout's list.
     /// None when a gradient is not the engine's to read (sparse, strided, another type) or the
     /// list fails its checks: torch's step, which reports in torch's words.
@@ -191,7 +208,7 @@ impl StepGrads {
         &mut self,
         planner: &Planner,
         place: Place,
-        local: bool,
+        check_len: bool,
         mask: Vec<bool>,
         present: &Bound<'_, PyList>,
         lists: &impl ListMaker,
@@ -204,8 +221,8 @@ impl StepGrads {
         {
             return Ok(Some(k.list.clone()));
         }
-        let Some(tensors) = self.read_each(planner, place, local, &mask, present)? else {
-            self.last = None;
+        let Some(tensors) = self.read_each(planner, place, check_len, &mask, present)? else {
+            self.refused();
             return Ok(None);
         };
         self.settle(planner, mask, tensors, Some((present, objects)), lists)
@@ -222,7 +239,7 @@ impl StepGrads {
         lists: &impl ListMaker,
     ) -> PyResult<Option<StepList>> {
         let Some(tensors) = self.read_facts(place, &mask, present) else {
-            self.last = None;
+            self.refused();
             return Ok(None);
         };
         self.settle(planner, mask, tensors, None, lists)
@@ -259,7 +276,7 @@ impl StepGrads {
             _ => lists.make(&mask, &full),
         };
         let Some(list) = list else {
-            self.last = None;
+            self.refused();
             return Ok(None);
         };
         let mut seen = Objects::default();
@@ -311,7 +328,7 @@ impl StepGrads {
         &mut self,
         planner: &Planner,
         place: Place,
-        local: bool,
+        check_len: bool,
         mask: &[bool],
         present: &Bound<'_, PyList>,
     ) -> PyResult<Option<Vec<RawTensor>>> {
@@ -323,7 +340,7 @@ impl StepGrads {
         for (g, slot) in present.iter().zip(slots) {
             if let (Some(t), Some(ty)) = (self.slots[slot], &self.tensor_type)
                 && g.get_type().is(ty)
-                && let Some(addr) = quick_read(&g, t, local, facts, reader)
+                && let Some(addr) = quick_read(&g, t, check_len, facts, reader)
             {
                 tensors.push(RawTensor { addr, ..t });
                 continue;
@@ -342,11 +359,17 @@ impl StepGrads {
 }
 
 /// The address of gradient `g` of a parameter whose last gradient read was `t`, when `g` is
-/// contiguous (and, for a local shard, of `t`'s length: a DTensor gradient's placements may
+/// contiguous (and, with `check_len`, of `t`'s length: a DTensor gradient's placements may
 /// differ from its parameter's) at an address the kernels can read; None otherwise (any error
 /// included): `g` is then read in full. Read natively when the planner has torch's C shim
 /// (then the length and dtype are checked too, for free), else by calls into torch.
-fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool, facts: Option<&TensorFacts>, reader: Option<&DataPtrReader>) -> Option<u64> {
+fn quick_read(
+    g: &Bound<'_, PyAny>,
+    t: RawTensor,
+    check_len: bool,
+    facts: Option<&TensorFacts>,
+    reader: Option<&DataPtrReader>,
+) -> Option<u64> {
     let usable = |addr: u64| readable_at(addr, t.len, t.dtype);
     if let Some(f) = facts.and_then(|r| r.read(g)) {
         // Natively: a few C calls, no call into torch from here.
@@ -356,7 +379,7 @@ fn quick_read(g: &Bound<'_, PyAny>, t: RawTensor, local: bool, facts: Option<&Te
     if !g.call_method0(intern!(py, "is_contiguous")).ok()?.is_truthy().ok()? {
         return None;
     }
-    if local && g.call_method0(intern!(py, "numel")).ok()?.extract::<u64>().ok()? != t.len {
+    if check_len && g.call_method0(intern!(py, "numel")).ok()?.extract::<u64>().ok()? != t.len {
         return None;
     }
     let addr = data_ptr(g, reader).ok()?;

@@ -240,7 +240,8 @@ impl ListStep {
             k.step.listed(&mask).into_iter().map(|i| rows[i]).collect()
         };
         let place = k.step.place;
-        match k.step.list(planner, false, mask, &present)? {
+        // (The op's gradients are any tensors: each one's length is checked.)
+        match k.step.list(planner, true, mask, &present)? {
             Some(list) => Ok(Some((list, place, listed_rows))),
             None => Err(refused(planner, place, &k.step.groups, l)),
         }

@@ -158,8 +158,8 @@ def test_non_tensors_are_named_by_position():
 def test_the_step_op_names_what_it_does_not_read_and_writes_nothing():
     """``gradclip::optim_step_`` over lists (SGD with momentum: one state a parameter) refuses,
     before anything is written, a gradient the engine does not read (strided), naming it by its
-    place in the list, and a gradient of another length than its parameter; kept lists take the
-    next call's gradients whatever their set of None ones."""
+    place in the list, and a gradient of another length than its parameter, also once the lists
+    are kept; kept lists take the next call's gradients whatever their set of None ones."""
     from gradclip._engine import STEP_KINDS
     from gradclip.torch import _ops
     from gradclip.torch.optim import SGD
@@ -192,6 +192,12 @@ def test_the_step_op_names_what_it_does_not_read_and_writes_nothing():
         step(grads)
         for p, b, g in zip(ps, before, grads):
             assert torch.equal(p, b) == (g is None)
+    # After steps that kept each gradient's length, a shorter one at the same place is refused
+    # (not read at the kept length), on every torch: the op's gradients are any tensors.
+    kept = [t.detach().clone() for t in ps + bufs + [counts]]
+    with pytest.raises(ValueError):
+        step([torch.ones(6, 4), torch.ones(3), torch.ones(3, 3)])
+    assert written()
 
 
 def _clip_and_step(m, opt):
