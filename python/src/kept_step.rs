@@ -273,7 +273,7 @@ impl StepGrads {
         // when absent gradients are kept.
         let list = match &self.last {
             Some(k) if (k.mask == mask || lists.keeps_absent()) && k.full.len() == full.len() => k.list.with_grads(&full).ok(),
-            _ => lists.make(&mask, &full),
+            _ => lists.make(&mask, &full).ok(),
         };
         let Some(list) = list else {
             self.refused();

@@ -24,7 +24,7 @@ use crate::place::Place;
 use crate::policies::{PolicyArgs, policies_of};
 use crate::py_errors::to_py;
 use crate::scan::Planner;
-use crate::stated_lists::StepGroup;
+use crate::stated_lists::{ListMaker, StatedLists, StepGroup};
 use crate::step_run::{ClipGroups, StepInputs, run_step};
 
 /// The states a group's rule keeps, by name, and whether it reads each parameter's own step
@@ -169,30 +169,21 @@ fn written(planner: &Planner, l: &Lists<'_, '_>) -> PyResult<(Option<Written>, V
 /// Why no list came of these gradients: the first gradient the engine does not read, named, or
 /// the list's own check's error.
 fn refused(planner: &Planner, place: Place, groups: &[StepGroup], l: &Lists<'_, '_>) -> PyErr {
-    let mut grads = Vec::new();
+    let (mut mask, mut present) = (Vec::with_capacity(l.grads.len()), Vec::new());
     for (i, g) in l.grads.iter().enumerate() {
+        mask.push(!g.is_none());
         if g.is_none() {
-            grads.push(None);
             continue;
         }
         match planner.entry_at(&g, &mut Some(place)) {
-            Ok(Some(t)) => grads.push(Some(t)),
+            Ok(Some(t)) => present.push(t),
             Ok(None) => return unread("grads", i),
             Err(e) => return e,
         }
     }
-    let mut next = grads.into_iter();
-    let lists: Vec<(Vec<Parts>, &'static [&'static str])> = groups
-        .iter()
-        .map(|g| {
-            let parts = g.parts.iter().flatten().map(|p| Parts {
-                grad: next.next().flatten().unwrap_or(Parts::absent_grad(p.param)),
-                ..*p
-            });
-            (parts.collect(), g.names)
-        })
-        .collect();
-    match StepList::new(&lists) {
+    let lists = StatedLists::new(groups);
+    let (full, _) = lists.full(&mask, &present);
+    match lists.make(&mask, &full) {
         Err(e) => to_py(e),
         Ok(_) => PyValueError::new_err("the step's lists do not fit its groups' rules"),
     }

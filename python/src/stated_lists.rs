@@ -19,8 +19,8 @@ pub(crate) trait ListMaker {
     /// True when lists of every mask have the same parts (absent gradients kept): a list then
     /// takes another mask's gradients ([`StepList::with_grads`]).
     fn keeps_absent(&self) -> bool;
-    /// A new checked list of the gradients `full` for `mask`; None when it fails its checks.
-    fn make(&self, mask: &[bool], full: &[RawTensor]) -> Option<StepList>;
+    /// A new checked list of the gradients `full` for `mask`, or the check's error.
+    fn make(&self, mask: &[bool], full: &[RawTensor]) -> Result<StepList, gradclip::Error>;
 }
 
 /// One parameter group as a step keeps it.
@@ -91,7 +91,7 @@ impl ListMaker for StatedLists<'_> {
         *self.keep_absent.get_or_init(|| stated(self.groups).all(|(_, st)| st.param.len > 0))
     }
 
-    fn make(&self, mask: &[bool], full: &[RawTensor]) -> Option<StepList> {
+    fn make(&self, mask: &[bool], full: &[RawTensor]) -> Result<StepList, gradclip::Error> {
         let keep = self.keeps_absent();
         let (mut i, mut next) = (0, full.iter());
         let groups: Vec<(Vec<Parts>, &'static [&'static str])> = self
@@ -114,6 +114,6 @@ impl ListMaker for StatedLists<'_> {
                 (parts, g.names)
             })
             .collect();
-        StepList::new(&groups).ok()
+        StepList::new(&groups)
     }
 }

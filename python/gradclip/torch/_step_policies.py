@@ -63,13 +63,18 @@ def limit(opt) -> Optional[float]:
     return clip_threshold(opt.max_grad_norm, opt.clip_policy, opt.skip_policy)
 
 
+def _clips(opt, named) -> list:
+    """Each clip's (clip policy, skip policy): ``named``'s clip groups' own, or the optimizer's
+    for the one clip over every group."""
+    return [(opt.clip_policy, opt.skip_policy)] if named is None else named.policies
+
+
 def list_op_policies(opt, device, named) -> Tuple[list, list]:
     """The step's policies as the compiled list op takes them: their state tensors on ``device``
     and each one's role (``_engine.policy_role``), for each clip (``named``'s clip groups, or the
     one clip over every group)."""
     states, roles = [], []
-    pairs = [(opt.clip_policy, opt.skip_policy)] if named is None else named.policies
-    for k, pair in enumerate(pairs):
+    for k, pair in enumerate(_clips(opt, named)):
         for skip, policy in enumerate(pair):
             if policy is not None:
                 states.append(policy.state_on(device))
@@ -84,11 +89,10 @@ def any_policy(opt) -> bool:
 def engine_policies(opt, device, named) -> Optional[list]:
     """The step's policies as the engine takes them, one per clip (``named``'s clip groups, each
     its own, or the one clip over every group), or None without any."""
-    if named is None:
-        return [policies_args(device, opt.clip_policy, opt.skip_policy)] if any_policy(opt) else None
-    if all(c is None and s is None for c, s in named.policies):
+    pairs = _clips(opt, named)
+    if all(c is None and s is None for c, s in pairs):
         return None
-    return [policies_args(device, c, s) for c, s in named.policies]
+    return [policies_args(device, c, s) for c, s in pairs]
 
 
 def any_skip(opt, named) -> bool:
