@@ -9,7 +9,12 @@
 #     sharded GPU suite (NCCL over one rank), racecheck and synccheck over AdaGC's CUDA cases,
 #     one after another;
 #   - memcheck over the Python CUDA subset, in MEMCHECK_SHARDS processes (the test files dealt
-#     round robin), each for at most MEMCHECK_S seconds.
+#     round robin), each for at most MEMCHECK_S seconds;
+#   - memcheck_isolate: memcheck over the gradient-lifetime tests alone and over the compiled
+#     reduce-overhead "inside" steps alone, and both files without the tool in one process (which
+#     of them fails under the tool, and whether the order alone fails them).
+# JOBS names the jobs to run (default: all but memcheck_isolate). With PROFILE_STATS, Nsight
+# Compute first reads one update launch with the telemetry and one without (stats_kernels.py).
 # The device tool brings back at most eight files: the summary is $OUT/summary.txt and every log
 # is in $OUT/logs.tar.gz.
 set -uo pipefail
@@ -87,12 +92,32 @@ newest() {
         python/tests/test_step_stats.py -k "cuda or captured or gpu or reduce_overhead" > "$logs/newest-cuda.log" 2>&1
     echo "newest CUDA cases rc=$?: $(tail -1 "$logs/newest-cuda.log")"
 }
-newest > "$logs/summary-0-newest.txt" 2>&1 &
-fuzz_gpu > "$logs/summary-fuzz-gpu.txt" 2>&1 &
-fuzz_sharded > "$logs/summary-fuzz-sharded.txt" 2>&1 &
-memcheck_python > "$logs/summary-memcheck.txt" 2>&1 &
-sanitize_adagc > "$logs/summary-adagc-sanitizers.txt" 2>&1 &
-sanitize_rust > "$logs/summary-rust.txt" 2>&1
+memcheck_isolate() {
+    local grads=python/tests/test_step_gradients.py compiled=python/tests/test_compile.py
+    timeout 240 compute-sanitizer --tool memcheck --leak-check no $pytest_q $grads -k cuda -rf \
+        > "$logs/memcheck-step-gradients.log" 2>&1
+    echo "memcheck step_gradients rc=$?: $(grep -E 'ERROR SUMMARY|passed|failed' "$logs/memcheck-step-gradients.log" | tail -3 | tr '\n' ' ')"
+    timeout 240 compute-sanitizer --tool memcheck --leak-check no $pytest_q $compiled -k "reduce_overhead and inside" -rf \
+        > "$logs/memcheck-compiled-inside.log" 2>&1
+    echo "memcheck compiled inside rc=$?: $(grep -E 'ERROR SUMMARY|passed|failed' "$logs/memcheck-compiled-inside.log" | tail -3 | tr '\n' ' ')"
+    $pytest_q $compiled $grads -k "(reduce_overhead and inside) or cuda" -rf > "$logs/compiled-then-gradients.log" 2>&1
+    echo "no tool, compiled then gradients rc=$?: $(tail -1 "$logs/compiled-then-gradients.log")"
+}
+profile_stats() {
+    local stats
+    for stats in "" --stats; do
+        ncu --clock-control none --kernel-name regex:gradclip_adam --launch-skip 2 --launch-count 1 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+            --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis \
+            python3 benches/torch/stats_kernels.py .devbin/w-seed.json $stats > "$OUT/ncu-adam${stats:+-stats}.txt" 2>&1
+        echo "ncu adam${stats:+ stats} rc=$?"
+    done
+}
+[ -n "${PROFILE_STATS:-}" ] && profile_stats
+jobs=${JOBS:-newest fuzz_gpu fuzz_sharded memcheck_python sanitize_adagc sanitize_rust}
+for job in $jobs; do
+    "$job" > "$logs/summary-$job.txt" 2>&1 &
+done
 wait
 cat "$logs"/summary-*.txt | tee "$OUT/summary.txt"
 tar -czf "$OUT/logs.tar.gz" -C "$logs" .
