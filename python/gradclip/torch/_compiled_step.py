@@ -156,7 +156,6 @@ class _CompiledStep:
             named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
             written += _step_policies.list_op_policies(self, layout.device, named)[0]
             if self.unit_clip is not None:
-                _step_unit_clip.register(self.unit_clip)
                 written += _step_unit_clip.states(self.unit_clip)
             _mark_static(layout.lists, [self._counts], written)
         return loss

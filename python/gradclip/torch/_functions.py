@@ -222,20 +222,21 @@ def _sharded_norms64(item_lists: list, grads: bool, p: float, pipeline_group=Non
     return [(out[0], layout) for out, layout in zip(outs, layouts)]
 
 
-def _grads_norm64(params: list, norm_type: float, pipeline_group=None, norm_group=None):
+def _grads_norm64(params: list, norm_type: float, pipeline_group=None, norm_group=None, grads: bool = True):
     """The global p-norm of the gradients of ``params`` (None grads skipped; DTensor and
-    ``Shards`` gradients over their process groups) as a 0-dim f64 tensor on the first
-    gradient's device, with the dtype torch would return it in; None when no parameter has a
-    gradient. Nothing waits for it: the norm half of a clip, for callers that apply the
-    coefficient themselves (``gradclip.torch.optim``)."""
+    ``Shards`` gradients over their process groups; with ``grads=False``, of ``params``
+    themselves, a list of gradient tensors) as a 0-dim f64 tensor on the first gradient's
+    device, with the dtype torch would return it in; None when no parameter has a gradient.
+    Nothing waits for it: the norm half of a clip, for callers that apply the coefficient
+    themselves (``gradclip.torch.optim``, the policies)."""
     p = check_p(norm_type)
-    plan, grads, sharded = _scan(params, True)
+    plan, ts, sharded = _scan(params, grads)
     if sharded or pipeline_group is not None or norm_group is not None:
-        norm64, layout = _sharded_norm64(params, True, p, pipeline_group, norm_group)
+        norm64, layout = _sharded_norm64(params, grads, p, pipeline_group, norm_group)
         return norm64, layout.result_dtype()
-    if len(grads) == 0:
+    if len(ts) == 0:
         return None
-    return total_norm64(plan, grads, p)
+    return total_norm64(plan, ts, p)
 
 
 def clip_grad_norm_(

@@ -79,8 +79,23 @@ def register(
     return ops
 
 
-#: The library of the op defined directly (not through ``custom_op``, see ``_register_step``).
-_LIB = None
+#: The libraries of the ops defined directly (``_library_op``), kept alive with the ops.
+_LIBS: List[torch.library.Library] = []
+
+
+def _library_op(name: str, schema: str, impl: Callable, fake: Callable, tags=()):
+    """``gradclip::{name}`` defined with ``torch.library.Library`` (the dispatcher calls ``impl``
+    directly): ``custom_op``'s Python wrapper bumps each mutated tensor's version one Python call
+    at a time (5 ms for 2,775 tensors on the development host) and adds autograd and backend
+    layers to every call. ``impl`` leaves versions as the eager call does; a compiled graph's
+    runtime bumps its mutated inputs' own. ``impl`` is never traced (see _frames)."""
+    lib = torch.library.Library("gradclip", "FRAGMENT")
+    lib.define(f"{name}{schema}", tags=tags)
+    _frames.run_untraced(impl.__code__)
+    lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"gradclip::{name}", fake, lib=lib)
+    _LIBS.append(lib)
+    return getattr(torch.ops.gradclip, name).default
 
 
 def _register_step(step: Callable[..., torch.Tensor]):
@@ -88,29 +103,20 @@ def _register_step(step: Callable[..., torch.Tensor]):
     step counts, each group's (steps, skipped) counts, the clips' policies' states and the
     telemetry's records written; gradients read, None where a parameter has none), returning
     each clip's output (three float64: norm, coefficient, flags; one clip, or one per named
-    clip group). Defined with ``torch.library.Library`` rather than ``custom_op``, whose
-    Python wrapper bumps each mutated tensor's version one Python call at a time (5 ms for 2,775
-    tensors on the development host). ``step`` leaves versions as the eager step does; a
-    compiled graph's runtime bumps its mutated inputs' own."""
-    global _LIB
-    _LIB = torch.library.Library("gradclip", "FRAGMENT")
-    _LIB.define(
-        "optim_step_(Tensor(a!)[] params, Tensor?[] grads, Tensor(b!)[] states, Tensor(c!)[] steps, Tensor(d!) counts, "
-        "Tensor?[] lrs, int[] sizes, int[] kinds, float[] hypers, float[] clip, str nonfinite, "
-        "Tensor(e!)[] policy_states, int[] policy_roles, float?[] clip_limits, int[] clip_index, "
-        "Tensor(f!)[] records, int[] record_rows) -> Tensor"
-    )
-    _LIB.impl("optim_step_", step, "CompositeExplicitAutograd")
+    clip group)."""
 
     def fake(params, grads, states, steps, counts, lrs, sizes, kinds, hypers, clip, nonfinite, policy_states, policy_roles, clip_limits, *rest):
         return torch.empty(3 * max(1, len(clip_limits)), dtype=torch.float64, device=counts.device)
 
-    torch.library.register_fake("gradclip::optim_step_", fake, lib=_LIB)
-    return torch.ops.gradclip.optim_step_.default
-
-
-#: The library of ``gradclip::whole_step_`` (see ``register_whole_step``).
-_WHOLE_LIB = None
+    return _library_op(
+        "optim_step_",
+        "(Tensor(a!)[] params, Tensor?[] grads, Tensor(b!)[] states, Tensor(c!)[] steps, Tensor(d!) counts, "
+        "Tensor?[] lrs, int[] sizes, int[] kinds, float[] hypers, float[] clip, str nonfinite, "
+        "Tensor(e!)[] policy_states, int[] policy_roles, float?[] clip_limits, int[] clip_index, "
+        "Tensor(f!)[] records, int[] record_rows) -> Tensor",
+        step,
+        fake,
+    )
 
 
 def register_whole_step(run: Callable[[int], None]):
@@ -122,24 +128,15 @@ def register_whole_step(run: Callable[[int], None]):
     tensor of the optimizer's) is declared written so the op is never dropped as unused;
     tagged ``cudagraph_unsafe`` (its tables follow new gradients every step, which a CUDA graph
     recorded once would not), so ``mode="reduce-overhead"`` runs it between the graph's
-    partitions. Defined with ``torch.library.Library`` (the dispatcher calls ``run`` directly):
-    ``custom_op``'s autograd, version-counter and backend layers cost a compiled step more
-    host time than the rest of the graph's call together."""
-    global _WHOLE_LIB
-    _WHOLE_LIB = torch.library.Library("gradclip", "FRAGMENT")
-    _WHOLE_LIB.define("whole_step_(Tensor(a!) token, int stepper) -> ()", tags=(torch.Tag.cudagraph_unsafe,))
+    partitions."""
 
-    @_frames.untraced
     def whole_step_(token: torch.Tensor, stepper: int) -> None:
         run(stepper)
 
-    _WHOLE_LIB.impl("whole_step_", whole_step_, "CompositeExplicitAutograd")
-    torch.library.register_fake("gradclip::whole_step_", lambda token, stepper: None, lib=_WHOLE_LIB)
-    return torch.ops.gradclip.whole_step_.default
-
-
-#: The library of ``gradclip::unit_clip_`` (see ``register_unit_clip``).
-_UNIT_LIB = None
+    return _library_op(
+        "whole_step_", "(Tensor(a!) token, int stepper) -> ()", whole_step_, lambda token, stepper: None,
+        tags=(torch.Tag.cudagraph_unsafe,),
+    )
 
 
 def register_unit_clip(run: Callable[..., None]):
@@ -147,15 +144,30 @@ def register_unit_clip(run: Callable[..., None]):
     unit-wise clip (``AGC``, ``AdaGC``) of the gradients ``grads`` of ``params[at[k]]`` as an
     op of a compiled graph, ``run(...)`` the eager clip (``_step_unit_clip``): the gradients and
     the clip's ``states`` (AdaGC's thresholds) written, the parameters read; ``clip`` names the
-    clip object (a string: a constant to dynamo). Defined with ``torch.library.Library``, as
-    ``optim_step_`` is (``custom_op``'s per-tensor version bumps cost host time per call)."""
-    global _UNIT_LIB
-    _UNIT_LIB = torch.library.Library("gradclip", "FRAGMENT")
-    _UNIT_LIB.define(
-        "unit_clip_(Tensor[] params, Tensor(a!)[] grads, int[] at, Tensor(b!)[] states, Tensor? loss_scale, "
-        "Tensor? found_inf, str clip) -> ()"
+    clip object (a string: a constant to dynamo)."""
+    return _library_op(
+        "unit_clip_",
+        "(Tensor[] params, Tensor(a!)[] grads, int[] at, Tensor(b!)[] states, Tensor? loss_scale, Tensor? found_inf, str clip) -> ()",
+        run,
+        lambda *args: None,
     )
-    _frames.run_untraced(run.__code__)
-    _UNIT_LIB.impl("unit_clip_", run, "CompositeExplicitAutograd")
-    torch.library.register_fake("gradclip::unit_clip_", lambda *args: None, lib=_UNIT_LIB)
-    return torch.ops.gradclip.unit_clip_.default
+
+
+def register_policy_clip(run: Callable[..., tuple], result_dtype: Callable[[List[torch.Tensor]], torch.dtype]):
+    """``gradclip::policy_clip_(grads, state, skip, limit, norm_type) -> (norm, out)``: a
+    policy's functional clip (``ZClip().clip_``, ``AutoClip().clip_``, ``SkipSpike().clip_``)
+    of plain gradients of one device as an op of a compiled graph, ``run(...)`` the eager clip
+    (``policies/_compiled``): the gradients and the policy's state written; the norm as
+    ``clip_grad_norm_`` returns it and the clip's output (three float64: norm, coefficient,
+    flags). ``skip``: the state is a skip policy's."""
+
+    def fake(grads, state, skip, limit, norm_type):
+        device = grads[0].device
+        return torch.empty((), dtype=result_dtype(grads), device=device), torch.empty(3, dtype=torch.float64, device=device)
+
+    return _library_op(
+        "policy_clip_",
+        "(Tensor(a!)[] grads, Tensor(b!) state, bool skip, float limit, float norm_type) -> (Tensor, Tensor)",
+        run,
+        fake,
+    )

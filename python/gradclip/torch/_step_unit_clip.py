@@ -28,8 +28,8 @@ _NUMBERS = itertools.count()
 def register(clip) -> None:
     """Gives ``clip`` the number the op finds it by (``_op_number``, a string: a constant to
     dynamo, where an int that differs between two optimizers traced by one code becomes
-    symbolic), eagerly: when the compiled step's lists are made. A copy of a registered clip
-    (``copy.deepcopy``, unpickling) carries its original's number, and gets its own."""
+    symbolic), eagerly: when the clip is made, and when it is copied (``copy.deepcopy``,
+    unpickling: the copy carries its original's number, and gets its own)."""
     known = getattr(clip, "_op_number", None)
     ref = None if known is None else _CLIPS.get(int(known))
     if ref is None or ref() is not clip:

@@ -8,11 +8,11 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..._engine import (
-    POLICY_WORDS, capturing, check_writable, clip_coef, clip_policy, policy_state_is_whole, returned_norm, scale_grads,
-    scale_plan, written,
-)
-from .._functions import _as_list, _distributed, _grads_norm64, _scan
+from ..._engine import POLICY_WORDS, capturing, policy_state_is_whole
+from .. import _frames
+from .._functions import _as_list, _opaque_to_compile
+from . import _compiled
+from ._decide import clip_by_policy
 
 
 class _Policy:
@@ -98,59 +98,35 @@ class _ClipPolicy(_Policy):
         infinite for none."""
         raise NotImplementedError
 
-    @torch.no_grad()
     def clip_(self, parameters, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None, *, pipeline_group=None, norm_group=None) -> torch.Tensor:
         """Clips the gradients of ``parameters`` (a list or a generator; None gradients skipped;
         DTensor and ``Shards`` gradients by their global norm, as ``clip_grad_norm_``) by the policy's
         coefficient, decided on the device, and returns their total norm as ``clip_grad_norm_``
         does. With ``error_if_nonfinite`` a NaN or infinite norm raises (one host sync) before
-        anything, the policy's state included, is written."""
-        decided = decide(_as_list(parameters), self.limit, lambda device: (self.engine_args(device), (0, 0)), norm_type, error_if_nonfinite, pipeline_group, norm_group)
-        if decided is None:
-            return torch.tensor(0.0)
-        total, out, scale = decided
-        scale(out[1])
-        return total
+        anything, the policy's state included, is written. Under ``torch.compile`` the plain
+        gradients of one device are one op in the graph (``gradclip::policy_clip_``, the eager
+        call's bits); the rest runs eagerly at a graph break."""
+        items = _as_list(parameters)  # a generator is read once, here
+        if torch.compiler.is_compiling():
+            if not error_if_nonfinite and pipeline_group is None and norm_group is None:
+                traced = _compiled.policy_clip(self, items, False, self.limit, norm_type)
+                if traced is not None:
+                    return traced[0]
+            return self._clip_at_break(items, norm_type, error_if_nonfinite, pipeline_group, norm_group)
+        return self._clip(items, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
+    @torch.no_grad()
+    @_frames.untraced  # run as it is when dynamo meets it as a frame of its own (see _frames)
+    def _clip(self, items: list, norm_type: float, error_if_nonfinite: bool, pipeline_group, norm_group) -> torch.Tensor:
+        found = clip_by_policy(
+            items, lambda device: (self.engine_args(device), (0, 0)), False, self.limit, norm_type, error_if_nonfinite, pipeline_group, norm_group
+        )
+        return torch.tensor(0.0) if found is None else found[0]
 
-def decide(params: list, limit: float, policies, norm_type: float, error_if_nonfinite: bool, pipeline_group=None, norm_group=None):
-    """The functional clip's norm and its policies' decision: ``(total, out, scale)``, the norm
-    as ``clip_grad_norm_`` returns it, the NormOutput the policies rewrote on the norm's device
-    (the norm, the coefficient (``limit``'s fixed one unless a policy replaced it), the flags) and
-    the multiply of the gradients by a coefficient, for the caller to apply; None without a
-    gradient. ``policies(device)``: the policies as the engine takes them. Every check of the
-    gradients runs before anything, the policies' states included, is written."""
-    scale = _gradient_scale(params)
-    found = _grads_norm64(params, norm_type, pipeline_group, norm_group)
-    if found is None:
-        return None
-    norm64, dtype = found
-    total = returned_norm(norm64, dtype, error_if_nonfinite, norm_type)
-    device = norm64.device
-    # A non-finite norm keeps the fixed clip's coefficient.
-    out = torch.stack((norm64, clip_coef(limit, norm64), torch.zeros((), dtype=torch.float64, device=device)))
-    clip_policy(device, out, policies(device))
-    return total, out, scale
-
-
-def _gradient_scale(params: list):
-    """The multiply of the gradients of ``params`` by a coefficient (0-dim f64 on the norm's
-    device), in place, every kind of gradient as the functional clip writes it; checked here, so
-    a refusal comes before anything is written."""
-    plan, grads, sharded = _scan(params, True)
-    if sharded:
-        distributed = _distributed()
-        return lambda coef: distributed.scale(distributed.collect(params, True), coef)
-    check_writable(plan, grads)
-
-    def scale(coef: torch.Tensor) -> None:
-        if plan is not None:
-            scale_plan(plan, coef)
-            written(grads)
-        elif grads:
-            scale_grads(grads, coef)
-
-    return scale
+    @_opaque_to_compile
+    def _clip_at_break(self, items: list, norm_type: float, error_if_nonfinite: bool, pipeline_group, norm_group) -> torch.Tensor:
+        """``clip_`` called, not traced, by torch.compile (what its graph does not take)."""
+        return self._clip(items, norm_type, error_if_nonfinite, pipeline_group, norm_group)
 
 
 def clip_threshold(max_grad_norm: Optional[float], clip: Optional[_ClipPolicy], skip: Optional[_Policy]) -> Optional[float]:

@@ -4,19 +4,19 @@ made here once per set of gradients and kept on their device with the state."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..._engine import POLICY_WORDS, UnitReads, adagc as _adagc, adagc_state, capturing, facts, policy_state_is_whole, returned_norm, unit_plan
+from ..._engine import POLICY_WORDS, adagc as _adagc, adagc_state, capturing, facts, policy_state_is_whole, returned_norm, unit_plan
+from .. import _frames
 from .._functions import _as_list, _grads_norm64, _is_dtensor, _opaque_to_compile
-from ._unit_clip import CODES as _CODES, check_dtensor_pair, loss_scale_on, upload_tables
+from ._unit_clip import CODES as _CODES, UnitClip, check_dtensor_pair, loss_scale_on, upload_tables
 
 _WORDS = POLICY_WORDS["adagc"]
 
 
-class AdaGC:
+class AdaGC(UnitClip):
     """AdaGC (Wang et al., 2025, "AdaGC: Improving Training Stability for Large Language Model
     Pretraining"), as its authors' Paddle code (``ClipGradByAdaptiveNorm``) runs it, with its
     defaults: each parameter's gradient keeps its own threshold, ``clip_ratio`` times an EMA of
@@ -43,6 +43,10 @@ class AdaGC:
     cuts them, decide as the whole tensors would."""
 
     _KIND = "adagc"
+    #: The ids of the parameter list the slots belong to (None: the next call's list adopts
+    #: them), the last tables and native reading, a sharded call's all-reduces (kept for the list
+    #: and device they were made for).
+    _CACHES = ("_ids", "_tables", "_reads", "_layout")
 
     def __init__(
         self,
@@ -61,14 +65,7 @@ class AdaGC:
         self.clip_ratio, self.beta, self.eps = float(clip_ratio), float(beta), float(eps)
         self.start_clip_steps, self.max_grad_norm = start_clip_steps, float(max_grad_norm)
         self._state = torch.tensor(self._fresh(0), dtype=torch.float64)  # the engine checks the settings
-        self._exclude = {id(p): weakref.ref(p) for p in _as_list(exclude)}
-        # The ids of the parameter list the slots belong to (None: the next call's list adopts them).
-        self._ids: Optional[tuple] = None
-        # The last tables and the native reading.
-        self._tables: Optional[_Tables] = None
-        self._reads = UnitReads()
-        # A sharded call's all-reduces, kept for the list and device they were made for.
-        self._layout: Optional[tuple] = None
+        self._begin(exclude)
 
     def _fresh(self, slots: int) -> list:
         try:
@@ -142,19 +139,9 @@ class AdaGC:
         self.start_clip_steps, self.max_grad_norm = loaded.start_clip_steps, loaded.max_grad_norm
         self._ids = None
 
-    def _excluded(self, p: torch.Tensor) -> bool:
-        ref = self._exclude.get(id(p))
-        return ref is not None and ref() is p
-
     @torch.no_grad()
-    def clip_(self, parameters, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clips the gradients of ``parameters`` (a list or a generator, the same parameters in
-        the same order every call; None gradients and ``exclude``'s parameters skipped) by AdaGC,
-        and returns the total ``norm_type``-norm of all their gradients (``exclude``'s too) before
-        the clip, as ``clip_grad_norm_`` does (one more read of them; with ``error_if_nonfinite`` a
-        NaN or infinite norm raises, one host sync, before anything, the state included, is
-        written)."""
-        params = _as_list(parameters)
+    @_frames.untraced  # run as it is when dynamo meets it as a frame of its own (see _frames)
+    def _clip(self, params: list, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
         work = self._work(params)  # every check before any write
         found = _grads_norm64(params, norm_type)
         if found is None:
@@ -372,5 +359,4 @@ def _reductions(params: List[torch.Tensor], excluded, device: torch.device):
 
 
 # Native calls on raw addresses: torch.compile calls them at a graph break, never traces them.
-AdaGC.clip_ = _opaque_to_compile(AdaGC.clip_)
 AdaGC.clip_unitwise_ = _opaque_to_compile(AdaGC.clip_unitwise_)

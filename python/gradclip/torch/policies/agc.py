@@ -5,14 +5,14 @@ and kept on their device."""
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..._engine import UnitReads, agc as _agc, facts, returned_norm, unit_plan
+from ..._engine import agc as _agc, facts, returned_norm, unit_plan
+from .. import _frames
 from .._functions import _as_list, _grads_norm64, _is_dtensor, _opaque_to_compile
-from ._unit_clip import CODES as _CODES, check_dtensor_pair, loss_scale_on, upload_tables
+from ._unit_clip import CODES as _CODES, UnitClip, check_dtensor_pair, loss_scale_on, upload_tables
 
 
 
@@ -24,7 +24,7 @@ def _unit_len(t: torch.Tensor) -> int:
     return t.numel() // t.shape[0]
 
 
-class AGC:
+class AGC(UnitClip):
     """Adaptive gradient clipping (Brock et al., 2021, "High-Performance Large-Scale Image
     Recognition Without Normalization"), as the authors' code and timm's
     ``adaptive_clip_grad`` run it: each unit of a parameter (an output row or channel of a
@@ -51,19 +51,10 @@ class AGC:
         if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0):
             raise ValueError(f"eps must be a finite number >= 0; got {eps!r}")
         self.clip_factor, self.eps = float(clip_factor), float(eps)
-        # By identity (a tensor's == is elementwise), without keeping the parameters alive.
-        self._exclude = {id(p): weakref.ref(p) for p in _as_list(exclude)}
-        # The last tables: (the Python reading's key, or None for the native one's; the tables on
-        # the device; (tensors, tasks, pieces)), and the native reading (which keeps its own key).
-        self._tables: Optional[Tuple[Optional[tuple], torch.Tensor, Tuple[int, int, int]]] = None
-        self._reads = UnitReads()
+        self._begin(exclude)
 
     def __repr__(self) -> str:
         return f"AGC(clip_factor={self.clip_factor!r}, eps={self.eps!r}, exclude={len(self._exclude)} parameters)"
-
-    def _excluded(self, p: torch.Tensor) -> bool:
-        ref = self._exclude.get(id(p))
-        return ref is not None and ref() is p
 
     def state_dict(self) -> Dict[str, object]:
         """The settings (AGC keeps no running state)."""
@@ -77,13 +68,8 @@ class AGC:
         self.clip_factor, self.eps = loaded.clip_factor, loaded.eps
 
     @torch.no_grad()
-    def clip_(self, parameters, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clips the gradients of ``parameters`` (a list or a generator; None gradients and
-        ``exclude``'s parameters skipped) unit-wise, and returns the total ``norm_type``-norm of
-        all their gradients (``exclude``'s too) before the clip, as ``clip_grad_norm_`` does (one
-        more read of them; with ``error_if_nonfinite`` a NaN or infinite norm raises, one host
-        sync, before anything is written)."""
-        params = _as_list(parameters)
+    @_frames.untraced  # run as it is when dynamo meets it as a frame of its own (see _frames)
+    def _clip(self, params: list, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
         work = self._work(params)  # every check before any write
         found = _grads_norm64(params, norm_type)
         if found is None:
@@ -264,5 +250,4 @@ def _spanning_clip(spanning: List[Tuple[int, torch.Tensor]], clip_factor: float,
 
 
 # Native calls on raw addresses: torch.compile calls them at a graph break, never traces them.
-AGC.clip_ = _opaque_to_compile(AGC.clip_)
 AGC.clip_unitwise_ = _opaque_to_compile(AGC.clip_unitwise_)

@@ -9,8 +9,11 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..._engine import check_max_norm, skip_spike_state
+from .. import _frames
 from .._functions import _as_list, _opaque_to_compile
-from ._base import _Policy, decide
+from . import _compiled
+from ._base import _Policy
+from ._decide import clip_by_policy
 
 
 class SkipSpike(_Policy):
@@ -57,18 +60,41 @@ class SkipSpike(_Policy):
         does. A taken step's gradients are clipped at ``max_norm`` (None: not clipped); a skipped
         step's are left as they are. The decision is ``found_inf`` (1 to skip), which ``step``
         reads. With ``error_if_nonfinite`` a NaN or infinite norm raises (one host sync) before
-        anything, the state included, is written."""
+        anything, the state included, is written. Under ``torch.compile``, once a call has run
+        eagerly (``found_inf`` is made there), the plain gradients of one device are one op in
+        the graph (``gradclip::policy_clip_``); the rest runs eagerly at a graph break."""
+        items = _as_list(parameters)  # a generator is read once, here
+        if torch.compiler.is_compiling():
+            found_inf = getattr(self, "_found_inf", None)
+            if (
+                not error_if_nonfinite and found_inf is not None and found_inf.device == self._state.device
+                and (max_norm is None or type(max_norm) in (int, float))
+            ):
+                limit = math.inf if max_norm is None else float(max_norm)
+                traced = _compiled.policy_clip(self, items, True, limit, norm_type)
+                if traced is not None:
+                    total, out = traced
+                    found_inf.copy_((out[2] != 0).to(torch.float32))
+                    return total
+            return self._clip_at_break(items, max_norm, norm_type, error_if_nonfinite)
+        return self._clip(items, max_norm, norm_type, error_if_nonfinite)
+
+    @torch.no_grad()
+    @_frames.untraced  # run as it is when dynamo meets it as a frame of its own (see _frames)
+    def _clip(self, items: list, max_norm: Optional[float], norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
         limit = math.inf if max_norm is None else check_max_norm(max_norm)
-        decided = decide(_as_list(parameters), limit, lambda device: ((0, 0), self.engine_args(device)), norm_type, error_if_nonfinite)
-        if decided is None:
+        found = clip_by_policy(items, lambda device: ((0, 0), self.engine_args(device)), True, limit, norm_type, error_if_nonfinite)
+        if found is None:
             self._decided(torch.zeros((), dtype=torch.float32))
             return torch.tensor(0.0)
-        total, out, scale = decided
-        skip = out[2] != 0
-        if limit != math.inf:  # a skipped step's gradients are left as they are
-            scale(torch.where(skip, torch.ones_like(out[1]), out[1]))
-        self._decided(skip.to(torch.float32))
+        total, out = found
+        self._decided((out[2] != 0).to(torch.float32))
         return total
+
+    @_opaque_to_compile
+    def _clip_at_break(self, items: list, max_norm: Optional[float], norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+        """``clip_`` called, not traced, by torch.compile (what its graph does not take)."""
+        return self._clip(items, max_norm, norm_type, error_if_nonfinite)
 
     def _decided(self, found_inf: torch.Tensor) -> None:
         """Keeps the last decision in one tensor (its address stays: a captured graph writes it)."""
@@ -117,7 +143,3 @@ class SkipSpike(_Policy):
     def ema(self) -> torch.Tensor:
         """The EMA of the taken steps' norms (0 before the first), a 0-dim tensor."""
         return self._word("ema")
-
-
-# Native calls on raw addresses: torch.compile calls them at a graph break, never traces them.
-SkipSpike.clip_ = _opaque_to_compile(SkipSpike.clip_)
