@@ -89,7 +89,7 @@ fi
 newest() {
     python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_adagc.py python/tests/test_agc.py \
         python/tests/test_tensor_norms.py python/tests/test_policies.py python/tests/test_compile.py \
-        python/tests/test_step_stats.py -k "cuda or captured or gpu or reduce_overhead" > "$logs/newest-cuda.log" 2>&1
+        python/tests/test_step_stats.py python/tests/test_compile_policies.py -k "cuda or captured or gpu or reduce_overhead" > "$logs/newest-cuda.log" 2>&1
     echo "newest CUDA cases rc=$?: $(tail -1 "$logs/newest-cuda.log")"
 }
 memcheck_isolate() {
