@@ -8,6 +8,8 @@ size and place in the module graph). Run it with and without the tool:
   compute-sanitizer --tool memcheck --leak-check no python3 benches/device/held_gradient.py
 """
 import gc
+import sys
+import types
 import weakref
 
 import torch
@@ -16,15 +18,34 @@ import gradclip.torch as gt
 from gradclip import _torch_probe
 
 
-def describe(obj, depth=0):
-    kind = type(obj).__name__
-    size = f" len={len(obj)}" if isinstance(obj, (list, tuple, dict, set)) else ""
-    mod = getattr(type(obj), "__module__", "")
-    line = f"{'  ' * depth}{mod}.{kind}{size}"
+def describe(obj) -> str:
+    if isinstance(obj, types.FrameType):
+        chain, f = [], obj
+        while f is not None and len(chain) < 6:
+            chain.append(f"{f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno})")
+            f = f.f_back
+        return "frame " + " <- ".join(chain)
+    if isinstance(obj, types.TracebackType):
+        return f"traceback of {obj.tb_frame.f_code.co_name}"
+    kind = f"{getattr(type(obj), '__module__', '')}.{type(obj).__name__}"
+    if isinstance(obj, (list, tuple, set)):
+        return f"{kind} len={len(obj)} of {sorted({type(x).__name__ for x in obj})}"
     if isinstance(obj, dict):
-        keys = [k for k in list(obj)[:8] if isinstance(k, str)]
-        line += f" keys={keys}"
-    return line
+        return f"{kind} keys={[k for k in list(obj)[:8] if isinstance(k, str)]}"
+    return kind
+
+
+def show(obj, seen, depth, skip):
+    """What refers to ``obj``, ``depth`` levels up."""
+    referrers = gc.get_referrers(obj)
+    skip = skip + [referrers]
+    for ref in referrers:
+        if id(ref) in seen or any(ref is s for s in skip):
+            continue
+        seen.add(id(ref))
+        print(f"{'  ' * (4 - depth)}{describe(ref)}")
+        if depth > 1:
+            show(ref, seen, depth - 1, skip)
 
 
 def main():
@@ -32,7 +53,7 @@ def main():
     print(f"torch {torch.__version__}; guards={'yes' if probed.guards else 'no'}; facts={type(probed.facts).__name__ if probed.facts else None}")
     g = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda")) for s in [(6, 6), (6,), (4, 6), (4,), (6, 6), (3,)]]
-    for step in range(3):
+    for step in range(2):
         for p in ps:
             p.grad = torch.randn_like(p)
         refs = [weakref.ref(p.grad) for p in ps]
@@ -42,14 +63,9 @@ def main():
         gc.collect()
         alive = [r() for r in refs if r() is not None]
         print(f"call {step}: {len(alive)} of {len(refs)} gradients alive")
-        for t in alive[:2]:
-            for ref in gc.get_referrers(t):
-                if ref is alive or ref is refs:
-                    continue
-                print(describe(ref, 1))
-                for up in gc.get_referrers(ref)[:4]:
-                    if up is not alive:
-                        print(describe(up, 2))
+        if alive:
+            print(f"sys.exc_info: {sys.exc_info()[0]}; last_traceback: {getattr(sys, 'last_traceback', None)}")
+            show(alive[0], set(), 4, [alive, refs, sys._getframe()])
         del alive
         torch.cuda.synchronize()
         gc.collect()
