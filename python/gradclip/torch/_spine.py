@@ -2,9 +2,10 @@
 engine's step over the parameter groups in one native call, torch's fused step where the engine
 does not take one, the step's eager entry (torch's wrapper only when it has work) and its
 compiled forms (the step alone untraced, or ``gradclip::whole_step_`` where dynamo traces it;
-``gradclip::optim_step_`` inside a larger graph). This module is the dispatch and the public face
-(settings, state dicts, what a step reports); the engine's step (``_engine_step``), the compiled
-forms (``_compiled_step``) and torch's update (``_torch_update``) are mixed in, one concern each.
+``gradclip::optim_step_`` inside a larger graph). This module is the dispatch and the construction; what a step reports
+(``_step_reports``), the settings and state dicts (``_step_saved``), the engine's step
+(``_engine_step``), the compiled forms (``_compiled_step``) and torch's update
+(``_torch_update``) are mixed in, one concern each.
 Each optimizer (``optim.py``) says only what is its own: its hyperparameters as the engine takes
 them, its states, torch's class whose fused step it runs."""
 
@@ -16,16 +17,15 @@ from typing import Any, Dict, Optional
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from .._engine import check_max_norm, check_p
-from . import _step_clip_groups, _step_norm, _step_policies, _step_stats, _whole_step
+from . import _step_clip_groups, _step_norm, _step_policies, _whole_step
 from ._compiled_step import _CompiledStep
 from ._engine_step import _EngineStep
 from ._functions import _local
+from ._step_reports import _StepReports
+from ._step_saved import _checked_settings, _StepSaved
 from ._torch_update import _TorchUpdate
 
 
-#: What a step does when the gradients' norm is NaN or infinite.
-NONFINITE_POLICIES = ("skip", "error", "propagate")
 #: Which kernel updates: torch's fused kernel (the coefficient through its grad_scale), or
 #: gradclip's engine (the coefficient applied as gradients are read, no gradient write; CUDA
 #: kernels or the CPU backend; the cases it does not take run torch's).
@@ -54,18 +54,6 @@ def _hooks_or_profiler(opt: torch.optim.Optimizer) -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled or _step_hooks(opt))
 
 
-def _checked_settings(max_grad_norm, norm_type, nonfinite) -> Dict[str, Any]:
-    """The clip settings as an optimizer keeps them (``_ClippingStep._SETTINGS``), checked (a
-    ValueError for an invalid one): the constructor's and a loaded state dict's."""
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}; got {nonfinite!r}")
-    return {
-        "max_grad_norm": None if max_grad_norm is None else check_max_norm(max_grad_norm),
-        "norm_type": check_p(norm_type),
-        "nonfinite": nonfinite,
-    }
-
-
 #: Every gradclip optimizer alive (``live_optimizers``).
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -76,7 +64,7 @@ def live_optimizers() -> list:
     return list(_LIVE)
 
 
-class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
+class _ClippingStep(_StepReports, _StepSaved, _EngineStep, _CompiledStep, _TorchUpdate):
     """The one optimizer spine of ``AdamW``, ``Adam``, ``SGD`` and ``Lion`` (mixed in before the
     torch class, whose ``step`` reads ``self.grad_scale`` and ``self.found_inf``): the clip, the
     engine's step over the parameter groups, torch's step where the engine does not take one.
@@ -114,6 +102,11 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
         # What the steps report (``last_grad_norm``, ``skipped_steps``): a dict, which a step
         # traced by dynamo may write (it refuses to set an optimizer's attributes).
         self._reported: Dict[str, Optional[torch.Tensor]] = {"last_grad_norm": None, "skipped_steps": None}
+        self._register()
+
+    def _register(self) -> None:
+        """Numbers this optimizer for the whole-step op and lists it among the live ones (made,
+        or unpickled)."""
         self._init_whole_step()
         _LIVE.add(self)
 
@@ -157,165 +150,6 @@ class _ClippingStep(_EngineStep, _CompiledStep, _TorchUpdate):
     @shards_over.setter
     def shards_over(self, over) -> None:
         self._shards_over = _step_norm.checked_shards_over(over)
-        self._layout = None
-
-    @property
-    def last_grad_norm(self) -> Optional[torch.Tensor]:
-        """The gradients' global norm at the last step (0-dim, on the device, in the dtype
-        ``clip_grad_norm_`` returns it), before clipping; None before the first clipped step."""
-        v = self._reported["last_grad_norm"]
-        if type(v) is tuple:  # (the f64 norm, its dtype): converted (copied) when first read
-            v = self._reported["last_grad_norm"] = v[0].to(v[1], copy=True)
-        return v
-
-    @last_grad_norm.setter
-    def last_grad_norm(self, value: Optional[torch.Tensor]) -> None:
-        self._reported["last_grad_norm"] = value
-
-    @property
-    def last_grad_norms(self) -> Optional[Dict[str, torch.Tensor]]:
-        """With named clip groups (param groups' ``clip_group`` / ``max_grad_norm``): each clip
-        group's norm at the last step, by name (0-dim, on the device, before clipping; the first
-        clip group's is ``last_grad_norm``); None otherwise."""
-        v = self._reported.get("last_grad_norms")
-        if v is not None and any(type(n) is tuple for n in v.values()):
-            v = self._reported["last_grad_norms"] = {k: n[0].to(n[1], copy=True) if type(n) is tuple else n for k, n in v.items()}
-        return v
-
-    def stats(self, per_param: bool = False, as_floats: bool = False):
-        """The last step's telemetry (``stats=True``), per clip group name ("default" without
-        named clip groups): ``grad_norm`` (before the clip), ``clip_coef``, ``update_norm`` and
-        ``update_rms`` of ``p_after - p_before`` (weight decay included), ``param_norm`` (after
-        the step), ``update_to_param``, ``grad_max_abs`` (the largest finite |g|), ``nonfinite``
-        (gradient elements) and ``skipped``: 0-dim tensors on the parameters' device, made
-        without a host synchronization; ``per_param``: 1-D tensors, one value per parameter of
-        the clip group in the optimizer's order (0 for a parameter without a gradient);
-        ``as_floats``: Python numbers, after one synchronization. Empty before the first step.
-        ``skipped`` is each clip group's. Over sharded parameters (DTensors, ``shards_over``, a
-        pipeline group) the figures are the whole model's, combined over the ranks by a few
-        all-reduces (``_step_stats_sharded``): call it on every rank."""
-        if not self._stats:
-            raise RuntimeError("stats() needs the optimizer made with stats=True")
-        rec = getattr(self._layout, "records", None) if self._layout is not None else None
-        if rec is None:
-            return {}
-        named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
-        if named is None:
-            members = {_step_clip_groups.DEFAULT: list(range(rec.shape[0]))}
-            limits = [self.max_grad_norm]
-        else:
-            limits = named.thresholds
-            index = [named.index[k] for k, g in enumerate(self.param_groups) for _ in g["params"]]
-            members = {n: [i for i, k in enumerate(index) if k == c] for c, n in enumerate(named.names)}
-        if self._layout.sharded:
-            # Each rank tallied its own shards: the figures are combined over the ranks.
-            from . import _step_stats_sharded
-
-            params = [p for g in self.param_groups for p in g["params"]]
-            rec, totals = _step_stats_sharded.combined(rec, params, members, self.shards_over, self.pipeline_group)
-        else:
-            totals = _step_stats.group_totals(rec, members)
-        # Each clip's norm as the step wrote it (float64, of the gradients as the step read them);
-        # none without a clip.
-        out = self._reported.get("stats_norms")
-        norms = {n: None if out is None else out[3 * c] for c, n in enumerate(members)}
-        coefs = {n: None if out is None else _step_stats.coefficient(out[3 * c], limits[c]) for c, n in enumerate(members)}
-        return _step_stats.figures(rec, members, norms, coefs, totals, per_param, as_floats)
-
-    @property
-    def skipped_steps(self) -> Optional[torch.Tensor]:
-        """Steps skipped because the norm was not finite (policy "skip"), counted on the device."""
-        return self._reported["skipped_steps"]
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: Optional[torch.Tensor]) -> None:
-        self._reported["skipped_steps"] = value
-
-    def __getstate__(self) -> Dict[str, Any]:
-        state = super().__getstate__()
-        state.update(
-            max_grad_norm=self.max_grad_norm,
-            norm_type=self.norm_type,
-            nonfinite=self.nonfinite,
-            update=self.update,
-            clip_policy=self.clip_policy,
-            skip_policy=self.skip_policy,
-            unit_clip=self.unit_clip,
-        )
-        return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        # Unpickling passes the settings saved by __getstate__; torch's load_state_dict calls this
-        # too, with only state and param_groups: the settings in place then stay.
-        clip = {k: state.pop(k) for k in ("max_grad_norm", "norm_type", "nonfinite", "update", "clip_policy", "skip_policy", "unit_clip") if k in state}
-        super().__setstate__(state)
-        self.__dict__.update(clip)
-        for k, v in (("max_grad_norm", None), ("norm_type", 2.0), ("nonfinite", "skip"), ("update", "gradclip"), ("clip_policy", None), ("skip_policy", None), ("unit_clip", None), ("pipeline_group", None), ("norm_group", None), ("_shards_over", ())):
-            self.__dict__.setdefault(k, v)
-        self.__dict__.setdefault("_reported", {"last_grad_norm": None, "skipped_steps": None})
-        self.__dict__.setdefault("_given_norm", None)
-        self._counts = None
-        self._layout = None
-        if "_stepper" not in self.__dict__:  # unpickled (load_state_dict keeps its number and token)
-            self._init_whole_step()
-            _LIVE.add(self)
-
-    #: The clip settings a state dict carries (under ``"gradclip"``, a key torch's optimizers
-    #: ignore when they load it) and ``repr`` shows; the process groups are not among them.
-    _SETTINGS = ("max_grad_norm", "norm_type", "nonfinite")
-
-    def state_dict(self) -> Dict[str, Any]:
-        """torch's state dict, and the clip settings under ``"gradclip"`` (which torch's
-        optimizers ignore when they load it)."""
-        out = super().state_dict()
-        out["gradclip"] = {k: getattr(self, k) for k in self._SETTINGS}
-        out["gradclip"].update(_step_policies.saved(self))
-        _step_policies.pack_groups(out["param_groups"])
-        if self._counts is not None:
-            # Each group's steps and skipped steps: a resumed run counts on from them.
-            out["gradclip"]["group_counts"] = self._counts.detach().to("cpu", copy=True)
-        elif self.update == "torch" and self.skipped_steps is not None:
-            # torch's update counts its skipped steps apart (_torch_update).
-            out["gradclip"]["skipped_steps"] = self.skipped_steps.detach().to("cpu", copy=True)
-        return out
-
-    def __repr__(self) -> str:
-        clip = "".join(f"    {k}: {getattr(self, k)}\n" for k in (*self._SETTINGS, "update", "clip_policy", "skip_policy", "unit_clip"))
-        return super().__repr__()[:-1] + f"Clip\n{clip})"
-
-    def load_state_dict(self, state_dict) -> None:
-        """torch's ``load_state_dict``, from this optimizer's state dict or torch's (fused or not):
-        the groups keep running the fused kernel (a state dict of a default ``torch.optim.AdamW``
-        says ``fused=None``, which would send the step to torch's for-loop path, where the clip's
-        ``grad_scale`` is refused), and each ``step`` is moved where a fused step keeps it (a
-        float32 on the parameter's device). A state dict of gradclip's restores the clip settings
-        (checked first: nothing is loaded when one is invalid); torch's leaves them as they are."""
-        settings = settings_raw = state_dict.get("gradclip")
-        # The param groups' own policies first (checked; the groups given this optimizer's objects).
-        groups = [dict(g) for g in state_dict.get("param_groups", ())]
-        policy_loads, counts = _step_policies.unpack_groups(self, groups), None
-        state_dict = {**state_dict, "param_groups": groups}
-        if settings is not None:
-            policy_loads += _step_policies.load(self, settings)
-            counts = settings.get("group_counts")
-            groups = len(state_dict.get("param_groups", ()))
-            if counts is not None and (not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or tuple(counts.shape) != (groups, 2)):
-                raise ValueError(f"the state dict's group_counts must be an int64 tensor of ({groups}, 2): nothing was loaded")
-            settings = _checked_settings(*(settings.get(k, getattr(self, k)) for k in self._SETTINGS))
-            state_dict = {k: v for k, v in state_dict.items() if k != "gradclip"}
-        super().load_state_dict(state_dict)
-        if settings is not None:
-            self.__dict__.update(settings)
-        for load in policy_loads:
-            load()
-        self._after_load()
-        # The next step moves the saved counts to the parameters' device (_group_counts).
-        self._counts = None if counts is None else counts.clone()
-        if self._counts is not None:
-            self._skipped = self._counts[0, 1]
-        skipped = None if settings_raw is None else settings_raw.get("skipped_steps")
-        if isinstance(skipped, torch.Tensor) and skipped.dim() == 0:
-            self.skipped_steps = skipped.to(torch.int64).clone()
         self._layout = None
 
     def provide_grad_norm(self, norm: torch.Tensor) -> None:
