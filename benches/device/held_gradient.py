@@ -48,19 +48,27 @@ def show(obj, seen, depth, skip):
             show(ref, seen, depth - 1, skip)
 
 
+def give_clip_and_drop(ps) -> list:
+    """New gradients for ``ps``, clipped, then dropped: weak references to them."""
+    grads = [torch.randn_like(p) for p in ps]
+    for p, grad in zip(ps, grads):
+        p.grad = grad
+    gt.clip_grad_norm_(ps, 1.0)
+    for p in ps:
+        p.grad = None
+    refs = list(map(weakref.ref, grads))
+    del grads, grad
+    gc.collect()
+    return refs
+
+
 def main():
     probed = _torch_probe.probed()
     print(f"torch {torch.__version__}; guards={'yes' if probed.guards else 'no'}; facts={type(probed.facts).__name__ if probed.facts else None}")
     g = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda")) for s in [(6, 6), (6,), (4, 6), (4,), (6, 6), (3,)]]
     for step in range(2):
-        for p in ps:
-            p.grad = torch.randn_like(p)
-        refs = [weakref.ref(p.grad) for p in ps]
-        gt.clip_grad_norm_(ps, 1.0)
-        for p in ps:
-            p.grad = None
-        gc.collect()
+        refs = give_clip_and_drop(ps)
         alive = [r() for r in refs if r() is not None]
         print(f"call {step}: {len(alive)} of {len(refs)} gradients alive")
         if alive:
