@@ -6,6 +6,7 @@ eager call's bits, over steps with spikes, a non-finite gradient and a gradient 
 graph does not take runs eagerly at one break with the eager results."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -140,3 +141,8 @@ def test_a_copied_unit_clip_is_its_own_in_the_graph():
     agc = AGC(exclude=[m[2].bias])
     m2, agc2 = copy.deepcopy((m, agc))
     assert agc2._excluded(m2[2].bias) and not agc2._excluded(m[2].bias) and agc._excluded(m[2].bias)
+    # Pickled, an AdaGC keeps its settings and state and takes the next call's list as its own.
+    back = pickle.loads(pickle.dumps(twin))
+    assert repr(back) == repr(twin) and torch.equal(back._state, twin._state) and back._op_number != twin._op_number
+    _give_grads([m, ref], 5)
+    assert _bits(back.clip_(m.parameters()), want.clip_(ref.parameters()))
