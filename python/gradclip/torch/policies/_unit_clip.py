@@ -15,6 +15,7 @@ from .. import _step_unit_clip
 from .._functions import _as_list, _is_dtensor, _opaque_to_compile
 from . import _compiled
 
+
 class UnitClip:
     """A unit-wise clip object: the parameters it leaves out, what it keeps of the gradients it
     read, the number the compiled graph's op finds it by (from its making; a copy gets its own),
