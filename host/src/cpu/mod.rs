@@ -27,6 +27,7 @@ use gradclip_kernels::scale::{norm_output, scale_coefficients};
 use gradclip_kernels::with_element;
 
 mod features;
+mod lane_tree;
 #[cfg(test)]
 mod model_check;
 mod units;

@@ -9,10 +9,10 @@
 //! ([`super::vector_sum`]).
 
 use gradclip_kernels::abi::BLOCK_THREADS;
-use gradclip_kernels::accum::PNorm;
+use gradclip_kernels::accum::{PNorm, Reduce};
 use gradclip_kernels::geometry::Frame;
-use gradclip_kernels::model;
 
+use super::lane_tree;
 use crate::dtype::DType;
 
 const LANES: usize = BLOCK_THREADS as usize;
@@ -43,8 +43,12 @@ pub unsafe fn chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64, 
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (dtype, addr, frame, chunk);
-    let mut lanes: [PNorm; LANES] = core::array::from_fn(|l| PNorm::from_parts((st.s[l], st.e[l], st.flags[l]), p));
-    model::block_tree::<PNorm, { model::BLOCK_WARPS }>(&mut lanes)
+    let used = lane_tree::used_lanes(frame, chunk);
+    let mut lanes = [PNorm::identity(p); LANES];
+    for (l, lane) in lanes.iter_mut().enumerate().take(used) {
+        *lane = PNorm::from_parts((st.s[l], st.e[l], st.flags[l]), p);
+    }
+    lane_tree::block_tree_used(&mut lanes, used)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -10,11 +10,11 @@
 //! no crate offers this lane-preserving transpose: a generic SIMD sum would reassociate the
 //! additions and change the bits.
 
-use gradclip_kernels::abi::{BLOCK_THREADS, WARP_THREADS};
+use gradclip_kernels::abi::BLOCK_THREADS;
 use gradclip_kernels::accum::{L1, L2, Reduce};
 use gradclip_kernels::geometry::Frame;
-use gradclip_kernels::model;
 
+use super::lane_tree;
 use crate::dtype::DType;
 
 /// What each lane adds per element: the square (L2) or the absolute value (L1).
@@ -40,12 +40,12 @@ struct LaneState {
 pub unsafe fn l2_chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64) -> L2 {
     // SAFETY: forwarded.
     let st = unsafe { lane_states::<SQUARE>(dtype, addr, frame, chunk) };
-    let used = used_lanes(frame, chunk);
+    let used = lane_tree::used_lanes(frame, chunk);
     let mut lanes = [L2::identity(2.0); LANES];
     for (l, lane) in lanes.iter_mut().enumerate().take(used) {
         *lane = L2::from_parts((st.big[l], st.med[l], st.small[l]));
     }
-    block_tree_used(&mut lanes, used)
+    lane_tree::block_tree_used(&mut lanes, used)
 }
 
 /// The L1 partial of chunk `chunk`, equal bit for bit to the model's.
@@ -56,44 +56,7 @@ pub unsafe fn l1_chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u6
     // SAFETY: forwarded.
     let st = unsafe { lane_states::<ABS>(dtype, addr, frame, chunk) };
     let mut lanes = st.med.map(L1::from_sum);
-    block_tree_used(&mut lanes, used_lanes(frame, chunk))
-}
-
-/// The lanes that hold a vector of chunk `chunk` (lane `l` takes vectors `start + l`,
-/// `start + l + LANES`, ...); the others keep the identity.
-fn used_lanes(frame: &Frame, chunk: u64) -> usize {
-    let (start, end) = frame.chunk_vecs(chunk);
-    (end - start).min(LANES as u64) as usize
-}
-
-/// The model's block tree ([`model::block_tree`]) of `lanes` whose lanes from `used` on hold the
-/// identity, without the merges with those lanes: each such merge adds +0.0 to every f64 of a
-/// state, and these states (sums of squares or of absolute values: never -0.0) come out of it
-/// bit for bit as they went in, NaN included. A small tensor's chunk (one lane for a tensor of
-/// up to a vector) then costs a few merges instead of the whole tree's 255.
-fn block_tree_used<A: Reduce>(lanes: &mut [A; LANES], used: usize) -> A {
-    let warp = WARP_THREADS as usize;
-    let mut totals = [lanes[0]; model::BLOCK_WARPS];
-    for (w, t) in totals.iter_mut().enumerate() {
-        let w0 = w * warp;
-        *t = warp_tree_used(&mut lanes[w0..w0 + warp], used.saturating_sub(w0).min(warp));
-    }
-    warp_tree_used(&mut totals, used.div_ceil(warp))
-}
-
-/// [`model::warp_tree`] of `v` whose entries from `used` on are the identity (see
-/// [`block_tree_used`]); `v[0]` when none is used (the identity itself).
-fn warp_tree_used<A: Reduce>(v: &mut [A], mut used: usize) -> A {
-    let mut off = v.len() / 2;
-    while off > 0 {
-        // Entry l merges entry l + off, the identity unless l + off < used.
-        for l in 0..used.saturating_sub(off) {
-            v[l] = v[l].merge(v[l + off]);
-        }
-        used = used.min(off);
-        off /= 2;
-    }
-    v[0]
+    lane_tree::block_tree_used(&mut lanes, lane_tree::used_lanes(frame, chunk))
 }
 
 /// Every lane's state after its share of the chunk, in its order.

@@ -1,0 +1,92 @@
+//! The block tree of a chunk's lanes on the CPU, over the lanes the chunk uses: the fast paths'
+//! (`vector_sum`, `vector_pnorm`) own reduction of their lane states, the model's bits.
+
+use gradclip_kernels::abi::{BLOCK_THREADS, WARP_THREADS};
+use gradclip_kernels::accum::Reduce;
+use gradclip_kernels::geometry::Frame;
+use gradclip_kernels::model;
+
+const LANES: usize = BLOCK_THREADS as usize;
+
+/// The lanes that hold a vector of chunk `chunk` (lane `l` takes vectors `start + l`,
+/// `start + l + LANES`, ...); the others keep the identity.
+pub(super) fn used_lanes(frame: &Frame, chunk: u64) -> usize {
+    let (start, end) = frame.chunk_vecs(chunk);
+    (end - start).min(LANES as u64) as usize
+}
+
+/// The model's block tree ([`model::block_tree`]) of `lanes` whose lanes from `used` on hold the
+/// identity, without the merges with those lanes. Bit for bit the model's for the accumulators
+/// whose merge with the identity returns the other state unchanged: L2 and L1 (it adds +0.0 to
+/// sums that are never -0.0, NaN included) and `PNorm` (a zero sum returns the other side). A
+/// small tensor's chunk (one lane for a tensor of up to a vector) then costs a few merges
+/// instead of the whole tree's 255.
+pub(super) fn block_tree_used<A: Reduce>(lanes: &mut [A; LANES], used: usize) -> A {
+    let warp = WARP_THREADS as usize;
+    let mut totals = [lanes[0]; model::BLOCK_WARPS];
+    for (w, t) in totals.iter_mut().enumerate() {
+        let w0 = w * warp;
+        *t = warp_tree_used(&mut lanes[w0..w0 + warp], used.saturating_sub(w0).min(warp));
+    }
+    warp_tree_used(&mut totals, used.div_ceil(warp))
+}
+
+/// [`model::warp_tree`] of `v` whose entries from `used` on are the identity (see
+/// [`block_tree_used`]); `v[0]` when none is used (the identity itself).
+fn warp_tree_used<A: Reduce>(v: &mut [A], mut used: usize) -> A {
+    let mut off = v.len() / 2;
+    while off > 0 {
+        // Entry l merges entry l + off, the identity unless l + off < used.
+        for l in 0..used.saturating_sub(off) {
+            v[l] = v[l].merge(v[l + off]);
+        }
+        used = used.min(off);
+        off /= 2;
+    }
+    v[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gradclip_kernels::accum::{L2, PNorm};
+
+    /// For every count of used lanes, with values of every size, zeros and NaN among them, the
+    /// tree over the used lanes encodes as the model's tree over all of them.
+    #[test]
+    fn the_used_lanes_tree_is_the_models() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            match x % 11 {
+                0 => 0.0,
+                1 => f64::NAN,
+                _ => f64::from_bits(x >> 2) % 1e30,
+            }
+        };
+        for used in 0..=LANES {
+            let l2: [L2; LANES] = core::array::from_fn(|l| {
+                if l < used {
+                    L2::from_parts((next().abs(), next().abs(), next().abs()))
+                } else {
+                    L2::identity(2.0)
+                }
+            });
+            let (mut a, mut b) = (l2, l2);
+            let want = model::block_tree::<L2, { model::BLOCK_WARPS }>(&mut a).encode();
+            assert_eq!(block_tree_used(&mut b, used).encode().words, want.words, "L2, {used} lanes");
+            let pn: [PNorm; LANES] = core::array::from_fn(|l| {
+                if l < used {
+                    PNorm::from_parts((next().abs(), (l % 7) as f64, (l % 3 == 0) as u64), 3.0)
+                } else {
+                    PNorm::identity(3.0)
+                }
+            });
+            let (mut a, mut b) = (pn, pn);
+            let want = model::block_tree::<PNorm, { model::BLOCK_WARPS }>(&mut a).encode();
+            assert_eq!(block_tree_used(&mut b, used).encode().words, want.words, "PNorm, {used} lanes");
+        }
+    }
+}
