@@ -15,6 +15,19 @@ pub(super) fn used_lanes(frame: &Frame, chunk: u64) -> usize {
     (end - start).min(LANES as u64) as usize
 }
 
+/// The block's lane states for the tree: `state(l)` for the `used` lanes, the identity past them
+/// (their states stayed zero, which is the identity; filled without reading them).
+pub(super) fn lanes_of<A: Reduce>(used: usize, identity: A, state: impl Fn(usize) -> A) -> [A; LANES] {
+    if used == LANES {
+        return core::array::from_fn(state);
+    }
+    let mut lanes = [identity; LANES];
+    for (l, lane) in lanes.iter_mut().enumerate().take(used) {
+        *lane = state(l);
+    }
+    lanes
+}
+
 /// The model's block tree ([`model::block_tree`]) of `lanes` whose lanes from `used` on hold the
 /// identity, without the merges with those lanes. Bit for bit the model's for the accumulators
 /// whose merge with the identity returns the other state unchanged: L2 and L1 (it adds +0.0 to
@@ -22,6 +35,9 @@ pub(super) fn used_lanes(frame: &Frame, chunk: u64) -> usize {
 /// small tensor's chunk (one lane for a tensor of up to a vector) then costs a few merges
 /// instead of the whole tree's 255.
 pub(super) fn block_tree_used<A: Reduce>(lanes: &mut [A; LANES], used: usize) -> A {
+    if used == LANES {
+        return model::block_tree::<A, { model::BLOCK_WARPS }>(lanes);
+    }
     let warp = WARP_THREADS as usize;
     let mut totals = [lanes[0]; model::BLOCK_WARPS];
     for (w, t) in totals.iter_mut().enumerate() {

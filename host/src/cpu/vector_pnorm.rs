@@ -44,10 +44,7 @@ pub unsafe fn chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u64, 
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (dtype, addr, frame, chunk);
     let used = lane_tree::used_lanes(frame, chunk);
-    let mut lanes = [PNorm::identity(p); LANES];
-    for (l, lane) in lanes.iter_mut().enumerate().take(used) {
-        *lane = PNorm::from_parts((st.s[l], st.e[l], st.flags[l]), p);
-    }
+    let mut lanes = lane_tree::lanes_of(used, PNorm::identity(p), |l| PNorm::from_parts((st.s[l], st.e[l], st.flags[l]), p));
     lane_tree::block_tree_used(&mut lanes, used)
 }
 

@@ -41,10 +41,7 @@ pub unsafe fn l2_chunk_partial(dtype: DType, addr: u64, frame: &Frame, chunk: u6
     // SAFETY: forwarded.
     let st = unsafe { lane_states::<SQUARE>(dtype, addr, frame, chunk) };
     let used = lane_tree::used_lanes(frame, chunk);
-    let mut lanes = [L2::identity(2.0); LANES];
-    for (l, lane) in lanes.iter_mut().enumerate().take(used) {
-        *lane = L2::from_parts((st.big[l], st.med[l], st.small[l]));
-    }
+    let mut lanes = lane_tree::lanes_of(used, L2::identity(2.0), |l| L2::from_parts((st.big[l], st.med[l], st.small[l])));
     lane_tree::block_tree_used(&mut lanes, used)
 }
 
@@ -145,10 +142,8 @@ mod x86 {
                     full(st, q, unsafe { p.add(q * 64) });
                 }
             } else {
-                for l in 0..LANES {
-                    if g + (l as u64) < end {
-                        part(st, l, g + l as u64);
-                    }
+                for l in 0..(end - g).min(threads) as usize {
+                    part(st, l, g + l as u64);
                 }
             }
             g += threads;
