@@ -66,26 +66,26 @@ fn warp_tree_used<A: Reduce>(v: &mut [A], mut used: usize) -> A {
 mod tests {
     use super::*;
     use gradclip_kernels::accum::{L2, PNorm};
+    use gradclip_kernels::fill;
 
     /// For every count of used lanes, with values of every size, zeros and NaN among them, the
     /// tree over the used lanes encodes as the model's tree over all of them.
     #[test]
     fn the_used_lanes_tree_is_the_models() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        // Values of many magnitudes (the exponent drawn too), every eleventh a zero or a NaN.
+        let mut i = 0u64;
         let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            match x % 11 {
+            i += 1;
+            match i % 11 {
                 0 => 0.0,
                 1 => f64::NAN,
-                _ => f64::from_bits(x >> 2) % 1e30,
+                _ => fill::value(5, i, 1.0).abs() * 2f64.powi((fill::value(6, i, 90.0)) as i32),
             }
         };
         for used in 0..=LANES {
             let l2: [L2; LANES] = core::array::from_fn(|l| {
                 if l < used {
-                    L2::from_parts((next().abs(), next().abs(), next().abs()))
+                    L2::from_parts((next(), next(), next()))
                 } else {
                     L2::identity(2.0)
                 }
@@ -95,7 +95,7 @@ mod tests {
             assert_eq!(block_tree_used(&mut b, used).encode().words, want.words, "L2, {used} lanes");
             let pn: [PNorm; LANES] = core::array::from_fn(|l| {
                 if l < used {
-                    PNorm::from_parts((next().abs(), (l % 7) as f64, (l % 3 == 0) as u64), 3.0)
+                    PNorm::from_parts((next(), (l % 7) as f64, (l % 3 == 0) as u64), 3.0)
                 } else {
                     PNorm::identity(3.0)
                 }
