@@ -31,8 +31,7 @@ from __future__ import annotations
 import torch
 
 from ._functions import _local
-from ._spine import UPDATES, _ClippingStep  # noqa: F401 (the policies, named here too)
-from ._step_saved import NONFINITE_POLICIES  # noqa: F401
+from ._spine import _ClippingStep
 from ._torch_update import _refuse_sparse
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
