@@ -50,6 +50,19 @@ impl UnitPair {
     }
 }
 
+/// Where the factors a unit-wise clip decided for one gradient are, for an update that
+/// multiplies the gradient by them as it reads it instead of the clip writing it: one f64 per
+/// unit of `unit_len` elements, `step` bytes apart from `addr` (0: the gradient has none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GradFactors {
+    /// The first unit's factor, or 0.
+    pub addr: u64,
+    /// Elements of a unit.
+    pub unit_len: u64,
+    /// Bytes between two units' factors.
+    pub step: u64,
+}
+
 /// AGC's settings (Brock et al. 2021; timm's `adaptive_clip_grad`): each unit's gradient is
 /// clipped to `clip_factor * max(||W_i||, eps)`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -249,11 +262,12 @@ impl UnitPlan {
         self.tensors.len() * size_of::<UnitTensor>() + self.tasks.len() * size_of::<ChunkTask>()
     }
 
-    /// Bytes of the tables, the partials and the per-tensor words (each tensor's fold, factor
-    /// and squared norm, and the call's two words: a per-tensor policy's): what the memory a
-    /// caller keeps them in needs. The squared norms come last ([`UnitPlan::sums_offset`]).
+    /// Bytes of the tables, the partials, the per-tensor words (each tensor's fold, factor
+    /// and squared norm, and the call's two words: a per-tensor policy's) and a factor per piece
+    /// (AGC's, when they are folded into an update): what the memory a caller keeps them in
+    /// needs.
     pub fn bytes(&self) -> usize {
-        self.sums_offset() + self.tensors.len() * size_of::<f64>()
+        self.sums_offset() + self.tensors.len() * size_of::<f64>() + self.pieces as usize * size_of::<f64>()
     }
 
     /// Where each tensor's squared norm is, in bytes from the tables' address (a per-tensor
@@ -314,6 +328,39 @@ impl UnitTables {
     /// The address of the per-tensor squared norms, after the factors and the call's words.
     pub(crate) fn sums_at(&self) -> u64 {
         self.factors_at() + ((self.tensors + 2) * size_of::<f64>()) as u64
+    }
+
+    /// The address of the per-piece factors (AGC's, decided for an update to fold in), after
+    /// the squared norms.
+    pub(crate) fn piece_factors_at(&self) -> u64 {
+        self.sums_at() + (self.tensors * size_of::<f64>()) as u64
+    }
+
+    /// Where the factors of each tensor of `plan` (these tables' plan) are for an update that
+    /// folds them in ([`crate::optim::StepAddresses::grad_factors`]), in the plan's order: AGC's
+    /// (`per_tensor` false) one per unit, in the piece table at each unit's first piece, as
+    /// [`crate::cpu::Cpu::agc_factors_raw`] and the GPU engine's `agc_factors_raw` write them;
+    /// a per-tensor policy's (AdaGC) one per tensor, where its decision writes them.
+    pub fn grad_factors(&self, plan: &UnitPlan, per_tensor: bool) -> Vec<GradFactors> {
+        plan.tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if per_tensor {
+                    GradFactors {
+                        addr: self.factors_at() + (i * size_of::<f64>()) as u64,
+                        unit_len: t.len.max(1),
+                        step: size_of::<f64>() as u64,
+                    }
+                } else {
+                    GradFactors {
+                        addr: self.piece_factors_at() + t.first_piece * size_of::<f64>() as u64,
+                        unit_len: t.unit_len,
+                        step: units::pieces_per_unit(t) * size_of::<f64>() as u64,
+                    }
+                }
+            })
+            .collect()
     }
 
     /// [`Error::BadOutputAddress`] for a null or unaligned address.

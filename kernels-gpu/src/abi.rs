@@ -295,6 +295,14 @@ pub struct UpdateTensorDesc {
     /// when the step is taken. A parameter that skipped steps (its gradient was None) keeps its
     /// own count (Adam's bias correction, SGD's first momentum step), as in torch.
     pub step: u64,
+    /// The factors of a unit-wise clip folded into the update ([`crate::unit_factors`]): one
+    /// f64 per unit of `unit_len` elements, `factor_step` bytes apart from this address, the
+    /// gradient multiplied by its unit's as it is read (the clip's rounding); 0: none.
+    pub factors: u64,
+    /// Elements of a unit of `factors` (at least 1 when `factors` is not 0).
+    pub unit_len: u64,
+    /// Bytes from one unit's factor to the next's.
+    pub factor_step: u64,
 }
 
 /// A tensor's entry in an update launch with telemetry ([`crate::tally`]): the row of the
@@ -429,7 +437,7 @@ const _: () = {
     assert!(core::mem::size_of::<AdamParams>() == 48);
     assert!(core::mem::size_of::<UnitTensor>() == 48);
     assert!(UNIT_PIECE_ELEMS <= CHUNK_VECS && UNIT_TASK_PIECES.is_multiple_of((BLOCK_THREADS / WARP_THREADS) as u64));
-    assert!(core::mem::size_of::<UpdateTensorDesc>() == 64);
+    assert!(core::mem::size_of::<UpdateTensorDesc>() == 88);
     assert!(core::mem::size_of::<UpdateCount>() == 16);
     assert!(core::mem::size_of::<UpdateGroup>() == 56);
     assert!(core::mem::size_of::<TallyTensor>() == 16);

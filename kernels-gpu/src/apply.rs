@@ -20,6 +20,7 @@ use crate::device::{
 };
 use crate::dtype::{Element, F64};
 use crate::tally::{RECORD_WORDS, RUN, Run, StepTally, Tally, exact_sums};
+use crate::unit_factors::{AsStored, ByUnit, GradFactors, factored};
 use crate::update::ElementUpdate;
 
 /// Warps of a block (the shared-memory layout of [`smem_flag`]).
@@ -74,13 +75,19 @@ unsafe fn load_group<E: Element>(addr: u64, first: u64, nc: bool) -> Raw {
     }
 }
 
-/// Element `k` of a group loaded by [`load_group`], as f32.
+/// Element `k` of a group loaded by [`load_group`], as stored.
 #[inline(always)]
-fn widen_at<E: Element>(raw: &Raw, k: usize) -> f32 {
+fn bits_at<E: Element>(raw: &Raw, k: usize) -> E::Bits {
     let lanes = E::LANES as usize;
     // SAFETY: every Vector type is 16 bytes of plain integers.
     let vec: E::Vector = unsafe { core::mem::transmute_copy(&raw[k / lanes]) };
-    E::to_f32(vec.as_ref()[k % lanes])
+    vec.as_ref()[k % lanes]
+}
+
+/// Element `k` of a group loaded by [`load_group`], as f32.
+#[inline(always)]
+fn widen_at<E: Element>(raw: &Raw, k: usize) -> f32 {
+    E::to_f32(bits_at::<E>(raw, k))
 }
 
 /// Rounds a group to `E` and stores it in 16-byte stores.
@@ -173,14 +180,21 @@ fn stored_pair<P: Element>(lo: f32, hi: f32) -> (f32, f32) {
 /// # Safety
 /// As [`load_parts`], the group written by no other thread.
 #[inline(always)]
-unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32>, T: Tally>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32>, T: Tally, F: GradFactors>(
     d: &UpdateTensorDesc,
     i: u64,
     u: &U,
     raw: &[Raw; PARTS],
     t: &mut T,
+    f: &F,
+    whole: bool,
 ) {
     let [p, g, s0, s1, s2] = raw;
+    // The gradient's factors (a unit-wise clip folded into the update): one for the group when
+    // it lies in one unit, else each element's.
+    // SAFETY: the group's elements are the chunk's (the contract).
+    let group_factor = if F::ON && whole { unsafe { f.at(i) } } else { 1.0 };
     let mut out = [[0.0f32; GROUP as usize]; 1 + MAX_STATES];
     // For a 16-bit parameter the group is one of the tally's runs (elements 8k..8k + 8).
     let (mut run, mut even_before) = (Run::default(), 0.0f32);
@@ -189,7 +203,14 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
     for k in 0..GROUP as usize {
         let w = |r: &Raw, n: usize| if N > n { widen_at::<S>(r, k) } else { 0.0 };
         let mut st = [w(s0, 0), w(s1, 1), w(s2, 2)];
-        let (before, grad) = (widen_at::<P>(p, k), widen_at::<G>(g, k));
+        let grad = if F::ON {
+            // SAFETY: as the group's factor.
+            let factor = if whole { group_factor } else { unsafe { f.at(i + k as u64) } };
+            G::to_f32(factored::<G>(bits_at::<G>(g, k), factor))
+        } else {
+            widen_at::<G>(g, k)
+        };
+        let before = widen_at::<P>(p, k);
         out[0][k] = u.update(before, grad, &mut st);
         (out[1][k], out[2][k], out[3][k]) = (st[0], st[1], st[2]);
         if T::ON {
@@ -246,16 +267,18 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
 /// disjoint from everything else of the launch, the gradient not written during it) and `chunk`
 /// is one of its tasks.
 #[inline(always)]
-unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32> + Copy, T: Tally>(
+unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32> + Copy, T: Tally, F: GradFactors>(
     d: &UpdateTensorDesc,
     chunk: u64,
     u: U,
     t: &mut T,
+    f: &F,
 ) {
     // The count of states a compile-time constant for the update too (Adam's amsgrad test folds).
     let u = &u.for_states(N);
     let start = chunk * update_chunk_elems(P::SIZE);
     let end = d.len.min(start + update_chunk_elems(P::SIZE));
+    let whole = f.whole_groups(GROUP);
     let state = |n: usize| if N > n { d.states[n] } else { 0 };
     if (d.param | d.grad | state(0) | state(1) | state(2)) & 15 == 0 {
         // The chunk's parts from its first element, walked by 32-bit offsets (a chunk is far
@@ -287,16 +310,16 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
                     let mut this = load_parts::<P, G, S, N>(&c, i as u64);
                     while i + stride + group <= len {
                         let next = load_parts::<P, G, S, N>(&c, (i + stride) as u64);
-                        update_parts::<P, G, S, N, U, T>(&c, i as u64, u, &this, t);
+                        update_parts::<P, G, S, N, U, T, F>(&c, i as u64, u, &this, t, f, whole);
                         this = next;
                         i += stride;
                     }
-                    update_parts::<P, G, S, N, U, T>(&c, i as u64, u, &this, t);
+                    update_parts::<P, G, S, N, U, T, F>(&c, i as u64, u, &this, t, f, whole);
                     i += stride;
                 }
             } else {
                 while i + group <= len {
-                    update_parts::<P, G, S, N, U, T>(&c, i as u64, u, &load_parts::<P, G, S, N>(&c, i as u64), t);
+                    update_parts::<P, G, S, N, U, T, F>(&c, i as u64, u, &load_parts::<P, G, S, N>(&c, i as u64), t, f, whole);
                     i += stride;
                 }
             }
@@ -305,7 +328,7 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
         if i < len {
             for j in i..len {
                 // SAFETY: start + j < d.len; element j of the chunk belongs to this thread alone.
-                unsafe { element_f32::<P, G, S, N, U, T>(&c, j as u64, u, t) };
+                unsafe { element_f32::<P, G, S, N, U, T>(&c, j as u64, u, t, f.at(j as u64)) };
             }
         }
     } else {
@@ -316,8 +339,9 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
             for (k, v) in vals.iter_mut().enumerate() {
                 let i = first + k as u64 * BLOCK_THREADS as u64;
                 if i < end {
-                    // SAFETY: i < d.len (the caller's contract covers every part up to d.len).
-                    *v = unsafe { load_f32::<P, G, S, N>(d, i) };
+                    // SAFETY: i < d.len (the caller's contract covers every part up to d.len);
+                    // element i - start is the chunk's.
+                    *v = unsafe { load_f32::<P, G, S, N>(d, i, f.at(i - start)) };
                 }
             }
             for (k, v) in vals.iter().enumerate() {
@@ -332,12 +356,13 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
     }
 }
 
-/// Element `i` of every part, as f32: `[param, grad, states.., zeros]`.
+/// Element `i` of every part, as f32: `[param, grad, states.., zeros]`, the gradient multiplied
+/// by `factor` ([`factored`]).
 ///
 /// # Safety
 /// `i < d.len` (the parts of `d` up to state `N` are live device memory of that length).
 #[inline(always)]
-unsafe fn load_f32<P: Element, G: Element, S: Element, const N: usize>(d: &UpdateTensorDesc, i: u64) -> [f32; PARTS] {
+unsafe fn load_f32<P: Element, G: Element, S: Element, const N: usize>(d: &UpdateTensorDesc, i: u64, factor: f64) -> [f32; PARTS] {
     let state = |n: usize| {
         if N > n {
             // SAFETY: the contract (state n < N is live memory of d.len elements).
@@ -350,7 +375,7 @@ unsafe fn load_f32<P: Element, G: Element, S: Element, const N: usize>(d: &Updat
     unsafe {
         [
             P::to_f32(load::<P>(d.param, i)),
-            G::to_f32(load::<G>(d.grad, i)),
+            G::to_f32(factored::<G>(load::<G>(d.grad, i), factor)),
             state(0),
             state(1),
             state(2),
@@ -391,7 +416,7 @@ unsafe fn update_f32_at<P: Element, S: Element, const N: usize, U: ElementUpdate
     }
 }
 
-/// One element's update, loaded and stored alone.
+/// One element's update, loaded and stored alone, its gradient multiplied by `factor`.
 ///
 /// # Safety
 /// As [`update_f32_at`].
@@ -401,9 +426,10 @@ unsafe fn element_f32<P: Element, G: Element, S: Element, const N: usize, U: Ele
     i: u64,
     u: &U,
     t: &mut T,
+    factor: f64,
 ) {
     // SAFETY: the contract.
-    unsafe { update_f32_at::<P, S, N, U, T>(d, i, u, &load_f32::<P, G, S, N>(d, i), t) }
+    unsafe { update_f32_at::<P, S, N, U, T>(d, i, u, &load_f32::<P, G, S, N>(d, i, factor), t) }
 }
 
 /// One task of an f64 parameter (every part f64).
@@ -412,6 +438,20 @@ unsafe fn element_f32<P: Element, G: Element, S: Element, const N: usize, U: Ele
 /// As [`chunk_f32`].
 #[inline(always)]
 pub(crate) unsafe fn chunk_f64<const N: usize, U: ElementUpdate<f64> + Copy, T: Tally>(d: &UpdateTensorDesc, chunk: u64, u: U, t: &mut T) {
+    let start = chunk * update_chunk_elems(8);
+    match ByUnit::of(d, start).filter(|_| !T::ON) {
+        // SAFETY: (both) the caller's contract.
+        Some(f) => unsafe { walk_f64::<N, U, T, _>(d, chunk, u, t, &f) },
+        None => unsafe { walk_f64::<N, U, T, _>(d, chunk, u, t, &AsStored) },
+    }
+}
+
+/// [`chunk_f64`], each gradient element multiplied by its factor in `f`.
+///
+/// # Safety
+/// As [`chunk_f32`].
+#[inline(always)]
+unsafe fn walk_f64<const N: usize, U: ElementUpdate<f64> + Copy, T: Tally, F: GradFactors>(d: &UpdateTensorDesc, chunk: u64, u: U, t: &mut T, f: &F) {
     let u = u.for_states(N);
     let start = chunk * update_chunk_elems(8);
     let end = d.len.min(start + update_chunk_elems(8));
@@ -422,7 +462,8 @@ pub(crate) unsafe fn chunk_f64<const N: usize, U: ElementUpdate<f64> + Copy, T: 
         unsafe {
             let state = |n: usize| if N > n { F64::widen(load::<F64>(d.states[n], i)) } else { 0.0 };
             let mut st = [state(0), state(1), state(2)];
-            let (before, grad) = (F64::widen(load::<F64>(d.param, i)), F64::widen(load::<F64>(d.grad, i)));
+            let before = F64::widen(load::<F64>(d.param, i));
+            let grad = F64::widen(factored::<F64>(load::<F64>(d.grad, i), f.at(i - start)));
             let p = u.update(before, grad, &mut st);
             if T::ON {
                 t.push_f64(before, p, grad);
@@ -455,8 +496,16 @@ pub(crate) unsafe fn chunk_any_f32<const N: usize, U: ElementUpdate<f32> + Copy,
     dtypes: (u32, u32, u32),
     t: &mut T,
 ) {
+    let start = chunk * update_chunk_elems(dtype_size(dtypes.0));
+    // A unit-wise clip's factors in the walk without telemetry only (the host refuses them with
+    // it): a kernel with telemetry keeps one walk per dtype.
     // SAFETY: (every arm) the caller's contract; the dtypes named are the parts' own.
-    unsafe { crate::with_update_dtypes!(dtypes, (P, G, St) => chunk_f32::<P, G, St, N, U, T>(d, chunk, u, t), _ => {}) }
+    unsafe {
+        match ByUnit::of(d, start).filter(|_| !T::ON) {
+            Some(f) => crate::with_update_dtypes!(dtypes, (P, G, St) => chunk_f32::<P, G, St, N, U, T, _>(d, chunk, u, t, &f), _ => {}),
+            None => crate::with_update_dtypes!(dtypes, (P, G, St) => chunk_f32::<P, G, St, N, U, T, _>(d, chunk, u, t, &AsStored), _ => {}),
+        }
+    }
 }
 
 /// Whether `d`'s parameter is f64 (its task takes [`chunk_f64`], else [`chunk_any_f32`]).
@@ -815,7 +864,7 @@ pub(crate) unsafe fn tally_unchanged(d: &UpdateTensorDesc, chunk: u64, t: &mut S
                 let p = F64::widen(load::<F64>(d.param, i));
                 t.push(p, p, F64::widen(load::<F64>(d.grad, i)));
             } else {
-                let [p, g, ..] = crate::with_update_dtypes!(dtypes(d), (P, G, St) => load_f32::<P, G, St, 0>(d, i), _ => [0.0; PARTS]);
+                let [p, g, ..] = crate::with_update_dtypes!(dtypes(d), (P, G, St) => load_f32::<P, G, St, 0>(d, i, 1.0), _ => [0.0; PARTS]);
                 t.push_f32(p, p, g);
             }
         }

@@ -12,7 +12,8 @@
 //! each norm, [`geometry`] how a tensor is cut into block tasks and lanes, [`lane`] the per-thread
 //! loop, [`model`] the host-side reduction trees, [`scale`] the in-place clip arithmetic, [`policy`]
 //! the clip policies that decide the coefficient or skip a step from the norm and their state,
-//! [`units`] the unit-wise clip (AGC) of each weight's rows; [`update`] is what an optimizer's per-element
+//! [`units`] the unit-wise clip (AGC) of each weight's rows, [`unit_factors`] its factors folded into
+//! the update; [`update`] is what an optimizer's per-element
 //! arithmetic looks like to the multi-tensor walk that applies it, [`adam`], [`sgd`] and
 //! [`lion`] are the three optimizers' arithmetic.
 #![no_std]
@@ -55,6 +56,7 @@ pub mod policy;
 pub mod scale;
 pub mod sgd;
 pub mod tally;
+pub mod unit_factors;
 pub mod units;
 pub mod update;
 

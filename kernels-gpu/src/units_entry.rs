@@ -140,12 +140,15 @@ unsafe fn scale_piece<E: Element>(addr: u64, start: u64, len: u64, lane: u64, f:
 /// AGC's scale: each piece of a gradient multiplied by its unit's factor ([`agc_factor`] of the
 /// unit's norms from the norms pass, the gradient's divided by the loss scale the gradients
 /// carry, one f32 at `loss_scale`, when not null), left untouched when the unit is under its
-/// limit.
+/// limit (factor 1). With `factors` not null nothing is scaled: each piece's factor is written
+/// at `factors[k]` (`k` its place in the piece table), for an update that folds them in
+/// ([`crate::unit_factors`]).
 ///
 /// # Safety
 /// After `gradclip_unit_norms` on the same stream with the same tables; the gradients writable
 /// and pairwise disjoint, and disjoint from the parameters; a non-null `loss_scale` one f32
-/// written before on the stream.
+/// written before on the stream; a non-null `factors` room for one f64 per piece of the plan,
+/// owned by the launch.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     units: *const UnitTensor,
@@ -154,6 +157,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     clip_factor: f64,
     eps: f64,
     loss_scale: *const f32,
+    factors: *mut f64,
 ) {
     // SAFETY: the kernel's contract.
     let (t, _, mut piece, end, lane, step) = unsafe { block_task(units, tasks) };
@@ -168,7 +172,12 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
         // clip by NaN; 1: keep, nothing written, as `agc_factor`'s None).
         let (g, p) = (warp_reduce(g, 2.0, WARP_THREADS / 2), warp_reduce(p, 2.0, WARP_THREADS / 2));
         let f = from_lane0_f64(agc_factor(g.norm() / scale, p.norm(), clip_factor, eps).unwrap_or(1.0));
-        if f != 1.0 {
+        if !factors.is_null() {
+            if lane == 0 {
+                // SAFETY: the piece's slot is this warp's alone (the contract's room).
+                unsafe { factors.add((t.first_piece + piece) as usize).write(f) };
+            }
+        } else if f != 1.0 {
             let (start, len) = piece_span(&t, piece);
             // SAFETY: the piece lies inside the gradient, this warp's alone (pieces are disjoint,
             // the gradients pairwise and from the parameters: the host's checks).

@@ -55,13 +55,15 @@ unit_plan = _native.unit_plan
 UnitReads = _native.UnitReads
 
 
-def agc(device: torch.device, tables: torch.Tensor, plan, clip_factor: float, eps: float, loss_scale: int = 0) -> None:
+def agc(device: torch.device, tables: torch.Tensor, plan, clip_factor: float, eps: float, loss_scale: int = 0, factors: bool = False) -> None:
     """AGC over the tables in ``tables`` (``unit_plan``'s words, room for the partials after
     them, on ``device``; ``plan``: its ``(tensors, tasks, pieces)``), on torch's current stream
-    there; ``loss_scale``: the address of one float32 there that the gradients carry, or 0."""
+    there; ``loss_scale``: the address of one float32 there that the gradients carry, or 0. With
+    ``factors`` no gradient is written: each unit's factor is, for an optimizer's update to fold
+    in (``UnitReads.grad_factors``)."""
     stream, on_device = stream_of(device)
     with on_device:
-        _native.agc(device.index if device.type == "cuda" else -1, stream, (tables.data_ptr(), *plan), clip_factor, eps, loss_scale)
+        _native.agc(device.index if device.type == "cuda" else -1, stream, (tables.data_ptr(), *plan), clip_factor, eps, loss_scale, factors)
 
 
 adagc_state = _native.adagc_state

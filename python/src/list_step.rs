@@ -320,7 +320,7 @@ pub fn list_step(
     };
     let policies: Vec<_> = policies.unwrap_or_default().into_iter().map(policies_of).collect();
     let clips = clip_groups.unwrap_or_default();
-    let (_, norm) = run_step(py, place, &list, &hypers, inputs, &clips, (stats_out, &rows), &policies)?;
+    let (_, norm) = run_step(py, place, &list, &hypers, inputs, &clips, (stats_out, &rows), &policies, &[])?;
     Ok(norm)
 }
 

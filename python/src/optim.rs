@@ -15,6 +15,7 @@ use std::sync::{Mutex, TryLockError};
 use std::time::Instant;
 
 use gradclip::optim::{Parts, StepList};
+use gradclip::units::GradFactors;
 use gradclip::plan::RawTensor;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
@@ -30,6 +31,7 @@ use crate::scan::Planner;
 use crate::stated_lists::StepGroup;
 use crate::step_run::{ClipGroups, StepInputs, run_step};
 use crate::tensor_facts::{Facts, TensorFacts};
+use crate::units::GradFactorTable;
 
 /// [`optim_step`]'s verdicts: the step ran; the layout no longer fits (make a new one and call
 /// again); the engine does not take this step (run torch's).
@@ -526,7 +528,7 @@ impl Kept {
 /// for the last four) and a payload: on the CPU the norm (None on CUDA: it stays on the device);
 /// with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
-#[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None, stats_out=0, policies=None))]
+#[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None, stats_out=0, policies=None, grad_factors=None))]
 // The arguments are the Python call's, one per concern of the step.
 #[allow(clippy::too_many_arguments)]
 pub fn optim_step(
@@ -540,6 +542,7 @@ pub fn optim_step(
     clip_groups: Option<ClipGroups>,
     stats_out: u64,
     policies: Option<Vec<PolicyArgs>>,
+    grad_factors: Option<PyRef<'_, GradFactorTable>>,
 ) -> PyResult<(u8, Option<Py<PyAny>>)> {
     let l = layout.get();
     let (kind, decoupled) = (hyper::kind_index(&rule.0)?, rule.1);
@@ -577,7 +580,8 @@ pub fn optim_step(
         Err(TryLockError::WouldBlock) => return Ok((STEP_TORCH, None)),
     };
     let mut rows = Vec::new();
-    let want_rows = (stats_out != 0).then_some(&mut rows);
+    // Each list tensor's parameter: the telemetry's rows, and where its gradient factors are.
+    let want_rows = (stats_out != 0 || grad_factors.is_some()).then_some(&mut rows);
     let list = match kept.step_list(py, l.planner.get(), l.state.bind(py), groups, l.local, want_rows)? {
         Ok(list) => list,
         Err(Miss::Relayout) => return Ok((STEP_RELAYOUT, None)),
@@ -592,7 +596,8 @@ pub fn optim_step(
     if !stats_out.is_multiple_of(8) {
         return Err(PyValueError::new_err("the step's telemetry must be a float64 tensor"));
     }
-    let stats = (stats_out, &rows[..]);
+    let factors: Vec<GradFactors> = grad_factors.map_or_else(Vec::new, |t| rows.iter().map(|&r| t.at(r as usize)).collect());
+    let stats = (stats_out, if stats_out != 0 { &rows[..] } else { &[][..] });
     let policies: Vec<_> = policies.unwrap_or_default().into_iter().map(policies_of).collect();
     let r = run_step(
         py,
@@ -603,6 +608,7 @@ pub fn optim_step(
         &clip_groups.unwrap_or_default(),
         stats,
         &policies,
+        &factors,
     );
     kept.timings[4] = started.elapsed().as_nanos() as u64;
     let (verdict, norm) = r?;

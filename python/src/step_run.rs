@@ -7,6 +7,7 @@ use gradclip::NormType;
 use gradclip::cpu::Cpu;
 use gradclip::optim::{ClipConfig, GroupStep, NonFinite, StepAddresses, StepBackend, StepList};
 use gradclip::policy::Policies;
+use gradclip::units::GradFactors;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -86,7 +87,8 @@ pub(crate) type ClipGroups = (Vec<Option<f64>>, Vec<usize>);
 
 /// The norm (with a clip) and every group's update of a checked step list: one
 /// [`StepBackend::step_list`] on the tensors' backend. Returns the verdict and, on the CPU, the
-/// norm (on CUDA it stays on the device). `policies`: each clip's, or none.
+/// norm (on CUDA it stays on the device). `policies`: each clip's, or none; `grad_factors`: each
+/// list tensor's gradient factors (a unit-wise clip folded into the update), or none.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_step(
     py: Python<'_>,
@@ -97,6 +99,7 @@ pub(crate) fn run_step(
     clips: &ClipGroups,
     (stats_out, stats_rows): (u64, &[u32]),
     policies: &[Policies],
+    grad_factors: &[GradFactors],
 ) -> PyResult<(u8, Option<f64>)> {
     let groups: Vec<GroupStep> = hypers
         .iter()
@@ -117,6 +120,7 @@ pub(crate) fn run_step(
         found_inf: inputs.found_inf,
         stats_out,
         stats_rows,
+        grad_factors,
         policies,
     };
     // SAFETY (both backends): the tensors are live memory of the place that the optimizer holds

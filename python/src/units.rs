@@ -6,7 +6,7 @@
 
 use gradclip::cpu::Cpu;
 use gradclip::plan::RawTensor;
-use gradclip::units::{AdaGc, AdagcPass, Agc, UnitPair, UnitPlan, UnitTables};
+use gradclip::units::{AdaGc, AdagcPass, Agc, GradFactors, UnitPair, UnitPlan, UnitTables};
 use gradclip::{DType, Error};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -39,7 +39,21 @@ pub fn unit_plan(pairs: Vec<PairArgs>) -> PyResult<PlanArgs> {
 
 /// The plan of `pairs`: a Python error (a dtype code unknown), or the engine's check that failed.
 fn plan_of(pairs: &[PairArgs]) -> Result<PlanArgs, Result<PyErr, gradclip::Error>> {
-    let pairs = pairs
+    let plan = UnitPlan::new(&unit_pairs(pairs).map_err(Ok)?).map_err(Err)?;
+    let words = plan.table_words().into_iter().map(|w| w as i64).collect();
+    Ok((
+        words,
+        plan.bytes(),
+        plan.tensors.len(),
+        plan.tasks.len(),
+        plan.pieces,
+        plan.sums_offset() / 8,
+    ))
+}
+
+/// The engine's pairs of `pairs` (a Python error for a dtype code unknown).
+fn unit_pairs(pairs: &[PairArgs]) -> PyResult<Vec<UnitPair>> {
+    pairs
         .iter()
         .enumerate()
         .map(|(i, &(grad, param, len, unit_len, gd, pd, slot))| {
@@ -62,24 +76,16 @@ fn plan_of(pairs: &[PairArgs]) -> Result<PlanArgs, Result<PyErr, gradclip::Error
                 )
             })
         })
-        .collect::<PyResult<Vec<_>>>()
-        .map_err(Ok)?;
-    let plan = UnitPlan::new(&pairs).map_err(Err)?;
-    let words = plan.table_words().into_iter().map(|w| w as i64).collect();
-    Ok((
-        words,
-        plan.bytes(),
-        plan.tensors.len(),
-        plan.tasks.len(),
-        plan.pieces,
-        plan.sums_offset() / 8,
-    ))
+        .collect()
 }
 
 /// AGC over the tables at `tables` (`tensors`, `tasks` and `pieces` as `unit_plan` gave them;
 /// the words written there, room for the partials after them) on `device` (a CUDA ordinal, on
-/// `stream`, or -1 for the CPU); `loss_scale`: one float32 the gradients carry (GradScaler's), or 0.
+/// `stream`, or -1 for the CPU); `loss_scale`: one float32 the gradients carry (GradScaler's), or
+/// 0. With `factors` the gradients are not written: each unit's factor is, for an optimizer's
+/// update to fold in (`UnitReads.grad_factors`).
 #[pyfunction]
+#[pyo3(signature = (device, stream, tables, clip_factor, eps, loss_scale, factors = false))]
 #[allow(clippy::too_many_arguments)]
 pub fn agc(
     py: Python<'_>,
@@ -89,20 +95,36 @@ pub fn agc(
     clip_factor: f64,
     eps: f64,
     loss_scale: u64,
+    factors: bool,
 ) -> PyResult<()> {
     let tables = tables_of(tables);
     let settings = Agc { clip_factor, eps };
     if device >= 0 {
         // SAFETY: the tables are the caller's tensor of this device holding the words of a plan
-        // `unit_plan` checked, with room for its partials, written before on `stream`; the
-        // plan's gradients and parameters are the caller's live CUDA tensors there, kept by
-        // torch's allocator until the stream passes this work; nothing else uses the tables; a
-        // loss scale is the caller's float32 there, written before on `stream`.
-        return py.detach(|| on_engine(device as usize, stream, |e| unsafe { e.agc_raw(&tables, &settings, loss_scale) }));
+        // `unit_plan` checked, with room for its partials (and piece factors), written before on
+        // `stream`; the plan's gradients and parameters are the caller's live CUDA tensors there,
+        // kept by torch's allocator until the stream passes this work; nothing else uses the
+        // tables; a loss scale is the caller's float32 there, written before on `stream`.
+        return py.detach(|| {
+            on_engine(device as usize, stream, |e| unsafe {
+                if factors {
+                    e.agc_factors_raw(&tables, &settings, loss_scale)
+                } else {
+                    e.agc_raw(&tables, &settings, loss_scale)
+                }
+            })
+        });
     }
     // SAFETY: as above, host tensors.
-    py.detach(|| unsafe { Cpu::new().agc_raw(&tables, &settings, loss_scale) })
-        .map_err(to_py)
+    py.detach(|| unsafe {
+        let cpu = Cpu::new();
+        if factors {
+            cpu.agc_factors_raw(&tables, &settings, loss_scale)
+        } else {
+            cpu.agc_raw(&tables, &settings, loss_scale)
+        }
+    })
+    .map_err(to_py)
 }
 
 /// The tables as Python passes them: `(address, tensors, tasks, pieces)`.
@@ -185,6 +207,9 @@ pub struct UnitReads {
     pairs: Vec<PairArgs>,
     /// Each pair's parameter's position in the call's list (errors name it).
     positions: Vec<usize>,
+    /// The last factor table made (`grad_factors`): for the tables' address and kind it was
+    /// made for, and the positions it maps.
+    factors: Option<((u64, bool), Vec<usize>, Py<GradFactorTable>)>,
 }
 
 #[pymethods]
@@ -253,6 +278,7 @@ impl UnitReads {
         if self.pairs == self.kept && !self.kept.is_empty() {
             return Ok(Some((device, None)));
         }
+        self.factors = None;
         let at = |i: usize| self.positions.get(i).copied().unwrap_or(i);
         let plan = plan_of(&self.pairs).map_err(|e| {
             e.unwrap_or_else(|e| {
@@ -285,5 +311,56 @@ impl UnitReads {
     /// Forgets the last plan (its tables were lost).
     fn forget(&mut self) {
         self.kept.clear();
+        self.factors = None;
+    }
+
+    /// Where the last call's factors are when its clip decides them for an update to fold in
+    /// (`agc(..., factors=True)`, AGC's; AdaGC's decision with `per_tensor`), its tables at
+    /// `tables` (as for `agc`), by each parameter's position in the call's list.
+    /// The table is kept while the same tables and positions come back (a training loop's every
+    /// step).
+    #[pyo3(signature = (tables, per_tensor = false))]
+    fn grad_factors(&mut self, py: Python<'_>, tables: (u64, usize, usize, u64), per_tensor: bool) -> PyResult<Py<GradFactorTable>> {
+        if let Some((key, positions, table)) = &self.factors
+            && *key == (tables.0, per_tensor)
+            && *positions == self.positions
+        {
+            return Ok(table.clone_ref(py));
+        }
+        let table = Py::new(py, self.factor_table(tables, per_tensor)?)?;
+        self.factors = Some(((tables.0, per_tensor), self.positions.clone(), table.clone_ref(py)));
+        Ok(table)
+    }
+}
+
+impl UnitReads {
+    /// [`UnitReads::grad_factors`]' table, made.
+    fn factor_table(&self, tables: (u64, usize, usize, u64), per_tensor: bool) -> PyResult<GradFactorTable> {
+        let plan = UnitPlan::new(&unit_pairs(&self.kept)?).map_err(to_py)?;
+        let tables = tables_of(tables);
+        if (tables.tensors, tables.tasks, tables.pieces) != (plan.tensors.len(), plan.tasks.len(), plan.pieces) {
+            return Err(PyValueError::new_err("these tables are not the last call's plan's"));
+        }
+        let factors = tables.grad_factors(&plan, per_tensor);
+        let mut by_position = vec![GradFactors::default(); self.positions.iter().max().map_or(0, |&m| m + 1)];
+        for (&at, f) in self.positions.iter().zip(factors) {
+            by_position[at] = f;
+        }
+        Ok(GradFactorTable { by_position })
+    }
+}
+
+/// The factors a unit-wise clip decided for each parameter of its call, where an optimizer's
+/// update reads them (`optim_step`'s `grad_factors`), by the parameter's position in the call's
+/// list (none for a parameter it did not clip).
+#[pyclass(module = "gradclip._native", frozen)]
+pub struct GradFactorTable {
+    by_position: Vec<GradFactors>,
+}
+
+impl GradFactorTable {
+    /// The factors of the parameter at `position` (none past the table).
+    pub fn at(&self, position: usize) -> GradFactors {
+        self.by_position.get(position).copied().unwrap_or_default()
     }
 }

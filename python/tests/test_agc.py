@@ -200,7 +200,9 @@ def test_optimizer_clip_agc_steps_on_the_clipped_gradients(update):
     opt_b.step()
     for p, q in zip(a, b):
         assert torch.equal(p.detach(), q.detach())
-        assert torch.equal(p.grad, q.grad), "the step leaves the clipped gradients in .grad"
+        if update == "torch":
+            assert torch.equal(p.grad, q.grad), "torch's step reads the gradients AGC clipped in .grad"
+    # gradclip's update folds the clip in and writes no gradient (test_agc_folded.py).
     with pytest.raises(TypeError, match="AGC and AdaGC to the optimizer's clip="):
         optim.AdamW([{"params": a[:2], "clip": AGC()}, {"params": a[2:]}], lr=1e-2).step()
 

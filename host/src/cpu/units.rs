@@ -48,7 +48,7 @@ unsafe fn scale_piece<E: Element>(addr: u64, start: u64, len: u64, f: f64) {
 struct Pieces<'a> {
     tensors: &'a [UnitTensor],
     order: Vec<(usize, u64)>,
-    partials: SharedPartials,
+    partials: SharedSlots<Partial>,
 }
 
 impl<'a> Pieces<'a> {
@@ -73,7 +73,7 @@ impl<'a> Pieces<'a> {
         Pieces {
             tensors,
             order,
-            partials: SharedPartials(partials),
+            partials: SharedSlots(partials),
         }
     }
 
@@ -151,18 +151,49 @@ impl Cpu {
     /// gradients and parameters are live host memory (the gradients writable), as checked when it
     /// was made; `loss_scale` (not 0) one f32 of host memory.
     pub unsafe fn agc_raw(&self, tables: &UnitTables, agc: &Agc, loss_scale: u64) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.agc_pass(tables, agc, loss_scale, false) }
+    }
+
+    /// AGC's decision without its scale, as the GPU engine's `agc_factors_raw`: each unit's
+    /// factor (1 where the unit is kept) written to the tables' piece factors
+    /// ([`UnitTables::grad_factors`]) for an update that folds them in; no gradient is written.
+    ///
+    /// # Safety
+    /// As [`Cpu::agc_raw`] (the gradients are only read).
+    pub unsafe fn agc_factors_raw(&self, tables: &UnitTables, agc: &Agc, loss_scale: u64) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.agc_pass(tables, agc, loss_scale, true) }
+    }
+
+    /// [`Cpu::agc_raw`], or with `factors` [`Cpu::agc_factors_raw`].
+    ///
+    /// # Safety
+    /// As [`Cpu::agc_raw`].
+    unsafe fn agc_pass(&self, tables: &UnitTables, agc: &Agc, loss_scale: u64, factors: bool) -> Result<()> {
         agc.check()?;
         tables.check()?;
         crate::units::check_loss_scale(loss_scale)?;
         // SAFETY: the caller's contract.
         let (scale, pieces) = unsafe { (loss_scale_at(loss_scale), Pieces::of(tables)) };
-        // SAFETY: the caller's contract (the plan's tensors); the scale pass after the norms.
+        let factor = |i: usize, k: u64| {
+            // SAFETY: called after the norms pass below wrote every piece's partials.
+            let (g, p) = unsafe { unit_norms(&pieces.tensors[i], k, pieces.partials.base()) };
+            agc_factor(g / scale, p, agc.clip_factor, agc.eps)
+        };
+        // SAFETY: the caller's contract (the plan's tensors); the decisions after the norms; a
+        // piece's factor slot written by its own index alone (the tables' room: one a piece).
         unsafe {
             pieces.norms();
-            pieces.scale(|i, k| {
-                let (g, p) = unit_norms(&pieces.tensors[i], k, pieces.partials.base());
-                agc_factor(g / scale, p, agc.clip_factor, agc.eps)
-            });
+            if factors {
+                let out = SharedSlots(tables.piece_factors_at() as *mut f64);
+                workers::for_each_index(pieces.order.len(), |n| {
+                    let (i, k) = pieces.order[n];
+                    out.write((pieces.tensors[i].first_piece + k) as usize, factor(i, k).unwrap_or(1.0));
+                });
+            } else {
+                pieces.scale(factor);
+            }
         }
         Ok(())
     }
@@ -259,20 +290,20 @@ impl Cpu {
     }
 }
 
-/// The partials' base, shared by the workers, each writing its own pieces' slots.
-struct SharedPartials(*mut Partial);
+/// Slots (the partials, the piece factors) shared by the workers, each writing its own pieces'.
+struct SharedSlots<T>(*mut T);
 
-impl SharedPartials {
-    fn base(&self) -> *const Partial {
+impl<T> SharedSlots<T> {
+    fn base(&self) -> *const T {
         self.0
     }
 
     /// # Safety
-    /// `i` is inside the partials and written by no other call.
-    unsafe fn write(&self, i: usize, v: Partial) {
+    /// `i` is inside the slots and written by no other call.
+    unsafe fn write(&self, i: usize, v: T) {
         // SAFETY: the caller's contract.
         unsafe { self.0.add(i).write(v) }
     }
 }
 // SAFETY: the workers write disjoint slots (one piece each), and read them only after the pass.
-unsafe impl Sync for SharedPartials {}
+unsafe impl<T> Sync for SharedSlots<T> {}

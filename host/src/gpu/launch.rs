@@ -244,13 +244,17 @@ pub unsafe fn clip_policy(
 /// before on the stream, with room for its partials, used by nothing else until the launches
 /// complete; the plan's gradients (writable) and parameters are device memory of the context;
 /// `t.tasks >= 1`; `loss_scale` (not 0) one f32 of the context written before on the stream.
+/// With `factors` nothing is scaled: each unit's factor is written to the tables' piece factors
+/// ([`crate::units::UnitTables::grad_factors`]).
 pub unsafe fn agc(
     stream: &CudaStream,
     ks: &KernelSet,
     t: &crate::units::UnitTables,
     agc: &crate::units::Agc,
     loss_scale: u64,
+    factors: bool,
 ) -> Result<()> {
+    let factors_at = if factors { t.piece_factors_at() } else { 0 };
     let (units, tasks, partials) = (t.addr, t.tasks_at(), t.partials_at());
     let cfg = LaunchConfig {
         grid_dim: (t.tasks as u32, 1, 1),
@@ -267,7 +271,8 @@ pub unsafe fn agc(
         .arg(&partials)
         .arg(&agc.clip_factor)
         .arg(&agc.eps)
-        .arg(&loss_scale);
+        .arg(&loss_scale)
+        .arg(&factors_at);
     // SAFETY: as above; after the norms launch on the same stream.
     unsafe { b.launch(cfg) }?;
     Ok(())

@@ -295,6 +295,7 @@ impl GpuEngine {
             found_inf: inputs.found_inf,
             stats_out: 0,
             stats_rows: &[],
+            grad_factors: &[],
             policies: &[],
         };
         // SAFETY: the caller's contract.
@@ -510,6 +511,7 @@ impl StepBackend for GpuEngine {
                     &table,
                     launches.len(),
                     (inputs.stats_out != 0).then_some(inputs.stats_rows),
+                    inputs.grad_factors,
                 )?,
             ));
         }

@@ -17,6 +17,26 @@ impl GpuEngine {
     /// written before on the stream: the scale the gradients carry (their unit norms are divided
     /// by it).
     pub unsafe fn agc_raw(&mut self, tables: &UnitTables, agc: &Agc, loss_scale: u64) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.agc_pass(tables, agc, loss_scale, false) }
+    }
+
+    /// AGC's decision without its scale: each unit's factor written to the tables
+    /// ([`UnitTables::grad_factors`]) for an update that multiplies the gradients by them as it
+    /// reads them ([`crate::optim::StepAddresses::grad_factors`]); no gradient is written.
+    ///
+    /// # Safety
+    /// As [`GpuEngine::agc_raw`] (the gradients are only read).
+    pub unsafe fn agc_factors_raw(&mut self, tables: &UnitTables, agc: &Agc, loss_scale: u64) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.agc_pass(tables, agc, loss_scale, true) }
+    }
+
+    /// [`GpuEngine::agc_raw`], or with `factors` [`GpuEngine::agc_factors_raw`].
+    ///
+    /// # Safety
+    /// As [`GpuEngine::agc_raw`].
+    unsafe fn agc_pass(&mut self, tables: &UnitTables, agc: &Agc, loss_scale: u64, factors: bool) -> Result<()> {
         agc.check()?;
         tables.check()?;
         crate::units::check_loss_scale(loss_scale)?;
@@ -31,7 +51,7 @@ impl GpuEngine {
         }
         let stream = self.stream().clone();
         // SAFETY: the caller's contract; at least one task.
-        unsafe { launch::agc(&stream, self.kernels(), tables, agc, loss_scale) }
+        unsafe { launch::agc(&stream, self.kernels(), tables, agc, loss_scale, factors) }
     }
 
     /// AdaGC ([`crate::units::AdaGc`]) over the per-tensor tables at `tables` (device memory) with

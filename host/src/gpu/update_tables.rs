@@ -17,6 +17,7 @@ use super::words::as_words;
 use crate::error::{Error, Result};
 use crate::optim::{Parts, StepList};
 use crate::plan::MAX_TASKS;
+use crate::units::GradFactors;
 
 /// The optimizer tables of the launches of the steps taken last, in the engine's own memory
 /// (counter word, tensor table, task table, group table; with telemetry, the rows and the
@@ -38,6 +39,8 @@ struct Uploaded {
     key: (usize, usize, u64),
     /// The launch's parameters, group after group, each with its group's place in the launch.
     parts: Vec<(u32, Parts)>,
+    /// Each parameter's gradient factors (a unit-wise clip folded into the update), or none.
+    factors: Vec<GradFactors>,
     /// The group table as uploaded.
     groups: Vec<UpdateGroup>,
     /// Each tensor's row in the step's telemetry records, when the buffer has room for them.
@@ -67,26 +70,37 @@ fn launch_parts(list: &StepList, members: &[usize]) -> Vec<(u32, Parts)> {
     out
 }
 
+/// Each tensor's place in `list` for a launch over its groups `members`.
+fn launch_places(list: &StepList, members: &[usize]) -> impl Iterator<Item = usize> {
+    let mut first = Vec::with_capacity(list.groups());
+    let mut at = 0;
+    for g in 0..list.groups() {
+        first.push(at);
+        at += list.group(g).0.len();
+    }
+    members.iter().flat_map(move |&g| {
+        let at = first[g];
+        (0..list.group(g).0.len()).map(move |i| at + i)
+    })
+}
+
 /// Each tensor's row of a launch over `list`'s groups `members`: `given[i]` for its place `i` in
 /// the list, or `i` when `given` is empty.
 fn launch_rows(list: &StepList, members: &[usize], given: &[u32]) -> Vec<u32> {
-    let mut first = Vec::with_capacity(list.groups());
-    let mut at = 0u32;
-    for g in 0..list.groups() {
-        first.push(at);
-        at += list.group(g).0.len() as u32;
-    }
-    members
-        .iter()
-        .flat_map(|&g| {
-            let at = first[g];
-            (0..list.group(g).0.len() as u32).map(move |i| given.get((at + i) as usize).copied().unwrap_or(at + i))
-        })
-        .collect()
+    launch_places(list, members).map(|i| given.get(i).copied().unwrap_or(i as u32)).collect()
 }
 
-/// The kernel's tables for `parts` (checked by the caller).
-fn plan(parts: &[(u32, Parts)]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
+/// Each tensor's gradient factors in a launch over `list`'s groups `members`: `given[i]` for its
+/// place `i` in the list; none when `given` is empty.
+fn launch_factors(list: &StepList, members: &[usize], given: &[GradFactors]) -> Vec<GradFactors> {
+    if given.is_empty() {
+        return Vec::new();
+    }
+    launch_places(list, members).map(|i| given.get(i).copied().unwrap_or_default()).collect()
+}
+
+/// The kernel's tables for `parts` with the gradients' `factors` (checked by the caller).
+fn plan(parts: &[(u32, Parts)], factors: &[GradFactors]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>)> {
     let mut tasks = Vec::new();
     for (i, (_, p)) in parts.iter().enumerate() {
         let n = p.param.len.div_ceil(update_chunk_elems(p.param.dtype.size()));
@@ -101,17 +115,19 @@ fn plan(parts: &[(u32, Parts)]) -> Result<(Vec<UpdateTensorDesc>, Vec<ChunkTask>
             chunk: c as u32,
         }));
     }
-    Ok((descriptors(parts), tasks))
+    Ok((descriptors(parts, factors), tasks))
 }
 
 /// The tensor table of `parts`: every part's address, the length, the dtypes packed as the
-/// kernel unpacks them, the group. The task table depends only on the parameters' lengths and
-/// dtypes: a parameter whose gradient is absent keeps its tasks, with a length of 0 (they do
-/// nothing) and no step count to advance.
-fn descriptors(parts: &[(u32, Parts)]) -> Vec<UpdateTensorDesc> {
+/// kernel unpacks them, the group, the gradient's factors (`factors[i]`, none past its end). The
+/// task table depends only on the parameters' lengths and dtypes: a parameter whose gradient is
+/// absent keeps its tasks, with a length of 0 (they do nothing) and no step count to advance.
+fn descriptors(parts: &[(u32, Parts)], factors: &[GradFactors]) -> Vec<UpdateTensorDesc> {
     parts
         .iter()
-        .map(|&(group, p)| UpdateTensorDesc {
+        .enumerate()
+        .map(|(i, &(group, p))| (group, p, factors.get(i).copied().unwrap_or_default()))
+        .map(|(group, p, f)| UpdateTensorDesc {
             param: p.param.addr,
             grad: p.grad.addr,
             states: p.states.map(|s| s.map_or(0, |s| s.addr)),
@@ -119,6 +135,9 @@ fn descriptors(parts: &[(u32, Parts)]) -> Vec<UpdateTensorDesc> {
             dtypes: p.param.dtype.code() | p.grad.dtype.code() << 4 | p.states[0].map_or(p.param.dtype, |s| s.dtype).code() << 8,
             group,
             step: if p.grad_absent() { 0 } else { p.step.map_or(0, |s| s.addr) },
+            factors: if p.grad_absent() { 0 } else { f.addr },
+            unit_len: f.unit_len,
+            factor_step: f.step,
         })
         .collect()
 }
@@ -178,12 +197,12 @@ fn tally_tensors(parts: &[(u32, Parts)], rows: &[u32]) -> Vec<TallyTensor> {
 /// buffer; and their task count. Every copy is ordered after the launches that read `reuse`.
 fn upload(
     stream: &Arc<CudaStream>,
-    parts: &[(u32, Parts)],
+    (parts, factors): (&[(u32, Parts)], &[GradFactors]),
     groups: &[UpdateGroup],
     rows: Option<&[u32]>,
     reuse: Option<CudaSlice<u64>>,
 ) -> Result<(CudaSlice<u64>, u64)> {
-    let (descs, tasks) = plan(parts)?;
+    let (descs, tasks) = plan(parts, factors)?;
     let o = offsets(descs.len(), tasks.len(), groups.len(), rows.is_some());
     let mut buf = match reuse.filter(|b| b.len() >= o.total) {
         Some(b) => b,
@@ -223,7 +242,8 @@ fn tables_at(base: u64, o: Offsets, stats: bool) -> UpdateTables {
 impl UpdateUpload {
     /// The tables of one update launch over `list`'s groups `members` (`groups`: their entries,
     /// in that order; `stats`: with room for the step's telemetry, and its rows as given, empty
-    /// for the list's order) in device memory, and their
+    /// for the list's order; `factors`: each list tensor's gradient factors, or empty) in device
+    /// memory, and their
     /// counts: under CUDA-graph capture, fresh ones that the graph owns (as the norm's,
     /// [`capture`]); otherwise the launch's slot (found by its parameters), uploaded again in
     /// the parts that changed. A new launch takes a new slot, or the least recently used one's
@@ -238,13 +258,15 @@ impl UpdateUpload {
         groups: &[UpdateGroup],
         launches: usize,
         stats: Option<&[u32]>,
+        factors: &[GradFactors],
     ) -> Result<LaunchTables> {
         let parts = launch_parts(list, members);
+        let factors = launch_factors(list, members, factors);
         let rows = stats.map(|given| launch_rows(list, members, given));
         let stats = stats.is_some();
         match capture::status(stream)? {
             Capture::Active(graph) => {
-                let (descs, tasks) = plan(&parts)?;
+                let (descs, tasks) = plan(&parts, &factors)?;
                 let o = offsets(descs.len(), tasks.len(), groups.len(), stats);
                 let tt = rows.as_deref().map(|r| tally_tensors(&parts, r)).unwrap_or_default();
                 let regions = [
@@ -264,19 +286,21 @@ impl UpdateUpload {
         let at = match self.by_params.get(&key) {
             Some(&i) => {
                 let u = &mut self.slots[i];
-                if u.parts != parts || u.rows.is_some() != stats {
+                if u.parts != parts || u.factors != factors || u.rows.is_some() != stats {
                     if same_but_grads(&u.parts, &parts) && u.rows.is_some() == stats {
-                        // New gradients of the same parameters (a training loop's every step):
-                        // only the tensor table, ordered after the launches that read it.
-                        let descs = descriptors(&parts);
+                        // New gradients of the same parameters (a training loop's every step),
+                        // or new factors: only the tensor table, ordered after the launches
+                        // that read it.
+                        let descs = descriptors(&parts, &factors);
                         let dw = as_words(&descs);
                         stream.memcpy_htod(dw, &mut u.buf.slice_mut(1..1 + dw.len()))?;
                     } else {
                         let old = std::mem::replace(&mut u.buf, stream.alloc_zeros::<u64>(1)?);
-                        let (buf, num_tasks) = upload(stream, &parts, groups, rows.as_deref(), Some(old))?;
+                        let (buf, num_tasks) = upload(stream, (&parts, &factors), groups, rows.as_deref(), Some(old))?;
                         (u.buf, u.num_tasks, u.groups, u.rows) = (buf, num_tasks, groups.to_vec(), rows.clone());
                     }
                     u.parts = parts;
+                    u.factors = factors;
                 }
                 let o = offsets(u.parts.len(), u.num_tasks as usize, groups.len(), stats);
                 if u.groups != groups {
@@ -312,10 +336,11 @@ impl UpdateUpload {
                     Some((i, old)) => (i, Some(old)),
                     None => (self.slots.len(), None),
                 };
-                let (buf, num_tasks) = upload(stream, &parts, groups, rows.as_deref(), old)?;
+                let (buf, num_tasks) = upload(stream, (&parts, &factors), groups, rows.as_deref(), old)?;
                 let slot = Uploaded {
                     key,
                     parts,
+                    factors,
                     groups: groups.to_vec(),
                     rows,
                     buf,
@@ -375,7 +400,8 @@ mod tests {
             parts(3, narrow, DType::F32, DType::F32, false),
         ];
         let list: Vec<(u32, Parts)> = list.into_iter().map(|p| (0, p)).collect();
-        let (descs, tasks) = plan(&list).unwrap();
+        let factors = [GradFactors::default(), GradFactors::default(), GradFactors { addr: 4096, unit_len: 7, step: 16 }];
+        let (descs, tasks) = plan(&list, &factors).unwrap();
         let f32_chunks = narrow.div_ceil(update_chunk_elems(4)) as u32;
         let want: Vec<(u32, u32)> = [(0, 0), (0, 1), (0, 2), (2, 0)]
             .into_iter()
@@ -388,6 +414,9 @@ mod tests {
         );
         assert_eq!((descs[0].states[2], descs[1].states[2]), (list[0].1.states[2].unwrap().addr, 0));
         assert_eq!((descs[2].grad, descs[2].len), (list[2].1.grad.addr, wide));
+        // The gradient factors of the tensors given them, none past the given.
+        assert_eq!((descs[2].factors, descs[2].unit_len, descs[2].factor_step), (4096, 7, 16));
+        assert_eq!((descs[0].factors, descs[3].factors), (0, 0));
     }
 
     #[test]

@@ -60,6 +60,11 @@ pub struct StepAddresses<'a> {
     /// Each list tensor's row of `stats_out` (its parameter's place in a caller's order; rows
     /// distinct, below the rows `stats_out` holds); empty: the list's order.
     pub stats_rows: &'a [u32],
+    /// A unit-wise clip folded into the update ([`crate::units::UnitTables::grad_factors`]):
+    /// each list tensor's gradient factors, in the list's order, the gradient multiplied by its
+    /// unit's as the update reads it (the bits of the clip's own scale before the step); empty:
+    /// none. Not with `stats_out` (the update's telemetry reads the gradients as they are).
+    pub grad_factors: &'a [crate::units::GradFactors],
     /// Each clip's policies ([`crate::policy`]), one per clip (per clip group, or one for the
     /// clip over every group), or empty for none: run once the clip's norm is known, before
     /// any update reads its coefficient. A clip policy's coefficient replaces the fixed
@@ -178,6 +183,7 @@ pub(crate) fn check_step(list: &StepList, groups: &[GroupStep], inputs: &StepAdd
             });
         }
     }
+    check_grad_factors(list, inputs)?;
     super::check_clip(inputs.clip.as_ref())?;
     let clips = inputs.clip_groups.len();
     let bad = |detail: String| Err(Error::ClipGroups { detail });
@@ -225,6 +231,53 @@ pub(crate) fn check_step(list: &StepList, groups: &[GroupStep], inputs: &StepAdd
     ] {
         if !addr.is_multiple_of(align) {
             return Err(Error::BadOutputAddress { what, addr });
+        }
+    }
+    Ok(())
+}
+
+/// The checks of a step's gradient factors (a unit-wise clip folded into the update): one entry
+/// per list tensor, none with the step's telemetry, and each given one aligned, its units
+/// dividing the gradient, its table clear of every part the step writes. Errors name the tensor
+/// by its place in the list.
+fn check_grad_factors(list: &StepList, inputs: &StepAddresses<'_>) -> Result<()> {
+    let factors = inputs.grad_factors;
+    if factors.is_empty() {
+        return Ok(());
+    }
+    let grads = list.grads().tensors();
+    if factors.len() != grads.len() {
+        return Err(Error::LengthMismatch {
+            what: "the gradient factors (one per tensor of the step list)",
+            expected: grads.len(),
+            found: factors.len(),
+        });
+    }
+    if inputs.stats_out != 0 {
+        return Err(Error::ClipGroups {
+            detail: "gradient factors (a unit-wise clip in the update) with the step's telemetry: clip the gradients first".into(),
+        });
+    }
+    for (index, (f, g)) in factors.iter().zip(grads).enumerate() {
+        if f.addr == 0 || g.len == 0 {
+            continue;
+        }
+        let fits = f.unit_len > 0 && g.len.is_multiple_of(f.unit_len);
+        if !fits || !f.addr.is_multiple_of(8) || !f.step.is_multiple_of(8) {
+            return Err(Error::Units {
+                index,
+                detail: format!(
+                    "its gradient factors (at {:#x}, units of {} elements, {} bytes apart) are not aligned to 8 bytes or do not cut its {} elements into whole units",
+                    f.addr, f.unit_len, f.step, g.len
+                ),
+            });
+        }
+        let end = (g.len / f.unit_len - 1).checked_mul(f.step).and_then(|b| b.checked_add(f.addr + 8));
+        if !end.is_some_and(|end| list.reads_clear(f.addr, end)) {
+            return Err(Error::Units {
+                index,
+                detail: "its gradient factors share memory with a part the step writes: keep them in memory of their own".into(),
+            });
         }
     }
     Ok(())

@@ -9,6 +9,7 @@ use gradclip_kernels::dtype::{Bf16, Element, F16, F32, F64};
 use gradclip_kernels::lion::{lion_scalars_f32, lion_scalars_f64};
 use gradclip_kernels::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 use gradclip_kernels::tally::{NoTally, RECORD_WORDS, RUN, Run, StepTally, Tally, ThreadTally, exact_sums};
+use gradclip_kernels::unit_factors::{AsStored, ByUnit, GradFactors as Factors, factored};
 use gradclip_kernels::update::ElementUpdate;
 
 use super::backend::{GroupStep, StepAddresses, StepBackend, check_step, clip_plans};
@@ -18,6 +19,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::RawTensor;
 use crate::tensor_list::TensorList;
+use crate::units::GradFactors;
 
 /// Elements per parallel piece of work.
 const PIECE: u64 = 1 << 16;
@@ -39,6 +41,8 @@ struct Piece {
     row: usize,
     /// Its group skips the step: the piece is only tallied, nothing is written.
     unchanged: bool,
+    /// Its gradient's factors (a unit-wise clip folded into the update), or none.
+    factors: GradFactors,
 }
 
 /// A rule's checked hyperparameters, as its arithmetic takes them.
@@ -193,7 +197,7 @@ impl Cpu {
             coef: factor,
         }];
         // SAFETY: the caller's contract, checked above.
-        unsafe { update_groups(&list, &mut one, false) };
+        unsafe { update_groups(&list, &mut one, false, &[]) };
         Ok(r)
     }
 
@@ -340,7 +344,7 @@ impl StepBackend for Cpu {
                     coef: verdicts[c].1,
                 })
                 .collect();
-            let tallies = update_groups(list, &mut each, inputs.stats_out != 0);
+            let tallies = update_groups(list, &mut each, inputs.stats_out != 0, inputs.grad_factors);
             if inputs.stats_out != 0 {
                 write_records(list, &each, &tallies, inputs.stats_out as *mut f64, inputs.stats_rows);
             }
@@ -387,7 +391,7 @@ struct GroupUpdate<'a> {
 ///
 /// # Safety
 /// As [`Cpu::step_raw`], for the list's tensors.
-unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>], tally: bool) -> Vec<(usize, StepTally)> {
+unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>], tally: bool, factors: &[GradFactors]) -> Vec<(usize, StepTally)> {
     let mut pieces: Vec<Piece> = Vec::new();
     let mut row = 0;
     for (g, u) in groups.iter().enumerate() {
@@ -411,6 +415,7 @@ unsafe fn update_groups(list: &StepList, groups: &mut [GroupUpdate<'_>], tally: 
                 coef: u.coef,
                 row,
                 unchanged: u.skipped,
+                factors: factors.get(row).copied().unwrap_or_default(),
             }));
             row += 1;
         }
@@ -571,14 +576,25 @@ unsafe fn update_dtypes<const N: usize, U32: ElementUpdate<f32> + Copy, U64: Ele
     let (param, grad) = (p.parts.param.dtype, p.parts.grad.dtype);
     // The states' dtype (the parameter's when it keeps none: any will do).
     let s = p.parts.states[0].map_or(param, |s| s.dtype);
+    let f = &p.factors;
+    // The gradient's factors in the walk without telemetry only, as the kernels' (the step's
+    // checks refuse them with it).
+    let by_unit = ByUnit::at_start(f.addr, f.unit_len, f.step, p.start).filter(|_| !Tl::ON);
     // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
     unsafe {
         if param == DType::F64 {
-            update_range::<N, F64, F64, F64, f64, _, _>(p, &u64, t)
+            match by_unit {
+                Some(f) => update_range::<N, F64, F64, F64, f64, _, _, _>(p, &u64, t, &f),
+                None => update_range::<N, F64, F64, F64, f64, _, _, _>(p, &u64, t, &AsStored),
+            }
         } else {
             // The kernels' table of triples; the step list's checks admit no other.
-            gradclip_kernels::with_update_dtypes!((param.code(), grad.code(), s.code()),
-                (P, G, St) => update_range::<N, P, G, St, f32, _, _>(p, &u32, t), _ => {})
+            match by_unit {
+                Some(f) => gradclip_kernels::with_update_dtypes!((param.code(), grad.code(), s.code()),
+                    (P, G, St) => update_range::<N, P, G, St, f32, _, _, _>(p, &u32, t, &f), _ => {}),
+                None => gradclip_kernels::with_update_dtypes!((param.code(), grad.code(), s.code()),
+                    (P, G, St) => update_range::<N, P, G, St, f32, _, _, _>(p, &u32, t, &AsStored), _ => {}),
+            }
         }
     }
 }
@@ -622,12 +638,13 @@ impl Opmath<f64> for F64 {
 }
 
 /// The update of elements `start..end` in opmath `T` (parameter `P`, gradient `G`, `N` states
-/// `S`), element by element as the kernel's walk: widen, [`ElementUpdate::update`], round.
+/// `S`), element by element as the kernel's walk: widen (the gradient multiplied by its factor
+/// in `f`, [`factored`]), [`ElementUpdate::update`], round.
 ///
 /// # Safety
 /// Every part of the piece is live host memory of its dtype and the piece's range lies inside it
-/// (its first `N` states present); the written parts (parameter and states) are used by nothing
-/// else during the call.
+/// (its first `N` states present), as are its gradient's factors; the written parts (parameter
+/// and states) are used by nothing else during the call.
 unsafe fn update_range<
     const N: usize,
     P: Opmath<T>,
@@ -636,10 +653,12 @@ unsafe fn update_range<
     T: Copy + Default + Into<f64>,
     U: ElementUpdate<T>,
     Tl: Tally,
+    F: Factors,
 >(
     p: &Piece,
     u: &U,
     t: &mut Tl,
+    f: &F,
 ) {
     let parts = &p.parts;
     let mut states = [RawTensor {
@@ -669,7 +688,8 @@ unsafe fn update_range<
             for k in 0..N {
                 st[k] = S::widen_to(*at::<S>(&states[k], i));
             }
-            let (before, grad) = (P::widen_to(*at::<P>(&parts.param, i)), G::widen_to(*at::<G>(&parts.grad, i)));
+            let before = P::widen_to(*at::<P>(&parts.param, i));
+            let grad = G::widen_to(factored::<G>(*at::<G>(&parts.grad, i), f.at(i - p.start)));
             let stored = P::round_from(u.update(before, grad, &mut st));
             *at::<P>(&parts.param, i) = stored;
             if runs && i < runs_end {

@@ -196,6 +196,14 @@ impl StepList {
     pub fn grads(&self) -> &TensorList {
         &self.0.grads
     }
+
+    /// True when the bytes `[start, end)`, which a step reads, share none with a part it writes
+    /// (a parameter, a state, a step count).
+    pub fn reads_clear(&self, start: u64, end: u64) -> bool {
+        let w = &self.0.written;
+        let at = w.partition_point(|&(s, _)| s < end);
+        start >= end || at == 0 || w[at - 1].1 <= start
+    }
 }
 
 /// `list` (made of `grads`: new, or relocated) when they are valid memory and no non-empty one

@@ -102,7 +102,7 @@ class _EngineStep:
         layout.tensor_lrs = any(isinstance(g["lr"], torch.Tensor) for g in self.param_groups)
         return layout
 
-    def _gradclip_step(self) -> bool:
+    def _gradclip_step(self, grad_factors=None) -> bool:
         """The step with gradclip's engine: with a clip, the norm over every group's gradients,
         then the update that multiplies each gradient by the coefficient as it reads it (no scale
         pass, no gradient write); on CUDA the norm kernel and one Adam launch for every group
@@ -118,7 +118,8 @@ class _EngineStep:
         (several devices, tensors the engine does not take); torch's step then runs. DTensor
         parameters update their local shards with the global norm of the sharded gradients (one
         all-reduce per process group), as ``clip_grad_norm_`` computes it. Capturable in a CUDA
-        graph after one eager step."""
+        graph after one eager step. ``grad_factors``: a unit clip's factors for the update to
+        multiply each gradient by as it reads it (``_step_policies.unit_clip``), or None."""
         # The clip groups first: a refusal writes nothing (no state made either).
         named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
         if named is not None and self._given_norm is not None:
@@ -190,6 +191,7 @@ class _EngineStep:
                         None if named is None else (named.thresholds, named.index),
                         stats_out,
                         policies,
+                        grad_factors,
                     )
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):

@@ -228,9 +228,13 @@ class _ClippingStep(_StepReports, _StepSaved, _EngineStep, _CompiledStep, _Torch
                 p.grad = None
 
     def _clipped_step(self, loss):
-        _step_policies.unit_clip(self)  # AGC first: the step (its norm too) reads the clipped gradients
-        if self.update == "gradclip" and self._gradclip_step():
+        # AGC first: the step (its norm too) reads the clipped gradients, or its update folds in
+        # the factors decided here.
+        folded = _step_policies.unit_clip(self)
+        if self.update == "gradclip" and self._gradclip_step(folded):
             return loss
+        if folded is not None:
+            _step_policies.unfolded(self)
         why = "update='torch' runs torch's step" if self.update != "gradclip" else "its engine could not take this step (tensors on several devices, or of a kind it does not read)"
         _step_policies.refuse_torch_step(self, why)
         if _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy) is not None:

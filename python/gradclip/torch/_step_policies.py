@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple, Union
 
 from .._engine import policy_role
+from . import _step_clip_groups
 from .policies import AGC, AdaGC, SkipSpike
 from .policies._base import _ClipPolicy, _Policy, clip_threshold, policies_args
 
@@ -48,14 +49,49 @@ def checked(clip, skip, max_grad_norm, update: str) -> Tuple[Optional[float], Op
     return max_grad_norm, policy, skip, unit
 
 
-def unit_clip(opt) -> None:
+def unit_clip(opt):
     """The optimizer's unit clip (``clip=AGC(...)`` or ``clip=AdaGC(...)``) on every gradient of
     its groups, in their order (AdaGC's slots), before the step
     reads them (under GradScaler, whose scale the gradients still carry, by their unscaled
-    norms; a step GradScaler skips for an overflow teaches AdaGC nothing)."""
-    if opt.unit_clip is not None:
-        params = (p for g in opt.param_groups for p in g["params"])
-        opt.unit_clip.clip_unitwise_(params, getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None))
+    norms; a step GradScaler skips for an overflow teaches AdaGC nothing).
+
+    AGC in gradclip's update folds into it where the step takes no norm and no telemetry (the
+    update multiplies each gradient by its unit's factor as it reads it: the gradients are
+    neither written nor read again, the bits those of the clip then the step): its factors are
+    decided here on the device, and the table the update reads them from is returned (the step
+    must take it, or ``unfolded`` clip the gradients). None where the clip ran on the gradients."""
+    if opt.unit_clip is None:
+        return None
+    params = [p for g in opt.param_groups for p in g["params"]]
+    scale = getattr(opt, "grad_scale", None)
+    if _folds(opt):
+        found = opt.unit_clip.step_factors(params, scale)
+        if found is not None:
+            decide, table = found
+            decide()
+            return table
+    opt.unit_clip.clip_unitwise_(params, scale, getattr(opt, "found_inf", None))
+    return None
+
+
+def unfolded(opt) -> None:
+    """The unit clip on the gradients, for a step that did not take the factors ``unit_clip``
+    decided (torch's step runs instead; AGC keeps no state, so deciding again changes nothing)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    opt.unit_clip.clip_unitwise_(params, getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None))
+
+
+def _folds(opt) -> bool:
+    """Whether the optimizer's unit clip folds into its update: AGC, gradclip's update, no
+    telemetry, and a step that takes no norm (no threshold, policy or clip group: a norm would
+    be of the gradients before the clip)."""
+    return (
+        isinstance(opt.unit_clip, AGC)
+        and opt.update == "gradclip"
+        and not opt._stats
+        and limit(opt) is None
+        and _step_clip_groups.read(opt.param_groups, opt.max_grad_norm, opt.clip_policy, opt.skip_policy) is None
+    )
 
 
 def limit(opt) -> Optional[float]:

@@ -122,10 +122,22 @@ class AGC(UnitClip):
 
         return run
 
-    def _native_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor]):
+    def step_factors(self, parameters, loss_scale: Optional[torch.Tensor] = None):
+        """AGC folded into an optimizer's update (``clip=AGC(...)``): ``(decide, table)``, the
+        call that decides every unit's factor of the gradients of ``parameters`` (a list, in the
+        optimizer's order) on the device without writing them, and the native table the update
+        reads each parameter's factors from (by its position in ``parameters``; the update
+        multiplies the gradient as ``clip_unitwise_`` would have written it: the same bits).
+        Every check runs here, before anything is written. None when the binding does not read
+        these tensors itself (the caller then clips with ``clip_unitwise_``)."""
+        with torch.no_grad():
+            return self._native_work(_as_list(parameters), loss_scale, factors=True)
+
+    def _native_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor], factors: bool = False):
         """The call when the binding reads every parameter and gradient itself (plain
         contiguous tensors of one device: ``UnitReads``), keeping the last tables while the same
-        tensors come back; None otherwise (the Python reading then takes the call)."""
+        tensors come back; None otherwise (the Python reading then takes the call). With
+        ``factors``, ``step_factors``'s pair."""
         reader = facts()
         if reader is None or not type(params) is list:
             return None
@@ -140,15 +152,19 @@ class AGC(UnitClip):
         elif self._tables is None or self._tables[0] is not None:
             # The kept tables are the Python reading's: read again.
             self._reads.forget()
-            return self._native_work(params, loss_scale)
-        return self._launch(device, loss_scale)
+            return self._native_work(params, loss_scale, factors)
+        call = self._launch(device, loss_scale, factors)
+        if not factors:
+            return call
+        _, buf, counts = self._tables
+        return call, self._reads.grad_factors((buf.data_ptr(), *counts))
 
-    def _launch(self, device: torch.device, loss_scale: Optional[torch.Tensor]):
-        """The engine's call over the kept tables."""
+    def _launch(self, device: torch.device, loss_scale: Optional[torch.Tensor], factors: bool = False):
+        """The engine's call over the kept tables (with ``factors``: the decision alone)."""
         _, buf, plan = self._tables
         clip_factor, eps = self.clip_factor, self.eps
         scale = loss_scale_on(device, loss_scale)
-        return lambda: _agc(device, buf, plan, clip_factor, eps, 0 if scale is None else scale.data_ptr())
+        return lambda: _agc(device, buf, plan, clip_factor, eps, 0 if scale is None else scale.data_ptr(), factors)
 
     def _device_call(self, device: torch.device, pairs: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: Optional[torch.Tensor]):
         """The engine's call over ``pairs`` on ``device``, its tables made (or the kept ones)."""

@@ -1,0 +1,128 @@
+"""AGC folded into gradclip's update (``clip=AGC(...)``): the update multiplies each gradient by
+its unit's factor as it reads it, so the step's parameters and states are the bits of the clip
+followed by the step, and the gradients are not written. Checked against the clip run on the
+gradients (``AGC().clip_unitwise_``, itself checked against the authors' rule in test_agc.py)
+and then the optimizer without a clip, over several steps with new gradients, for every update
+rule and dtype, units that are not whole vector groups and units of several engine pieces,
+None gradients, excluded parameters, GradScaler's scale; and the steps that cannot fold (a
+threshold beside AGC, telemetry, torch's update) still clip the gradients first."""
+
+import pytest
+import torch
+
+from gradclip.torch import optim
+from gradclip.torch.policies import AGC, SkipSpike
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+#: Units of 9 (not a group of 8), of 3 x 3 x 3 = 27, of two engine pieces (20000), a vector (one
+#: unit), a matrix whose rows are whole groups (16), a weight without elements.
+SHAPES = [(16, 9), (8, 3, 3, 3), (2, 20000), (37,), (4, 16), (3, 0), (5, 1)]
+
+RULES = {
+    "adamw": lambda ps, **k: optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **k),
+    "adam_amsgrad": lambda ps, **k: optim.Adam(ps, lr=1e-2, amsgrad=True, **k),
+    "sgd_momentum": lambda ps, **k: optim.SGD(ps, lr=1e-2, momentum=0.9, **k),
+    "lion": lambda ps, **k: optim.Lion(ps, lr=1e-3, **k),
+}
+
+
+def _params(seed, dtype, device):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype).to(device)) for s in SHAPES]
+
+
+def _grads(seed, params, none_at=()):
+    """Gradients from far below to far above their units' limits (so some units clip and some
+    do not), None at ``none_at``."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    out = []
+    for k, p in enumerate(params):
+        g = (torch.randn(p.shape, generator=gen) * 10.0 ** (k % 4 - 2)).to(p.dtype).to(p.device)
+        out.append(None if k in none_at else g)
+    return out
+
+
+def _twins(seed, dtype, device):
+    a = _params(seed, dtype, device)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    return a, b
+
+
+def _bits(t):
+    return t.detach().cpu().reshape(-1).view(torch.uint8) if t.numel() else t.detach().cpu()
+
+
+def _same(a, b):
+    assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_folded_step_is_the_clip_then_the_step(device, rule, dtype):
+    folded, plain = _twins(3, dtype, device)
+    head = folded[-1]  # left unclipped, as the authors leave the classifier
+    opt_f = RULES[rule](folded, clip=AGC(exclude=[head]))
+    opt_p = RULES[rule](plain)
+    agc = AGC(exclude=[plain[-1]])
+    for step in range(3):
+        none_at = {1} if step == 1 else ()  # a parameter without a gradient this step
+        grads = _grads(step, folded, none_at)
+        for p, q, g in zip(folded, plain, grads):
+            p.grad = None if g is None else g.clone()
+            q.grad = None if g is None else g.clone()
+        agc.clip_unitwise_(plain)
+        opt_f.step()
+        opt_p.step()
+        for p, q, g in zip(folded, plain, grads):
+            _same(p, q)
+            if g is not None:
+                # The update read the gradients; nothing wrote them.
+                _same(p.grad, g)
+        for p, q in zip(folded, plain):
+            for key, s in opt_f.state[p].items():
+                if torch.is_tensor(s):
+                    _same(s, opt_p.state[q][key])
+    clipped = [not torch.equal(q.grad, p.grad) for p, q in zip(folded, plain) if q.grad is not None and q.numel()]
+    assert any(clipped) and not all(clipped), "the gradients must have clipped and kept units"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loss_scaled_folded_step(device):
+    """GradScaler's scale in the gradients: the units' norms are divided by it, the update
+    divides it out: the bits of the clip by the unscaled norms, then the scaled step."""
+    folded, plain = _twins(5, torch.float32, device)
+    scale = torch.tensor([256.0], device=device)
+    opt_f = optim.AdamW(folded, lr=1e-2, clip=AGC())
+    opt_p = optim.AdamW(plain, lr=1e-2)
+    for p, q, g in zip(folded, plain, _grads(5, folded)):
+        p.grad, q.grad = g * 256.0, g * 256.0
+    AGC().clip_unitwise_(plain, loss_scale=scale)
+    for o in (opt_f, opt_p):
+        o.grad_scale = scale
+        o.step()
+    for p, q in zip(folded, plain):
+        _same(p, q)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(skip=SkipSpike(threshold=1e9)), dict(stats=True), dict(update="torch")],
+    ids=["skip-policy-norm", "telemetry", "torch-update"],
+)
+def test_steps_that_cannot_fold_clip_the_gradients_first(kwargs):
+    """A step that takes a norm (its skip policy's), telemetry or torch's update: AGC runs on
+    the gradients before it, as before (the norm and the figures are of the clipped gradients)."""
+    folded, plain = _twins(7, torch.float32, "cpu")
+    opt_f = optim.AdamW(folded, lr=1e-2, clip=AGC(), **kwargs)
+    opt_p = optim.AdamW(plain, lr=1e-2, update=kwargs.get("update", "gradclip"))
+    grads = _grads(7, folded)
+    for p, q, g in zip(folded, plain, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    AGC().clip_unitwise_(plain)
+    opt_f.step()
+    opt_p.step()
+    for p, q in zip(folded, plain):
+        _same(p, q)
+        _same(p.grad, q.grad)
