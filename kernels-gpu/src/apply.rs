@@ -180,7 +180,6 @@ fn stored_pair<P: Element>(lo: f32, hi: f32) -> (f32, f32) {
 /// # Safety
 /// As [`load_parts`], the group written by no other thread.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32>, T: Tally, F: GradFactors>(
     d: &UpdateTensorDesc,
     i: u64,
@@ -188,13 +187,12 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
     raw: &[Raw; PARTS],
     t: &mut T,
     f: &F,
-    whole: bool,
 ) {
     let [p, g, s0, s1, s2] = raw;
-    // The gradient's factors (a unit-wise clip folded into the update): one for the group when
-    // it lies in one unit, else each element's.
+    // The gradient's factor (a unit-wise clip folded into the update): the group lies in one
+    // unit (`chunk_f32` walks other chunks element by element).
     // SAFETY: the group's elements are the chunk's (the contract).
-    let group_factor = if F::ON && whole { unsafe { f.at(i) } } else { 1.0 };
+    let factor = if F::ON { unsafe { f.at(i) } } else { 1.0 };
     let mut out = [[0.0f32; GROUP as usize]; 1 + MAX_STATES];
     // For a 16-bit parameter the group is one of the tally's runs (elements 8k..8k + 8).
     let (mut run, mut even_before) = (Run::default(), 0.0f32);
@@ -204,8 +202,6 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
         let w = |r: &Raw, n: usize| if N > n { widen_at::<S>(r, k) } else { 0.0 };
         let mut st = [w(s0, 0), w(s1, 1), w(s2, 2)];
         let grad = if F::ON {
-            // SAFETY: as the group's factor.
-            let factor = if whole { group_factor } else { unsafe { f.at(i + k as u64) } };
             G::to_f32(factored::<G>(bits_at::<G>(g, k), factor))
         } else {
             widen_at::<G>(g, k)
@@ -278,9 +274,11 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
     let u = &u.for_states(N);
     let start = chunk * update_chunk_elems(P::SIZE);
     let end = d.len.min(start + update_chunk_elems(P::SIZE));
-    let whole = f.whole_groups(GROUP);
     let state = |n: usize| if N > n { d.states[n] } else { 0 };
-    if (d.param | d.grad | state(0) | state(1) | state(2)) & 15 == 0 {
+    // With gradient factors, groups of one unit each (else element by element: a group's
+    // factor is one load, and the groups' walk keeps its registers).
+    let whole = !F::ON || f.whole_groups(GROUP, end.max(start) - start);
+    if (d.param | d.grad | state(0) | state(1) | state(2)) & 15 == 0 && whole {
         // The chunk's parts from its first element, walked by 32-bit offsets (a chunk is far
         // below 2^32 elements): a 64-bit index and end took two more registers in the loop,
         // which the bf16 step's pipelined loop spilled.
@@ -305,21 +303,21 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
         // every part of the chunk, whose bases are 16-byte aligned (a chunk starts at a multiple
         // of GROUP), and starts at a multiple of GROUP; it belongs to this thread alone.
         unsafe {
-            if P::SIZE == 2 && G::SIZE == 2 && S::SIZE == 2 && PIPELINE_16BIT && N <= 2 && !T::ON {
+            if P::SIZE == 2 && G::SIZE == 2 && S::SIZE == 2 && PIPELINE_16BIT && N <= 2 && !T::ON && !F::ON {
                 if i + group <= len {
                     let mut this = load_parts::<P, G, S, N>(&c, i as u64);
                     while i + stride + group <= len {
                         let next = load_parts::<P, G, S, N>(&c, (i + stride) as u64);
-                        update_parts::<P, G, S, N, U, T, F>(&c, i as u64, u, &this, t, f, whole);
+                        update_parts::<P, G, S, N, U, T, F>(&c, i as u64, u, &this, t, f);
                         this = next;
                         i += stride;
                     }
-                    update_parts::<P, G, S, N, U, T, F>(&c, i as u64, u, &this, t, f, whole);
+                    update_parts::<P, G, S, N, U, T, F>(&c, i as u64, u, &this, t, f);
                     i += stride;
                 }
             } else {
                 while i + group <= len {
-                    update_parts::<P, G, S, N, U, T, F>(&c, i as u64, u, &load_parts::<P, G, S, N>(&c, i as u64), t, f, whole);
+                    update_parts::<P, G, S, N, U, T, F>(&c, i as u64, u, &load_parts::<P, G, S, N>(&c, i as u64), t, f);
                     i += stride;
                 }
             }
@@ -451,19 +449,28 @@ pub(crate) unsafe fn chunk_f64<const N: usize, U: ElementUpdate<f64> + Copy, T: 
 /// # Safety
 /// As [`chunk_f32`].
 #[inline(always)]
-unsafe fn walk_f64<const N: usize, U: ElementUpdate<f64> + Copy, T: Tally, F: GradFactors>(d: &UpdateTensorDesc, chunk: u64, u: U, t: &mut T, f: &F) {
+unsafe fn walk_f64<const N: usize, U: ElementUpdate<f64> + Copy, T: Tally, F: GradFactors>(
+    d: &UpdateTensorDesc,
+    chunk: u64,
+    u: U,
+    t: &mut T,
+    f: &F,
+) {
     let u = u.for_states(N);
     let start = chunk * update_chunk_elems(8);
     let end = d.len.min(start + update_chunk_elems(8));
-    // A run-time count (see chunk_f32's aligned path).
-    let mut i = start + thread_idx() as u64;
-    while i < end {
+    // A run-time count (see chunk_f32's aligned path), by 32-bit offsets in the chunk (a 64-bit
+    // end was spilled with gradient factors in the kernel).
+    let len = (end.max(start) - start) as u32;
+    let mut k = thread_idx();
+    while k < len {
+        let i = start + k as u64;
         // SAFETY: i < d.len; element i belongs to this thread alone.
         unsafe {
             let state = |n: usize| if N > n { F64::widen(load::<F64>(d.states[n], i)) } else { 0.0 };
             let mut st = [state(0), state(1), state(2)];
             let before = F64::widen(load::<F64>(d.param, i));
-            let grad = F64::widen(factored::<F64>(load::<F64>(d.grad, i), f.at(i - start)));
+            let grad = F64::widen(factored::<F64>(load::<F64>(d.grad, i), f.at(k as u64)));
             let p = u.update(before, grad, &mut st);
             if T::ON {
                 t.push_f64(before, p, grad);
@@ -479,7 +486,7 @@ unsafe fn walk_f64<const N: usize, U: ElementUpdate<f64> + Copy, T: Tally, F: Gr
                 store::<F64>(d.states[2], i, F64::from_f64(st[2]));
             }
         }
-        i += BLOCK_THREADS as u64;
+        k += BLOCK_THREADS;
     }
 }
 

@@ -14,9 +14,9 @@ use crate::dtype::Element;
 pub trait GradFactors: Copy {
     /// Whether the gradient is multiplied at all.
     const ON: bool;
-    /// Whether every aligned group of `group` elements of the chunk lies in one unit (one factor
-    /// a group).
-    fn whole_groups(&self, group: u64) -> bool;
+    /// Whether every aligned group of `group` elements of the chunk (`len` elements) lies in
+    /// one unit (one factor a group): the units are whole groups, or the chunk lies in one unit.
+    fn whole_groups(&self, group: u64, len: u64) -> bool;
     /// The factor of element `i` of the chunk (counted from its start).
     ///
     /// # Safety
@@ -31,7 +31,7 @@ pub struct AsStored;
 impl GradFactors for AsStored {
     const ON: bool = false;
     #[inline(always)]
-    fn whole_groups(&self, _group: u64) -> bool {
+    fn whole_groups(&self, _group: u64, _len: u64) -> bool {
         true
     }
     #[inline(always)]
@@ -40,17 +40,23 @@ impl GradFactors for AsStored {
     }
 }
 
-/// A gradient multiplied by its units' factors, for one chunk of its tensor's walk.
+/// A gradient multiplied by its units' factors, for one chunk of its tensor's walk: 32-bit
+/// arithmetic per element (a unit and the chunk's first element's place in it below 2^30; a
+/// larger unit's end, which a chunk crosses at most once, is put at the same place of a unit of
+/// 2^30), five registers where the 64-bit form took eight (the bf16 Adam walk spilled them).
 #[derive(Clone, Copy, Debug)]
 pub struct ByUnit {
     /// The factor of the unit of the chunk's first element.
     first: u64,
     /// The chunk's first element's place in its unit.
-    offset: u64,
-    unit_len: u64,
-    /// Bytes between two units' factors.
-    step: u64,
+    offset: u32,
+    unit_len: u32,
+    /// 8-byte words between two units' factors.
+    step_words: u32,
 }
+
+/// The largest unit [`ByUnit`] divides by.
+const BIG_UNIT: u64 = 1 << 30;
 
 impl ByUnit {
     /// The factors of `d` for its chunk that starts at element `start`, or None when `d` has
@@ -60,19 +66,29 @@ impl ByUnit {
         Self::at_start(d.factors, d.unit_len, d.factor_step, start)
     }
 
-    /// The factors at `factors` (one per unit of `unit_len` elements, `step` bytes apart) for
-    /// the chunk that starts at element `start`, or None for `factors` 0.
+    /// The factors at `factors` (one per unit of `unit_len` elements, `step` bytes apart, a
+    /// multiple of 8 below 2^35) for the chunk (fewer than 2^30 elements) that starts at element
+    /// `start`, or None for `factors` 0.
     #[inline(always)]
     pub fn at_start(factors: u64, unit_len: u64, step: u64, start: u64) -> Option<Self> {
         if factors == 0 {
             return None;
         }
         let unit_len = unit_len.max(1);
+        let (first, offset) = (factors + start / unit_len * step, start % unit_len);
+        let (offset, unit_len) = if unit_len <= BIG_UNIT {
+            (offset as u32, unit_len as u32)
+        } else {
+            // The chunk's elements i >= unit_len - offset are the next unit's: (BIG_UNIT - that
+            // + i) / BIG_UNIT is 1 exactly for them (a chunk has fewer than BIG_UNIT elements).
+            let to_end = unit_len - offset;
+            ((if to_end < BIG_UNIT { BIG_UNIT - to_end } else { 0 }) as u32, BIG_UNIT as u32)
+        };
         Some(ByUnit {
-            first: factors + start / unit_len * step,
-            offset: start % unit_len,
+            first,
+            offset,
             unit_len,
-            step,
+            step_words: (step / 8) as u32,
         })
     }
 }
@@ -80,22 +96,17 @@ impl ByUnit {
 impl GradFactors for ByUnit {
     const ON: bool = true;
     #[inline(always)]
-    fn whole_groups(&self, group: u64) -> bool {
-        self.unit_len.is_multiple_of(group) && self.offset.is_multiple_of(group)
+    fn whole_groups(&self, group: u64, len: u64) -> bool {
+        (self.unit_len.is_multiple_of(group as u32) && self.offset.is_multiple_of(group as u32))
+            || self.offset as u64 + len <= self.unit_len as u64
     }
     #[inline(always)]
     unsafe fn at(&self, i: u64) -> f64 {
-        let k = self.offset + i;
-        // A 32-bit division where it is exact (a unit and a chunk below 2^32 elements, the common
-        // case): on the GPU a 64-bit one is a long subroutine.
-        let unit = if (self.unit_len | k) <= u32::MAX as u64 {
-            (k as u32 / self.unit_len as u32) as u64
-        } else {
-            k / self.unit_len
-        };
+        // Below 2^31 + 2^30: the offset and the unit below 2^30, i below a chunk.
+        let unit = (self.offset + i as u32) / self.unit_len;
         // SAFETY: the unit is one of the tensor's (i is an element of the chunk), whose factor is
         // readable (the caller's contract).
-        unsafe { ((self.first + unit * self.step) as *const f64).read() }
+        unsafe { ((self.first + 8 * (unit as u64 * self.step_words as u64)) as *const f64).read() }
     }
 }
 
@@ -132,12 +143,32 @@ mod tests {
                         break;
                     }
                     // SAFETY: the unit's factor lies inside `factors` (checked just above).
-                    assert_eq!(unsafe { f.at(i) }, factors[(unit * step / 8) as usize], "unit {unit_len} start {start} i {i}");
+                    assert_eq!(
+                        unsafe { f.at(i) },
+                        factors[(unit * step / 8) as usize],
+                        "unit {unit_len} start {start} i {i}"
+                    );
                 }
             }
         }
         let plain = UpdateTensorDesc::default();
         assert!(ByUnit::of(&plain, 0).is_none());
+    }
+
+    #[test]
+    fn a_unit_past_the_32_bit_range_ends_where_it_ends() {
+        // Units of 3 * 2^30 elements (AdaGC's whole tensor, say), factors 8 bytes apart: a chunk
+        // of 4096 from 3 * 2^30 - 100 reads unit 0 for 100 elements, then unit 1.
+        let factors: [f64; 3] = [0.25, 0.5, 0.75];
+        let unit = 3u64 << 30;
+        let f = ByUnit::at_start(factors.as_ptr() as u64, unit, 8, unit - 100).unwrap();
+        // SAFETY: units 0 and 1 of `factors`.
+        let got: std::vec::Vec<f64> = (0..4096).map(|i| unsafe { f.at(i) }).collect();
+        assert!(got[..100].iter().all(|&x| x == 0.25) && got[100..].iter().all(|&x| x == 0.5));
+        // A chunk far from a unit's end reads one unit.
+        let f = ByUnit::at_start(factors.as_ptr() as u64, unit, 8, unit + 8192).unwrap();
+        // SAFETY: unit 1.
+        assert!((0..4096).all(|i| unsafe { f.at(i) } == 0.5));
     }
 
     #[test]
@@ -149,10 +180,12 @@ mod tests {
                 factor_step: 8,
                 ..Default::default()
             };
-            ByUnit::of(&d, start).unwrap().whole_groups(8)
+            ByUnit::of(&d, start).unwrap().whole_groups(8, 64)
         };
         assert!(f(16, 0) && f(16, 32) && f(8, 8));
         assert!(!f(12, 0) && !f(3, 24) && !f(16, 4));
+        // A chunk inside one unit: one factor, whatever the unit's length.
+        assert!(f(1001, 0) && f(1001, 900) && !f(1001, 960));
     }
 
     #[test]

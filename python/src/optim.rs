@@ -15,8 +15,8 @@ use std::sync::{Mutex, TryLockError};
 use std::time::Instant;
 
 use gradclip::optim::{Parts, StepList};
-use gradclip::units::GradFactors;
 use gradclip::plan::RawTensor;
+use gradclip::units::GradFactors;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;

@@ -126,3 +126,20 @@ def test_steps_that_cannot_fold_clip_the_gradients_first(kwargs):
     for p, q in zip(folded, plain):
         _same(p, q)
         _same(p.grad, q.grad)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA")
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_cuda_folded_step_equals_the_cpu_backends(rule, dtype):
+    """The GPU's folded update (the kernels' walk with factors) gives the CPU backend's bits."""
+    cpu = _params(11, dtype, "cpu")
+    gpu = [torch.nn.Parameter(p.detach().to("cuda", copy=True)) for p in cpu]
+    opts = [RULES[rule](ps, clip=AGC()) for ps in (cpu, gpu)]
+    for step in range(3):
+        for p, q, g in zip(cpu, gpu, _grads(20 + step, cpu)):
+            p.grad, q.grad = g.clone(), g.to("cuda", copy=True)
+        for o in opts:
+            o.step()
+        for p, q in zip(cpu, gpu):
+            _same(p, q)

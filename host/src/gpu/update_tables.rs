@@ -87,7 +87,9 @@ fn launch_places(list: &StepList, members: &[usize]) -> impl Iterator<Item = usi
 /// Each tensor's row of a launch over `list`'s groups `members`: `given[i]` for its place `i` in
 /// the list, or `i` when `given` is empty.
 fn launch_rows(list: &StepList, members: &[usize], given: &[u32]) -> Vec<u32> {
-    launch_places(list, members).map(|i| given.get(i).copied().unwrap_or(i as u32)).collect()
+    launch_places(list, members)
+        .map(|i| given.get(i).copied().unwrap_or(i as u32))
+        .collect()
 }
 
 /// Each tensor's gradient factors in a launch over `list`'s groups `members`: `given[i]` for its
@@ -96,7 +98,9 @@ fn launch_factors(list: &StepList, members: &[usize], given: &[GradFactors]) -> 
     if given.is_empty() {
         return Vec::new();
     }
-    launch_places(list, members).map(|i| given.get(i).copied().unwrap_or_default()).collect()
+    launch_places(list, members)
+        .map(|i| given.get(i).copied().unwrap_or_default())
+        .collect()
 }
 
 /// The kernel's tables for `parts` with the gradients' `factors` (checked by the caller).
@@ -400,7 +404,15 @@ mod tests {
             parts(3, narrow, DType::F32, DType::F32, false),
         ];
         let list: Vec<(u32, Parts)> = list.into_iter().map(|p| (0, p)).collect();
-        let factors = [GradFactors::default(), GradFactors::default(), GradFactors { addr: 4096, unit_len: 7, step: 16 }];
+        let factors = [
+            GradFactors::default(),
+            GradFactors::default(),
+            GradFactors {
+                addr: 4096,
+                unit_len: 7,
+                step: 16,
+            },
+        ];
         let (descs, tasks) = plan(&list, &factors).unwrap();
         let f32_chunks = narrow.div_ceil(update_chunk_elems(4)) as u32;
         let want: Vec<(u32, u32)> = [(0, 0), (0, 1), (0, 2), (2, 0)]

@@ -263,11 +263,11 @@ fn check_grad_factors(list: &StepList, inputs: &StepAddresses<'_>) -> Result<()>
             continue;
         }
         let fits = f.unit_len > 0 && g.len.is_multiple_of(f.unit_len);
-        if !fits || !f.addr.is_multiple_of(8) || !f.step.is_multiple_of(8) {
+        if !fits || !f.addr.is_multiple_of(8) || !f.step.is_multiple_of(8) || f.step / 8 > u32::MAX as u64 {
             return Err(Error::Units {
                 index,
                 detail: format!(
-                    "its gradient factors (at {:#x}, units of {} elements, {} bytes apart) are not aligned to 8 bytes or do not cut its {} elements into whole units",
+                    "its gradient factors (at {:#x}, units of {} elements, {} bytes apart) are not aligned to 8 bytes, are 2^35 bytes or more apart, or do not cut its {} elements into whole units",
                     f.addr, f.unit_len, f.step, g.len
                 ),
             });

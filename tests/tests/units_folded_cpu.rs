@@ -1,0 +1,193 @@
+//! AGC folded into the update on the CPU backend ([`gradclip::optim::StepAddresses::grad_factors`]):
+//! the step with the factors AGC's decide pass wrote gives the parameters and states, to the bit,
+//! of AGC's clip followed by the step, and writes no gradient; and every malformed set of factors
+//! is refused before anything is written.
+
+use gradclip::Error;
+use gradclip::cpu::Cpu;
+use gradclip::optim::{AdamConfig, GroupStep, Parts, Rule, StepAddresses, StepBackend, StepList};
+use gradclip::plan::RawTensor;
+use gradclip::units::{Agc, GradFactors, UnitPair, UnitPlan, UnitTables};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// One parameter's f32 tensors (Adam's two states).
+#[derive(Clone)]
+struct Slot {
+    param: Vec<f32>,
+    grad: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    unit_len: u64,
+}
+
+/// Rows of 9 (not whole vector groups), rows of 20,000 (two engine pieces), one unit of 37, rows
+/// of 16: gradients from far below to far above their units' limits.
+fn slots(seed: u64) -> Vec<Slot> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    [(144usize, 9u64), (40000, 20000), (37, 37), (64, 16)]
+        .iter()
+        .enumerate()
+        .map(|(k, &(n, unit_len))| {
+            let scale = [1e-2f32, 1e-4, 1e-6, 1e-2][k];
+            let mut draw = |s: f32| (0..n).map(|_| s * (2.0 * rng.random::<f32>() - 1.0)).collect::<Vec<f32>>();
+            Slot {
+                param: draw(0.1),
+                grad: draw(scale),
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+                unit_len,
+            }
+        })
+        .collect()
+}
+
+fn raw(v: &mut [f32]) -> RawTensor {
+    RawTensor::of::<f32>(v.as_mut_ptr() as u64, v.len())
+}
+
+fn parts(slots: &mut [Slot]) -> Vec<Parts> {
+    slots
+        .iter_mut()
+        .map(|s| Parts::adam(raw(&mut s.param), raw(&mut s.grad), raw(&mut s.m), raw(&mut s.v), None))
+        .collect()
+}
+
+/// AGC's tables for `slots` in a host buffer: the plan and its tables.
+fn agc_tables(slots: &mut [Slot], buf: &mut Vec<u64>) -> (UnitPlan, UnitTables) {
+    let pairs: Vec<UnitPair> = slots
+        .iter_mut()
+        .map(|s| UnitPair::with_param(raw(&mut s.grad), raw(&mut s.param), s.unit_len))
+        .collect();
+    let plan = UnitPlan::new(&pairs).unwrap();
+    let words = plan.table_words();
+    *buf = vec![f64::NAN.to_bits(); plan.bytes().div_ceil(8)];
+    buf[..words.len()].copy_from_slice(&words);
+    let tables = UnitTables::of(&plan, buf.as_mut_ptr() as u64);
+    (plan, tables)
+}
+
+const AGC: Agc = Agc {
+    clip_factor: 0.01,
+    eps: 1e-3,
+};
+
+fn step(list: &StepList, counts: &mut [u64; 2], factors: &[GradFactors]) -> gradclip::Result<Option<f64>> {
+    let group = GroupStep {
+        rule: Rule::from(AdamConfig::adamw(1e-2)),
+        count: counts.as_mut_ptr() as u64,
+        lr_in: 0,
+        clip_group: 0,
+    };
+    let inputs = StepAddresses {
+        grad_factors: factors,
+        ..Default::default()
+    };
+    // SAFETY: every part, the count and the factors are live vectors used by nothing else.
+    unsafe { Cpu::new().step_list(list, &[group], &inputs) }
+}
+
+fn bits(slots: &[Slot]) -> Vec<Vec<u32>> {
+    slots
+        .iter()
+        .flat_map(|s| [&s.param, &s.grad, &s.m, &s.v])
+        .map(|x| x.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn the_folded_step_is_the_clip_then_the_step() {
+    let (mut folded, mut clipped) = (slots(3), slots(3));
+    let (mut cf, mut cc) = ([0u64; 2], [0u64; 2]);
+    let (mut buf_f, mut buf_c) = (Vec::new(), Vec::new());
+    for round in 0..3u64 {
+        let mut fresh = slots(10 + round);
+        for (a, b) in folded.iter_mut().zip(clipped.iter_mut()) {
+            let g = fresh.remove(0).grad;
+            (a.grad, b.grad) = (g.clone(), g);
+        }
+        let grads_before: Vec<Vec<u32>> = folded.iter().map(|s| s.grad.iter().map(|v| v.to_bits()).collect()).collect();
+        let (plan, tables) = agc_tables(&mut folded, &mut buf_f);
+        // SAFETY: the tables are this buffer's, the tensors the slots' own.
+        unsafe { Cpu::new().agc_factors_raw(&tables, &AGC, 0) }.unwrap();
+        let list = StepList::new(&[(parts(&mut folded), Rule::from(AdamConfig::adamw(1e-2)).states())]).unwrap();
+        step(&list, &mut cf, &tables.grad_factors(&plan, false)).unwrap();
+
+        let (_, tables) = agc_tables(&mut clipped, &mut buf_c);
+        // SAFETY: as above.
+        unsafe { Cpu::new().agc_raw(&tables, &AGC, 0) }.unwrap();
+        let list = StepList::new(&[(parts(&mut clipped), Rule::from(AdamConfig::adamw(1e-2)).states())]).unwrap();
+        step(&list, &mut cc, &[]).unwrap();
+
+        let (bf, bc) = (bits(&folded), bits(&clipped));
+        for (k, (a, b)) in bf.iter().zip(&bc).enumerate() {
+            // Parameters and states equal; the folded gradients as they were, the clipped ones
+            // written (some units clipped) or not.
+            if k % 4 != 1 {
+                assert_eq!(a, b, "round {round}, part {k}");
+            } else {
+                assert_eq!(*a, grads_before[k / 4], "round {round}: the folded step wrote gradient {}", k / 4);
+            }
+        }
+        let written = (0..folded.len()).filter(|&i| bf[4 * i + 1] != bc[4 * i + 1]).count();
+        assert!(written > 0 && written < folded.len(), "round {round}: {written} gradients clipped");
+        assert_eq!(cf, cc);
+    }
+}
+
+#[test]
+fn malformed_factors_are_refused_before_any_write() {
+    let mut s = slots(5);
+    let mut buf = Vec::new();
+    let (plan, tables) = agc_tables(&mut s, &mut buf);
+    // SAFETY: as above.
+    unsafe { Cpu::new().agc_factors_raw(&tables, &AGC, 0) }.unwrap();
+    let good = tables.grad_factors(&plan, false);
+    let list = StepList::new(&[(parts(&mut s), Rule::from(AdamConfig::adamw(1e-2)).states())]).unwrap();
+    let before = bits(&s);
+    let mut counts = [0u64; 2];
+    let with = |k: usize, f: GradFactors| {
+        let mut v = good.clone();
+        v[k] = f;
+        v
+    };
+    let param0 = s[0].param.as_ptr() as u64;
+    let cases: Vec<(Vec<GradFactors>, &str)> = vec![
+        (good[..3].to_vec(), "one per tensor"),
+        (
+            with(
+                0,
+                GradFactors {
+                    addr: good[0].addr + 4,
+                    ..good[0]
+                },
+            ),
+            "aligned",
+        ),
+        (with(0, GradFactors { unit_len: 10, ..good[0] }), "whole units"),
+        (with(1, GradFactors { unit_len: 0, ..good[1] }), "whole units"),
+        (with(0, GradFactors { addr: param0, ..good[0] }), "share memory"),
+    ];
+    for (factors, why) in cases {
+        let e = step(&list, &mut counts, &factors).unwrap_err();
+        assert!(e.to_string().contains(why), "{why}: {e}");
+        assert_eq!(bits(&s), before, "{why}: nothing written");
+        assert_eq!(counts, [0, 0]);
+    }
+    // With the step's telemetry: refused too.
+    let mut stats = vec![0.0f64; 5 * 4];
+    let group = GroupStep {
+        rule: Rule::from(AdamConfig::adamw(1e-2)),
+        count: counts.as_mut_ptr() as u64,
+        lr_in: 0,
+        clip_group: 0,
+    };
+    let inputs = StepAddresses {
+        grad_factors: &good,
+        stats_out: stats.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    // SAFETY: as above.
+    let e = unsafe { Cpu::new().step_list(&list, &[group], &inputs) }.unwrap_err();
+    assert!(matches!(e, Error::ClipGroups { .. }), "{e}");
+    assert_eq!(bits(&s), before);
+}
