@@ -121,16 +121,33 @@ pub enum AdagcPass {
     Fold,
     /// Decision from the sums (summed over the shards) and the scale.
     Given,
+    /// Norms and decision of whole tensors, no scale: the factors left in the tables
+    /// ([`UnitTables::grad_factors`]) for an optimizer's update to fold in.
+    Decide,
+    /// The scale alone, by the factors a [`AdagcPass::Decide`] left in the tables (a step that
+    /// did not take them); the state is not read.
+    Scale,
 }
 
 impl AdagcPass {
-    /// The kernel's code for the pass.
+    /// The decision kernel's code for the pass.
     pub(crate) fn code(self) -> u32 {
         use gradclip_kernels::policy::adagc::pass;
         match self {
-            AdagcPass::Local => pass::LOCAL,
+            AdagcPass::Local | AdagcPass::Decide | AdagcPass::Scale => pass::LOCAL,
             AdagcPass::Fold => pass::FOLD,
             AdagcPass::Given => pass::GIVEN,
+        }
+    }
+
+    /// Whether the pass runs the norms, the decision, the scale.
+    pub(crate) fn stages(self) -> (bool, bool, bool) {
+        match self {
+            AdagcPass::Local => (true, true, true),
+            AdagcPass::Fold => (true, true, false),
+            AdagcPass::Given => (false, true, true),
+            AdagcPass::Decide => (true, true, false),
+            AdagcPass::Scale => (false, false, true),
         }
     }
 }

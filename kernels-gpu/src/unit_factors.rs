@@ -82,7 +82,7 @@ impl ByUnit {
             // The chunk's elements i >= unit_len - offset are the next unit's: (BIG_UNIT - that
             // + i) / BIG_UNIT is 1 exactly for them (a chunk has fewer than BIG_UNIT elements).
             let to_end = unit_len - offset;
-            ((if to_end < BIG_UNIT { BIG_UNIT - to_end } else { 0 }) as u32, BIG_UNIT as u32)
+            (BIG_UNIT.saturating_sub(to_end) as u32, BIG_UNIT as u32)
         };
         Some(ByUnit {
             first,
@@ -143,11 +143,8 @@ mod tests {
                         break;
                     }
                     // SAFETY: the unit's factor lies inside `factors` (checked just above).
-                    assert_eq!(
-                        unsafe { f.at(i) },
-                        factors[(unit * step / 8) as usize],
-                        "unit {unit_len} start {start} i {i}"
-                    );
+                    let got = unsafe { f.at(i) };
+                    assert_eq!(got, factors[(unit * step / 8) as usize], "unit {unit_len} start {start} i {i}");
                 }
             }
         }

@@ -75,7 +75,8 @@ groups_have_keys = _native.groups_have_keys
 def adagc(device: torch.device, tables: torch.Tensor, plan, state: torch.Tensor, loss_scale: int = 0, pass_: int = 0, found_inf: int = 0) -> None:
     """AdaGC over the per-tensor tables in ``tables`` (as for ``agc``) with its ``state`` (a
     float64 tensor on ``device``), on torch's current stream there; ``pass_``: 0 the whole clip,
-    1 and 2 the halves of a sharded one (``gradclip::units::AdagcPass``); ``loss_scale`` and
+    1 and 2 the halves of a sharded one, 3 the decision alone (the factors left in the tables for
+    an optimizer's update), 4 the scale alone by them (``gradclip::units::AdagcPass``); ``loss_scale`` and
     ``found_inf``: the addresses of GradScaler's float32 scale and overflow flag there, or 0."""
     stream, on_device = stream_of(device)
     with on_device:

@@ -154,8 +154,9 @@ pub fn adagc_state(clip_ratio: f64, beta: f64, eps: f64, start_clip_steps: u32, 
 /// float64 at `state`, on the tables' device) on `device` (a CUDA ordinal, on `stream`, or -1
 /// for the CPU); `scaler`: the addresses of GradScaler's f32 scale and overflow
 /// flag (not 0: every gradient and the state left as they were), or 0; `pass`: 0 the whole
-/// clip, 1 and 2 the halves of a sharded one around the caller's all-reduce of the tables' sums
-/// (`AdagcPass`).
+/// clip, 1 and 2 the halves of a sharded one around the caller's all-reduce of the tables' sums,
+/// 3 the decision alone (the factors left in the tables for an optimizer's update to fold in),
+/// 4 the scale alone by them (`AdagcPass`).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn adagc(
@@ -173,6 +174,8 @@ pub fn adagc(
         0 => AdagcPass::Local,
         1 => AdagcPass::Fold,
         2 => AdagcPass::Given,
+        3 => AdagcPass::Decide,
+        4 => AdagcPass::Scale,
         p => return Err(PyValueError::new_err(format!("unknown AdaGC pass {p}"))),
     };
     if device >= 0 {
@@ -207,9 +210,16 @@ pub struct UnitReads {
     pairs: Vec<PairArgs>,
     /// Each pair's parameter's position in the call's list (errors name it).
     positions: Vec<usize>,
-    /// The last factor table made (`grad_factors`): for the tables' address and kind it was
-    /// made for, and the positions it maps.
-    factors: Option<((u64, bool), Vec<usize>, Py<GradFactorTable>)>,
+    /// The last factor table made (`grad_factors`).
+    factors: Option<KeptFactors>,
+}
+
+/// A factor table kept: the tables' address and kind (per tensor) it was made for, the
+/// positions it maps, and the table.
+struct KeptFactors {
+    key: (u64, bool),
+    positions: Vec<usize>,
+    table: Py<GradFactorTable>,
 }
 
 #[pymethods]
@@ -321,14 +331,18 @@ impl UnitReads {
     /// step).
     #[pyo3(signature = (tables, per_tensor = false))]
     fn grad_factors(&mut self, py: Python<'_>, tables: (u64, usize, usize, u64), per_tensor: bool) -> PyResult<Py<GradFactorTable>> {
-        if let Some((key, positions, table)) = &self.factors
-            && *key == (tables.0, per_tensor)
-            && *positions == self.positions
+        if let Some(k) = &self.factors
+            && k.key == (tables.0, per_tensor)
+            && k.positions == self.positions
         {
-            return Ok(table.clone_ref(py));
+            return Ok(k.table.clone_ref(py));
         }
         let table = Py::new(py, self.factor_table(tables, per_tensor)?)?;
-        self.factors = Some(((tables.0, per_tensor), self.positions.clone(), table.clone_ref(py)));
+        self.factors = Some(KeptFactors {
+            key: (tables.0, per_tensor),
+            positions: self.positions.clone(),
+            table: table.clone_ref(py),
+        });
         Ok(table)
     }
 }

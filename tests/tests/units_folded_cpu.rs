@@ -1,13 +1,14 @@
-//! AGC folded into the update on the CPU backend ([`gradclip::optim::StepAddresses::grad_factors`]):
-//! the step with the factors AGC's decide pass wrote gives the parameters and states, to the bit,
-//! of AGC's clip followed by the step, and writes no gradient; and every malformed set of factors
-//! is refused before anything is written.
+//! AGC and AdaGC folded into the update on the CPU backend
+//! ([`gradclip::optim::StepAddresses::grad_factors`]): the step with the factors the clip's
+//! decision wrote gives the parameters and states, to the bit, of the clip followed by the step,
+//! and writes no gradient (AdaGC's state advanced as by its whole clip); and every malformed set
+//! of factors is refused before anything is written.
 
 use gradclip::Error;
 use gradclip::cpu::Cpu;
 use gradclip::optim::{AdamConfig, GroupStep, Parts, Rule, StepAddresses, StepBackend, StepList};
 use gradclip::plan::RawTensor;
-use gradclip::units::{Agc, GradFactors, UnitPair, UnitPlan, UnitTables};
+use gradclip::units::{AdaGc, AdagcPass, Agc, GradFactors, UnitPair, UnitPlan, UnitTables, adagc_state};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 /// One parameter's f32 tensors (Adam's two states).
@@ -190,4 +191,70 @@ fn malformed_factors_are_refused_before_any_write() {
     let e = unsafe { Cpu::new().step_list(&list, &[group], &inputs) }.unwrap_err();
     assert!(matches!(e, Error::ClipGroups { .. }), "{e}");
     assert_eq!(bits(&s), before);
+}
+
+/// AdaGC's per-tensor tables for `slots` in a host buffer (each tensor its own slot).
+fn adagc_tables(slots: &mut [Slot], buf: &mut Vec<u64>) -> (UnitPlan, UnitTables) {
+    let pairs: Vec<UnitPair> = slots
+        .iter_mut()
+        .enumerate()
+        .map(|(i, s)| UnitPair::per_tensor(raw(&mut s.grad), i as u32))
+        .collect();
+    let plan = UnitPlan::new(&pairs).unwrap();
+    let words = plan.table_words();
+    *buf = vec![f64::NAN.to_bits(); plan.bytes().div_ceil(8)];
+    buf[..words.len()].copy_from_slice(&words);
+    let tables = UnitTables::of(&plan, buf.as_mut_ptr() as u64);
+    (plan, tables)
+}
+
+#[test]
+fn the_folded_adagc_step_is_its_clip_then_the_step() {
+    let settings = AdaGc {
+        clip_ratio: 1.0,
+        beta: 0.5,
+        start_clip_steps: 0,
+        ..AdaGc::default()
+    };
+    let (mut folded, mut clipped) = (slots(4), slots(4));
+    let (mut state_f, mut state_c) = (adagc_state(&settings, 4).unwrap(), adagc_state(&settings, 4).unwrap());
+    let (mut cf, mut cc) = ([0u64; 2], [0u64; 2]);
+    let (mut buf_f, mut buf_c) = (Vec::new(), Vec::new());
+    let mut written = 0;
+    for round in 0..4u64 {
+        let mut fresh = slots(20 + round);
+        for (a, b) in folded.iter_mut().zip(clipped.iter_mut()) {
+            let g = fresh.remove(0).grad;
+            (a.grad, b.grad) = (g.clone(), g);
+        }
+        let grads_before = bits(&folded);
+        let adagc = |tables: &UnitTables, state: &mut Vec<f64>, pass| {
+            // SAFETY: the tables are this buffer's, the state this vector, the tensors the slots'.
+            unsafe { Cpu::new().adagc_raw(tables, state.as_mut_ptr() as u64, state.len(), (0, 0), pass) }.unwrap()
+        };
+        let (plan, tables) = adagc_tables(&mut folded, &mut buf_f);
+        adagc(&tables, &mut state_f, AdagcPass::Decide);
+        let list = StepList::new(&[(parts(&mut folded), Rule::from(AdamConfig::adamw(1e-2)).states())]).unwrap();
+        step(&list, &mut cf, &tables.grad_factors(&plan, true)).unwrap();
+
+        let (_, tables) = adagc_tables(&mut clipped, &mut buf_c);
+        adagc(&tables, &mut state_c, AdagcPass::Local);
+        let list = StepList::new(&[(parts(&mut clipped), Rule::from(AdamConfig::adamw(1e-2)).states())]).unwrap();
+        step(&list, &mut cc, &[]).unwrap();
+
+        let (bf, bc) = (bits(&folded), bits(&clipped));
+        for (k, (a, b)) in bf.iter().zip(&bc).enumerate() {
+            if k % 4 != 1 {
+                assert_eq!(a, b, "round {round}, part {k}");
+            } else {
+                assert_eq!(*a, grads_before[k], "round {round}: the folded step wrote gradient {}", k / 4);
+                written += usize::from(a != b);
+            }
+        }
+        assert_eq!(
+            state_f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            state_c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+    assert!(written > 0, "some tensor must have been clipped");
 }

@@ -252,6 +252,15 @@ impl Cpu {
                 detail: format!("tensor {i} has slot {} and the state {} slots", t.slot, adagc::slots(state_words)),
             });
         }
+        // The factors' words in the tables: written by the decision, read by the scale.
+        let factors_at = tables.factors_at() as *mut f64;
+        if pass == AdagcPass::Scale {
+            // SAFETY: the tables' factors, written by a decision before (the caller's contract).
+            let factors = unsafe { std::slice::from_raw_parts(factors_at, tables.tensors) }.to_vec();
+            // SAFETY: the plan's checks; the scale reads no partial.
+            unsafe { pieces.scale(|i, _| (factors[i] != 1.0).then_some(factors[i])) };
+            return Ok(());
+        }
         let folds: Vec<L2> = if pass == AdagcPass::Given {
             sums.iter().map(|&s| adagc::fold_of_sum(s)).collect()
         } else {
@@ -283,6 +292,12 @@ impl Cpu {
                 None => f64::NAN,
             })
             .collect();
+        // SAFETY: the tables' room for one factor per tensor (the caller's contract), which the
+        // GPU's decision writes too.
+        unsafe { std::ptr::copy_nonoverlapping(factors.as_ptr(), factors_at, factors.len()) };
+        if pass == AdagcPass::Decide {
+            return Ok(());
+        }
         // SAFETY: after the norms pass (or with the sums given: the scale reads no partial); the
         // plan's checks.
         unsafe { pieces.scale(|i, _| (factors[i] != 1.0).then_some(factors[i])) };

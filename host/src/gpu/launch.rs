@@ -298,7 +298,6 @@ pub unsafe fn adagc(
     (loss_scale, found_inf): (u64, u64),
     pass: crate::units::AdagcPass,
 ) -> Result<()> {
-    use crate::units::AdagcPass;
     let (units, tasks, partials) = (t.addr, t.tasks_at(), t.partials_at());
     let (folds, factors, sums, tensors, code) = (t.folds_at(), t.factors_at(), t.sums_at(), t.tensors as u64, pass.code());
     let per_task = LaunchConfig {
@@ -306,11 +305,16 @@ pub unsafe fn adagc(
         block_dim: (BLOCK_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    if t.tasks > 0 && pass != AdagcPass::Given {
+    let (norms, decide, scale) = pass.stages();
+    if t.tasks > 0 && norms {
         let mut b = stream.launch_builder(ks.get(Kernel::UnitNorms));
         b.arg(&units).arg(&tasks).arg(&partials);
         // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
         unsafe { b.launch(per_task) }?;
+    }
+    if !decide {
+        // SAFETY: the caller's contract (the scale pass: the factors written before).
+        return unsafe { scale_tensors(stream, ks, t, per_task) };
     }
     let mut b = stream.launch_builder(ks.get(Kernel::AdagcDecide));
     b.arg(&units)
@@ -330,12 +334,27 @@ pub unsafe fn adagc(
     };
     // SAFETY: as above; one block with the block reduction's shared memory, after the norms.
     unsafe { b.launch(one_block) }?;
-    if t.tasks > 0 && pass != AdagcPass::Fold {
-        let mut b = stream.launch_builder(ks.get(Kernel::TensorScale));
-        b.arg(&units).arg(&tasks).arg(&factors);
+    if scale {
         // SAFETY: as above; after the decision on the same stream.
-        unsafe { b.launch(per_task) }?;
+        unsafe { scale_tensors(stream, ks, t, per_task) }?;
     }
+    Ok(())
+}
+
+/// AdaGC's per-tensor scale by the factors in the tables `t` (one block per task; none without
+/// tasks).
+///
+/// # Safety
+/// As [`adagc`], the tables' factors written before on the stream.
+unsafe fn scale_tensors(stream: &CudaStream, ks: &KernelSet, t: &crate::units::UnitTables, per_task: LaunchConfig) -> Result<()> {
+    if t.tasks == 0 {
+        return Ok(());
+    }
+    let (units, tasks, factors) = (t.addr, t.tasks_at(), t.factors_at());
+    let mut b = stream.launch_builder(ks.get(Kernel::TensorScale));
+    b.arg(&units).arg(&tasks).arg(&factors);
+    // SAFETY: argument types and order match the kernel's signature; the rest is the caller's.
+    unsafe { b.launch(per_task) }?;
     Ok(())
 }
 

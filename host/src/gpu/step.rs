@@ -510,8 +510,7 @@ impl StepBackend for GpuEngine {
                     members,
                     &table,
                     launches.len(),
-                    (inputs.stats_out != 0).then_some(inputs.stats_rows),
-                    inputs.grad_factors,
+                    ((inputs.stats_out != 0).then_some(inputs.stats_rows), inputs.grad_factors),
                 )?,
             ));
         }

@@ -245,9 +245,9 @@ fn tables_at(base: u64, o: Offsets, stats: bool) -> UpdateTables {
 
 impl UpdateUpload {
     /// The tables of one update launch over `list`'s groups `members` (`groups`: their entries,
-    /// in that order; `stats`: with room for the step's telemetry, and its rows as given, empty
-    /// for the list's order; `factors`: each list tensor's gradient factors, or empty) in device
-    /// memory, and their
+    /// in that order; each list tensor's extras: `stats`, with room for the step's telemetry and
+    /// its rows as given, empty for the list's order; `factors`, its gradient factors, or empty)
+    /// in device memory, and their
     /// counts: under CUDA-graph capture, fresh ones that the graph owns (as the norm's,
     /// [`capture`]); otherwise the launch's slot (found by its parameters), uploaded again in
     /// the parts that changed. A new launch takes a new slot, or the least recently used one's
@@ -261,8 +261,7 @@ impl UpdateUpload {
         members: &[usize],
         groups: &[UpdateGroup],
         launches: usize,
-        stats: Option<&[u32]>,
-        factors: &[GradFactors],
+        (stats, factors): (Option<&[u32]>, &[GradFactors]),
     ) -> Result<LaunchTables> {
         let parts = launch_parts(list, members);
         let factors = launch_factors(list, members, factors);

@@ -55,17 +55,18 @@ def unit_clip(opt):
     reads them (under GradScaler, whose scale the gradients still carry, by their unscaled
     norms; a step GradScaler skips for an overflow teaches AdaGC nothing).
 
-    AGC in gradclip's update folds into it where the step takes no norm and no telemetry (the
-    update multiplies each gradient by its unit's factor as it reads it: the gradients are
-    neither written nor read again, the bits those of the clip then the step): its factors are
-    decided here on the device, and the table the update reads them from is returned (the step
-    must take it, or ``unfolded`` clip the gradients). None where the clip ran on the gradients."""
+    In gradclip's update the clip folds into it where the step takes no norm and no telemetry
+    (the update multiplies each gradient by its unit's or tensor's factor as it reads it: the
+    gradients are neither written nor read again, the bits those of the clip then the step): its
+    factors are decided here on the device, and the table the update reads them from is
+    returned (the step must take it, or ``unfolded`` clip the gradients by them). None where the
+    clip ran on the gradients."""
     if opt.unit_clip is None:
         return None
     params = [p for g in opt.param_groups for p in g["params"]]
     scale = getattr(opt, "grad_scale", None)
     if _folds(opt):
-        found = opt.unit_clip.step_factors(params, scale)
+        found = opt.unit_clip.step_factors(params, scale, getattr(opt, "found_inf", None))
         if found is not None:
             decide, table = found
             decide()
@@ -75,18 +76,22 @@ def unit_clip(opt):
 
 
 def unfolded(opt) -> None:
-    """The unit clip on the gradients, for a step that did not take the factors ``unit_clip``
-    decided (torch's step runs instead; AGC keeps no state, so deciding again changes nothing)."""
+    """The gradients clipped by the factors ``unit_clip`` decided, for a step that did not take
+    them (torch's step runs instead): AdaGC's scaled by them (its state advanced once), AGC's
+    decided again with the scale (it keeps no state)."""
+    if isinstance(opt.unit_clip, AdaGC):
+        opt.unit_clip.scale_decided()
+        return
     params = [p for g in opt.param_groups for p in g["params"]]
     opt.unit_clip.clip_unitwise_(params, getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None))
 
 
 def _folds(opt) -> bool:
-    """Whether the optimizer's unit clip folds into its update: AGC, gradclip's update, no
+    """Whether the optimizer's unit clip folds into its update: AGC or AdaGC, gradclip's update, no
     telemetry, and a step that takes no norm (no threshold, policy or clip group: a norm would
     be of the gradients before the clip)."""
     return (
-        isinstance(opt.unit_clip, AGC)
+        isinstance(opt.unit_clip, (AGC, AdaGC))
         and opt.update == "gradclip"
         and not opt._stats
         and limit(opt) is None

@@ -207,9 +207,41 @@ class AdaGC(UnitClip):
 
         return run
 
-    def _native_work(self, params: List[torch.Tensor], scaler):
+    def step_factors(self, parameters, loss_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None):
+        """AdaGC folded into an optimizer's update (``clip=AdaGC(...)``): ``(decide, table)``,
+        the call that decides every tensor's factor on the device (the state advanced as
+        ``clip_unitwise_`` advances it) without writing a gradient, and the native table the
+        update reads each parameter's factor from (by its position in ``parameters``, the
+        optimizer's list). Every check runs here, before anything is written. None when the
+        binding does not read these gradients itself (the caller then clips with
+        ``clip_unitwise_``); after a ``decide`` whose factors no update took, ``scale_decided``
+        applies them."""
+        with torch.no_grad():
+            params = _as_list(parameters)
+            adopt = self._binding(params, tuple(map(id, params)))
+            found = self._native_work(params, (loss_scale, found_inf), _DECIDE)
+            if found is None:
+                return None
+            launch, table = found
+
+            def decide() -> None:
+                if adopt is not None:
+                    adopt()
+                launch()
+
+            return decide, table
+
+    def scale_decided(self) -> None:
+        """The gradients of the last ``step_factors`` multiplied by the factors its ``decide``
+        left in the tables (for a step that did not take them: torch's)."""
+        tables = self._tables
+        with torch.no_grad():
+            _adagc(tables.buf.device, tables.buf, tables.plan, self._state, 0, _SCALE, 0)
+
+    def _native_work(self, params: List[torch.Tensor], scaler, pass_: Optional[int] = None):
         """The call when the binding reads every gradient itself (plain contiguous tensors of one
-        device), keeping the last tables while the same gradients come back; None otherwise."""
+        device), keeping the last tables while the same gradients come back; None otherwise.
+        With ``pass_`` (``_DECIDE``), ``step_factors``'s pair."""
         reader = facts()
         if reader is None or not type(params) is list:
             return None
@@ -223,8 +255,11 @@ class AdaGC(UnitClip):
             self._tables = _Tables(None, device, plan)
         elif self._tables is None or self._tables.key is not None:
             self._reads.forget()  # the kept tables are the Python reading's: read again
-            return self._native_work(params, scaler)
-        return self._launch(device, scaler, None)
+            return self._native_work(params, scaler, pass_)
+        if pass_ is None:
+            return self._launch(device, scaler, None)
+        tables = self._tables
+        return self._launch(device, scaler, None, pass_), self._reads.grad_factors((tables.buf.data_ptr(), *tables.plan), True)
 
     def _python_work(self, params: List[torch.Tensor], scaler, ids: tuple):
         """The call read in Python: plain gradients and DTensor ones (each rank's shard, whose
@@ -267,7 +302,7 @@ class AdaGC(UnitClip):
             reductions = self._layout[1]
         return self._launch(device, scaler, reductions)
 
-    def _launch(self, device: torch.device, scaler, reductions):
+    def _launch(self, device: torch.device, scaler, reductions, pass_: Optional[int] = None):
         """The engine's call over the kept tables, with the state on ``device`` (``scaler``:
         GradScaler's scale and overflow flag, or None); with ``reductions`` (a sharded call's: each
         process group and the positions it sums), its two halves around the all-reduces of the
@@ -281,7 +316,8 @@ class AdaGC(UnitClip):
         at = 0 if scale is None else scale.data_ptr()
         skip = 0 if found is None else found.data_ptr()
         if reductions is None:
-            return lambda: _adagc(device, tables.buf, tables.plan, self._state, at, _LOCAL, skip)
+            whole = _LOCAL if pass_ is None else pass_
+            return lambda: _adagc(device, tables.buf, tables.plan, self._state, at, whole, skip)
 
         def run() -> None:
             import torch.distributed as dist
@@ -301,7 +337,7 @@ class AdaGC(UnitClip):
 
 
 #: The engine's passes (``gradclip::units::AdagcPass``).
-_LOCAL, _FOLD, _GIVEN = 0, 1, 2
+_LOCAL, _FOLD, _GIVEN, _DECIDE, _SCALE = 0, 1, 2, 3, 4
 
 
 class _Tables:

@@ -122,14 +122,15 @@ class AGC(UnitClip):
 
         return run
 
-    def step_factors(self, parameters, loss_scale: Optional[torch.Tensor] = None):
+    def step_factors(self, parameters, loss_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None):
         """AGC folded into an optimizer's update (``clip=AGC(...)``): ``(decide, table)``, the
         call that decides every unit's factor of the gradients of ``parameters`` (a list, in the
         optimizer's order) on the device without writing them, and the native table the update
         reads each parameter's factors from (by its position in ``parameters``; the update
         multiplies the gradient as ``clip_unitwise_`` would have written it: the same bits).
         Every check runs here, before anything is written. None when the binding does not read
-        these tensors itself (the caller then clips with ``clip_unitwise_``)."""
+        these tensors itself (the caller then clips with ``clip_unitwise_``). ``found_inf`` is
+        not read (AGC keeps no state; a step GradScaler skips is not taken)."""
         with torch.no_grad():
             return self._native_work(_as_list(parameters), loss_scale, factors=True)
 

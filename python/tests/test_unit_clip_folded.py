@@ -1,23 +1,32 @@
-"""AGC folded into gradclip's update (``clip=AGC(...)``): the update multiplies each gradient by
-its unit's factor as it reads it, so the step's parameters and states are the bits of the clip
-followed by the step, and the gradients are not written. Checked against the clip run on the
-gradients (``AGC().clip_unitwise_``, itself checked against the authors' rule in test_agc.py)
-and then the optimizer without a clip, over several steps with new gradients, for every update
-rule and dtype, units that are not whole vector groups and units of several engine pieces,
-None gradients, excluded parameters, GradScaler's scale; and the steps that cannot fold (a
-threshold beside AGC, telemetry, torch's update) still clip the gradients first."""
+"""AGC and AdaGC folded into gradclip's update (``clip=AGC(...)``, ``clip=AdaGC(...)``): the
+update multiplies each gradient by its unit's (AGC) or tensor's (AdaGC) factor as it reads it,
+so the step's parameters and states are the bits of the clip followed by the step, and the
+gradients are not written. Checked against the clip run on the gradients (``clip_unitwise_``,
+itself checked against the authors' rules in test_agc.py and test_adagc.py) and then the
+optimizer without a clip, over several steps with new gradients, for every update rule and
+dtype, units that are not whole vector groups and units of several engine pieces, None
+gradients, excluded parameters, GradScaler's scale; the steps that cannot fold (a norm beside
+the clip, telemetry, torch's update) still clip the gradients first; and on CUDA the GPU's
+folded step gives the CPU backend's bits."""
 
 import pytest
 import torch
 
 from gradclip.torch import optim
-from gradclip.torch.policies import AGC, SkipSpike
+from gradclip.torch.policies import AGC, AdaGC, SkipSpike
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 #: Units of 9 (not a group of 8), of 3 x 3 x 3 = 27, of two engine pieces (20000), a vector (one
 #: unit), a matrix whose rows are whole groups (16), a weight without elements.
 SHAPES = [(16, 9), (8, 3, 3, 3), (2, 20000), (37,), (4, 16), (3, 0), (5, 1)]
+
+#: The clips that fold, each made with the parameters it leaves out. AdaGC past a one-call
+#: warmup, at a ratio that clips some tensors and keeps others.
+CLIPS = {
+    "agc": lambda exclude=(): AGC(exclude=exclude),
+    "adagc": lambda exclude=(): AdaGC(start_clip_steps=0, clip_ratio=1.0, beta=0.5, exclude=exclude),
+}
 
 RULES = {
     "adamw": lambda ps, **k: optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **k),
@@ -58,15 +67,16 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("clip", sorted(CLIPS))
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_folded_step_is_the_clip_then_the_step(device, rule, dtype):
+def test_folded_step_is_the_clip_then_the_step(device, clip, rule, dtype):
     folded, plain = _twins(3, dtype, device)
     head = folded[-1]  # left unclipped, as the authors leave the classifier
-    opt_f = RULES[rule](folded, clip=AGC(exclude=[head]))
+    opt_f = RULES[rule](folded, clip=CLIPS[clip]([head]))
     opt_p = RULES[rule](plain)
-    agc = AGC(exclude=[plain[-1]])
-    for step in range(3):
+    agc = CLIPS[clip]([plain[-1]])
+    for step in range(4):
         none_at = {1} if step == 1 else ()  # a parameter without a gradient this step
         grads = _grads(step, folded, none_at)
         for p, q, g in zip(folded, plain, grads):
@@ -86,19 +96,45 @@ def test_folded_step_is_the_clip_then_the_step(device, rule, dtype):
                     _same(s, opt_p.state[q][key])
     clipped = [not torch.equal(q.grad, p.grad) for p, q in zip(folded, plain) if q.grad is not None and q.numel()]
     assert any(clipped) and not all(clipped), "the gradients must have clipped and kept units"
+    if clip == "adagc":  # its state advanced once a step, as the clip's own
+        _same(opt_f.unit_clip._state, agc._state)
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+def test_a_step_the_engine_declines_clips_by_the_factors_decided(clip, monkeypatch):
+    """Factors decided, then the engine's step declines (torch's step runs): the gradients are
+    clipped by those factors first (AdaGC's state advanced once), as the clip would have."""
+    folded, plain = _twins(9, torch.float32, "cpu")
+    opt_f = optim.AdamW(folded, lr=1e-2, clip=CLIPS[clip]())
+    opt_p = optim.AdamW(plain, lr=1e-2)
+    ref = CLIPS[clip]()
+    for o in (opt_f, opt_p):
+        monkeypatch.setattr(o, "_gradclip_step", lambda *a: False)
+    for step in range(3):
+        for p, q, g in zip(folded, plain, _grads(30 + step, folded)):
+            p.grad, q.grad = g.clone(), g.clone()
+        ref.clip_unitwise_(plain)
+        opt_f.step()
+        opt_p.step()
+        for p, q in zip(folded, plain):
+            _same(p, q)
+            _same(p.grad, q.grad)
+    if clip == "adagc":
+        _same(opt_f.unit_clip._state, ref._state)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_loss_scaled_folded_step(device):
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+def test_loss_scaled_folded_step(device, clip):
     """GradScaler's scale in the gradients: the units' norms are divided by it, the update
     divides it out: the bits of the clip by the unscaled norms, then the scaled step."""
     folded, plain = _twins(5, torch.float32, device)
     scale = torch.tensor([256.0], device=device)
-    opt_f = optim.AdamW(folded, lr=1e-2, clip=AGC())
+    opt_f = optim.AdamW(folded, lr=1e-2, clip=CLIPS[clip]())
     opt_p = optim.AdamW(plain, lr=1e-2)
     for p, q, g in zip(folded, plain, _grads(5, folded)):
         p.grad, q.grad = g * 256.0, g * 256.0
-    AGC().clip_unitwise_(plain, loss_scale=scale)
+    CLIPS[clip]().clip_unitwise_(plain, loss_scale=scale)
     for o in (opt_f, opt_p):
         o.grad_scale = scale
         o.step()
@@ -107,20 +143,21 @@ def test_loss_scaled_folded_step(device):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [dict(skip=SkipSpike(threshold=1e9)), dict(stats=True), dict(update="torch")],
-    ids=["skip-policy-norm", "telemetry", "torch-update"],
+    "clip, kwargs",
+    [("agc", dict(skip=SkipSpike(threshold=1e9))), ("agc", dict(stats=True)), ("adagc", dict(stats=True)),
+     ("agc", dict(update="torch")), ("adagc", dict(update="torch"))],
+    ids=["agc-skip-policy-norm", "agc-telemetry", "adagc-telemetry", "agc-torch-update", "adagc-torch-update"],
 )
-def test_steps_that_cannot_fold_clip_the_gradients_first(kwargs):
-    """A step that takes a norm (its skip policy's), telemetry or torch's update: AGC runs on
-    the gradients before it, as before (the norm and the figures are of the clipped gradients)."""
+def test_steps_that_cannot_fold_clip_the_gradients_first(clip, kwargs):
+    """A step that takes a norm (its skip policy's), telemetry or torch's update: the clip runs
+    on the gradients before it, as before (the norm and the figures are of the clipped gradients)."""
     folded, plain = _twins(7, torch.float32, "cpu")
-    opt_f = optim.AdamW(folded, lr=1e-2, clip=AGC(), **kwargs)
+    opt_f = optim.AdamW(folded, lr=1e-2, clip=CLIPS[clip](), **kwargs)
     opt_p = optim.AdamW(plain, lr=1e-2, update=kwargs.get("update", "gradclip"))
     grads = _grads(7, folded)
     for p, q, g in zip(folded, plain, grads):
         p.grad, q.grad = g.clone(), g.clone()
-    AGC().clip_unitwise_(plain)
+    CLIPS[clip]().clip_unitwise_(plain)
     opt_f.step()
     opt_p.step()
     for p, q in zip(folded, plain):
@@ -129,13 +166,14 @@ def test_steps_that_cannot_fold_clip_the_gradients_first(kwargs):
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA")
+@pytest.mark.parametrize("clip", sorted(CLIPS))
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_cuda_folded_step_equals_the_cpu_backends(rule, dtype):
+def test_cuda_folded_step_equals_the_cpu_backends(clip, rule, dtype):
     """The GPU's folded update (the kernels' walk with factors) gives the CPU backend's bits."""
     cpu = _params(11, dtype, "cpu")
     gpu = [torch.nn.Parameter(p.detach().to("cuda", copy=True)) for p in cpu]
-    opts = [RULES[rule](ps, clip=AGC()) for ps in (cpu, gpu)]
+    opts = [RULES[rule](ps, clip=CLIPS[clip]()) for ps in (cpu, gpu)]
     for step in range(3):
         for p, q, g in zip(cpu, gpu, _grads(20 + step, cpu)):
             p.grad, q.grad = g.clone(), g.to("cuda", copy=True)
