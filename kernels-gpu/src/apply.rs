@@ -437,10 +437,12 @@ unsafe fn element_f32<P: Element, G: Element, S: Element, const N: usize, U: Ele
 #[inline(always)]
 pub(crate) unsafe fn chunk_f64<const N: usize, U: ElementUpdate<f64> + Copy, T: Tally>(d: &UpdateTensorDesc, chunk: u64, u: U, t: &mut T) {
     let start = chunk * update_chunk_elems(8);
-    match ByUnit::of(d, start).filter(|_| !T::ON) {
-        // SAFETY: (both) the caller's contract.
-        Some(f) => unsafe { walk_f64::<N, U, T, _>(d, chunk, u, t, &f) },
-        None => unsafe { walk_f64::<N, U, T, _>(d, chunk, u, t, &AsStored) },
+    // SAFETY: (both arms) the caller's contract.
+    unsafe {
+        match ByUnit::of(d, start).filter(|_| !T::ON) {
+            Some(f) => walk_f64::<N, U, T, _>(d, chunk, u, t, &f),
+            None => walk_f64::<N, U, T, _>(d, chunk, u, t, &AsStored),
+        }
     }
 }
 
