@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# AGC folded into gradclip's update, on the GPU machine (run through run.sh exec), in two calls:
+# AGC and AdaGC folded into gradclip's update, on the GPU machine (run through run.sh exec), in
+# two calls:
 #   PART=tests-ab  the CUDA tests of the fold, of AGC, of the optimizers and of the telemetry (the
 #                  update's walk changed), the Rust GPU optimizer suite, then the one-group step
 #                  against the previous commit's wheel (.devbin/variants/base/*.whl:
 #                  optim_compare.py's update="gradclip" rows, bf16 and f32, interleaved twice)
-#   PART=cost      AGC's (and AdaGC's) cost in the AdamW step beside its floor (agc_cost.py: 2 GB
-#                  prefixes of seed-500 and the MoE list, which fit an 80 GB H100)
+#   PART=cost      the folds' CUDA tests (the GPU's bits against the CPU's), then AGC's and
+#                  AdaGC's cost in the AdamW step beside its floor (agc_cost.py: 2 GB prefixes of
+#                  seed-500 and the MoE list, which fit an 80 GB H100)
 # Logs in $OUT/logs.tar.gz, records' JSON in $OUT.
 set -uo pipefail
 c=$(cat .devbin/commit); D=$OUT/d; mkdir -p "$D"
 export PYTHONUNBUFFERED=1
 if [ "${PART:-tests-ab}" = tests-ab ]; then
-    timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_agc_folded.py \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_unit_clip_folded.py \
         python/tests/test_agc.py python/tests/test_step_stats.py python/tests/test_optim_sgd_lion.py python/tests/test_optim.py \
         -k "cuda or captured or folded" > "$D/tests.log" 2>&1
     echo "python CUDA tests rc=$?: $(tail -1 "$D/tests.log")"
@@ -24,6 +26,9 @@ if [ "${PART:-tests-ab}" = tests-ab ]; then
         echo "== $v round $r rc=$?"; grep -E "gradclip" "$D/ab-$v-$r.txt" | cut -c1-150
     done; done
 else
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_unit_clip_folded.py \
+        python/tests/test_agc.py python/tests/test_adagc.py -k "cuda or captured or folded" > "$D/fold-tests.log" 2>&1
+    echo "fold CUDA tests rc=$?: $(tail -1 "$D/fold-tests.log")"
     for w in ${AGC_WORKLOADS:-seed-500 qwen3-30b-a3b-ep8}; do
         timeout 200 python3 benches/torch/agc_cost.py .devbin/w-all.json "$OUT/agc-cost-$w.json" --workload "$w" --grad-gb 2 \
             --rounds 5 --commit "$c" > "$D/agc-cost-$w.txt" 2>&1

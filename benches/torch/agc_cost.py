@@ -7,9 +7,11 @@ of --reps steps), the median of each; and the host time per step.
   floor (AGC) = (the step's 7 streams) / device-copy rate + (gradient + parameter bytes) / read rate
 
 the issue's floor: AGC's norm pass reads every gradient and parameter once, the step its streams.
-"every unit clipped" writes each gradient once more (the scale): each timed step takes a clip
-factor half the last one's, so every unit is above its limit at every step (the gradients are
-put back, untimed, before each timing). AdaGC's norm pass reads the gradients alone:
+In the optimizer the clip folds into the update (its factors multiply each gradient as the update
+reads it, no gradient written); "AGC alone, every unit clipped" writes each gradient once more
+(the scale). Each "every unit clipped" step takes a clip factor half the last one's, so every
+unit is above its limit at every step (the gradients are put back, untimed, before each timing).
+AdaGC's norm pass reads the gradients alone:
 
   floor (AdaGC) = (the step's 7 streams) / device-copy rate + gradient bytes / read rate
 
