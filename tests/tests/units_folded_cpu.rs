@@ -53,13 +53,9 @@ fn parts(slots: &mut [Slot]) -> Vec<Parts> {
         .collect()
 }
 
-/// AGC's tables for `slots` in a host buffer: the plan and its tables.
-fn agc_tables(slots: &mut [Slot], buf: &mut Vec<u64>) -> (UnitPlan, UnitTables) {
-    let pairs: Vec<UnitPair> = slots
-        .iter_mut()
-        .map(|s| UnitPair::with_param(raw(&mut s.grad), raw(&mut s.param), s.unit_len))
-        .collect();
-    let plan = UnitPlan::new(&pairs).unwrap();
+/// The tables of `pairs` in a host buffer (its partials poisoned): the plan and its tables.
+fn tables_of(pairs: &[UnitPair], buf: &mut Vec<u64>) -> (UnitPlan, UnitTables) {
+    let plan = UnitPlan::new(pairs).unwrap();
     let words = plan.table_words();
     *buf = vec![f64::NAN.to_bits(); plan.bytes().div_ceil(8)];
     buf[..words.len()].copy_from_slice(&words);
@@ -67,12 +63,48 @@ fn agc_tables(slots: &mut [Slot], buf: &mut Vec<u64>) -> (UnitPlan, UnitTables) 
     (plan, tables)
 }
 
+/// AGC's tables for `slots` in a host buffer.
+fn agc_tables(slots: &mut [Slot], buf: &mut Vec<u64>) -> (UnitPlan, UnitTables) {
+    let pairs: Vec<UnitPair> = slots
+        .iter_mut()
+        .map(|s| UnitPair::with_param(raw(&mut s.grad), raw(&mut s.param), s.unit_len))
+        .collect();
+    tables_of(&pairs, buf)
+}
+
+/// New gradients for round `round`, the same in both sets.
+fn new_grads(round: u64, a: &mut [Slot], b: &mut [Slot]) {
+    let mut fresh = slots(10 + round);
+    for (a, b) in a.iter_mut().zip(b.iter_mut()) {
+        let g = fresh.remove(0).grad;
+        (a.grad, b.grad) = (g.clone(), g);
+    }
+}
+
+/// The folded set's parameters and states equal the clipped set's, its gradients are
+/// `grads_before`; returns how many gradients the clip wrote.
+fn compare(round: u64, folded: &[Slot], clipped: &[Slot], grads_before: &[Vec<u32>]) -> usize {
+    let (bf, bc) = (bits(folded), bits(clipped));
+    let mut written = 0;
+    for (k, (a, b)) in bf.iter().zip(&bc).enumerate() {
+        if k % 4 != 1 {
+            assert_eq!(a, b, "round {round}, part {k}");
+        } else {
+            assert_eq!(*a, grads_before[k], "round {round}: the folded step wrote gradient {}", k / 4);
+            written += usize::from(a != b);
+        }
+    }
+    written
+}
+
 const AGC: Agc = Agc {
     clip_factor: 0.01,
     eps: 1e-3,
 };
 
-fn step(list: &StepList, counts: &mut [u64; 2], factors: &[GradFactors]) -> gradclip::Result<Option<f64>> {
+/// One AdamW step of `list` with the gradient factors `factors` (and the telemetry at
+/// `stats_out`, or 0).
+fn step(list: &StepList, counts: &mut [u64; 2], factors: &[GradFactors], stats_out: u64) -> gradclip::Result<Option<f64>> {
     let group = GroupStep {
         rule: Rule::from(AdamConfig::adamw(1e-2)),
         count: counts.as_mut_ptr() as u64,
@@ -81,9 +113,11 @@ fn step(list: &StepList, counts: &mut [u64; 2], factors: &[GradFactors]) -> grad
     };
     let inputs = StepAddresses {
         grad_factors: factors,
+        stats_out,
         ..Default::default()
     };
-    // SAFETY: every part, the count and the factors are live vectors used by nothing else.
+    // SAFETY: every part, the count, the factors and the telemetry are live vectors used by
+    // nothing else.
     unsafe { Cpu::new().step_list(list, &[group], &inputs) }
 }
 
@@ -101,35 +135,21 @@ fn the_folded_step_is_the_clip_then_the_step() {
     let (mut cf, mut cc) = ([0u64; 2], [0u64; 2]);
     let (mut buf_f, mut buf_c) = (Vec::new(), Vec::new());
     for round in 0..3u64 {
-        let mut fresh = slots(10 + round);
-        for (a, b) in folded.iter_mut().zip(clipped.iter_mut()) {
-            let g = fresh.remove(0).grad;
-            (a.grad, b.grad) = (g.clone(), g);
-        }
-        let grads_before: Vec<Vec<u32>> = folded.iter().map(|s| s.grad.iter().map(|v| v.to_bits()).collect()).collect();
+        new_grads(round, &mut folded, &mut clipped);
+        let grads_before = bits(&folded);
         let (plan, tables) = agc_tables(&mut folded, &mut buf_f);
         // SAFETY: the tables are this buffer's, the tensors the slots' own.
         unsafe { Cpu::new().agc_factors_raw(&tables, &AGC, 0) }.unwrap();
         let list = StepList::new(&[(parts(&mut folded), Rule::from(AdamConfig::adamw(1e-2)).states())]).unwrap();
-        step(&list, &mut cf, &tables.grad_factors(&plan, false)).unwrap();
+        step(&list, &mut cf, &tables.grad_factors(&plan, false), 0).unwrap();
 
         let (_, tables) = agc_tables(&mut clipped, &mut buf_c);
         // SAFETY: as above.
         unsafe { Cpu::new().agc_raw(&tables, &AGC, 0) }.unwrap();
         let list = StepList::new(&[(parts(&mut clipped), Rule::from(AdamConfig::adamw(1e-2)).states())]).unwrap();
-        step(&list, &mut cc, &[]).unwrap();
+        step(&list, &mut cc, &[], 0).unwrap();
 
-        let (bf, bc) = (bits(&folded), bits(&clipped));
-        for (k, (a, b)) in bf.iter().zip(&bc).enumerate() {
-            // Parameters and states equal; the folded gradients as they were, the clipped ones
-            // written (some units clipped) or not.
-            if k % 4 != 1 {
-                assert_eq!(a, b, "round {round}, part {k}");
-            } else {
-                assert_eq!(*a, grads_before[k / 4], "round {round}: the folded step wrote gradient {}", k / 4);
-            }
-        }
-        let written = (0..folded.len()).filter(|&i| bf[4 * i + 1] != bc[4 * i + 1]).count();
+        let written = compare(round, &folded, &clipped, &grads_before);
         assert!(written > 0 && written < folded.len(), "round {round}: {written} gradients clipped");
         assert_eq!(cf, cc);
     }
@@ -169,26 +189,14 @@ fn malformed_factors_are_refused_before_any_write() {
         (with(0, GradFactors { addr: param0, ..good[0] }), "share memory"),
     ];
     for (factors, why) in cases {
-        let e = step(&list, &mut counts, &factors).unwrap_err();
+        let e = step(&list, &mut counts, &factors, 0).unwrap_err();
         assert!(e.to_string().contains(why), "{why}: {e}");
         assert_eq!(bits(&s), before, "{why}: nothing written");
         assert_eq!(counts, [0, 0]);
     }
     // With the step's telemetry: refused too.
     let mut stats = vec![0.0f64; 5 * 4];
-    let group = GroupStep {
-        rule: Rule::from(AdamConfig::adamw(1e-2)),
-        count: counts.as_mut_ptr() as u64,
-        lr_in: 0,
-        clip_group: 0,
-    };
-    let inputs = StepAddresses {
-        grad_factors: &good,
-        stats_out: stats.as_mut_ptr() as u64,
-        ..Default::default()
-    };
-    // SAFETY: as above.
-    let e = unsafe { Cpu::new().step_list(&list, &[group], &inputs) }.unwrap_err();
+    let e = step(&list, &mut counts, &good, stats.as_mut_ptr() as u64).unwrap_err();
     assert!(matches!(e, Error::ClipGroups { .. }), "{e}");
     assert_eq!(bits(&s), before);
 }
@@ -200,12 +208,7 @@ fn adagc_tables(slots: &mut [Slot], buf: &mut Vec<u64>) -> (UnitPlan, UnitTables
         .enumerate()
         .map(|(i, s)| UnitPair::per_tensor(raw(&mut s.grad), i as u32))
         .collect();
-    let plan = UnitPlan::new(&pairs).unwrap();
-    let words = plan.table_words();
-    *buf = vec![f64::NAN.to_bits(); plan.bytes().div_ceil(8)];
-    buf[..words.len()].copy_from_slice(&words);
-    let tables = UnitTables::of(&plan, buf.as_mut_ptr() as u64);
-    (plan, tables)
+    tables_of(&pairs, buf)
 }
 
 #[test]
@@ -222,11 +225,7 @@ fn the_folded_adagc_step_is_its_clip_then_the_step() {
     let (mut buf_f, mut buf_c) = (Vec::new(), Vec::new());
     let mut written = 0;
     for round in 0..4u64 {
-        let mut fresh = slots(20 + round);
-        for (a, b) in folded.iter_mut().zip(clipped.iter_mut()) {
-            let g = fresh.remove(0).grad;
-            (a.grad, b.grad) = (g.clone(), g);
-        }
+        new_grads(round, &mut folded, &mut clipped);
         let grads_before = bits(&folded);
         let adagc = |tables: &UnitTables, state: &mut Vec<f64>, pass| {
             // SAFETY: the tables are this buffer's, the state this vector, the tensors the slots'.
@@ -235,26 +234,16 @@ fn the_folded_adagc_step_is_its_clip_then_the_step() {
         let (plan, tables) = adagc_tables(&mut folded, &mut buf_f);
         adagc(&tables, &mut state_f, AdagcPass::Decide);
         let list = StepList::new(&[(parts(&mut folded), Rule::from(AdamConfig::adamw(1e-2)).states())]).unwrap();
-        step(&list, &mut cf, &tables.grad_factors(&plan, true)).unwrap();
+        step(&list, &mut cf, &tables.grad_factors(&plan, true), 0).unwrap();
 
         let (_, tables) = adagc_tables(&mut clipped, &mut buf_c);
         adagc(&tables, &mut state_c, AdagcPass::Local);
         let list = StepList::new(&[(parts(&mut clipped), Rule::from(AdamConfig::adamw(1e-2)).states())]).unwrap();
-        step(&list, &mut cc, &[]).unwrap();
+        step(&list, &mut cc, &[], 0).unwrap();
 
-        let (bf, bc) = (bits(&folded), bits(&clipped));
-        for (k, (a, b)) in bf.iter().zip(&bc).enumerate() {
-            if k % 4 != 1 {
-                assert_eq!(a, b, "round {round}, part {k}");
-            } else {
-                assert_eq!(*a, grads_before[k], "round {round}: the folded step wrote gradient {}", k / 4);
-                written += usize::from(a != b);
-            }
-        }
-        assert_eq!(
-            state_f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            state_c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        );
+        written += compare(round, &folded, &clipped, &grads_before);
+        let state_bits = |s: &[f64]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(state_bits(&state_f), state_bits(&state_c), "round {round}: AdaGC's state");
     }
     assert!(written > 0, "some tensor must have been clipped");
 }
