@@ -181,3 +181,36 @@ def test_cuda_folded_step_equals_the_cpu_backends(clip, rule, dtype):
             o.step()
         for p, q in zip(cpu, gpu):
             _same(p, q)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA")
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+def test_captured_folded_step_replays_the_eager_steps(clip):
+    """The folded step captured in a CUDA graph after one eager step: each replay (new gradient
+    values in the same tensors) gives the parameters, states and, for AdaGC, the clip's state of
+    the same eager steps."""
+    from cuda_capture import capture_on_side_stream
+
+    folded, plain = _twins(13, torch.bfloat16, "cuda")
+    opt_f = optim.AdamW(folded, lr=1e-2, clip=CLIPS[clip]())
+    opt_p = optim.AdamW(plain, lr=1e-2, clip=CLIPS[clip]())
+    rounds = [_grads(40 + k, folded) for k in range(4)]
+    for p, q, g in zip(folded, plain, rounds[0]):
+        p.grad, q.grad = g.clone(), g.clone()
+    opt_f.step()  # eagerly first: tables, states and the layout made
+    opt_p.step()
+    graph = capture_on_side_stream(opt_f.step)
+    for k in range(1, 4):
+        for p, q, g in zip(folded, plain, rounds[k]):
+            p.grad.copy_(g)
+            q.grad = g.clone()  # new tensors each step, as zero_grad leaves them
+        graph.replay()
+        opt_p.step()
+        torch.cuda.synchronize()
+        for p, q in zip(folded, plain):
+            _same(p, q)
+            for key, s in opt_f.state[p].items():
+                if torch.is_tensor(s):
+                    _same(s, opt_p.state[q][key])
+        if clip == "adagc":
+            _same(opt_f.unit_clip._state, opt_p.unit_clip._state)
