@@ -7,7 +7,9 @@
 #                  optim_compare.py's update="gradclip" rows, bf16 and f32, interleaved twice)
 #   PART=cost      the folds' CUDA tests (the GPU's bits against the CPU's), then AGC's and
 #                  AdaGC's cost in the AdamW step beside its floor (agc_cost.py: 2 GB prefixes of
-#                  seed-500 and the MoE list, which fit an 80 GB H100)
+#                  seed-500 and the MoE list, which fit an 80 GB H100; GRAD_GB=21 the whole lists,
+#                  on an H200), then with STATS=1 the telemetry's cost (optim_compare.py's
+#                  update="gradclip" rows, with and without stats=True)
 # Logs in $OUT/logs.tar.gz, records' JSON in $OUT.
 set -uo pipefail
 c=$(cat .devbin/commit); D=$OUT/d; mkdir -p "$D"
@@ -30,9 +32,14 @@ else
         python/tests/test_agc.py python/tests/test_adagc.py -k "cuda or captured or folded" > "$D/fold-tests.log" 2>&1
     echo "fold CUDA tests rc=$?: $(tail -1 "$D/fold-tests.log")"
     for w in ${AGC_WORKLOADS:-seed-500 qwen3-30b-a3b-ep8}; do
-        timeout 200 python3 benches/torch/agc_cost.py .devbin/w-all.json "$OUT/agc-cost-$w.json" --workload "$w" --grad-gb 2 \
-            --rounds 5 --commit "$c" > "$D/agc-cost-$w.txt" 2>&1
+        timeout 240 python3 benches/torch/agc_cost.py .devbin/w-all.json "$OUT/agc-cost-$w.json" --workload "$w" \
+            --grad-gb "${GRAD_GB:-2}" --rounds 5 --commit "$c" > "$D/agc-cost-$w.txt" 2>&1
         echo "== $w rc=$?"; tail -14 "$D/agc-cost-$w.txt"
     done
+    if [ -n "${STATS:-}" ]; then
+        timeout 150 python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/telemetry.json" --rows "update='gradclip'" \
+            --commit "$c" > "$D/telemetry.txt" 2>&1
+        echo "== telemetry rc=$?"; grep -E "gradclip" "$D/telemetry.txt" | cut -c1-150
+    fi
 fi
 tar -czf "$OUT/logs.tar.gz" -C "$D" .; rm -rf "$D"
