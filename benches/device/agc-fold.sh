@@ -7,8 +7,9 @@
 #                  optim_compare.py's update="gradclip" rows, bf16 and f32, interleaved twice)
 #   PART=cost      the folds' CUDA tests (the GPU's bits against the CPU's), then AGC's and
 #                  AdaGC's cost in the AdamW step beside its floor (agc_cost.py: 2 GB prefixes of
-#                  seed-500 and the MoE list, which fit an 80 GB H100; GRAD_GB=21 the whole lists,
-#                  on an H200), then with STATS=1 the telemetry's cost (optim_compare.py's
+#                  seed-500 and the MoE list, which fit an 80 GB H100: its six optimizers hold about
+#                  15x the gradients' bytes; GRAD_GB=6 on an H200), then with STATS=1 the
+#                  telemetry's cost (optim_compare.py's
 #                  update="gradclip" rows, with and without stats=True)
 # Logs in $OUT/logs.tar.gz, records' JSON in $OUT.
 set -uo pipefail
