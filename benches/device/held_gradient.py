@@ -48,12 +48,13 @@ def show(obj, seen, depth, skip):
             show(ref, seen, depth - 1, skip)
 
 
-def give_clip_and_drop(ps) -> list:
-    """New gradients for ``ps``, clipped, then dropped: weak references to them."""
+def give_clip_and_drop(ps, clip=None) -> list:
+    """New gradients for ``ps``, clipped (by gradclip's ``clip_grad_norm_``, or ``clip``), then
+    dropped: weak references to them."""
     grads = [torch.randn_like(p) for p in ps]
     for p, grad in zip(ps, grads):
         p.grad = grad
-    gt.clip_grad_norm_(ps, 1.0)
+    (clip or gt.clip_grad_norm_)(ps, 1.0)
     for p in ps:
         p.grad = None
     refs = list(map(weakref.ref, grads))
@@ -74,10 +75,23 @@ def main():
         if alive:
             print(f"sys.exc_info: {sys.exc_info()[0]}; last_traceback: {getattr(sys, 'last_traceback', None)}")
             show(alive[0], set(), 4, [alive, refs, sys._getframe()])
+            frames = [r for r in gc.get_referrers(alive[0]) if isinstance(r, types.FrameType)]
+            for f in frames:
+                # A frame's references beyond those the collector sees (its referrers, this
+                # loop's, getrefcount's own) are held from C: a thread state, an extension.
+                print(f"frame {f.f_code.co_name}: refcount {sys.getrefcount(f)}, referrers {len(gc.get_referrers(f))}, "
+                      f"executing {f.f_lasti}, f_back {f.f_back.f_code.co_name if f.f_back else None}")
+            del frames
         del alive
         torch.cuda.synchronize()
         gc.collect()
         print(f"call {step}, after a synchronize: {sum(r() is not None for r in refs)} alive")
+
+
+    # The control: torch's own clip (no gradclip native call) on the same tensors.
+    for step in range(2):
+        refs = give_clip_and_drop(ps, torch.nn.utils.clip_grad_norm_)
+        print(f"torch's clip, call {step}: {sum(r() is not None for r in refs)} of {len(refs)} gradients alive")
 
 
 if __name__ == "__main__":
