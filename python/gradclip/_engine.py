@@ -24,7 +24,7 @@ __all__ = [
     "guards", "key_partials", "keys_total", "list_step", "norm_output", "optim_step", "plan_clip", "plan_norm",
     "plan_norm_as", "plan_tensor_norms", "planner", "policy_role", "policy_state_is_whole", "raw_stream", "reduction", "refuse_host_read_under_capture",
     "result_dtype", "returned_norm", "returned_norm_buffer", "rule_states", "scale_grads", "scale_group", "scale_plan", "skip_spike_state",
-    "step_layout", "stream_of", "to_partial", "total_norm64", "unit_plan", "written", "zclip_state",
+    "step_layout", "stream_of", "to_partial", "total_norm64", "unit_grad_factors", "unit_plan", "written", "zclip_state",
 ]
 
 
@@ -53,6 +53,9 @@ def clip_policy(device: torch.device, out: torch.Tensor, policies) -> None:
 # pairs as table words, and the two passes over the tables the caller keeps on the device.
 unit_plan = _native.unit_plan
 UnitReads = _native.UnitReads
+# Where an optimizer's update reads a call's factors, for pairs read in Python (``UnitReads``
+# makes its own: ``grad_factors``).
+unit_grad_factors = _native.unit_grad_factors
 
 
 def agc(device: torch.device, tables: torch.Tensor, plan, clip_factor: float, eps: float, loss_scale: int = 0, factors: bool = False) -> None:

@@ -61,6 +61,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(policies::clip_policy, m)?)?;
     m.add_function(wrap_pyfunction!(units::unit_plan, m)?)?;
     m.add_function(wrap_pyfunction!(units::agc, m)?)?;
+    m.add_function(wrap_pyfunction!(units::unit_grad_factors, m)?)?;
     m.add_function(wrap_pyfunction!(units::adagc, m)?)?;
     m.add_function(wrap_pyfunction!(units::adagc_state, m)?)?;
     m.add_class::<units::UnitReads>()?;

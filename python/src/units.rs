@@ -337,7 +337,7 @@ impl UnitReads {
         {
             return Ok(k.table.clone_ref(py));
         }
-        let table = Py::new(py, self.factor_table(tables, per_tensor)?)?;
+        let table = Py::new(py, factor_table(&self.kept, &self.positions, tables, per_tensor)?)?;
         self.factors = Some(KeptFactors {
             key: (tables.0, per_tensor),
             positions: self.positions.clone(),
@@ -347,21 +347,38 @@ impl UnitReads {
     }
 }
 
-impl UnitReads {
-    /// [`UnitReads::grad_factors`]' table, made.
-    fn factor_table(&self, tables: (u64, usize, usize, u64), per_tensor: bool) -> PyResult<GradFactorTable> {
-        let plan = UnitPlan::new(&unit_pairs(&self.kept)?).map_err(to_py)?;
-        let tables = tables_of(tables);
-        if (tables.tensors, tables.tasks, tables.pieces) != (plan.tensors.len(), plan.tasks.len(), plan.pieces) {
-            return Err(PyValueError::new_err("these tables are not the last call's plan's"));
-        }
-        let factors = tables.grad_factors(&plan, per_tensor);
-        let mut by_position = vec![GradFactors::default(); self.positions.iter().max().map_or(0, |&m| m + 1)];
-        for (&at, f) in self.positions.iter().zip(factors) {
-            by_position[at] = f;
-        }
-        Ok(GradFactorTable { by_position })
+/// The factor table of the plan of `pairs` at `tables` (as for `agc`), each pair's parameter at
+/// `positions` (the same length) of its call's list: where an optimizer's update reads each
+/// parameter's factors (`per_tensor`: AdaGC's, one per tensor; else AGC's, one per unit).
+fn factor_table(pairs: &[PairArgs], positions: &[usize], tables: (u64, usize, usize, u64), per_tensor: bool) -> PyResult<GradFactorTable> {
+    if positions.len() != pairs.len() {
+        return Err(PyValueError::new_err("one position per pair"));
     }
+    let plan = UnitPlan::new(&unit_pairs(pairs)?).map_err(to_py)?;
+    let tables = tables_of(tables);
+    if (tables.tensors, tables.tasks, tables.pieces) != (plan.tensors.len(), plan.tasks.len(), plan.pieces) {
+        return Err(PyValueError::new_err("these tables are not the plan of these pairs"));
+    }
+    let factors = tables.grad_factors(&plan, per_tensor);
+    let mut by_position = vec![GradFactors::default(); positions.iter().max().map_or(0, |&m| m + 1)];
+    for (&at, f) in positions.iter().zip(factors) {
+        by_position[at] = f;
+    }
+    Ok(GradFactorTable { by_position })
+}
+
+/// The factor table of the pairs a call read in Python (`unit_plan`'s, each with its parameter's
+/// position in the call's list), its tables at `tables`: `UnitReads.grad_factors` for a reading
+/// the binding did not make.
+#[pyfunction]
+#[pyo3(signature = (pairs, positions, tables, per_tensor = false))]
+pub fn unit_grad_factors(
+    pairs: Vec<PairArgs>,
+    positions: Vec<usize>,
+    tables: (u64, usize, usize, u64),
+    per_tensor: bool,
+) -> PyResult<GradFactorTable> {
+    factor_table(&pairs, &positions, tables, per_tensor)
 }
 
 /// The factors a unit-wise clip decided for each parameter of its call, where an optimizer's

@@ -66,11 +66,24 @@ def _same(a, b):
     assert torch.equal(_bits(a), _bits(b))
 
 
+@pytest.fixture(params=["native", "python"])
+def reading(request, monkeypatch):
+    """How the clip reads the tensors: natively (where the binding reads this torch's tensors)
+    or in Python (every other torch, and tensors the binding does not read): both fold."""
+    if request.param == "python":
+        import gradclip.torch.policies.adagc as adagc_module
+        import gradclip.torch.policies.agc as agc_module
+
+        for module in (agc_module, adagc_module):
+            monkeypatch.setattr(module, "facts", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("clip", sorted(CLIPS))
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_folded_step_is_the_clip_then_the_step(device, clip, rule, dtype):
+def test_folded_step_is_the_clip_then_the_step(device, clip, rule, dtype, reading):
     folded, plain = _twins(3, dtype, device)
     head = folded[-1]  # left unclipped, as the authors leave the classifier
     opt_f = RULES[rule](folded, clip=CLIPS[clip]([head]))

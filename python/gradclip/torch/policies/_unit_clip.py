@@ -23,9 +23,9 @@ class UnitClip:
     state and the excluded parameters (copied with the rest, as torch's optimizers copy their
     parameters), and reads its gradients afresh."""
 
-    #: What follows the gradients read (the last tables, the native reading), made again after
-    #: a copy.
-    _CACHES = ("_tables", "_reads")
+    #: What follows the gradients read (the last tables, the native reading, the factor table of
+    #: a Python reading), made again after a copy.
+    _CACHES = ("_tables", "_reads", "_python_factors")
 
     def _begin(self, exclude) -> None:
         # By identity (a tensor's == is elementwise), without keeping the parameters alive.

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..._engine import POLICY_WORDS, adagc as _adagc, adagc_state, capturing, facts, policy_state_is_whole, returned_norm, unit_plan
+from ..._engine import POLICY_WORDS, adagc as _adagc, adagc_state, capturing, facts, policy_state_is_whole, returned_norm, unit_grad_factors, unit_plan
 from .. import _frames
 from .._functions import _as_list, _grads_norm64, _is_dtensor, _opaque_to_compile
 from ._unit_clip import CODES as _CODES, UnitClip, check_dtensor_pair, loss_scale_on, upload_tables
@@ -45,8 +45,8 @@ class AdaGC(UnitClip):
     _KIND = "adagc"
     #: The ids of the parameter list the slots belong to (None: the next call's list adopts
     #: them), the last tables and native reading, a sharded call's all-reduces (kept for the list
-    #: and device they were made for).
-    _CACHES = ("_ids", "_tables", "_reads", "_layout")
+    #: and device they were made for), the factor table of a Python reading.
+    _CACHES = ("_ids", "_tables", "_reads", "_layout", "_python_factors")
 
     def __init__(
         self,
@@ -218,8 +218,10 @@ class AdaGC(UnitClip):
         applies them."""
         with torch.no_grad():
             params = _as_list(parameters)
-            adopt = self._binding(params, tuple(map(id, params)))
-            found = self._native_work(params, (loss_scale, found_inf), _DECIDE)
+            ids = tuple(map(id, params))
+            adopt = self._binding(params, ids)
+            scaler = (loss_scale, found_inf)
+            found = self._native_work(params, scaler, _DECIDE) or self._python_decide(params, scaler, ids)
             if found is None:
                 return None
             launch, table = found
@@ -230,6 +232,21 @@ class AdaGC(UnitClip):
                 launch()
 
             return decide, table
+
+    def _python_decide(self, params: List[torch.Tensor], scaler, ids: tuple):
+        """``step_factors``'s pair from the Python reading; None for DTensor parameters (their
+        decision takes an all-reduce between its two halves)."""
+        if any(_is_dtensor(p) or _is_dtensor(p.grad) for p in params if p.grad is not None):
+            return None
+        launch = self._python_work(params, scaler, ids, _DECIDE)
+        tables = self._tables
+        if self._python_factors is None or self._python_factors[0] != tables.key:
+            entries = tables.key[1]
+            args = [(ptr, 0, n, n, _CODES[dtype], 0, i) for ptr, n, dtype, i in entries]
+            positions = [i for *_, i in entries]
+            table = unit_grad_factors(args, positions, (tables.buf.data_ptr(), *tables.plan), True)
+            self._python_factors = (tables.key, table)
+        return launch, self._python_factors[1]
 
     def scale_decided(self) -> None:
         """The gradients of the last ``step_factors`` multiplied by the factors its ``decide``
@@ -261,7 +278,7 @@ class AdaGC(UnitClip):
         tables = self._tables
         return self._launch(device, scaler, None, pass_), self._reads.grad_factors((tables.buf.data_ptr(), *tables.plan), True)
 
-    def _python_work(self, params: List[torch.Tensor], scaler, ids: tuple):
+    def _python_work(self, params: List[torch.Tensor], scaler, ids: tuple, pass_: Optional[int] = None):
         """The call read in Python: plain gradients and DTensor ones (each rank's shard, whose
         squared norm the ranks sum before the decision), checked here (``ids``: the parameters'
         objects' ids, which key a sharded call's all-reduces)."""
@@ -300,7 +317,7 @@ class AdaGC(UnitClip):
             if self._layout is None or self._layout[0] != layout:
                 self._layout = (layout, _reductions(params, self._excluded, device))
             reductions = self._layout[1]
-        return self._launch(device, scaler, reductions)
+        return self._launch(device, scaler, reductions, pass_)
 
     def _launch(self, device: torch.device, scaler, reductions, pass_: Optional[int] = None):
         """The engine's call over the kept tables, with the state on ``device`` (``scaler``:

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..._engine import agc as _agc, facts, returned_norm, unit_plan
+from ..._engine import agc as _agc, facts, returned_norm, unit_grad_factors, unit_plan
 from .. import _frames
 from .._functions import _as_list, _grads_norm64, _is_dtensor, _opaque_to_compile
 from ._unit_clip import CODES as _CODES, UnitClip, check_dtensor_pair, loss_scale_on, upload_tables
@@ -94,7 +94,23 @@ class AGC(UnitClip):
         fast = self._native_work(params, loss_scale)
         if fast is not None:
             return fast
-        local: Dict[torch.device, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        local, spanning = self._pairs(params)
+        engine = [self._device_call(device, [(pl, gl) for _, pl, gl in pairs], loss_scale) for device, pairs in local.items()]
+        spans = _spanning_clip(spanning, self.clip_factor, self.eps, loss_scale) if spanning else None
+
+        def run() -> None:
+            for call in engine:
+                call()
+            if spans is not None:
+                spans()
+
+        return run
+
+    def _pairs(self, params: List[torch.Tensor]):
+        """The Python reading of ``params``, checked (errors name the parameter by position):
+        each device's ``(position, parameter, gradient)`` (local tensors: a DTensor's shards
+        whose units are whole on each rank), and the DTensor parameters whose units span ranks."""
+        local: Dict[torch.device, List[Tuple[int, torch.Tensor, torch.Tensor]]] = {}
         spanning: List[Tuple[int, torch.Tensor]] = []
         for i, p in enumerate(params):
             g = p.grad
@@ -110,17 +126,8 @@ class AGC(UnitClip):
                 pl, gl = p, g
             _check(i, pl, gl)
             if gl.numel():
-                local.setdefault(gl.device, []).append((pl, gl))
-        engine = [self._device_call(device, pairs, loss_scale) for device, pairs in local.items()]
-        spans = _spanning_clip(spanning, self.clip_factor, self.eps, loss_scale) if spanning else None
-
-        def run() -> None:
-            for call in engine:
-                call()
-            if spans is not None:
-                spans()
-
-        return run
+                local.setdefault(gl.device, []).append((i, pl, gl))
+        return local, spanning
 
     def step_factors(self, parameters, loss_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None):
         """AGC folded into an optimizer's update (``clip=AGC(...)``): ``(decide, table)``, the
@@ -132,7 +139,23 @@ class AGC(UnitClip):
         these tensors itself (the caller then clips with ``clip_unitwise_``). ``found_inf`` is
         not read (AGC keeps no state; a step GradScaler skips is not taken)."""
         with torch.no_grad():
-            return self._native_work(_as_list(parameters), loss_scale, factors=True)
+            params = _as_list(parameters)
+            found = self._native_work(params, loss_scale, factors=True)
+            if found is not None:
+                return found
+            # Read in Python (tensors, or a torch, the binding does not read): one device, no
+            # unit spanning ranks.
+            local, spanning = self._pairs(params)
+            if spanning or len(local) != 1:
+                return None
+            (device, pairs), = local.items()
+            call = self._device_call(device, [(pl, gl) for _, pl, gl in pairs], loss_scale, factors=True)
+            key = (self._tables[0], tuple(i for i, _, _ in pairs))
+            if self._python_factors is None or self._python_factors[0] != key:
+                _, buf, counts = self._tables
+                args = [(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype], 0) for _, p, g in pairs]
+                self._python_factors = (key, unit_grad_factors(args, list(key[1]), (buf.data_ptr(), *counts)))
+            return call, self._python_factors[1]
 
     def _native_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor], factors: bool = False):
         """The call when the binding reads every parameter and gradient itself (plain
@@ -167,14 +190,15 @@ class AGC(UnitClip):
         scale = loss_scale_on(device, loss_scale)
         return lambda: _agc(device, buf, plan, clip_factor, eps, 0 if scale is None else scale.data_ptr(), factors)
 
-    def _device_call(self, device: torch.device, pairs: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: Optional[torch.Tensor]):
-        """The engine's call over ``pairs`` on ``device``, its tables made (or the kept ones)."""
+    def _device_call(self, device: torch.device, pairs: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: Optional[torch.Tensor], factors: bool = False):
+        """The engine's call over ``pairs`` on ``device``, its tables made (or the kept ones; with
+        ``factors``, the decision alone)."""
         key = (device, tuple((g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), g.dtype, p.dtype) for p, g in pairs))
         if self._tables is None or self._tables[0] != key:
             plan = unit_plan([(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype], 0) for p, g in pairs])
             self._tables = (key, upload_tables(device, plan), tuple(plan[2:5]))
             self._reads.forget()  # the native reading's kept tables are these no more
-        return self._launch(device, loss_scale)
+        return self._launch(device, loss_scale, factors)
 
 
 def _check(i: int, p: torch.Tensor, g: torch.Tensor) -> None:
