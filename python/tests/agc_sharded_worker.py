@@ -1,7 +1,8 @@
 """One rank of ``test_agc.py``'s sharded case: AGC over DTensor parameters (weights sharded on
 dim 0 as FSDP2 shards them, a weight sharded on dim 1 and vectors sharded on dim 0: units across
 ranks, replicated ones) against AGC over the whole tensors in this process, functionally and as
-an optimizer's ``clip=``; and a Partial gradient refused before any write. Writes one line per
+an optimizer's ``clip=`` (folded into its update where every unit is whole on each rank); and a
+Partial gradient refused before any write. Writes one line per
 failure to OUT.
 
 Usage: python agc_sharded_worker.py PORT RANK WORLD OUT"""
@@ -56,6 +57,23 @@ def check(world: int, failures: list) -> None:
         for i, (p, q) in enumerate(zip(ps, pw)):
             if not torch.allclose(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-8):
                 failures.append(f"optimizer step {step}: parameter {i} differs from the whole run's")
+    # Units whole on each rank (a dim-0 shard of a weight, replicated ones): folded into the
+    # update, no gradient written (a list with a unit across ranks, above, clips first).
+    whole = [0, 3, 4]
+    ps = [torch.nn.Parameter(dt(start[i], i)) for i in whole]
+    pw = [torch.nn.Parameter(start[i].clone()) for i in whole]
+    opt_s, opt_w = optim.AdamW(ps, lr=1e-2, clip=AGC()), optim.AdamW(pw, lr=1e-2, clip=AGC())
+    for step in range(2):
+        for k, i in enumerate(whole):
+            ps[k].grad, pw[k].grad = dt(grads[i] * (step + 1), i), grads[i] * (step + 1)
+        given = [p.grad.to_local().clone() for p in ps]
+        opt_s.step()
+        opt_w.step()
+        for k, i in enumerate(whole):
+            if not torch.allclose(ps[k].full_tensor(), pw[k].detach(), rtol=1e-6, atol=1e-8):
+                failures.append(f"folded step {step}: parameter {i} differs from the whole run's")
+            if not torch.equal(ps[k].grad.to_local(), given[k]):
+                failures.append(f"folded step {step}: the gradient of parameter {i} was written")
     # A Partial gradient: refused, nothing written.
     p = torch.nn.Parameter(dt(start[0], 3))
     p.grad = torch.distributed.tensor.DTensor.from_local(grads[0].clone(), mesh, [Partial()])
