@@ -1,8 +1,8 @@
 """One rank of ``test_agc.py``'s sharded case: AGC over DTensor parameters (weights sharded on
 dim 0 as FSDP2 shards them, a weight sharded on dim 1 and vectors sharded on dim 0: units across
 ranks, replicated ones) against AGC over the whole tensors in this process, functionally and as
-an optimizer's ``clip=`` (folded into its update where every unit is whole on each rank); and a
-Partial gradient refused before any write. Writes one line per
+an optimizer's ``clip=`` (folded into its update where a parameter's units are whole on each
+rank); and a Partial gradient refused before any write. Writes one line per
 failure to OUT.
 
 Usage: python agc_sharded_worker.py PORT RANK WORLD OUT"""
@@ -52,13 +52,17 @@ def check(world: int, failures: list) -> None:
     for step in range(3):
         for i, (p, q, g) in enumerate(zip(ps, pw, grads)):
             p.grad, q.grad = dt(g * (step + 1), i), g * (step + 1)
+        given = [p.grad.to_local().clone() for p in ps]
         opt_s.step()
         opt_w.step()
         for i, (p, q) in enumerate(zip(ps, pw)):
             if not torch.allclose(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-8):
                 failures.append(f"optimizer step {step}: parameter {i} differs from the whole run's")
-    # Units whole on each rank (a dim-0 shard of a weight, replicated ones): folded into the
-    # update, no gradient written (a list with a unit across ranks, above, clips first).
+            # The units whole on each rank fold (their gradients unwritten); those across ranks
+            # are clipped on their gradients first.
+            if i in (0, 3, 4) and not torch.equal(p.grad.to_local(), given[i]):
+                failures.append(f"optimizer step {step}: the gradient of parameter {i} was written")
+    # Units whole on each rank alone (a dim-0 shard of a weight, replicated ones).
     whole = [0, 3, 4]
     ps = [torch.nn.Parameter(dt(start[i], i)) for i in whole]
     pw = [torch.nn.Parameter(start[i].clone()) for i in whole]

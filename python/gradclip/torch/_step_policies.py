@@ -77,13 +77,8 @@ def unit_clip(opt):
 
 def unfolded(opt) -> None:
     """The gradients clipped by the factors ``unit_clip`` decided, for a step that did not take
-    them (torch's step runs instead): AdaGC's scaled by them (its state advanced once), AGC's
-    decided again with the scale (it keeps no state)."""
-    if isinstance(opt.unit_clip, AdaGC):
-        opt.unit_clip.scale_decided()
-        return
-    params = [p for g in opt.param_groups for p in g["params"]]
-    opt.unit_clip.clip_unitwise_(params, getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None))
+    them (torch's step runs instead; AdaGC's state advanced once)."""
+    opt.unit_clip.scale_decided()
 
 
 def _folds(opt) -> bool:

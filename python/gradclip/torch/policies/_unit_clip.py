@@ -24,8 +24,8 @@ class UnitClip:
     parameters), and reads its gradients afresh."""
 
     #: What follows the gradients read (the last tables, the native reading, the factor table of
-    #: a Python reading), made again after a copy.
-    _CACHES = ("_tables", "_reads", "_python_factors")
+    #: a Python reading, the clip by the factors last decided), made again after a copy.
+    _CACHES = ("_tables", "_reads", "_python_factors", "_scale_decided")
 
     def _begin(self, exclude) -> None:
         # By identity (a tensor's == is elementwise), without keeping the parameters alive.

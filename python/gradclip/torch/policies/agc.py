@@ -135,27 +135,45 @@ class AGC(UnitClip):
         optimizer's order) on the device without writing them, and the native table the update
         reads each parameter's factors from (by its position in ``parameters``; the update
         multiplies the gradient as ``clip_unitwise_`` would have written it: the same bits).
-        Every check runs here, before anything is written. None when the binding does not read
-        these tensors itself (the caller then clips with ``clip_unitwise_``). ``found_inf`` is
-        not read (AGC keeps no state; a step GradScaler skips is not taken)."""
+        DTensor parameters whose units span ranks (a vector FSDP2 shards, a weight sharded on
+        another dim) are clipped on their gradients by ``decide`` (their factors take an
+        all-reduce); the others fold. Every check runs here, before anything is written. None
+        when the tensors are on several devices (the caller then clips with
+        ``clip_unitwise_``); after a ``decide`` whose factors no update took, ``scale_decided``
+        clips the gradients by them. ``found_inf`` is not read (AGC keeps no state; a step
+        GradScaler skips is not taken)."""
         with torch.no_grad():
             params = _as_list(parameters)
             found = self._native_work(params, loss_scale, factors=True)
             if found is not None:
                 return found
-            # Read in Python (tensors, or a torch, the binding does not read): one device, no
-            # unit spanning ranks.
+            # Read in Python (tensors, or a torch, the binding does not read): one device.
             local, spanning = self._pairs(params)
-            if spanning or len(local) != 1:
+            if len(local) != 1:
                 return None
             (device, pairs), = local.items()
             call = self._device_call(device, [(pl, gl) for _, pl, gl in pairs], loss_scale, factors=True)
+            self._scale_decided = self._launch(device, loss_scale)
             key = (self._tables[0], tuple(i for i, _, _ in pairs))
             if self._python_factors is None or self._python_factors[0] != key:
                 _, buf, counts = self._tables
                 args = [(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype], 0) for _, p, g in pairs]
                 self._python_factors = (key, unit_grad_factors(args, list(key[1]), (buf.data_ptr(), *counts)))
-            return call, self._python_factors[1]
+            if not spanning:
+                return call, self._python_factors[1]
+            spans = _spanning_clip(spanning, self.clip_factor, self.eps, loss_scale)
+
+            def decide() -> None:
+                call()
+                spans()
+
+            return decide, self._python_factors[1]
+
+    def scale_decided(self) -> None:
+        """The gradients of the last ``step_factors`` that it folded clipped by their factors (for
+        a step that did not take them: torch's; the units across ranks it clipped already)."""
+        with torch.no_grad():
+            self._scale_decided()
 
     def _native_work(self, params: List[torch.Tensor], loss_scale: Optional[torch.Tensor], factors: bool = False):
         """The call when the binding reads every parameter and gradient itself (plain
@@ -180,6 +198,7 @@ class AGC(UnitClip):
         call = self._launch(device, loss_scale, factors)
         if not factors:
             return call
+        self._scale_decided = self._launch(device, loss_scale)
         _, buf, counts = self._tables
         return call, self._reads.grad_factors((buf.data_ptr(), *counts))
 
