@@ -3,8 +3,8 @@ policies an optimizer runs, the clip threshold its step then takes, their place 
 and the steps that cannot run them (refused before anything is written).
 
 ``clip`` is a number (the fixed clip, as ``max_grad_norm``), a clip policy (``ZClip``,
-``AutoClip``), or ``AGC`` or ``AdaGC`` (unit-wise and per-tensor clips, run on the gradients
-before the step: a unit clip); ``skip`` a skip policy (``SkipSpike``). The engine's step runs them on the device after the norm, before the
+``AutoClip``), or ``AGC`` or ``AdaGC`` (unit-wise and per-tensor clips before the step, folded
+into gradclip's update where the step takes no norm: a unit clip); ``skip`` a skip policy (``SkipSpike``). The engine's step runs them on the device after the norm, before the
 update reads the coefficient: the clip policy's coefficient replaces the fixed clip's, and a step
 the skip policy skips writes no parameter, state or step count (counted in ``skipped_steps``)."""
 
