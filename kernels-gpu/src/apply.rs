@@ -260,8 +260,9 @@ unsafe fn update_parts<P: Element, G: Element, S: Element, const N: usize, U: El
 ///
 /// # Safety
 /// `d` describes live device memory (every part `d.len` elements of its dtype, the written parts
-/// disjoint from everything else of the launch, the gradient not written during it) and `chunk`
-/// is one of its tasks.
+/// disjoint from everything else of the launch, the gradient not written during it), `chunk` is
+/// one of its tasks, and `f`'s factors (with [`GradFactors::ON`]) are readable memory of `d`'s
+/// units (one f64 each, not written during the launch).
 #[inline(always)]
 unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: ElementUpdate<f32> + Copy, T: Tally, F: GradFactors>(
     d: &UpdateTensorDesc,

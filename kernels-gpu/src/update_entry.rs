@@ -18,7 +18,9 @@
 //! Launched by the gradclip host with a grid of one block per task of a plan built from
 //! `tensors` (every part live device memory of its length and dtype, the states the optimizer
 //! keeps present, the written parts pairwise disjoint and disjoint from the gradients, each own
-//! step count one f32 disjoint from them all, each tensor's group an entry of `groups`),
+//! step count one f32 disjoint from them all, each tensor's group an entry of `groups`, each
+//! tensor's gradient factors (those not 0: [`crate::unit_factors`]) device memory of one f64 per
+//! unit, disjoint from the written parts, not given to the kernels with telemetry),
 //! [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared memory, `counter` zero, `groups`
 //! `num_groups` entries whose counts are distinct and whose counts and learning rates (those not
 //! 0) are device memory, `norm` and `found_inf` (those not null) device memory, all written
