@@ -34,21 +34,25 @@ type PlanArgs = (Vec<i64>, usize, usize, usize, u64, usize);
 /// The plan of `pairs`, checked (errors name the pair by position).
 #[pyfunction]
 pub fn unit_plan(pairs: Vec<PairArgs>) -> PyResult<PlanArgs> {
-    plan_of(&pairs).map_err(|e| e.unwrap_or_else(to_py))
+    plan_of(&pairs).map(|p| plan_args(&p)).map_err(|e| e.unwrap_or_else(to_py))
 }
 
 /// The plan of `pairs`: a Python error (a dtype code unknown), or the engine's check that failed.
-fn plan_of(pairs: &[PairArgs]) -> Result<PlanArgs, Result<PyErr, gradclip::Error>> {
-    let plan = UnitPlan::new(&unit_pairs(pairs).map_err(Ok)?).map_err(Err)?;
+fn plan_of(pairs: &[PairArgs]) -> Result<UnitPlan, Result<PyErr, gradclip::Error>> {
+    UnitPlan::new(&unit_pairs(pairs).map_err(Ok)?).map_err(Err)
+}
+
+/// A plan as Python takes it ([`PlanArgs`]).
+fn plan_args(plan: &UnitPlan) -> PlanArgs {
     let words = plan.table_words().into_iter().map(|w| w as i64).collect();
-    Ok((
+    (
         words,
         plan.bytes(),
         plan.tensors.len(),
         plan.tasks.len(),
         plan.pieces,
         plan.sums_offset() / 8,
-    ))
+    )
 }
 
 /// The engine's pairs of `pairs` (a Python error for a dtype code unknown).
@@ -204,8 +208,9 @@ pub fn adagc(
 #[pyclass(module = "gradclip._native")]
 #[derive(Default)]
 pub struct UnitReads {
-    /// The pairs of the last plan.
+    /// The pairs of the last plan, and the plan (the factor table's: not checked again).
     kept: Vec<PairArgs>,
+    plan: Option<UnitPlan>,
     /// This call's pairs (kept between calls for its memory).
     pairs: Vec<PairArgs>,
     /// Each pair's parameter's position in the call's list (errors name it).
@@ -315,12 +320,15 @@ impl UnitReads {
             })
         })?;
         std::mem::swap(&mut self.kept, &mut self.pairs);
-        Ok(Some((device, Some(plan))))
+        let args = plan_args(&plan);
+        self.plan = Some(plan);
+        Ok(Some((device, Some(args))))
     }
 
     /// Forgets the last plan (its tables were lost).
     fn forget(&mut self) {
         self.kept.clear();
+        self.plan = None;
         self.factors = None;
     }
 
@@ -337,7 +345,10 @@ impl UnitReads {
         {
             return Ok(k.table.clone_ref(py));
         }
-        let table = Py::new(py, factor_table(&self.kept, &self.positions, tables, per_tensor)?)?;
+        let Some(plan) = &self.plan else {
+            return Err(PyValueError::new_err("no plan read: read the call's tensors first"));
+        };
+        let table = Py::new(py, factor_table(plan, &self.positions, tables, per_tensor)?)?;
         self.factors = Some(KeptFactors {
             key: (tables.0, per_tensor),
             positions: self.positions.clone(),
@@ -347,19 +358,18 @@ impl UnitReads {
     }
 }
 
-/// The factor table of the plan of `pairs` at `tables` (as for `agc`), each pair's parameter at
-/// `positions` (the same length) of its call's list: where an optimizer's update reads each
-/// parameter's factors (`per_tensor`: AdaGC's, one per tensor; else AGC's, one per unit).
-fn factor_table(pairs: &[PairArgs], positions: &[usize], tables: (u64, usize, usize, u64), per_tensor: bool) -> PyResult<GradFactorTable> {
-    if positions.len() != pairs.len() {
+/// The factor table of `plan` at `tables` (as for `agc`), each pair's parameter at `positions`
+/// (one per pair) of its call's list: where an optimizer's update reads each parameter's factors
+/// (`per_tensor`: AdaGC's, one per tensor; else AGC's, one per unit).
+fn factor_table(plan: &UnitPlan, positions: &[usize], tables: (u64, usize, usize, u64), per_tensor: bool) -> PyResult<GradFactorTable> {
+    if positions.len() != plan.tensors.len() {
         return Err(PyValueError::new_err("one position per pair"));
     }
-    let plan = UnitPlan::new(&unit_pairs(pairs)?).map_err(to_py)?;
     let tables = tables_of(tables);
     if (tables.tensors, tables.tasks, tables.pieces) != (plan.tensors.len(), plan.tasks.len(), plan.pieces) {
         return Err(PyValueError::new_err("these tables are not the plan of these pairs"));
     }
-    let factors = tables.grad_factors(&plan, per_tensor);
+    let factors = tables.grad_factors(plan, per_tensor);
     let mut by_position = vec![GradFactors::default(); positions.iter().max().map_or(0, |&m| m + 1)];
     for (&at, f) in positions.iter().zip(factors) {
         by_position[at] = f;
@@ -378,7 +388,8 @@ pub fn unit_grad_factors(
     tables: (u64, usize, usize, u64),
     per_tensor: bool,
 ) -> PyResult<GradFactorTable> {
-    factor_table(&pairs, &positions, tables, per_tensor)
+    let plan = plan_of(&pairs).map_err(|e| e.unwrap_or_else(to_py))?;
+    factor_table(&plan, &positions, tables, per_tensor)
 }
 
 /// The factors a unit-wise clip decided for each parameter of its call, where an optimizer's

@@ -272,7 +272,10 @@ fn check_grad_factors(list: &StepList, inputs: &StepAddresses<'_>) -> Result<()>
                 ),
             });
         }
-        let end = (g.len / f.unit_len - 1).checked_mul(f.step).and_then(|b| b.checked_add(f.addr + 8));
+        let end = (g.len / f.unit_len - 1)
+            .checked_mul(f.step)
+            .and_then(|b| b.checked_add(f.addr))
+            .and_then(|b| b.checked_add(8));
         if !end.is_some_and(|end| list.reads_clear(f.addr, end)) {
             return Err(Error::Units {
                 index,
