@@ -509,13 +509,30 @@ pub(crate) unsafe fn chunk_any_f32<const N: usize, U: ElementUpdate<f32> + Copy,
     let start = chunk * update_chunk_elems(dtype_size(dtypes.0));
     // A unit-wise clip's factors in the walk without telemetry only (the host refuses them with
     // it): a kernel with telemetry keeps one walk per dtype.
-    // SAFETY: (every arm) the caller's contract; the dtypes named are the parts' own.
+    // SAFETY: (both arms) the caller's contract.
     unsafe {
         match ByUnit::of(d, start).filter(|_| !T::ON) {
-            Some(f) => crate::with_update_dtypes!(dtypes, (P, G, St) => chunk_f32::<P, G, St, N, U, T, _>(d, chunk, u, t, &f), _ => {}),
-            None => crate::with_update_dtypes!(dtypes, (P, G, St) => chunk_f32::<P, G, St, N, U, T, _>(d, chunk, u, t, &AsStored), _ => {}),
+            Some(f) => walk_dtypes_f32::<N, U, T, _>(d, chunk, u, dtypes, t, &f),
+            None => walk_dtypes_f32::<N, U, T, _>(d, chunk, u, dtypes, t, &AsStored),
         }
     }
+}
+
+/// [`chunk_f32`] for the parts' dtypes, each gradient element multiplied by its factor in `f`.
+///
+/// # Safety
+/// As [`chunk_f32`], with `dtypes` the parts' own.
+#[inline(always)]
+unsafe fn walk_dtypes_f32<const N: usize, U: ElementUpdate<f32> + Copy, T: Tally, F: GradFactors>(
+    d: &UpdateTensorDesc,
+    chunk: u64,
+    u: U,
+    dtypes: (u32, u32, u32),
+    t: &mut T,
+    f: &F,
+) {
+    // SAFETY: (every arm) the caller's contract; the dtypes named are the parts' own.
+    unsafe { crate::with_update_dtypes!(dtypes, (P, G, St) => chunk_f32::<P, G, St, N, U, T, F>(d, chunk, u, t, f), _ => {}) }
 }
 
 /// Whether `d`'s parameter is f64 (its task takes [`chunk_f64`], else [`chunk_any_f32`]).

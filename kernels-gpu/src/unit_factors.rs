@@ -22,6 +22,9 @@ pub trait GradFactors: Copy {
     /// # Safety
     /// `i` is an element of the chunk; the factors of its tensor are readable memory.
     unsafe fn at(&self, i: u64) -> f64;
+    /// The first element after `i`'s unit (counted from the chunk's start): an element walk
+    /// reads one factor a unit.
+    fn unit_end(&self, i: u64) -> u64;
 }
 
 /// A gradient read as it is stored.
@@ -37,6 +40,10 @@ impl GradFactors for AsStored {
     #[inline(always)]
     unsafe fn at(&self, _i: u64) -> f64 {
         1.0
+    }
+    #[inline(always)]
+    fn unit_end(&self, _i: u64) -> u64 {
+        u64::MAX
     }
 }
 
@@ -108,6 +115,11 @@ impl GradFactors for ByUnit {
         // readable (the caller's contract).
         unsafe { ((self.first + 8 * (unit as u64 * self.step_words as u64)) as *const f64).read() }
     }
+    #[inline(always)]
+    fn unit_end(&self, i: u64) -> u64 {
+        let len = self.unit_len as u64;
+        ((self.offset as u64 + i) / len + 1) * len - self.offset as u64
+    }
 }
 
 /// A gradient element as the clip leaves it: `bits` multiplied by `f` and rounded to `G`
@@ -145,6 +157,8 @@ mod tests {
                     // SAFETY: the unit's factor lies inside `factors` (checked just above).
                     let got = unsafe { f.at(i) };
                     assert_eq!(got, factors[(unit * step / 8) as usize], "unit {unit_len} start {start} i {i}");
+                    // Its unit ends where the next unit starts.
+                    assert_eq!(f.unit_end(i), (unit + 1) * unit_len - start, "unit {unit_len} start {start} i {i}");
                 }
             }
         }
@@ -162,6 +176,8 @@ mod tests {
         // SAFETY: units 0 and 1 of `factors`.
         let got: std::vec::Vec<f64> = (0..4096).map(|i| unsafe { f.at(i) }).collect();
         assert!(got[..100].iter().all(|&x| x == 0.25) && got[100..].iter().all(|&x| x == 0.5));
+        assert_eq!((f.unit_end(0), f.unit_end(99)), (100, 100));
+        assert!(f.unit_end(100) > 4096);
         // A chunk far from a unit's end reads one unit.
         let f = ByUnit::at_start(factors.as_ptr() as u64, unit, 8, unit + 8192).unwrap();
         // SAFETY: unit 1.

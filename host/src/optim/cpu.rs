@@ -562,7 +562,7 @@ unsafe fn update_piece<Tl: Tally>(p: &Piece, t: &mut Tl) {
     }
 }
 
-/// Dispatches a piece to the walk of its dtypes.
+/// Dispatches a piece to the walk of its gradient's factors and dtypes.
 ///
 /// # Safety
 /// As [`update_range`].
@@ -573,28 +573,40 @@ unsafe fn update_dtypes<const N: usize, U32: ElementUpdate<f32> + Copy, U64: Ele
     t: &mut Tl,
 ) {
     let (u32, u64) = (u32.for_states(N), u64.for_states(N));
-    let (param, grad) = (p.parts.param.dtype, p.parts.grad.dtype);
-    // The states' dtype (the parameter's when it keeps none: any will do).
-    let s = p.parts.states[0].map_or(param, |s| s.dtype);
     let f = &p.factors;
     // The gradient's factors in the walk without telemetry only, as the kernels' (the step's
     // checks refuse them with it).
-    let by_unit = ByUnit::at_start(f.addr, f.unit_len, f.step, p.start).filter(|_| !Tl::ON);
+    // SAFETY (both arms): the caller's contract.
+    unsafe {
+        match ByUnit::at_start(f.addr, f.unit_len, f.step, p.start).filter(|_| !Tl::ON) {
+            Some(f) => walk_dtypes::<N, _, _, _, _>(p, &u32, &u64, t, &f),
+            None => walk_dtypes::<N, _, _, _, _>(p, &u32, &u64, t, &AsStored),
+        }
+    }
+}
+
+/// The walk of a piece's dtypes, each gradient element multiplied by its factor in `f`.
+///
+/// # Safety
+/// As [`update_range`].
+unsafe fn walk_dtypes<const N: usize, U32: ElementUpdate<f32>, U64: ElementUpdate<f64>, Tl: Tally, F: Factors>(
+    p: &Piece,
+    u32: &U32,
+    u64: &U64,
+    t: &mut Tl,
+    f: &F,
+) {
+    let (param, grad) = (p.parts.param.dtype, p.parts.grad.dtype);
+    // The states' dtype (the parameter's when it keeps none: any will do).
+    let s = p.parts.states[0].map_or(param, |s| s.dtype);
     // SAFETY (every arm): the caller's contract; the dtypes named are the parts' own.
     unsafe {
         if param == DType::F64 {
-            match by_unit {
-                Some(f) => update_range::<N, F64, F64, F64, f64, _, _, _>(p, &u64, t, &f),
-                None => update_range::<N, F64, F64, F64, f64, _, _, _>(p, &u64, t, &AsStored),
-            }
+            update_range::<N, F64, F64, F64, f64, _, _, _>(p, u64, t, f)
         } else {
             // The kernels' table of triples; the step list's checks admit no other.
-            match by_unit {
-                Some(f) => gradclip_kernels::with_update_dtypes!((param.code(), grad.code(), s.code()),
-                    (P, G, St) => update_range::<N, P, G, St, f32, _, _, _>(p, &u32, t, &f), _ => {}),
-                None => gradclip_kernels::with_update_dtypes!((param.code(), grad.code(), s.code()),
-                    (P, G, St) => update_range::<N, P, G, St, f32, _, _, _>(p, &u32, t, &AsStored), _ => {}),
-            }
+            gradclip_kernels::with_update_dtypes!((param.code(), grad.code(), s.code()),
+                (P, G, St) => update_range::<N, P, G, St, f32, _, _, _>(p, u32, t, f), _ => {})
         }
     }
 }
@@ -681,34 +693,47 @@ unsafe fn update_range<
     let runs = Tl::ON && P::SIZE == 2 && aligned;
     let runs_end = parts.param.len / RUN as u64 * RUN as u64;
     let (mut run, mut kept) = (Run::default(), [(0.0f32, 0.0f32); RUN]);
-    for i in p.start..p.end {
-        // SAFETY: i < len of every part (the caller's contract).
-        unsafe {
-            let mut st = [T::default(); MAX_STATES];
-            for k in 0..N {
-                st[k] = S::widen_to(*at::<S>(&states[k], i));
-            }
-            let before = P::widen_to(*at::<P>(&parts.param, i));
-            let grad = G::widen_to(factored::<G>(*at::<G>(&parts.grad, i), f.at(i - p.start)));
-            let stored = P::round_from(u.update(before, grad, &mut st));
-            *at::<P>(&parts.param, i) = stored;
-            if runs && i < runs_end {
-                // Exact: the values are 16-bit (opmath T is f32 here).
-                let (b, a) = (before.into() as f32, P::widen_to(stored).into() as f32);
-                let k = (i % RUN as u64) as usize;
-                kept[k] = (b, a);
-                run.push(b, a);
-                t.push_grad_f32(grad.into() as f32);
-                if k == RUN - 1 {
-                    t.push_sums(run.sums().unwrap_or_else(|| exact_sums(|k| kept[k])));
-                    run = Run::default();
+    // The piece unit by unit, the gradient's factor read once a unit: the element loop keeps
+    // it invariant (a factor read per element cost the CPU more than the clip's own pass over
+    // the gradients).
+    let mut from = p.start;
+    while from < p.end {
+        let (factor, to) = if F::ON {
+            // SAFETY: `from` is an element of the piece, whose factors are readable (the contract).
+            (unsafe { f.at(from - p.start) }, p.end.min(p.start + f.unit_end(from - p.start)))
+        } else {
+            (1.0, p.end)
+        };
+        for i in from..to {
+            // SAFETY: i < len of every part (the caller's contract).
+            unsafe {
+                let mut st = [T::default(); MAX_STATES];
+                for k in 0..N {
+                    st[k] = S::widen_to(*at::<S>(&states[k], i));
                 }
-            } else if Tl::ON {
-                t.push_f64(before.into(), P::widen_to(stored).into(), grad.into());
-            }
-            for k in 0..N {
-                *at::<S>(&states[k], i) = S::round_from(st[k]);
+                let before = P::widen_to(*at::<P>(&parts.param, i));
+                let grad = G::widen_to(factored::<G>(*at::<G>(&parts.grad, i), factor));
+                let stored = P::round_from(u.update(before, grad, &mut st));
+                *at::<P>(&parts.param, i) = stored;
+                if runs && i < runs_end {
+                    // Exact: the values are 16-bit (opmath T is f32 here).
+                    let (b, a) = (before.into() as f32, P::widen_to(stored).into() as f32);
+                    let k = (i % RUN as u64) as usize;
+                    kept[k] = (b, a);
+                    run.push(b, a);
+                    t.push_grad_f32(grad.into() as f32);
+                    if k == RUN - 1 {
+                        t.push_sums(run.sums().unwrap_or_else(|| exact_sums(|k| kept[k])));
+                        run = Run::default();
+                    }
+                } else if Tl::ON {
+                    t.push_f64(before.into(), P::widen_to(stored).into(), grad.into());
+                }
+                for k in 0..N {
+                    *at::<S>(&states[k], i) = S::round_from(st[k]);
+                }
             }
         }
+        from = to;
     }
 }
