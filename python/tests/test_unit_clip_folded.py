@@ -227,3 +227,27 @@ def test_captured_folded_step_replays_the_eager_steps(clip):
                     _same(s, opt_p.state[q][key])
         if clip == "adagc":
             _same(opt_f.unit_clip._state, opt_p.unit_clip._state)
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+def test_gradients_that_are_views_of_one_bucket_fold(clip, reading):
+    """DDP's ``gradient_as_bucket_view=True``: every gradient a view of one flat buffer. The
+    folded step equals the clip then the step, and the bucket is not written."""
+    folded, plain = _twins(15, torch.float32, "cpu")
+    grads = _grads(15, folded)
+    bucket = torch.cat([g.reshape(-1) for g in grads])
+    views, at = [], 0
+    for g in grads:
+        views.append(bucket[at : at + g.numel()].view(g.shape))
+        at += g.numel()
+    for p, q, v in zip(folded, plain, views):
+        p.grad, q.grad = v, v.clone()
+    kept = bucket.clone()
+    opt_f = optim.AdamW(folded, lr=1e-2, clip=CLIPS[clip]())
+    opt_p = optim.AdamW(plain, lr=1e-2)
+    CLIPS[clip]().clip_unitwise_(plain)
+    opt_f.step()
+    opt_p.step()
+    for p, q in zip(folded, plain):
+        _same(p, q)
+    _same(bucket, kept)
