@@ -212,10 +212,9 @@ class AdaGC(UnitClip):
         the call that decides every tensor's factor on the device (the state advanced as
         ``clip_unitwise_`` advances it) without writing a gradient, and the native table the
         update reads each parameter's factor from (by its position in ``parameters``, the
-        optimizer's list). Every check runs here, before anything is written. None when the
-        binding does not read these gradients itself (the caller then clips with
-        ``clip_unitwise_``); after a ``decide`` whose factors no update took, ``scale_decided``
-        applies them."""
+        optimizer's list). Every check runs here, before anything is written. None for DTensor
+        parameters (the caller then clips with ``clip_unitwise_``); after a ``decide`` whose
+        factors no update took, ``scale_decided`` applies them."""
         with torch.no_grad():
             params = _as_list(parameters)
             ids = tuple(map(id, params))
@@ -242,7 +241,7 @@ class AdaGC(UnitClip):
         tables = self._tables
         if self._python_factors is None or self._python_factors[0] != tables.key:
             entries = tables.key[1]
-            args = [(ptr, 0, n, n, _CODES[dtype], 0, i) for ptr, n, dtype, i in entries]
+            args = _grad_args(entries)
             positions = [i for *_, i in entries]
             table = unit_grad_factors(args, positions, (tables.buf.data_ptr(), *tables.plan), True)
             self._python_factors = (tables.key, table)
@@ -308,7 +307,7 @@ class AdaGC(UnitClip):
         device = device or self._state.device
         key = (device, tuple((g.data_ptr(), g.numel(), g.dtype, i) for i, g in grads))
         if self._tables is None or self._tables.key != key:
-            plan = unit_plan([(g.data_ptr(), 0, g.numel(), g.numel(), _CODES[g.dtype], 0, i) for i, g in grads])
+            plan = unit_plan(_grad_args(key[1]))
             self._tables = _Tables(key, device, plan, [i for i, _ in grads] if sharded else None)
             self._reads.forget()  # the native reading's kept tables are these no more
         reductions = None
@@ -351,6 +350,12 @@ class AdaGC(UnitClip):
             _adagc(device, tables.buf, tables.plan, self._state, at, _GIVEN, skip)
 
         return run
+
+
+def _grad_args(entries) -> list:
+    """A Python reading's gradients (``(address, elements, dtype, position)``, its tables' key)
+    as the engine's per-tensor plan takes them (``unit_plan``: each its own state slot)."""
+    return [(ptr, 0, n, n, _CODES[dtype], 0, i) for ptr, n, dtype, i in entries]
 
 
 #: The engine's passes (``gradclip::units::AdagcPass``).

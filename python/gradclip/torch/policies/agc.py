@@ -157,7 +157,7 @@ class AGC(UnitClip):
             key = (self._tables[0], tuple(i for i, _, _ in pairs))
             if self._python_factors is None or self._python_factors[0] != key:
                 _, buf, counts = self._tables
-                args = [(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype], 0) for _, p, g in pairs]
+                args = _pair_args([(p, g) for _, p, g in pairs])
                 self._python_factors = (key, unit_grad_factors(args, list(key[1]), (buf.data_ptr(), *counts)))
             if not spanning:
                 return call, self._python_factors[1]
@@ -214,10 +214,15 @@ class AGC(UnitClip):
         ``factors``, the decision alone)."""
         key = (device, tuple((g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), g.dtype, p.dtype) for p, g in pairs))
         if self._tables is None or self._tables[0] != key:
-            plan = unit_plan([(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype], 0) for p, g in pairs])
+            plan = unit_plan(_pair_args(pairs))
             self._tables = (key, upload_tables(device, plan), tuple(plan[2:5]))
             self._reads.forget()  # the native reading's kept tables are these no more
         return self._launch(device, loss_scale, factors)
+
+
+def _pair_args(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> list:
+    """``(parameter, gradient)`` pairs as the engine's plan takes them (``unit_plan``)."""
+    return [(g.data_ptr(), p.data_ptr(), g.numel(), _unit_len(p), _CODES[g.dtype], _CODES[p.dtype], 0) for p, g in pairs]
 
 
 def _check(i: int, p: torch.Tensor, g: torch.Tensor) -> None:
