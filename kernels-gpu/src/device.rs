@@ -74,11 +74,11 @@ pub unsafe fn f32_or(p: *const f32, none: f64) -> f64 {
     }
 }
 
-/// Lane 0's `x`, in every lane. Must be called by all 32 lanes.
+/// Lane `src`'s `x`, in every lane. Must be called by all 32 lanes.
 #[inline(always)]
-pub fn from_lane0_f64(x: f64) -> f64 {
+pub fn from_lane_f64(x: f64, src: u32) -> f64 {
     let b = x.to_bits();
-    f64::from_bits(shfl_idx_u32(b as u32, 0) as u64 | ((shfl_idx_u32((b >> 32) as u32, 0) as u64) << 32))
+    f64::from_bits(shfl_idx_u32(b as u32, src) as u64 | ((shfl_idx_u32((b >> 32) as u32, src) as u64) << 32))
 }
 
 #[inline(always)]

@@ -99,30 +99,9 @@ pub unsafe fn accumulate_lane_pair<E, A, S, T>(
     let mut g = start + lane;
     // Half the unroll per tensor: the same loads in flight as one walk's.
     const HALF: usize = if LOAD_UNROLL >= 2 { LOAD_UNROLL / 2 } else { 1 };
-    let half_span = (HALF as u64 - 1) * threads;
-    while g + half_span < end && frame.is_full(g) && frame.is_full(g + half_span) {
-        let mut va = [E::Vector::default(); HALF];
-        let mut vb = [E::Vector::default(); HALF];
-        for k in 0..HALF {
-            // SAFETY: g..=g+half_span are interior or checked-full vectors of this chunk.
-            unsafe {
-                va[k] = a.load_vec(g + k as u64 * threads);
-                vb[k] = b.load_vec(g + k as u64 * threads);
-            }
-        }
-        for k in 0..HALF {
-            push_vec::<E, A>(acc_a, &va[k]);
-            push_vec::<E, A>(acc_b, &vb[k]);
-        }
-        g += HALF as u64 * threads;
-    }
     while g < end {
-        if frame.is_full(g) {
-            // SAFETY: checked full just above.
-            let (va, vb) = unsafe { (a.load_vec(g), b.load_vec(g)) };
-            push_vec::<E, A>(acc_a, &va);
-            push_vec::<E, A>(acc_b, &vb);
-        } else {
+        if !frame.is_full(g) {
+            // A partial vector: only the frame's first or last.
             let (lo, hi) = frame.elems_of(g);
             for i in lo..hi {
                 // SAFETY: elems_of returns indices below frame.len.
@@ -131,8 +110,37 @@ pub unsafe fn accumulate_lane_pair<E, A, S, T>(
                     acc_b.push::<E>(b.load_elem(i));
                 }
             }
+            g += threads;
+            continue;
         }
-        g += threads;
+        // Up to HALF full vectors of this lane, their loads in flight together whatever is
+        // left: a short piece's lane (a row of 768 bf16: three vectors) takes one round trip,
+        // not one a vector. Full vectors from g form a prefix (a partial one is the frame's
+        // last), which the next round takes.
+        let mut va = [E::Vector::default(); HALF];
+        let mut vb = [E::Vector::default(); HALF];
+        let mut full = [false; HALF];
+        for k in 0..HALF {
+            let gk = g + k as u64 * threads;
+            full[k] = gk < end && frame.is_full(gk);
+            // An absent vector loads g's again (a cached line), so every load is unconditional:
+            // conditional loads made f16's walk take 166 registers.
+            let at = if full[k] { gk } else { g };
+            // SAFETY: g is full (checked above), gk where it is taken.
+            unsafe {
+                va[k] = a.load_vec(at);
+                vb[k] = b.load_vec(at);
+            }
+        }
+        let mut taken = 0;
+        for k in 0..HALF {
+            if full[k] {
+                push_vec::<E, A>(acc_a, &va[k]);
+                push_vec::<E, A>(acc_b, &vb[k]);
+                taken += threads;
+            }
+        }
+        g += taken;
     }
     acc_a.seal::<E>();
     acc_b.seal::<E>();

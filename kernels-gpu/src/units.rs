@@ -211,7 +211,18 @@ mod tests {
             // bf16 values over many binades, both signs.
             ((x >> 16) as u16 & 0x7FFF).clamp(0x2000, 0x5F00) | ((x as u16) & 0x8000)
         };
-        for (len, phase) in [(1u64, 0u64), (7, 3), (300, 5), (4096, 0), (16384, 7), (9999, 2)] {
+        for (len, phase) in [
+            (1u64, 0u64),
+            (7, 3),
+            (300, 5),
+            (768, 0),
+            (768, 3),
+            (2048, 0),
+            (2056, 6),
+            (4096, 0),
+            (16384, 7),
+            (9999, 2),
+        ] {
             let (a, b): (std::vec::Vec<u16>, std::vec::Vec<u16>) = (0..len).map(|_| (next(), next())).unzip();
             let frame = Frame::with_phase(len, phase, 2);
             let (sa, sb) = (Slice(&a, phase), Slice(&b, phase));
@@ -229,6 +240,32 @@ mod tests {
                     "len {len} phase {phase} lane {lane}"
                 );
             }
+        }
+    }
+
+    /// The GPU's scale pass decides a unit of one piece from the piece's partials alone, without
+    /// the warp's tree: the tree's merges with the other lanes' identities must leave them as
+    /// they are, bit for bit (zeros added to sums of squares, never -0), at every magnitude.
+    #[test]
+    fn one_piece_units_fold_to_their_partials() {
+        let t = UnitTensor {
+            len: 6 * 768,
+            unit_len: 768,
+            first_piece: 0,
+            ..Default::default()
+        };
+        let values = [0.0, 1e-300, 3.5, 1e300, f64::MAX, f64::INFINITY, 5e-324];
+        let mut partials = std::vec::Vec::new();
+        for k in 0..6 {
+            let l2 = |i: usize| L2::from_parts((values[i % 7], values[(i + 3) % 7], values[(i + 5) % 7]));
+            partials.push(l2(k).encode());
+            partials.push(l2(k + 1).encode());
+        }
+        for piece in 0..6u64 {
+            // SAFETY: the table holds both partials of each of the six pieces.
+            let (g, p) = unsafe { unit_states(&t, piece, partials.as_ptr()) };
+            let k = 2 * piece as usize;
+            assert_eq!((g.encode(), p.encode()), (partials[k], partials[k + 1]), "piece {piece}");
         }
     }
 

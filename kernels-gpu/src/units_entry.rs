@@ -7,14 +7,12 @@
 
 use crate::abi::{BLOCK_THREADS, ChunkTask, DType, Partial, UnitTensor, WARP_THREADS};
 use crate::accum::{Accumulator, L2, Reduce};
-use crate::device::{
-    DeviceTensor, DeviceTensorMut, block_idx, block_reduce, f32_or, from_lane0_f64, sync_threads, thread_idx, warp_reduce,
-};
+use crate::device::{DeviceTensor, DeviceTensorMut, block_idx, block_reduce, f32_or, from_lane_f64, sync_threads, thread_idx, warp_reduce};
 use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, accumulate_lane_pair, scale_lane};
 use crate::policy::adagc::{self, pass};
-use crate::units::{WARPS, agc_factor, dtype_codes, num_pieces, piece_span, task_pieces, unit_lane};
+use crate::units::{WARPS, agc_factor, dtype_codes, num_pieces, piece_span, pieces_per_unit, task_pieces, unit_lane};
 
 /// This lane's share of the piece of `len` elements of `E` from element `start` at `addr`.
 ///
@@ -137,6 +135,9 @@ unsafe fn scale_piece<E: Element>(addr: u64, start: u64, len: u64, lane: u64, f:
     unsafe { scale_lane::<E, _>(&dst, &frame, 0, lane, WARP_THREADS as u64, f as f32, f) };
 }
 
+// The one-piece units' path gives each of a warp's pieces of a task its own lane.
+const _: () = assert!(crate::abi::UNIT_TASK_PIECES / WARPS <= WARP_THREADS as u64);
+
 /// AGC's scale: each piece of a gradient multiplied by its unit's factor ([`agc_factor`] of the
 /// unit's norms from the norms pass, the gradient's divided by the loss scale the gradients
 /// carry, one f32 at `loss_scale`, when not null), left untouched when the unit is under its
@@ -164,6 +165,43 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     let Some(dtype) = DType::from_code(dtype_codes(&t).0) else { return };
     // SAFETY: a non-null loss scale is one f32 written before on the stream (the contract).
     let scale = unsafe { f32_or(loss_scale, 1.0) };
+    let decide = |g: L2, p: L2| agc_factor(g.norm() / scale, p.norm(), clip_factor, eps).unwrap_or(1.0);
+    if pieces_per_unit(&t) == 1 {
+        // Units of one piece (rows up to UNIT_PIECE_ELEMS): lane j decides the warp's j-th piece
+        // from its two partials, the warp's pieces in one round, with no shuffle tree (the
+        // warp's fold of a one-piece unit is its partial: the other lanes' identities add
+        // zeros, `one_piece_units_fold_to_their_partials`). A warp holds at most
+        // UNIT_TASK_PIECES / WARPS pieces of a task, far below its 32 lanes.
+        let mine = piece + lane * step;
+        let f = if mine < end {
+            let k = 2 * (t.first_piece + mine) as usize;
+            // SAFETY: the norms pass wrote the piece's two partials (the contract).
+            let (g, p) = unsafe { (L2::decode(&*partials.add(k), 2.0), L2::decode(&*partials.add(k + 1), 2.0)) };
+            decide(g, p)
+        } else {
+            1.0
+        };
+        if !factors.is_null() {
+            if mine < end {
+                // SAFETY: the piece's slot is this lane's alone (the contract's room).
+                unsafe { factors.add((t.first_piece + mine) as usize).write(f) };
+            }
+            return;
+        }
+        let mut j = 0u32;
+        // Whole warps iterate together (the piece's factor is shuffled from its lane).
+        while piece < end {
+            let f = from_lane_f64(f, j);
+            if f != 1.0 {
+                let (start, len) = piece_span(&t, piece);
+                // SAFETY: as in the loop below.
+                crate::with_element!(dtype, E => unsafe { scale_piece::<E>(t.grad, start, len, lane, f) });
+            }
+            piece += step;
+            j += 1;
+        }
+        return;
+    }
     // Whole warps iterate together (the piece is the warp's), so the shuffles have all 32 lanes.
     while piece < end {
         // SAFETY: the norms pass wrote every piece's partials before this launch (the contract).
@@ -171,7 +209,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
         // The warp's fold (lane 0's), its factor decided there and given to every lane (NaN:
         // clip by NaN; 1: keep, nothing written, as `agc_factor`'s None).
         let (g, p) = (warp_reduce(g, 2.0, WARP_THREADS / 2), warp_reduce(p, 2.0, WARP_THREADS / 2));
-        let f = from_lane0_f64(agc_factor(g.norm() / scale, p.norm(), clip_factor, eps).unwrap_or(1.0));
+        let f = from_lane_f64(decide(g, p), 0);
         if !factors.is_null() {
             if lane == 0 {
                 // SAFETY: the piece's slot is this warp's alone (the contract's room).
