@@ -11,6 +11,10 @@
 #                  15x the gradients' bytes; GRAD_GB=6 on an H200), then with STATS=1 the
 #                  telemetry's cost (optim_compare.py's
 #                  update="gradclip" rows, with and without stats=True)
+#   PART=cost-ab   the CUDA tests of AGC, AdaGC, the fold and the optimizers, the Rust GPU
+#                  optimizer suite, then agc_cost.py against the previous commit's wheel
+#                  (.devbin/variants/base/*.whl), interleaved twice, and the one-group step's
+#                  update="gradclip" rows against it (the update's walk changed)
 # Logs in $OUT/logs.tar.gz, records' JSON in $OUT.
 set -uo pipefail
 c=$(cat .devbin/commit); D=$OUT/d; mkdir -p "$D"
@@ -28,6 +32,27 @@ if [ "${PART:-tests-ab}" = tests-ab ]; then
             --rows "update='gradclip'" --commit "$([ $v = base ] && cat .devbin/variants/base/commit || echo "$c")" > "$D/ab-$v-$r.txt" 2>&1
         echo "== $v round $r rc=$?"; grep -E "gradclip" "$D/ab-$v-$r.txt" | cut -c1-150
     done; done
+elif [ "$PART" = cost-ab ]; then
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_unit_clip_folded.py \
+        python/tests/test_agc.py python/tests/test_adagc.py python/tests/test_optim.py python/tests/test_optim_sgd_lion.py \
+        -k "cuda or captured or folded" > "$D/tests.log" 2>&1
+    echo "python CUDA tests rc=$?: $(tail -1 "$D/tests.log")"
+    timeout 120 .devbin/gpu-tests/gpu_optimizer --test-threads 1 > "$D/gpu-optimizer.log" 2>&1
+    echo "gpu_optimizer rc=$?: $(grep 'test result' "$D/gpu-optimizer.log")"
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site-base .devbin/variants/base/*.whl
+    for r in 1 2; do for v in base new; do
+        site=/tmp/gradclip-site; cv=$c; [ $v = base ] && site=/tmp/site-base && cv=$(cat .devbin/variants/base/commit)
+        for w in ${AGC_WORKLOADS:-seed-500 qwen3-30b-a3b-ep8}; do
+            PYTHONPATH=$site timeout 100 python3 benches/torch/agc_cost.py .devbin/w-all.json "$OUT/agc-cost-$w-$v-$r.json" \
+                --workload "$w" --grad-gb "${GRAD_GB:-2}" --rounds 3 --commit "$cv" > "$D/agc-cost-$w-$v-$r.txt" 2>&1
+            echo "== $w $v round $r rc=$?"; grep -E "AGC|AdaGC" "$D/agc-cost-$w-$v-$r.txt" | grep -v timm | cut -c1-100
+        done
+    done; done
+    for v in base new; do site=/tmp/gradclip-site; [ $v = base ] && site=/tmp/site-base
+        PYTHONPATH=$site timeout 100 python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/ab-$v.json" \
+            --rows "update='gradclip'" --commit "$([ $v = base ] && cat .devbin/variants/base/commit || echo "$c")" > "$D/ab-$v.txt" 2>&1
+        echo "== step $v rc=$?"; grep -E "gradclip" "$D/ab-$v.txt" | grep -v -E "ZClip|Skip|Auto" | cut -c1-120
+    done
 else
     timeout 200 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_unit_clip_folded.py \
         python/tests/test_agc.py python/tests/test_adagc.py -k "cuda or captured or folded" > "$D/fold-tests.log" 2>&1
