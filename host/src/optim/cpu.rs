@@ -704,7 +704,8 @@ unsafe fn update_range<
         } else {
             (1.0, p.end)
         };
-        for i in from..to {
+        // One element, its gradient as the clip leaves it.
+        let mut element = |i: u64, grad_bits: G::Bits| {
             // SAFETY: i < len of every part (the caller's contract).
             unsafe {
                 let mut st = [T::default(); MAX_STATES];
@@ -712,7 +713,7 @@ unsafe fn update_range<
                     st[k] = S::widen_to(*at::<S>(&states[k], i));
                 }
                 let before = P::widen_to(*at::<P>(&parts.param, i));
-                let grad = G::widen_to(factored::<G>(*at::<G>(&parts.grad, i), factor));
+                let grad = G::widen_to(grad_bits);
                 let stored = P::round_from(u.update(before, grad, &mut st));
                 *at::<P>(&parts.param, i) = stored;
                 if runs && i < runs_end {
@@ -732,6 +733,19 @@ unsafe fn update_range<
                 for k in 0..N {
                     *at::<S>(&states[k], i) = S::round_from(st[k]);
                 }
+            }
+        };
+        // The factor's test out of the element loop (in it, the loop cost the CPU a quarter more
+        // with every factor 1).
+        if factor == 1.0 {
+            for i in from..to {
+                // SAFETY: i < len of the gradient (the caller's contract).
+                element(i, unsafe { *at::<G>(&parts.grad, i) });
+            }
+        } else {
+            for i in from..to {
+                // SAFETY: as above.
+                element(i, factored::<G>(unsafe { *at::<G>(&parts.grad, i) }, factor));
             }
         }
         from = to;
