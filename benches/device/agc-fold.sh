@@ -13,7 +13,7 @@
 #                  update="gradclip" rows, with and without stats=True)
 #   PART=cost-ab   the CUDA tests of AGC, AdaGC, the fold and the optimizers, the Rust GPU
 #                  optimizer suite, then agc_cost.py against the previous commit's wheel
-#                  (.devbin/variants/base/*.whl), interleaved twice, and the one-group step's
+#                  (.devbin/variants/base/*.whl), interleaved AB_ROUNDS times (2), and the one-group step's
 #                  update="gradclip" rows against it (the update's walk changed)
 # Logs in $OUT/logs.tar.gz, records' JSON in $OUT.
 set -uo pipefail
@@ -40,7 +40,7 @@ elif [ "$PART" = cost-ab ]; then
     timeout 120 .devbin/gpu-tests/gpu_optimizer --test-threads 1 > "$D/gpu-optimizer.log" 2>&1
     echo "gpu_optimizer rc=$?: $(grep 'test result' "$D/gpu-optimizer.log")"
     python3 -m pip install -q --no-index --no-deps --target /tmp/site-base .devbin/variants/base/*.whl
-    for r in 1 2; do for v in base new; do
+    for r in $(seq "${AB_ROUNDS:-2}"); do for v in base new; do
         site=/tmp/gradclip-site; cv=$c; [ $v = base ] && site=/tmp/site-base && cv=$(cat .devbin/variants/base/commit)
         for w in ${AGC_WORKLOADS:-seed-500 qwen3-30b-a3b-ep8}; do
             PYTHONPATH=$site timeout 100 python3 benches/torch/agc_cost.py .devbin/w-all.json "$OUT/agc-cost-$w-$v-$r.json" \
