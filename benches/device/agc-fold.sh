@@ -19,27 +19,26 @@
 set -uo pipefail
 c=$(cat .devbin/commit); D=$OUT/d; mkdir -p "$D"
 export PYTHONUNBUFFERED=1
-if [ "${PART:-tests-ab}" = tests-ab ]; then
-    timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_unit_clip_folded.py \
-        python/tests/test_agc.py python/tests/test_step_stats.py python/tests/test_optim_sgd_lion.py python/tests/test_optim.py \
+# The CUDA cases of the given test files, the Rust GPU optimizer suite, then the base wheel
+# installed at /tmp/site-base.
+tests_and_base() {
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib "$@" \
         -k "cuda or captured or folded" > "$D/tests.log" 2>&1
     echo "python CUDA tests rc=$?: $(tail -1 "$D/tests.log")"
     timeout 120 .devbin/gpu-tests/gpu_optimizer --test-threads 1 > "$D/gpu-optimizer.log" 2>&1
     echo "gpu_optimizer rc=$?: $(grep 'test result' "$D/gpu-optimizer.log")"
     python3 -m pip install -q --no-index --no-deps --target /tmp/site-base .devbin/variants/base/*.whl
+}
+t=python/tests
+if [ "${PART:-tests-ab}" = tests-ab ]; then
+    tests_and_base $t/test_unit_clip_folded.py $t/test_agc.py $t/test_step_stats.py $t/test_optim_sgd_lion.py $t/test_optim.py
     for r in 1 2; do for v in base new; do site=/tmp/gradclip-site; [ $v = base ] && site=/tmp/site-base
         PYTHONPATH=$site timeout 100 python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/ab-$v-$r.json" \
             --rows "update='gradclip'" --commit "$([ $v = base ] && cat .devbin/variants/base/commit || echo "$c")" > "$D/ab-$v-$r.txt" 2>&1
         echo "== $v round $r rc=$?"; grep -E "gradclip" "$D/ab-$v-$r.txt" | cut -c1-150
     done; done
 elif [ "$PART" = cost-ab ]; then
-    timeout 200 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_unit_clip_folded.py \
-        python/tests/test_agc.py python/tests/test_adagc.py python/tests/test_optim.py python/tests/test_optim_sgd_lion.py \
-        -k "cuda or captured or folded" > "$D/tests.log" 2>&1
-    echo "python CUDA tests rc=$?: $(tail -1 "$D/tests.log")"
-    timeout 120 .devbin/gpu-tests/gpu_optimizer --test-threads 1 > "$D/gpu-optimizer.log" 2>&1
-    echo "gpu_optimizer rc=$?: $(grep 'test result' "$D/gpu-optimizer.log")"
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site-base .devbin/variants/base/*.whl
+    tests_and_base $t/test_unit_clip_folded.py $t/test_agc.py $t/test_adagc.py $t/test_optim.py $t/test_optim_sgd_lion.py
     for r in $(seq "${AB_ROUNDS:-2}"); do for v in base new; do
         site=/tmp/gradclip-site; cv=$c; [ $v = base ] && site=/tmp/site-base && cv=$(cat .devbin/variants/base/commit)
         for w in ${AGC_WORKLOADS:-seed-500 qwen3-30b-a3b-ep8}; do
