@@ -11,7 +11,8 @@
 //! - **scale**: the warp of each piece folds its unit's pieces in piece order into the unit's two
 //!   norms ([`unit_norms`]), the rule decides the unit's factor ([`agc_factor`]), and the warp
 //!   multiplies its piece of the gradient by it ([`crate::dtype::Element::scale`], the clip's
-//!   rounding).
+//!   rounding). On the GPU a unit of one piece is decided by one lane from its partials (the
+//!   fold of a single piece is its partial, bit for bit).
 
 use crate::abi::{BLOCK_THREADS, Partial, UNIT_PIECE_ELEMS, UNIT_TASK_PIECES, UnitTensor, WARP_THREADS};
 use crate::accum::{Accumulator, L2, Reduce};
