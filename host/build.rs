@@ -110,19 +110,23 @@ fn main() {
 /// 256 threads per SM) against 32.1 ms unbounded (94, 2 blocks); 64 (4 blocks, with spills) was
 /// no faster. The limit keeps that occupancy when a change adds registers; SGD's and Lion's
 /// kernels (the same walk, fewer states) take it too.
-/// `GRADCLIP_ADAM_MAXNREG` overrides it for tuning runs (0: no limit).
+/// `GRADCLIP_ADAM_MAXNREG` overrides it for tuning runs (0: no limit), and
+/// `GRADCLIP_STATS_MAXNREG` the telemetry (`_stats`) kernels' alone (their loops spill two f64
+/// sums at 80; benches/NOTES.md).
 fn with_register_limits(mut text: String) -> String {
-    println!("cargo:rerun-if-env-changed=GRADCLIP_ADAM_MAXNREG");
-    let adam = match env::var("GRADCLIP_ADAM_MAXNREG") {
-        Ok(v) => v
-            .parse()
-            .unwrap_or_else(|_| panic!("GRADCLIP_ADAM_MAXNREG={v}: expected a register count")),
-        Err(_) => 80u32,
+    let limit = |var: &str, default: u32| {
+        println!("cargo:rerun-if-env-changed={var}");
+        match env::var(var) {
+            Ok(v) => v.parse().unwrap_or_else(|_| panic!("{var}={v}: expected a register count")),
+            Err(_) => default,
+        }
     };
+    let adam = limit("GRADCLIP_ADAM_MAXNREG", 80);
+    let stats = limit("GRADCLIP_STATS_MAXNREG", adam);
     let kernels = ["gradclip_adam", "gradclip_sgd", "gradclip_lion"]
         .into_iter()
-        .flat_map(|k| [k.to_string(), format!("{k}_stats")]);
-    for (kernel, regs) in kernels.map(|k| (k, adam)) {
+        .flat_map(|k| [(k.to_string(), adam), (format!("{k}_stats"), stats)]);
+    for (kernel, regs) in kernels {
         if regs == 0 {
             continue;
         }
