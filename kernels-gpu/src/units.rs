@@ -89,14 +89,45 @@ pub unsafe fn unit_lane(t: &UnitTensor, piece: u64, partials: *const Partial, la
     (g, p)
 }
 
-/// The accumulators `(gradient, parameter)` of the unit of piece `piece` of `t`, as a warp folds
-/// them ([`unit_lane`] for each lane, then the shuffle tree of [`crate::model::warp_tree`]): the
-/// CPU's model of the scale pass's fold.
+/// The accumulators `(gradient, parameter)` of the unit of piece `piece` of `t`, as the scale
+/// pass folds them: a unit of one piece is its piece's partials ([`piece_states`]), a unit of
+/// many the warp's fold ([`unit_tree`]). The CPU's model of the scale pass's fold.
 ///
 /// # Safety
 /// As [`unit_lane`].
 #[inline(always)]
 pub unsafe fn unit_states(t: &UnitTensor, piece: u64, partials: *const Partial) -> (L2, L2) {
+    // SAFETY: the caller's contract (the unit's pieces' partials are written).
+    unsafe {
+        if pieces_per_unit(t) == 1 {
+            piece_states(t, piece, partials)
+        } else {
+            unit_tree(t, piece, partials)
+        }
+    }
+}
+
+/// The partials `(gradient, parameter)` of piece `piece` of `t` as the norms pass wrote them:
+/// the fold of a unit of one piece, bit for bit ([`unit_tree`] would merge only the other
+/// lanes' identities into them, which adds zeros: `one_piece_units_fold_to_their_partials`),
+/// with no tree.
+///
+/// # Safety
+/// `partials` holds the norms pass's two partials of the piece.
+#[inline(always)]
+pub unsafe fn piece_states(t: &UnitTensor, piece: u64, partials: *const Partial) -> (L2, L2) {
+    let k = 2 * (t.first_piece + piece) as usize;
+    // SAFETY: the caller's contract.
+    unsafe { (L2::decode(&*partials.add(k), 2.0), L2::decode(&*partials.add(k + 1), 2.0)) }
+}
+
+/// The accumulators `(gradient, parameter)` of the unit of piece `piece` of `t`, as a warp folds
+/// them ([`unit_lane`] for each lane, then the shuffle tree of [`crate::model::warp_tree`]).
+///
+/// # Safety
+/// As [`unit_lane`].
+#[inline(always)]
+pub unsafe fn unit_tree(t: &UnitTensor, piece: u64, partials: *const Partial) -> (L2, L2) {
     let mut g = [L2::identity(2.0); WARP_THREADS as usize];
     let mut p = g;
     for lane in 0..WARP_THREADS as usize {
@@ -264,7 +295,7 @@ mod tests {
         }
         for piece in 0..6u64 {
             // SAFETY: the table holds both partials of each of the six pieces.
-            let (g, p) = unsafe { unit_states(&t, piece, partials.as_ptr()) };
+            let (g, p) = unsafe { unit_tree(&t, piece, partials.as_ptr()) };
             let k = 2 * piece as usize;
             assert_eq!((g.encode(), p.encode()), (partials[k], partials[k + 1]), "piece {piece}");
         }

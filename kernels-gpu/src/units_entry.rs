@@ -12,7 +12,7 @@ use crate::dtype::Element;
 use crate::geometry::Frame;
 use crate::lane::{accumulate_lane, accumulate_lane_pair, scale_lane};
 use crate::policy::adagc::{self, pass};
-use crate::units::{WARPS, agc_factor, dtype_codes, num_pieces, piece_span, pieces_per_unit, task_pieces, unit_lane};
+use crate::units::{WARPS, agc_factor, dtype_codes, num_pieces, piece_span, piece_states, pieces_per_unit, task_pieces, unit_lane};
 
 /// This lane's share of the piece of `len` elements of `E` from element `start` at `addr`.
 ///
@@ -168,15 +168,13 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     let decide = |g: L2, p: L2| agc_factor(g.norm() / scale, p.norm(), clip_factor, eps).unwrap_or(1.0);
     if pieces_per_unit(&t) == 1 {
         // Units of one piece (rows up to UNIT_PIECE_ELEMS): lane j decides the warp's j-th piece
-        // from its two partials, the warp's pieces in one round, with no shuffle tree (the
-        // warp's fold of a one-piece unit is its partial: the other lanes' identities add
-        // zeros, `one_piece_units_fold_to_their_partials`). A warp holds at most
+        // from its two partials (`piece_states`, the unit's fold), the warp's pieces in one
+        // round, with no shuffle tree. A warp holds at most
         // UNIT_TASK_PIECES / WARPS pieces of a task, far below its 32 lanes.
         let mine = piece + lane * step;
         let f = if mine < end {
-            let k = 2 * (t.first_piece + mine) as usize;
             // SAFETY: the norms pass wrote the piece's two partials (the contract).
-            let (g, p) = unsafe { (L2::decode(&*partials.add(k), 2.0), L2::decode(&*partials.add(k + 1), 2.0)) };
+            let (g, p) = unsafe { piece_states(&t, mine, partials) };
             decide(g, p)
         } else {
             1.0

@@ -1,9 +1,12 @@
 //! The block tree of a chunk's lanes on the CPU, over the lanes the chunk uses: the fast paths'
-//! (`vector_sum`, `vector_pnorm`) own reduction of their lane states, the model's bits.
+//! (`vector_sum`, `vector_pnorm`) own reduction of their lane states, the model's bits; and the
+//! same for the unit-wise passes' warp over a piece ([`warp_partial_used`]).
 
 use gradclip_kernels::abi::{BLOCK_THREADS, WARP_THREADS};
-use gradclip_kernels::accum::Reduce;
+use gradclip_kernels::accum::{Accumulator, Reduce};
+use gradclip_kernels::dtype::Element;
 use gradclip_kernels::geometry::Frame;
+use gradclip_kernels::lane::{Source, accumulate_lane};
 use gradclip_kernels::model;
 
 const LANES: usize = BLOCK_THREADS as usize;
@@ -45,6 +48,26 @@ pub(super) fn block_tree_used<A: Reduce>(lanes: &mut [A; LANES], used: usize) ->
         *t = warp_tree_used(&mut lanes[w0..w0 + warp], used.saturating_sub(w0).min(warp));
     }
     warp_tree_used(&mut totals, used.div_ceil(warp))
+}
+
+/// The model's partial of one warp over a piece ([`model::warp_partial`]) walking only the lanes
+/// that hold one of its vectors, and merging only them ([`warp_tree_used`]): a row of a few
+/// vectors costs a few lanes, not 32 and the whole tree. The model's bits for the accumulators
+/// [`block_tree_used`] names (the other lanes' walks would push nothing, and their seal leaves
+/// the identity).
+///
+/// # Safety
+/// As [`model::warp_partial`].
+pub(super) unsafe fn warp_partial_used<E: Element, A: Accumulator, S: Source<E>>(src: &S, frame: &Frame, p: f64) -> A {
+    let warp = WARP_THREADS as usize;
+    let (start, end) = frame.chunk_vecs(0);
+    let used = ((end - start) as usize).min(warp);
+    let mut lanes = [A::identity(p); WARP_THREADS as usize];
+    for (l, acc) in lanes.iter_mut().enumerate().take(used) {
+        // SAFETY: forwarded from the caller (chunk 0 is the whole piece).
+        unsafe { accumulate_lane::<E, A, S>(src, frame, 0, l as u64, warp as u64, acc) };
+    }
+    warp_tree_used(&mut lanes, used)
 }
 
 /// [`model::warp_tree`] of `v` whose entries from `used` on are the identity (see
@@ -103,6 +126,50 @@ mod tests {
             let (mut a, mut b) = (pn, pn);
             let want = model::block_tree::<PNorm, { model::BLOCK_WARPS }>(&mut a).encode();
             assert_eq!(block_tree_used(&mut b, used).encode().words, want.words, "PNorm, {used} lanes");
+        }
+    }
+
+    /// A piece's partial over its used lanes is the model's warp partial, bit for bit, for
+    /// pieces of one element to past 32 vectors, at every 16-byte phase, f32 and bf16, with
+    /// zeros, NaN and infinities among the values.
+    #[test]
+    fn the_used_lanes_piece_partial_is_the_models() {
+        use crate::cpu::HostTensor;
+        use gradclip_kernels::dtype::{Bf16, F32};
+        let values: std::vec::Vec<f32> = (0..1200u64)
+            .map(|i| match i % 13 {
+                0 => 0.0,
+                1 => f32::NAN,
+                2 => f32::INFINITY,
+                _ => (fill::value(7, i, 1.0) * 2f64.powi(fill::value(8, i, 30.0) as i32)) as f32,
+            })
+            .collect();
+        let bf16: std::vec::Vec<u16> = values.iter().map(|&v| Bf16::from_f32(v)).collect();
+        for len in [1u64, 3, 8, 16, 100, 256, 257, 768, 1000] {
+            for skip in 0..4u64 {
+                let check = |at: u64, size: u64, what: &str| {
+                    let frame = Frame::new(at, len, size);
+                    // SAFETY: `at` holds `len` elements of the vectors above (skip + len < 1200).
+                    let (used, model) = unsafe {
+                        if size == 4 {
+                            let src = HostTensor::<F32>::new(at, frame);
+                            (
+                                warp_partial_used::<F32, L2, _>(&src, &frame, 2.0),
+                                model::warp_partial::<F32, L2, _>(&src, &frame, 2.0),
+                            )
+                        } else {
+                            let src = HostTensor::<Bf16>::new(at, frame);
+                            (
+                                warp_partial_used::<Bf16, L2, _>(&src, &frame, 2.0),
+                                model::warp_partial::<Bf16, L2, _>(&src, &frame, 2.0),
+                            )
+                        }
+                    };
+                    assert_eq!(used.encode().words, model.encode().words, "{what} len {len} skip {skip}");
+                };
+                check(values.as_ptr() as u64 + 4 * skip, 4, "f32");
+                check(bf16.as_ptr() as u64 + 2 * skip, 2, "bf16");
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The unit-wise clips (AGC and AdaGC, [`crate::units`]) on the CPU: the kernels' passes over
-//! the same tables, each piece's partials from the model of one warp ([`model::warp_partial`]),
+//! the same tables, each piece's partials from the model of one warp ([`model::warp_partial`],
+//! over the lanes the piece uses: `lane_tree::warp_partial_used`),
 //! AdaGC's folds and decision as its one-block launch makes them, so the factors and the
 //! gradients written are the GPU's bits.
 
@@ -11,7 +12,7 @@ use gradclip_kernels::policy::{adagc, kind, kind_of};
 use gradclip_kernels::units::{agc_factor, dtype_codes, num_pieces, piece_span, tensor_state, unit_norms};
 use gradclip_kernels::{model, with_element};
 
-use super::{Cpu, HostTensor, workers};
+use super::{Cpu, HostTensor, lane_tree, workers};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::units::{AdagcPass, Agc, UnitTables};
@@ -28,7 +29,7 @@ unsafe fn piece_partial(code: u32, addr: u64, start: u64, len: u64) -> L2 {
         let at = addr + start * E::SIZE;
         let frame = Frame::new(at, len, E::SIZE);
         // SAFETY: the caller's contract: the piece is readable host memory.
-        unsafe { model::warp_partial::<E, L2, _>(&HostTensor::<E>::new(at, frame), &frame, 2.0) }
+        unsafe { lane_tree::warp_partial_used::<E, L2, _>(&HostTensor::<E>::new(at, frame), &frame, 2.0) }
     })
 }
 
