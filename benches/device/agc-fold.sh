@@ -29,14 +29,18 @@ tests_and_base() {
     echo "gpu_optimizer rc=$?: $(grep 'test result' "$D/gpu-optimizer.log")"
     python3 -m pip install -q --no-index --no-deps --target /tmp/site-base .devbin/variants/base/*.whl
 }
+# The one-group step's update="gradclip" rows, the base wheel then this commit's, as $OUT/ab-V$1.json.
+step_ab() {
+    for v in base new; do site=/tmp/gradclip-site; [ $v = base ] && site=/tmp/site-base
+        PYTHONPATH=$site timeout 100 python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/ab-$v$1.json" \
+            --rows "update='gradclip'" --commit "$([ $v = base ] && cat .devbin/variants/base/commit || echo "$c")" > "$D/ab-$v$1.txt" 2>&1
+        echo "== step $v$1 rc=$?"; grep -E "gradclip" "$D/ab-$v$1.txt" | cut -c1-150
+    done
+}
 t=python/tests
 if [ "${PART:-tests-ab}" = tests-ab ]; then
     tests_and_base $t/test_unit_clip_folded.py $t/test_agc.py $t/test_step_stats.py $t/test_optim_sgd_lion.py $t/test_optim.py
-    for r in 1 2; do for v in base new; do site=/tmp/gradclip-site; [ $v = base ] && site=/tmp/site-base
-        PYTHONPATH=$site timeout 100 python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/ab-$v-$r.json" \
-            --rows "update='gradclip'" --commit "$([ $v = base ] && cat .devbin/variants/base/commit || echo "$c")" > "$D/ab-$v-$r.txt" 2>&1
-        echo "== $v round $r rc=$?"; grep -E "gradclip" "$D/ab-$v-$r.txt" | cut -c1-150
-    done; done
+    for r in 1 2; do step_ab "-$r"; done
 elif [ "$PART" = cost-ab ]; then
     tests_and_base $t/test_unit_clip_folded.py $t/test_agc.py $t/test_adagc.py $t/test_optim.py $t/test_optim_sgd_lion.py
     for r in $(seq "${AB_ROUNDS:-2}"); do for v in base new; do
@@ -47,11 +51,7 @@ elif [ "$PART" = cost-ab ]; then
             echo "== $w $v round $r rc=$?"; grep -E "AGC|AdaGC" "$D/agc-cost-$w-$v-$r.txt" | grep -v timm | cut -c1-100
         done
     done; done
-    for v in base new; do site=/tmp/gradclip-site; [ $v = base ] && site=/tmp/site-base
-        PYTHONPATH=$site timeout 100 python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/ab-$v.json" \
-            --rows "update='gradclip'" --commit "$([ $v = base ] && cat .devbin/variants/base/commit || echo "$c")" > "$D/ab-$v.txt" 2>&1
-        echo "== step $v rc=$?"; grep -E "gradclip" "$D/ab-$v.txt" | grep -v -E "ZClip|Skip|Auto" | cut -c1-120
-    done
+    step_ab ""
 else
     timeout 200 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_unit_clip_folded.py \
         python/tests/test_agc.py python/tests/test_adagc.py -k "cuda or captured or folded" > "$D/fold-tests.log" 2>&1

@@ -135,6 +135,20 @@ unsafe fn scale_piece<E: Element>(addr: u64, start: u64, len: u64, lane: u64, f:
     unsafe { scale_lane::<E, _>(&dst, &frame, 0, lane, WARP_THREADS as u64, f as f32, f) };
 }
 
+/// Piece `piece` of `t`'s gradient (of `dtype`) multiplied by its unit's factor `f` by the
+/// calling warp; nothing written for 1 (`agc_factor`'s None; NaN clips by NaN).
+///
+/// # Safety
+/// As [`scale_piece`]: the piece lies inside the gradient, the calling warp's alone.
+#[inline(always)]
+unsafe fn scale_by(t: &UnitTensor, dtype: DType, piece: u64, lane: u64, f: f64) {
+    if f != 1.0 {
+        let (start, len) = piece_span(t, piece);
+        // SAFETY: the caller's contract.
+        crate::with_element!(dtype, E => unsafe { scale_piece::<E>(t.grad, start, len, lane, f) });
+    }
+}
+
 // The one-piece units' path gives each of a warp's pieces of a task its own lane.
 const _: () = assert!(crate::abi::UNIT_TASK_PIECES / WARPS <= WARP_THREADS as u64);
 
@@ -189,12 +203,8 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
         let mut j = 0u32;
         // Whole warps iterate together (the piece's factor is shuffled from its lane).
         while piece < end {
-            let f = from_lane_f64(f, j);
-            if f != 1.0 {
-                let (start, len) = piece_span(&t, piece);
-                // SAFETY: as in the loop below.
-                crate::with_element!(dtype, E => unsafe { scale_piece::<E>(t.grad, start, len, lane, f) });
-            }
+            // SAFETY: as in the loop below.
+            unsafe { scale_by(&t, dtype, piece, lane, from_lane_f64(f, j)) };
             piece += step;
             j += 1;
         }
@@ -204,8 +214,7 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
     while piece < end {
         // SAFETY: the norms pass wrote every piece's partials before this launch (the contract).
         let (g, p) = unsafe { unit_lane(&t, piece, partials, lane) };
-        // The warp's fold (lane 0's), its factor decided there and given to every lane (NaN:
-        // clip by NaN; 1: keep, nothing written, as `agc_factor`'s None).
+        // The warp's fold (lane 0's), its factor decided there and given to every lane.
         let (g, p) = (warp_reduce(g, 2.0, WARP_THREADS / 2), warp_reduce(p, 2.0, WARP_THREADS / 2));
         let f = from_lane_f64(decide(g, p), 0);
         if !factors.is_null() {
@@ -213,11 +222,10 @@ pub unsafe extern "gpu-kernel" fn gradclip_agc_scale(
                 // SAFETY: the piece's slot is this warp's alone (the contract's room).
                 unsafe { factors.add((t.first_piece + piece) as usize).write(f) };
             }
-        } else if f != 1.0 {
-            let (start, len) = piece_span(&t, piece);
+        } else {
             // SAFETY: the piece lies inside the gradient, this warp's alone (pieces are disjoint,
             // the gradients pairwise and from the parameters: the host's checks).
-            crate::with_element!(dtype, E => unsafe { scale_piece::<E>(t.grad, start, len, lane, f) });
+            unsafe { scale_by(&t, dtype, piece, lane, f) };
         }
         piece += step;
     }
