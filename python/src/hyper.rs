@@ -108,54 +108,60 @@ pub(crate) fn kind_index(kind: &str) -> PyResult<usize> {
         .ok_or_else(|| PyValueError::new_err(format!("unknown optimizer {kind:?}: adam, sgd or lion")))
 }
 
-/// Every key of [`RULES`] and `lr`, as Python strings made once: a step over hundreds of groups
-/// looks up a few thousand keys, and a `&str` key is a new Python string per lookup.
-fn interned<'py>(py: Python<'py>, key: &'static str) -> Bound<'py, PyString> {
-    static KEYS: PyOnceLock<Vec<(&'static str, Py<PyString>)>> = PyOnceLock::new();
+/// A rule's keys as Python strings ([`RuleKeys`]), each made once: a step over hundreds of
+/// groups looks up a few thousand keys, and a `&str` key is a new Python string per lookup.
+struct PyRuleKeys {
+    /// Each hyperparameter's key and, for a pair, its index.
+    h: [Option<(Py<PyString>, Option<usize>)>; 4],
+    flags: [Option<Py<PyString>>; 3],
+    lr: Py<PyString>,
+}
+
+/// Rule `kind`'s [`PyRuleKeys`] (`kind` an index of [`RULES`]).
+fn py_keys(py: Python<'_>, kind: usize) -> &PyRuleKeys {
+    static KEYS: PyOnceLock<Vec<PyRuleKeys>> = PyOnceLock::new();
     let keys = KEYS.get_or_init(py, || {
-        let names = RULES.iter().flat_map(|r| {
-            r.h.iter()
-                .filter_map(|k| match *k {
-                    Key::Item(n) | Key::Pair(n, _) => Some(n),
+        let key = |n: &str| PyString::intern(py, n).unbind();
+        RULES
+            .iter()
+            .map(|r| PyRuleKeys {
+                h: r.h.map(|k| match k {
+                    Key::Item(n) => Some((key(n), None)),
+                    Key::Pair(n, i) => Some((key(n), Some(i))),
                     Key::Unused => None,
-                })
-                .chain(r.flags.iter().flatten().copied())
-        });
-        let mut all: Vec<&'static str> = names.chain(["lr"]).collect();
-        all.sort_unstable();
-        all.dedup();
-        all.into_iter().map(|n| (n, PyString::intern(py, n).unbind())).collect()
+                }),
+                flags: r.flags.map(|f| f.map(key)),
+                lr: key("lr"),
+            })
+            .collect()
     });
-    match keys.iter().find(|(n, _)| *n == key) {
-        Some((_, k)) => k.bind(py).clone(),
-        None => PyString::intern(py, key),
-    }
+    &keys[kind]
 }
 
 /// `group[key]`, or torch's KeyError.
-fn item<'py>(group: &Bound<'py, PyDict>, key: &'static str) -> PyResult<Bound<'py, PyAny>> {
+fn item<'py>(group: &Bound<'py, PyDict>, key: &Py<PyString>) -> PyResult<Bound<'py, PyAny>> {
     group
-        .get_item(interned(group.py(), key))?
+        .get_item(key.bind(group.py()))?
         .ok_or_else(|| PyKeyError::new_err(key.to_string()))
 }
 
 /// A group's four hyperparameters and three flags by rule `kind`'s keys; `flag2`: the third
 /// flag's default (the optimizer's own).
 fn read_keys(kind: usize, flag2: bool, group: &Bound<'_, PyDict>) -> PyResult<([f64; 4], [bool; 3])> {
-    let keys = &RULES[kind];
+    let keys = py_keys(group.py(), kind);
     let mut h = [0.0; 4];
-    for (v, key) in h.iter_mut().zip(keys.h) {
+    for (v, key) in h.iter_mut().zip(&keys.h) {
         *v = match key {
-            Key::Item(k) => item(group, k)?.extract()?,
-            Key::Pair(k, i) => item(group, k)?.get_item(i)?.extract()?,
-            Key::Unused => 0.0,
+            Some((k, None)) => item(group, k)?.extract()?,
+            Some((k, Some(i))) => item(group, k)?.get_item(i)?.extract()?,
+            None => 0.0,
         };
     }
     let mut b = [false; 3];
-    for (i, (v, key)) in b.iter_mut().zip(keys.flags).enumerate() {
+    for (i, (v, key)) in b.iter_mut().zip(&keys.flags).enumerate() {
         if let Some(k) = key {
             // The third flag may be absent (torch's Adam before `decoupled_weight_decay`).
-            *v = match group.get_item(interned(group.py(), k))? {
+            *v = match group.get_item(k.bind(group.py()))? {
                 Some(x) => x.is_truthy()?,
                 None if i == 2 => false,
                 None => return Err(PyKeyError::new_err(k.to_string())),
@@ -171,7 +177,7 @@ fn read_keys(kind: usize, flag2: bool, group: &Bound<'_, PyDict>) -> PyResult<([
 /// rule's is then 0: the step reads it on the device).
 pub(crate) fn read_group(kind: usize, decoupled: bool, group: &Bound<'_, PyDict>) -> PyResult<(Rule, bool)> {
     let (h, b) = read_keys(kind, decoupled, group)?;
-    let lr = item(group, "lr")?;
+    let lr = item(group, &py_keys(group.py(), kind).lr)?;
     let (lr, on_device) = if lr.is_instance_of::<PyFloat>() || lr.is_instance_of::<PyInt>() {
         (lr.extract::<f64>()?, false)
     } else {

@@ -11,6 +11,7 @@ mod cpu;
 mod cuda;
 mod guards;
 mod hyper;
+mod hyper_seen;
 mod kept_step;
 mod list_step;
 mod loaded_libs;

@@ -24,6 +24,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::guards::AddressCheck;
 use crate::hyper::{self, Hyper, read_hyper};
+use crate::hyper_seen::SeenGroups;
 use crate::kept_step::{KeptStep, Present};
 use crate::place::Place;
 use crate::policies::{PolicyArgs, policies_of};
@@ -65,8 +66,10 @@ struct Kept {
     /// Each parameter's (group, position), by the address of its Python object (the layout holds
     /// the objects, so the addresses stay theirs).
     slot_of: HashMap<usize, (usize, usize)>,
+    /// Each group's hyperparameters, kept while its dict holds the same objects.
+    seen: SeenGroups,
     /// Nanoseconds of the stages of the last step (see `StepLayout::last_step_ns`).
-    timings: [u64; 5],
+    timings: [u64; 6],
     /// Whether gradients are read natively, without their Python objects (until one could
     /// not be: the shim logs what it fails on, so it is not asked again for this layout).
     native_grads: bool,
@@ -118,11 +121,15 @@ impl StepLayout {
     /// Nanoseconds of the stages of the last step that reached them: `states` (the state dict
     /// walked by identity), `read` (every parameter's `.grad` read), `params` (the parameters'
     /// addresses checked), `grads` (this step's gradients checked, the step list made when they
-    /// changed), `engine` (the norm and updates enqueued, or run on the CPU).
+    /// changed), `engine` (the norm and updates enqueued, or run on the CPU), `hyper` (every
+    /// group's hyperparameters read from its dict).
     #[getter]
     fn last_step_ns(&self) -> Vec<(&'static str, u64)> {
-        let t = self.kept.lock().map(|k| k.timings).unwrap_or([0; 5]);
-        ["states", "read", "params", "grads", "engine"].into_iter().zip(t).collect()
+        let t = self.kept.lock().map(|k| k.timings).unwrap_or([0; 6]);
+        ["states", "read", "params", "grads", "engine", "hyper"]
+            .into_iter()
+            .zip(t)
+            .collect()
     }
 }
 
@@ -214,7 +221,8 @@ pub fn step_layout(
             params: all_params.unbind(),
             param_addresses,
             slot_of,
-            timings: [0; 5],
+            seen: SeenGroups::default(),
+            timings: [0; 6],
             native_grads: true,
         }),
     }))
@@ -551,9 +559,16 @@ pub fn optim_step(
             "the step counts must be an int64 tensor of two elements per group",
         ));
     }
+    let mut kept = match l.kept.try_lock() {
+        Ok(k) => k,
+        Err(TryLockError::Poisoned(p)) => p.into_inner(),
+        // Another thread is stepping this optimizer: torch's step, rather than wait holding the GIL.
+        Err(TryLockError::WouldBlock) => return Ok((STEP_TORCH, None)),
+    };
+    let hyper_started = Instant::now();
     let mut hypers: Vec<Hyper> = Vec::with_capacity(groups.len());
     for (i, g) in groups.iter().enumerate() {
-        let (rule, on_device) = hyper::read_group(kind, decoupled, g.cast::<PyDict>()?)?;
+        let (rule, on_device) = kept.seen.read(i, kind, decoupled, g.cast::<PyDict>()?)?;
         let lr_in = match (on_device, &lrs) {
             (false, _) => 0,
             (true, None) => return Ok((STEP_LR_TENSORS, None)),
@@ -572,13 +587,9 @@ pub fn optim_step(
             lr_in,
         });
     }
+    let hyper_ns = hyper_started.elapsed().as_nanos() as u64;
     let inputs = inputs.checked()?;
-    let mut kept = match l.kept.try_lock() {
-        Ok(k) => k,
-        Err(TryLockError::Poisoned(p)) => p.into_inner(),
-        // Another thread is stepping this optimizer: torch's step, rather than wait holding the GIL.
-        Err(TryLockError::WouldBlock) => return Ok((STEP_TORCH, None)),
-    };
+    kept.timings[5] = hyper_ns;
     let mut rows = Vec::new();
     // Each list tensor's parameter: the telemetry's rows, and where its gradient factors are.
     let want_rows = (stats_out != 0 || grad_factors.is_some()).then_some(&mut rows);

@@ -103,6 +103,39 @@ def test_schedules_and_tensor_rates_change_the_groups_between_steps(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_every_kind_of_edit_to_a_group_is_read_at_the_next_step(device):
+    """The engine keeps each group's hyperparameters while its dict holds the same objects
+    (python/src/hyper_seen.rs); every edit a user or a scheduler makes between steps is read at
+    the next step, as torch's step reads it: a value replaced by an equal-looking one or set
+    back, betas kept in a list and changed in place, a key removed and put back (the dict's order
+    changes), a float subclass (numpy's) whose value changes, a key added."""
+    np = pytest.importorskip("numpy")
+    ours, ref = _model(device, torch.float32, 3, layers=6)
+    opt, ref_opt = _pair("adamw", ours, ref)
+    for o in (opt, ref_opt):
+        o.param_groups[1]["betas"] = [0.9, 0.99]  # a list: changed in place below
+        o.param_groups[2]["lr"] = np.float64(1e-2)
+    edits = {
+        1: lambda g: g[1]["betas"].__setitem__(0, 0.5),
+        2: lambda g: g[3].update(weight_decay=0.25),
+        3: lambda g: g[3].update(weight_decay=0.05),
+        4: lambda g: g[4].update(eps=g[4].pop("eps") * 100),
+        5: lambda g: g[2].update(lr=np.float64(3e-2)),
+        6: lambda g: g[5].update(note="a key of the user's", lr=g[5]["lr"] * 2),
+        7: lambda g: g[1]["betas"].__setitem__(1, 0.9),
+    }
+    for step in range(9):
+        _set_grads(step, ours, ref, 3)
+        if step in edits:
+            edits[step](opt.param_groups)
+            edits[step](ref_opt.param_groups)
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+        _assert_close(ours, ref, 2e-6, f"step {step}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_groups_added_between_steps_keep_the_counts(device):
     """A group added after some steps steps from its own start, the others keep theirs; the
     skipped count of a non-finite step survives the new group."""

@@ -1,0 +1,114 @@
+//! Each parameter group's hyperparameters kept from the step that read them, for as long as the
+//! group's dict holds the same objects: a step over hundreds of groups then walks each dict once
+//! by identity (no hashing) instead of looking up its keys and converting their values.
+//!
+//! A dict is taken as unchanged when it is the same dict, of the same length, whose entries are
+//! the same key and value objects in the same order. That says nothing of a value changed in
+//! place, so a group is kept only when every value but `params` (read every step, by identity,
+//! with the gradients) is immutable: a float, an int, a bool, None, a str, or a tuple of those.
+//! A kept value is held, so its address cannot be reused by a new object. A group with a tensor
+//! learning rate, a list of betas or a policy object is read every step, as before.
+//! Measured on the development host, 465 AdamW groups: 196 ns a group read every step (the
+//! lookups of seven keys and the conversions), against about 40 ns a group walked.
+
+use gradclip::optim::Rule;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple};
+
+use crate::hyper::read_group;
+
+/// One group as its rule was read from it.
+struct Seen {
+    dict: Py<PyDict>,
+    /// The dict's entries, in order, as read.
+    entries: Vec<(Py<PyAny>, Py<PyAny>)>,
+    kind: usize,
+    decoupled: bool,
+    rule: Rule,
+    on_device: bool,
+}
+
+/// The groups' kept reads, by the group's place in `param_groups`.
+#[derive(Default)]
+pub(crate) struct SeenGroups {
+    groups: Vec<Option<Seen>>,
+}
+
+impl SeenGroups {
+    /// Group `at`'s rule and whether its learning rate is a tensor ([`read_group`]'s answer):
+    /// the kept one when its dict holds the same objects, else read, and kept when every value
+    /// is immutable.
+    pub(crate) fn read(&mut self, at: usize, kind: usize, decoupled: bool, group: &Bound<'_, PyDict>) -> PyResult<(Rule, bool)> {
+        if let Some(Some(s)) = self.groups.get(at)
+            && s.kind == kind
+            && s.decoupled == decoupled
+            && s.holds(group)
+        {
+            return Ok((s.rule, s.on_device));
+        }
+        let (rule, on_device) = read_group(kind, decoupled, group)?;
+        if self.groups.len() <= at {
+            self.groups.resize_with(at + 1, || None);
+        }
+        self.groups[at] = Seen::of(group, kind, decoupled, rule, on_device);
+        Ok((rule, on_device))
+    }
+}
+
+impl Seen {
+    /// `group` as read, or None when a value may change in place.
+    fn of(group: &Bound<'_, PyDict>, kind: usize, decoupled: bool, rule: Rule, on_device: bool) -> Option<Seen> {
+        let params = pyo3::intern!(group.py(), "params");
+        let mut entries = Vec::with_capacity(group.len());
+        for (k, v) in group.iter() {
+            if !(immutable(&v) || k.is_exact_instance_of::<PyString>() && k.eq(params).unwrap_or(false)) {
+                return None;
+            }
+            entries.push((k.unbind(), v.unbind()));
+        }
+        Some(Seen {
+            dict: group.clone().unbind(),
+            entries,
+            kind,
+            decoupled,
+            rule,
+            on_device,
+        })
+    }
+
+    /// Whether `group` is the dict read, holding the same entries: a walk of borrowed entries,
+    /// without the reference counting of PyO3's iterator (a function call each under the
+    /// limited API: that walk cost as much as reading the keys).
+    fn holds(&self, group: &Bound<'_, PyDict>) -> bool {
+        if !group.is(&self.dict) || group.len() != self.entries.len() {
+            return false;
+        }
+        let (mut pos, mut key, mut value) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+        for (sk, sv) in &self.entries {
+            // SAFETY: `group` is a dict, alive and borrowed for the call, with the GIL held; the
+            // entries come back borrowed and are only compared, so no Python code runs and the
+            // dict cannot change during the walk.
+            if unsafe { ffi::PyDict_Next(group.as_ptr(), &mut pos, &mut key, &mut value) } == 0
+                || key != sk.as_ptr()
+                || value != sv.as_ptr()
+            {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// Whether `v` cannot change in place: a float, int, bool, None or str, or a tuple of those
+/// (exact types: a subclass may carry state).
+fn immutable(v: &Bound<'_, PyAny>) -> bool {
+    let scalar = |v: &Bound<'_, PyAny>| {
+        v.is_none()
+            || v.is_exact_instance_of::<PyFloat>()
+            || v.is_exact_instance_of::<PyInt>()
+            || v.is_exact_instance_of::<PyBool>()
+            || v.is_exact_instance_of::<PyString>()
+    };
+    scalar(v) || v.cast_exact::<PyTuple>().is_ok_and(|t| t.iter().all(|x| scalar(&x)))
+}
