@@ -14,7 +14,7 @@
 use gradclip::optim::Rule;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use crate::hyper::read_group;
 
@@ -23,6 +23,8 @@ struct Seen {
     dict: Py<PyDict>,
     /// The dict's entries, in order, as read.
     entries: Vec<(Py<PyAny>, Py<PyAny>)>,
+    /// The group's `params` list, as read.
+    params: Option<Py<PyList>>,
     kind: usize,
     decoupled: bool,
     rule: Rule,
@@ -56,13 +58,27 @@ impl SeenGroups {
     }
 }
 
+impl SeenGroups {
+    /// Group `at`'s `params` list, when its dict is `group` as read at this step (by
+    /// [`SeenGroups::read`], with no Python code run since): no lookup.
+    pub(crate) fn params<'py>(&self, at: usize, group: &Bound<'py, PyAny>) -> Option<Bound<'py, PyList>> {
+        let s = self.groups.get(at)?.as_ref()?;
+        group
+            .is(&s.dict)
+            .then(|| s.params.as_ref().map(|l| l.bind(group.py()).clone()))
+            .flatten()
+    }
+}
+
 impl Seen {
     /// `group` as read, or None when a value may change in place.
     fn of(group: &Bound<'_, PyDict>, kind: usize, decoupled: bool, rule: Rule, on_device: bool) -> Option<Seen> {
-        let params = pyo3::intern!(group.py(), "params");
-        let mut entries = Vec::with_capacity(group.len());
+        let params_key = pyo3::intern!(group.py(), "params");
+        let (mut entries, mut params) = (Vec::with_capacity(group.len()), None);
         for (k, v) in group.iter() {
-            if !(immutable(&v) || k.is_exact_instance_of::<PyString>() && k.eq(params).unwrap_or(false)) {
+            if k.is_exact_instance_of::<PyString>() && k.eq(params_key).unwrap_or(false) {
+                params = v.cast_exact::<PyList>().ok().map(|l| l.clone().unbind());
+            } else if !immutable(&v) {
                 return None;
             }
             entries.push((k.unbind(), v.unbind()));
@@ -70,6 +86,7 @@ impl Seen {
         Some(Seen {
             dict: group.clone().unbind(),
             entries,
+            params,
             kind,
             decoupled,
             rule,

@@ -471,9 +471,11 @@ impl Kept {
         facts: Option<&TensorFacts>,
     ) -> PyResult<Read<'py>> {
         let (mut mask, mut first, mut native, objects) = (Vec::new(), Vec::new(), Vec::new(), PyList::empty(py));
-        for (g, (kept, kept_params)) in groups.iter().zip(self.step.groups.iter().zip(&self.group_params)) {
-            let params = g.get_item(intern!(py, "params"))?;
-            let params = params.cast::<PyList>()?;
+        for (at, (g, (kept, kept_params))) in groups.iter().zip(self.step.groups.iter().zip(&self.group_params)).enumerate() {
+            let params = match self.seen.params(at, &g) {
+                Some(p) => p,
+                None => g.get_item(intern!(py, "params"))?.cast_into::<PyList>()?,
+            };
             if params.len() != kept_params.len() {
                 return Ok(Read::Relayout);
             }
