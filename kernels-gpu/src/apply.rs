@@ -3,28 +3,20 @@
 //! loads its elements of the parameter, the gradient and the optimizer's `N` states (16-byte
 //! vectors when every part is aligned, software-pipelined when they are all 16-bit), widens them
 //! to opmath, applies the optimizer's [`ElementUpdate`] (the arithmetic the CPU backend runs) and
-//! rounds back. [`launch_step`], [`task`] and [`finish`] are the step around it: the device inputs
-//! read, the skip decided, the block's task, and the last block advancing the step counts (so a
-//! step is capturable).
+//! rounds back. [`launch_step`] and [`task`] are the step before it: the device inputs read, the
+//! skip decided, the block's task; `update_end` is the block's end after it.
 
 use core::arch::asm;
 
 use crate::abi::{
-    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, Partial, TallyTensor, UpdateCount, UpdateGroup, UpdateTensorDesc, WARP_THREADS,
-    dtype_code, update_chunk_elems,
+    BLOCK_THREADS, ChunkTask, MAX_STATES, NormOutput, UpdateCount, UpdateGroup, UpdateTensorDesc, dtype_code, update_chunk_elems,
 };
-use crate::accum::Reduce;
-use crate::device::{
-    atomic_add_u32, block_idx, block_reduce, fence_gpu, ld_cg_partial, ld_nc_v4, ld_v4, opaque_u64, smem_flag, st_v4, sync_threads,
-    thread_idx,
-};
+use crate::device::{block_idx, ld_nc_v4, ld_v4, opaque_u64, st_v4, thread_idx};
 use crate::dtype::{Element, F64};
-use crate::tally::{RECORD_WORDS, RUN, Run, StepTally, Tally, exact_sums};
+use crate::tally::{RUN, Run, StepTally, Tally, exact_sums};
 use crate::unit_factors::{AsStored, ByUnit, GradFactors, factored};
 use crate::update::ElementUpdate;
 
-/// Warps of a block (the shared-memory layout of [`smem_flag`]).
-const BLOCK_WARPS: u32 = BLOCK_THREADS / WARP_THREADS;
 /// Elements of a vector group: one 16-byte access of a 16-bit part, two of an f32 part; for a
 /// 16-bit parameter, a run of the telemetry's tally.
 const GROUP: u64 = RUN as u64;
@@ -685,216 +677,6 @@ pub(crate) unsafe fn step_of(g: *const UpdateGroup, d: &UpdateTensorDesc) -> f64
     }
 }
 
-/// The second half: the block that finishes last adds one to every group's `steps` (or
-/// `skipped`) and, when the step is taken, to every parameter's own count (its threads striding
-/// over the groups, then over the `num_tensors` tensors); with telemetry, it writes the records
-/// of the tensors without tasks, which no block finishes.
-///
-/// # Safety
-/// As the entry points of `update_entry`: [`crate::abi::BLOCK_SMEM_BYTES`] of dynamic shared
-/// memory, `counter` zero before the launch, `groups` `num_groups` entries with distinct counts
-/// (each tensor's group one of them), every block of the launch calling this once after its
-/// task.
-#[inline(always)]
-// The launch's tables and counts, passed through as the entry points take them.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn finish(
-    s: &Step,
-    tensors: *const UpdateTensorDesc,
-    counter: *mut u32,
-    groups: *const UpdateGroup,
-    num_groups: u64,
-    num_tasks: u64,
-    num_tensors: u64,
-    tally: Option<&TallyOut>,
-) {
-    // Every thread of the block has read its group's count and its tensor's step, and finished
-    // its elements, before thread 0 takes the block's ticket.
-    // SAFETY: every thread of the block reaches this barrier.
-    unsafe { sync_threads() };
-    let flag = smem_flag::<BLOCK_WARPS>();
-    if thread_idx() == 0 {
-        let last = if num_tasks == 0 {
-            true
-        } else {
-            fence_gpu();
-            // SAFETY: the engine's counter, zero between launches.
-            unsafe { atomic_add_u32(counter, 1) as u64 + 1 == num_tasks }
-        };
-        // SAFETY: the launch gives BLOCK_SMEM_BYTES of dynamic shared memory (contract).
-        unsafe { flag.write_volatile(last as u32) };
-        if last && num_tasks > 0 {
-            // SAFETY: every other block has taken its ticket; the counter is reset for the next
-            // launch, which the stream orders after this one.
-            unsafe { counter.write_volatile(0) };
-        }
-    }
-    // SAFETY: every thread of the block reaches this barrier.
-    unsafe { sync_threads() };
-    // SAFETY: written by thread 0 before the barrier just above, which orders it for every thread.
-    if unsafe { flag.read_volatile() } == 0 {
-        return;
-    }
-    fence_gpu();
-    if let Some(out) = tally {
-        // SAFETY: the caller's contract.
-        unsafe { write_empty_records(out, num_tensors) };
-    }
-    let mut i = thread_idx() as u64;
-    while i < num_groups {
-        // SAFETY: the table holds `num_groups` entries with distinct counts (each written by one
-        // thread); every other block has read its group's count before its ticket.
-        unsafe {
-            let c = (*groups.add(i as usize)).count as *mut UpdateCount;
-            if s.skip {
-                (*c).skipped += 1;
-            } else {
-                (*c).steps += 1;
-            }
-        }
-        i += BLOCK_THREADS as u64;
-    }
-    if s.skip {
-        return;
-    }
-    let mut i = thread_idx() as u64;
-    while i < num_tensors {
-        // SAFETY: the table holds `num_tensors` descriptors; every block has read its tensor's
-        // step before its ticket, and this block holds the last one; each count is one f32.
-        unsafe {
-            let at = (*tensors.add(i as usize)).step as *mut f32;
-            if !at.is_null() {
-                at.write(at.read() + 1.0);
-            }
-        }
-        i += BLOCK_THREADS as u64;
-    }
-}
-
-/// Where a step with telemetry writes ([`crate::tally`]): one [`Partial`] per task (the block's
-/// tally), and each tensor's record of [`RECORD_WORDS`] f64 at its row of `records`.
-#[derive(Clone, Copy)]
-pub(crate) struct TallyOut {
-    /// `num_tasks` partials, each written by its task's block.
-    pub scratch: *mut Partial,
-    /// Each tensor's row, task count and finished tasks.
-    pub tensors: *mut TallyTensor,
-    /// The step's records.
-    pub records: *mut f64,
-}
-
-/// The block's tally of its task, reduced over the block, as its partial in `out.scratch`; the
-/// block that finishes a tensor's last task then merges that tensor's partials (in task order,
-/// the whole block striding over them: the same order on every run) into its record. Each
-/// tensor is finished by its own last block, so the records are written across the GPU as the
-/// tensors complete, not by one block at the end. A record's element count is the tensor's
-/// length (0 for an absent gradient, and for every tensor of a skipped step).
-///
-/// # Safety
-/// Every thread of the block calls it once after its task, with the launch's shared memory;
-/// `out.scratch` holds one partial per task of the launch; `out.tensors` one entry per tensor
-/// of `tensors`, its task count the tensor's tasks in `tasks` (contiguous, in chunk order from
-/// chunk 0), its count of finished tasks zero before the launch, its row distinct and inside
-/// `out.records`.
-#[inline(always)]
-pub(crate) unsafe fn keep_block_tally(
-    t: StepTally,
-    out: &TallyOut,
-    s: &Step,
-    tensors: *const UpdateTensorDesc,
-    tasks: *const ChunkTask,
-    num_tasks: u64,
-) {
-    // SAFETY: every thread of the block reaches this call (the contract).
-    let total = unsafe { block_reduce::<StepTally, BLOCK_WARPS>(t, 0.0) };
-    let flag = smem_flag::<BLOCK_WARPS>();
-    let task = if num_tasks > 0 {
-        // SAFETY: one block per task (the contract).
-        unsafe { tasks.add(block_idx() as usize).read() }
-    } else {
-        ChunkTask::default()
-    };
-    // SAFETY: (the entry) task.tensor indexes `out.tensors` (the contract).
-    let entry = unsafe { out.tensors.add(task.tensor as usize) };
-    if thread_idx() == 0 {
-        let mut last = false;
-        if num_tasks > 0 {
-            // Word by word: a whole-struct volatile store goes through local memory.
-            let words = total.encode().words;
-            // SAFETY: block_idx < num_tasks partials (the contract); this block's alone.
-            let at = unsafe { out.scratch.add(block_idx() as usize) } as *mut u64;
-            // Indexed (not an iterator) so the words stay in registers.
-            #[allow(clippy::needless_range_loop)]
-            for k in 0..4 {
-                // SAFETY: word k < 4 of this block's partial.
-                unsafe { at.add(k).write_volatile(words[k]) };
-            }
-            // Publish the partial before taking the tensor's ticket (threadfence reduction).
-            fence_gpu();
-            // SAFETY: the tensor's count of finished tasks, zero before the launch (the contract).
-            let done = unsafe { atomic_add_u32(&raw mut (*entry).done, 1) } + 1;
-            // SAFETY: the entry's task count, read-only during the launch.
-            last = done == unsafe { (*entry).tasks };
-        }
-        // SAFETY: the launch gives BLOCK_SMEM_BYTES of dynamic shared memory (contract).
-        unsafe { flag.write_volatile(last as u32) };
-    }
-    // SAFETY: every thread of the block reaches this barrier (it also frees the shared memory
-    // that warp 0 read in the reduction above).
-    unsafe { sync_threads() };
-    // SAFETY: written by thread 0 before the barrier just above, which orders it for every thread.
-    if unsafe { flag.read_volatile() } != 0 {
-        fence_gpu();
-        // The tensor's tasks are contiguous from chunk 0, so its first is this one less its chunk.
-        let first = block_idx() as u64 - task.chunk as u64;
-        // SAFETY: read-only during the launch (the contract).
-        let count = unsafe { (*entry).tasks } as u64;
-        let mut acc = StepTally::default();
-        let mut k = thread_idx() as u64;
-        while k < count {
-            // SAFETY: every task of the tensor published its partial before its ticket, and this
-            // block holds the last; first + k < num_tasks.
-            acc = acc.merge(StepTally::decode(
-                &unsafe { ld_cg_partial(out.scratch.add((first + k) as usize)) },
-                0.0,
-            ));
-            k += BLOCK_THREADS as u64;
-        }
-        // SAFETY: the whole block takes this branch (the flag is the block's), with the launch's
-        // shared memory.
-        let total = unsafe { block_reduce::<StepTally, BLOCK_WARPS>(acc, 0.0) };
-        if thread_idx() == 0 {
-            // SAFETY: the tensor's descriptor and row (the contract); resetting the count readies
-            // the entry for the next launch, which the stream orders after this one.
-            unsafe {
-                let elements = if s.skip { 0 } else { (*tensors.add(task.tensor as usize)).len };
-                write_record(out.records, (*entry).row, total.record(elements));
-                (&raw mut (*entry).done).write_volatile(0);
-            }
-        }
-    }
-    // The reductions' shared memory is the last block's flag's neighbour: free again.
-    // SAFETY: every thread of the block reaches this barrier.
-    unsafe { sync_threads() };
-}
-
-/// `r` at row `row` of `records`.
-///
-/// # Safety
-/// Row `row` of [`RECORD_WORDS`] f64 is inside `records`, written by nothing else.
-#[inline(always)]
-unsafe fn write_record(records: *mut f64, row: u32, r: [f64; RECORD_WORDS]) {
-    // SAFETY: the contract. Constant indices: a loop over the record kept it in local memory.
-    unsafe {
-        let at = records.add(row as usize * RECORD_WORDS);
-        at.write(r[0]);
-        at.add(1).write(r[1]);
-        at.add(2).write(r[2]);
-        at.add(3).write(r[3]);
-        at.add(4).write(r[4]);
-    }
-}
-
 /// The tally of a task on a skipped step: nothing is updated, so each element's update is 0
 /// and its parameter the one stored; the gradient's non-finite elements are counted.
 ///
@@ -925,24 +707,4 @@ pub(crate) unsafe fn tally_unchanged(d: &UpdateTensorDesc, chunk: u64, t: &mut S
 #[inline(always)]
 fn dtype_size(code: u32) -> u64 {
     if code == dtype_code::F32 { 4 } else { 2 }
-}
-
-/// The last block: the record of every tensor without tasks (no elements), which no block
-/// finishes: zeros.
-///
-/// # Safety
-/// `out.tensors` holds `num_tensors` entries, each row distinct and inside `out.records`.
-#[inline(always)]
-unsafe fn write_empty_records(out: &TallyOut, num_tensors: u64) {
-    let mut i = thread_idx() as u64;
-    while i < num_tensors {
-        // SAFETY: the contract.
-        unsafe {
-            let e = out.tensors.add(i as usize).read();
-            if e.tasks == 0 {
-                write_record(out.records, e.row, StepTally::default().record(0));
-            }
-        }
-        i += BLOCK_THREADS as u64;
-    }
 }

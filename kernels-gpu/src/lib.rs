@@ -75,6 +75,8 @@ pub mod policy_entry;
 #[cfg(target_arch = "nvptx64")]
 pub mod units_entry;
 #[cfg(target_arch = "nvptx64")]
+mod update_end;
+#[cfg(target_arch = "nvptx64")]
 pub mod update_entry;
 
 #[cfg(target_arch = "nvptx64")]

@@ -31,13 +31,11 @@ use crate::abi::{
 };
 use crate::accum::Reduce;
 use crate::adam::{StepScalars, gradient_factor, step_scalars_f32, step_scalars_f64};
-use crate::apply::{
-    TallyOut, chunk_any_f32, chunk_f64, dtypes, finish, group_lr, is_f64, keep_block_tally, launch_step, step_of, tally_unchanged, task,
-    task_at,
-};
+use crate::apply::{chunk_any_f32, chunk_f64, dtypes, group_lr, is_f64, launch_step, step_of, tally_unchanged, task, task_at};
 use crate::lion::{lion_scalars_f32, lion_scalars_f64};
 use crate::sgd::{sgd_scalars_f32, sgd_scalars_f64};
 use crate::tally::{NoTally, StepTally, Tally, ThreadTally};
+use crate::update_end::{Launch, TallyOut, finish};
 
 /// An optimizer kernel: the arguments every one takes, the step around its task
 /// (`launch_step`, `task`, `finish`), and `$body` for this block's task when the step is taken,
@@ -157,11 +155,9 @@ macro_rules! update_kernel {
                         let (d, chunk) = task_at(tensors, tasks);
                         tally_unchanged(&d.read(), chunk, &mut unchanged);
                     }
+                    let l = Launch { step: &$s, tensors, tasks, counter, groups, num_groups, num_tasks, num_tensors };
                     let out = out.filter(|_| T::ON);
-                    if let Some(o) = &out {
-                        keep_block_tally(tally.tally().merge(unchanged), o, &$s, tensors, tasks, num_tasks);
-                    }
-                    finish(&$s, tensors, counter, groups, num_groups, num_tasks, num_tensors, out.as_ref());
+                    finish(&l, out.as_ref().map(|o| (o, tally.tally().merge(unchanged))));
                 }
             }
         }
