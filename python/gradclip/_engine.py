@@ -500,13 +500,15 @@ def policy_role(clip: int, skip: bool) -> int:
 
 class StepVerdict:
     """What the native optimizer step answers (``optim_step``): it ran; make a new layout; run
-    torch's step; make the listed parameters' states; pass the tensor learning rates."""
+    torch's step; make the listed parameters' states; pass the tensor learning rates; read the
+    clip groups (a group holds one of their keys)."""
 
     DONE = _native.STEP_DONE
     RELAYOUT = _native.STEP_RELAYOUT
     TORCH = _native.STEP_TORCH
     NEW_STATES = _native.STEP_NEW_STATES
     LR_TENSORS = _native.STEP_LR_TENSORS
+    CLIP_GROUPS = _native.STEP_CLIP_GROUPS
 
 
 def optim_step(*args):

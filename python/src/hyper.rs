@@ -231,11 +231,18 @@ pub(crate) fn read_hyper(h: &Bound<'_, PyAny>) -> PyResult<Hyper> {
 #[pyfunction]
 pub fn groups_have_keys(groups: &Bound<'_, PyList>, keys: &Bound<'_, PyTuple>) -> PyResult<bool> {
     for g in groups.iter() {
-        let g = g.cast::<PyDict>()?;
-        for k in keys.iter() {
-            if g.contains(&k)? {
-                return Ok(true);
-            }
+        if holds_a_key(g.cast::<PyDict>()?, keys)? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Whether `group` holds one of `keys`.
+pub(crate) fn holds_a_key(group: &Bound<'_, PyDict>, keys: &Bound<'_, PyTuple>) -> PyResult<bool> {
+    for k in keys.iter() {
+        if group.contains(&k)? {
+            return Ok(true);
         }
     }
     Ok(false)

@@ -16,7 +16,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
-use crate::hyper::read_group;
+use crate::hyper::{holds_a_key, read_group};
 
 /// One group as its rule was read from it.
 struct Seen {
@@ -29,6 +29,8 @@ struct Seen {
     decoupled: bool,
     rule: Rule,
     on_device: bool,
+    /// Whether the dict holds one of a tuple of keys (the clip groups'), for that tuple.
+    keys: Option<(Py<PyTuple>, bool)>,
 }
 
 /// The groups' kept reads, by the group's place in `param_groups`.
@@ -38,23 +40,43 @@ pub(crate) struct SeenGroups {
 }
 
 impl SeenGroups {
-    /// Group `at`'s rule and whether its learning rate is a tensor ([`read_group`]'s answer):
-    /// the kept one when its dict holds the same objects, else read, and kept when every value
-    /// is immutable.
-    pub(crate) fn read(&mut self, at: usize, kind: usize, decoupled: bool, group: &Bound<'_, PyDict>) -> PyResult<(Rule, bool)> {
-        if let Some(Some(s)) = self.groups.get(at)
+    /// Group `at`'s rule and whether its learning rate is a tensor ([`read_group`]'s answer),
+    /// and whether it holds one of `keys` (false without them): the kept answers when its dict
+    /// holds the same objects, else read, and kept when every value is immutable.
+    pub(crate) fn read(
+        &mut self,
+        at: usize,
+        kind: usize,
+        decoupled: bool,
+        group: &Bound<'_, PyDict>,
+        keys: Option<&Bound<'_, PyTuple>>,
+    ) -> PyResult<(Rule, bool, bool)> {
+        if let Some(Some(s)) = self.groups.get_mut(at)
             && s.kind == kind
             && s.decoupled == decoupled
             && s.holds(group)
         {
-            return Ok((s.rule, s.on_device));
+            let held = match (keys, &s.keys) {
+                (None, _) => false,
+                (Some(k), Some((kept, held))) if k.is(kept) => *held,
+                (Some(k), _) => {
+                    let held = holds_a_key(group, k)?;
+                    s.keys = Some((k.clone().unbind(), held));
+                    held
+                }
+            };
+            return Ok((s.rule, s.on_device, held));
         }
         let (rule, on_device) = read_group(kind, decoupled, group)?;
+        let keys = keys
+            .map(|k| Ok::<_, PyErr>((k.clone().unbind(), holds_a_key(group, k)?)))
+            .transpose()?;
+        let held = keys.as_ref().is_some_and(|k| k.1);
         if self.groups.len() <= at {
             self.groups.resize_with(at + 1, || None);
         }
-        self.groups[at] = Seen::of(group, kind, decoupled, rule, on_device);
-        Ok((rule, on_device))
+        self.groups[at] = Seen::of(group, kind, decoupled, rule, on_device).map(|s| Seen { keys, ..s });
+        Ok((rule, on_device, held))
     }
 }
 
@@ -91,6 +113,7 @@ impl Seen {
             decoupled,
             rule,
             on_device,
+            keys: None,
         })
     }
 

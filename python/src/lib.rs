@@ -80,6 +80,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_TORCH", optim::STEP_TORCH)?;
     m.add("STEP_NEW_STATES", optim::STEP_NEW_STATES)?;
     m.add("STEP_LR_TENSORS", optim::STEP_LR_TENSORS)?;
+    m.add("STEP_CLIP_GROUPS", optim::STEP_CLIP_GROUPS)?;
     m.add_function(wrap_pyfunction!(check_max_norm, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_addresses::read_data_ptrs, m)?)?;
     #[cfg(unix)]

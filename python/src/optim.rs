@@ -20,7 +20,7 @@ use gradclip::units::GradFactors;
 use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::guards::AddressCheck;
 use crate::hyper::{self, Hyper, read_hyper};
@@ -44,6 +44,9 @@ pub const STEP_TORCH: u8 = 2;
 pub const STEP_NEW_STATES: u8 = 3;
 /// Some group's learning rate is a tensor: call again with their device addresses (`lrs`).
 pub const STEP_LR_TENSORS: u8 = 4;
+/// A group holds one of the clip groups' keys (`plain_keys`) though the call has no clip groups:
+/// read them and call again.
+pub const STEP_CLIP_GROUPS: u8 = 5;
 
 struct Kept {
     /// Each group's parts, the storages held and the gradients' recognizer.
@@ -533,12 +536,16 @@ impl Kept {
 /// gradient is read, the clip limiting the unscaled norm; its overflow flag, which skips the
 /// step). On the CPU, `norm_out` (when not 0) gets the norm as one float64 too, also when a
 /// non-finite norm is refused (`nonfinite="error"`). `policies`: each clip's policies
-/// ([`PolicyArgs`], one per clip group, or one), or None. Returns the verdict ([`STEP_DONE`],
-/// [`STEP_RELAYOUT`], [`STEP_TORCH`], [`STEP_NEW_STATES`], [`STEP_LR_TENSORS`]: nothing written
-/// for the last four) and a payload: on the CPU the norm (None on CUDA: it stays on the device);
+/// ([`PolicyArgs`], one per clip group, or one), or None. `plain_keys`: the clip groups' keys
+/// (a tuple of str) when the caller found none in the groups at an earlier step and passes no
+/// clip groups: a group that holds one now answers [`STEP_CLIP_GROUPS`] (each group's answer is
+/// kept with its hyperparameters, [`crate::hyper_seen`], so the test is free while the dicts
+/// hold the same objects). Returns the verdict ([`STEP_DONE`],
+/// [`STEP_RELAYOUT`], [`STEP_TORCH`], [`STEP_NEW_STATES`], [`STEP_LR_TENSORS`],
+/// [`STEP_CLIP_GROUPS`]: nothing written for the last five) and a payload: on the CPU the norm (None on CUDA: it stays on the device);
 /// with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
-#[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None, stats_out=0, policies=None, grad_factors=None))]
+#[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None, stats_out=0, policies=None, grad_factors=None, plain_keys=None))]
 // The arguments are the Python call's, one per concern of the step.
 #[allow(clippy::too_many_arguments)]
 pub fn optim_step(
@@ -553,6 +560,7 @@ pub fn optim_step(
     stats_out: u64,
     policies: Option<Vec<PolicyArgs>>,
     grad_factors: Option<PyRef<'_, GradFactorTable>>,
+    plain_keys: Option<Bound<'_, PyTuple>>,
 ) -> PyResult<(u8, Option<Py<PyAny>>)> {
     let l = layout.get();
     let (kind, decoupled) = (hyper::kind_index(&rule.0)?, rule.1);
@@ -570,7 +578,10 @@ pub fn optim_step(
     let hyper_started = Instant::now();
     let mut hypers: Vec<Hyper> = Vec::with_capacity(groups.len());
     for (i, g) in groups.iter().enumerate() {
-        let (rule, on_device) = kept.seen.read(i, kind, decoupled, g.cast::<PyDict>()?)?;
+        let (rule, on_device, clip_keys) = kept.seen.read(i, kind, decoupled, g.cast::<PyDict>()?, plain_keys.as_ref())?;
+        if clip_keys {
+            return Ok((STEP_CLIP_GROUPS, None));
+        }
         let lr_in = match (on_device, &lrs) {
             (false, _) => 0,
             (true, None) => return Ok((STEP_LR_TENSORS, None)),

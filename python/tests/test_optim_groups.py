@@ -234,6 +234,46 @@ def test_clip_groups_equal_torch_clipping_each_apart(device):
         _assert_close(ours, ref, 2e-6, f"step {step}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_clip_group_keys_added_and_removed_between_steps_are_followed(device):
+    """After steps with no clip-group keys the engine looks for them itself (kept per group
+    with the hyperparameters); keys put into the groups between steps make the next step clip
+    each clip group apart, as torch's clip of each does; keys that do not fit are refused before
+    anything is written; removed, one clip over every group again."""
+    ours, ref = _model(device, torch.float32, 8, layers=10)
+    opt = optim.AdamW(_clip_grouped(ours), lr=1e-2, max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW(_clip_grouped(ref), lr=1e-2, foreach=False)
+    named = [{k: g.pop(k) for k in ("clip_group", "max_grad_norm") if k in g} for g in opt.param_groups]
+    for g in ref_opt.param_groups:
+        g.pop("clip_group"), g.pop("max_grad_norm", None)
+
+    def reference_step(step):
+        if step in (2, 3):
+            for name, limit in (("trunk", 1.0), ("mtp", 0.3)):
+                torch.nn.utils.clip_grad_norm_([p for g, n in zip(ref_opt.param_groups, named) if n["clip_group"] == name for p in g["params"]], limit)
+        else:
+            torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+
+    for step in range(6):
+        _set_grads(step, ours, ref, 8)
+        if step == 2:
+            for g, n in zip(opt.param_groups, named):
+                g.update(n)
+        if step == 4:
+            opt.param_groups[2]["max_grad_norm"] = 0.5  # trunk's other group: another threshold
+            before = [p.detach().clone() for p in ours]
+            with pytest.raises(ValueError, match="param groups 0 and 2 are both in clip group 'trunk'"):
+                opt.step()
+            assert all(torch.equal(a, p.detach()) for a, p in zip(before, ours))
+            for g in opt.param_groups:
+                g.pop("clip_group"), g.pop("max_grad_norm", None)
+        opt.step()
+        reference_step(step)
+        assert (opt.last_grad_norms is not None) == (step in (2, 3)), step
+        _assert_close(ours, ref, 2e-6, f"step {step}")
+
+
 def test_a_nonfinite_clip_group_skips_its_own_groups():
     """With nonfinite="skip", a NaN in one clip group leaves its param groups as they were (their
     counts record the skip); the other clip groups step."""

@@ -126,8 +126,7 @@ class _CompiledStep:
         if clip:
             dtype = self._layout.result_dtype
             self._reported["last_grad_norm"] = out[0].to(dtype)
-            if named is not None:
-                self._reported["last_grad_norms"] = {name: out[3 * k].to(dtype) for k, name in enumerate(named.names)}
+            self._reported["last_grad_norms"] = None if named is None else {name: out[3 * k].to(dtype) for k, name in enumerate(named.names)}
             if self.nonfinite == "skip" or _step_policies.any_skip(self, named):
                 self._reported["skipped_steps"] = self._skipped
         # The clips' outputs, which stats() reads (none without a clip).

@@ -19,7 +19,7 @@ class _Layout:
     of a step needs of it: the tensors' device, the dtype torch returns their norm in, and whether
     the norm is global over process groups (DTensor parameters, a pipeline group)."""
 
-    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream", "tensor_lrs", "records", "records_clear")
+    __slots__ = ("native", "device", "result_dtype", "sharded", "lists", "out", "norm", "out_stream", "tensor_lrs", "records", "records_clear", "groups_plain")
 
     def __init__(self, native, device, result_dtype, sharded):
         self.native, self.device, self.result_dtype, self.sharded = native, device, result_dtype, sharded
@@ -34,6 +34,10 @@ class _Layout:
         #: The step's telemetry records (``stats=True``: ``_step_stats``).
         self.records = None
         self.records_clear = False
+        #: The last step found no clip-group keys in the groups: the next hands the engine the
+        #: keys to look for (kept per group natively, free while the dicts hold the same
+        #: objects) instead of reading the groups in Python first.
+        self.groups_plain = False
 
     def result(self, stream: int) -> torch.Tensor:
         """The result buffer of an eager step on ``stream``: kept from step to step while they
@@ -120,8 +124,10 @@ class _EngineStep:
         all-reduce per process group), as ``clip_grad_norm_`` computes it. Capturable in a CUDA
         graph after one eager step. ``grad_factors``: a unit clip's factors for the update to
         multiply each gradient by as it reads it (``_step_policies.unit_clip``), or None."""
-        # The clip groups first: a refusal writes nothing (no state made either).
-        named = _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
+        # The clip groups first: a refusal writes nothing (no state made either). After a step
+        # that found none, the engine looks for their keys (STEP_CLIP_GROUPS when a group holds one).
+        plain = self._layout is not None and self._layout.groups_plain
+        named = None if plain else _step_clip_groups.read(self.param_groups, self.max_grad_norm, self.clip_policy, self.skip_policy)
         if named is not None and self._given_norm is not None:
             raise ValueError("provide_grad_norm gives one norm, and this optimizer's param groups are in clip groups, each clipped by its own")
         outer_scale = getattr(self, "grad_scale", None)
@@ -192,6 +198,7 @@ class _EngineStep:
                         stats_out,
                         policies,
                         grad_factors,
+                        _step_clip_groups.KEYS if named is None else None,
                     )
             except RuntimeError as e:
                 if self.nonfinite == "error" and "non-finite" in str(e):
@@ -201,7 +208,12 @@ class _EngineStep:
                     raise _nonfinite_step(self.norm_type, self.last_grad_norm) from None
                 raise
             if verdict == StepVerdict.DONE:
+                layout.groups_plain = named is None
                 break
+            if verdict == StepVerdict.CLIP_GROUPS:
+                # A group names a clip group, threshold or policy of its own since the last step.
+                layout.groups_plain = False
+                return self._gradclip_step(grad_factors)
             if verdict == StepVerdict.TORCH:
                 return False
             if verdict == StepVerdict.LR_TENSORS:
@@ -228,6 +240,8 @@ class _EngineStep:
             # The conversion to the gradients' dtype waits for a read (a launch less per step),
             # except in a captured step, whose replays must write it.
             self._reported["last_grad_norm"] = norm.to(dtype) if in_capture else (norm, dtype)
+            # None after a step without clip groups (keys removed from the groups since).
+            self._reported["last_grad_norms"] = None
             if named is not None:
                 scale = None if scale_t is None else scale_t.to(torch.float64)
                 self._reported["last_grad_norms"] = _step_clip_groups.reported(named, out, scale, dtype)
