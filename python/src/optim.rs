@@ -600,6 +600,7 @@ pub fn optim_step(
             lr_in,
         });
     }
+    kept.seen.keep_first(groups.len());
     let hyper_ns = hyper_started.elapsed().as_nanos() as u64;
     let inputs = inputs.checked()?;
     kept.timings[5] = hyper_ns;

@@ -135,6 +135,25 @@ def test_every_kind_of_edit_to_a_group_is_read_at_the_next_step(device):
         _assert_close(ours, ref, 2e-6, f"step {step}")
 
 
+def test_groups_given_as_ordered_dicts_step_as_torchs():
+    """Param groups given as a dict subclass (OrderedDict, which the engine reads at every step
+    rather than keeping) step as torch's, an edit between steps followed."""
+    from collections import OrderedDict
+
+    ours, ref = _model("cpu", torch.float32, 4, layers=4)
+    opt = optim.AdamW([OrderedDict(g) for g in _groups(ours, "adamw")], max_grad_norm=1.0)
+    ref_opt = torch.optim.AdamW([OrderedDict(g) for g in _groups(ref, "adamw")], foreach=False)
+    for step in range(4):
+        _set_grads(step, ours, ref, 4)
+        if step == 2:
+            for o in (opt, ref_opt):
+                o.param_groups[1]["weight_decay"] = 0.5
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+        _assert_close(ours, ref, 2e-6, f"step {step}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_groups_added_between_steps_keep_the_counts(device):
     """A group added after some steps steps from its own start, the others keep theirs; the
