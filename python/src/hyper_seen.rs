@@ -13,10 +13,10 @@
 //! lookups of seven keys and the conversions), against about 40 ns a group walked.
 
 use gradclip::optim::Rule;
-use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
+use crate::dict_walk::{Walk, each_item};
 use crate::hyper::{holds_a_key, read_group};
 
 /// One group as its rule was read from it.
@@ -128,26 +128,17 @@ impl Seen {
         })
     }
 
-    /// Whether `group` is the dict read, holding the same entries: a walk of borrowed entries,
-    /// without the reference counting of PyO3's iterator (a function call each under the
-    /// limited API: that walk cost as much as reading the keys).
+    /// Whether `group` is the dict read, holding the same entries (a walk of borrowed entries:
+    /// PyO3's iterator counts references through a function call each under the limited API,
+    /// which cost as much as reading the keys).
     fn holds(&self, group: &Bound<'_, PyDict>) -> bool {
         if !group.is(&self.dict) || group.len() != self.entries.len() {
             return false;
         }
-        let (mut pos, mut key, mut value) = (0, std::ptr::null_mut(), std::ptr::null_mut());
-        for (sk, sv) in &self.entries {
-            // SAFETY: `group` is a dict, alive and borrowed for the call, with the GIL held; the
-            // entries come back borrowed and are only compared, so no Python code runs and the
-            // dict cannot change during the walk.
-            if unsafe { ffi::PyDict_Next(group.as_ptr(), &mut pos, &mut key, &mut value) } == 0
-                || key != sk.as_ptr()
-                || value != sv.as_ptr()
-            {
-                return false;
-            }
-        }
-        true
+        let mut kept = self.entries.iter();
+        each_item(group.as_ptr(), |k, v| {
+            kept.next().is_some_and(|(sk, sv)| k == sk.as_ptr() && v == sv.as_ptr())
+        }) == Walk::Done
     }
 }
 

@@ -9,6 +9,7 @@
 mod combine;
 mod cpu;
 mod cuda;
+mod dict_walk;
 mod guards;
 mod hyper;
 mod hyper_seen;

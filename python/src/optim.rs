@@ -22,6 +22,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
+use crate::dict_walk::{Walk, each_item};
 use crate::guards::AddressCheck;
 use crate::hyper::{self, Hyper, read_hyper};
 use crate::hyper_seen::SeenGroups;
@@ -283,30 +284,6 @@ fn same_states_prefix(state: &Bound<'_, PyDict>, kept: &[StateEntry]) -> bool {
         same
     });
     same && next.len() == 0
-}
-
-/// How a walk over a dict ended.
-#[derive(PartialEq, Eq)]
-enum Walk {
-    /// Every entry seen.
-    Done,
-    /// `f` said no for an entry.
-    Stopped,
-}
-
-/// Calls `f(key, value)` on each entry of the dict `d` in order, with borrowed pointers, until it
-/// returns false. `f` must not run Python code (nor modify `d`): it compares pointers.
-fn each_item(d: *mut pyo3::ffi::PyObject, mut f: impl FnMut(*mut pyo3::ffi::PyObject, *mut pyo3::ffi::PyObject) -> bool) -> Walk {
-    let (mut pos, mut k, mut v): (pyo3::ffi::Py_ssize_t, _, _) = (0, std::ptr::null_mut(), std::ptr::null_mut());
-    // SAFETY: `d` is a live dict and the GIL is held (the callers' bound objects); PyDict_Next
-    // hands out borrowed references that stay valid while the dict is not modified, which `f`
-    // does not do.
-    while unsafe { pyo3::ffi::PyDict_Next(d, &mut pos, &mut k, &mut v) } != 0 {
-        if !f(k, v) {
-            return Walk::Stopped;
-        }
-    }
-    Walk::Done
 }
 
 /// One parameter's state as `group`'s update reads it (its dict `d`: the states its rule keeps,
