@@ -5,12 +5,14 @@
 #                  update's walk changed), the Rust GPU optimizer suite, then the one-group step
 #                  against the previous commit's wheel (.devbin/variants/base/*.whl:
 #                  optim_compare.py's update="gradclip" rows, bf16 and f32, interleaved twice)
-#   PART=cost      the folds' CUDA tests (the GPU's bits against the CPU's), then AGC's and
-#                  AdaGC's cost in the AdamW step beside its floor (agc_cost.py: 2 GB prefixes of
-#                  seed-500 and the MoE list, which fit an 80 GB H100: its six optimizers hold about
-#                  15x the gradients' bytes; GRAD_GB=6 on an H200), then with STATS=1 the
-#                  telemetry's cost (optim_compare.py's
-#                  update="gradclip" rows, with and without stats=True)
+#   PART=cost      with STATS=1 first the telemetry's cost (optim_compare.py's update="gradclip"
+#                  rows, with and without stats=True) and the 465-group model (param_groups.py:
+#                  GPU ms, host ms, kernels); then the folds' CUDA tests (the GPU's bits against
+#                  the CPU's), then AGC's and AdaGC's cost in the AdamW step beside its floor
+#                  (agc_cost.py, AGC_ROUNDS rounds (5): 2 GB prefixes of seed-500 and the MoE
+#                  list, which fit an 80 GB H100: its six optimizers hold about 15x the
+#                  gradients' bytes; GRAD_GB=6 on an H200). `PART=cost GRAD_GB=6 STATS=1` gives
+#                  the H200 figures issues 37 and 38 still ask, most wanted first.
 #   PART=cost-ab   the CUDA tests of AGC, AdaGC, the fold and the optimizers, the Rust GPU
 #                  optimizer suite, then agc_cost.py against the previous commit's wheel
 #                  (.devbin/variants/base/*.whl), interleaved AB_ROUNDS times (2), and the one-group step's
@@ -53,18 +55,20 @@ elif [ "$PART" = cost-ab ]; then
     done; done
     step_ab ""
 else
+    if [ -n "${STATS:-}" ]; then
+        timeout 150 python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/telemetry.json" --rows "update='gradclip'" \
+            --commit "$c" > "$D/telemetry.txt" 2>&1
+        echo "== telemetry rc=$?"; grep -E "gradclip" "$D/telemetry.txt" | cut -c1-150
+        timeout 120 python3 benches/torch/param_groups.py "$OUT/param-groups.json" --commit "$c" > "$D/param-groups.txt" 2>&1
+        echo "== groups rc=$?"; grep "^groups" "$D/param-groups.txt" | cut -c1-120
+    fi
     timeout 200 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib python/tests/test_unit_clip_folded.py \
         python/tests/test_agc.py python/tests/test_adagc.py -k "cuda or captured or folded" > "$D/fold-tests.log" 2>&1
     echo "fold CUDA tests rc=$?: $(tail -1 "$D/fold-tests.log")"
     for w in ${AGC_WORKLOADS:-seed-500 qwen3-30b-a3b-ep8}; do
         timeout 240 python3 benches/torch/agc_cost.py .devbin/w-all.json "$OUT/agc-cost-$w.json" --workload "$w" \
-            --grad-gb "${GRAD_GB:-2}" --rounds 5 --commit "$c" > "$D/agc-cost-$w.txt" 2>&1
+            --grad-gb "${GRAD_GB:-2}" --rounds "${AGC_ROUNDS:-5}" --commit "$c" > "$D/agc-cost-$w.txt" 2>&1
         echo "== $w rc=$?"; tail -14 "$D/agc-cost-$w.txt"
     done
-    if [ -n "${STATS:-}" ]; then
-        timeout 150 python3 benches/torch/optim_compare.py .devbin/w-seed.json "$OUT/telemetry.json" --rows "update='gradclip'" \
-            --commit "$c" > "$D/telemetry.txt" 2>&1
-        echo "== telemetry rc=$?"; grep -E "gradclip" "$D/telemetry.txt" | cut -c1-150
-    fi
 fi
 tar -czf "$OUT/logs.tar.gz" -C "$D" .; rm -rf "$D"

@@ -79,9 +79,7 @@ impl SeenGroups {
         self.groups[at] = Seen::of(group, kind, decoupled, rule, on_device).map(|s| Seen { keys, ..s });
         Ok((rule, on_device, held))
     }
-}
 
-impl SeenGroups {
     /// Forgets the groups past the first `n` (the optimizer has `n`): nothing of a removed group
     /// (its `params` list, so its tensors) is held.
     pub(crate) fn keep_first(&mut self, n: usize) {

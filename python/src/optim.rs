@@ -517,10 +517,10 @@ impl Kept {
 /// (a tuple of str) when the caller found none in the groups at an earlier step and passes no
 /// clip groups: a group that holds one now answers [`STEP_CLIP_GROUPS`] (each group's answer is
 /// kept with its hyperparameters, [`crate::hyper_seen`], so the test is free while the dicts
-/// hold the same objects). Returns the verdict ([`STEP_DONE`],
-/// [`STEP_RELAYOUT`], [`STEP_TORCH`], [`STEP_NEW_STATES`], [`STEP_LR_TENSORS`],
-/// [`STEP_CLIP_GROUPS`]: nothing written for the last five) and a payload: on the CPU the norm (None on CUDA: it stays on the device);
-/// with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
+/// hold the same objects). Returns the verdict ([`STEP_DONE`], [`STEP_RELAYOUT`],
+/// [`STEP_TORCH`], [`STEP_NEW_STATES`], [`STEP_LR_TENSORS`], [`STEP_CLIP_GROUPS`]: nothing
+/// written for the last five) and a payload: on the CPU the norm (None on CUDA: it stays on the
+/// device); with [`STEP_NEW_STATES`], the parameters whose states torch is to make.
 #[pyfunction]
 #[pyo3(signature = (layout, groups, rule, counts, lrs, inputs, clip_groups=None, stats_out=0, policies=None, grad_factors=None, plain_keys=None))]
 // The arguments are the Python call's, one per concern of the step.
@@ -578,9 +578,8 @@ pub fn optim_step(
         });
     }
     kept.seen.keep_first(groups.len());
-    let hyper_ns = hyper_started.elapsed().as_nanos() as u64;
+    kept.timings[5] = hyper_started.elapsed().as_nanos() as u64;
     let inputs = inputs.checked()?;
-    kept.timings[5] = hyper_ns;
     let mut rows = Vec::new();
     // Each list tensor's parameter: the telemetry's rows, and where its gradient factors are.
     let want_rows = (stats_out != 0 || grad_factors.is_some()).then_some(&mut rows);

@@ -24,10 +24,11 @@ pub const PTX_TARGET: &str = "sm_80";
 /// Each kernel's `bar.sync` count, as reviewed; kernels not listed have none. The norm kernels:
 /// the block reduction's (two), and the last block's fold after its ticket (one, reached by the
 /// whole block: the ticket flag is shared). The updates (`update_end`): the block's end before
-/// thread 0's tickets and after them; with telemetry, the first is the tally's block reduction's,
-/// and the block that finishes a tensor reduces its partials (a third, reached by the whole
-/// block: the flag is shared). The policies: after thread 0's decision, AutoClip's move (two per window), after it;
-/// AdaGC's decision: after the folds, the block reduction's, after thread 0's call words.
+/// thread 0's tickets and after them; with telemetry, the first is the tally's block
+/// reduction's, and the block that finishes a tensor reduces its partials (a third, reached by
+/// the whole block: the flag is shared). The policies: after thread 0's decision, AutoClip's
+/// move (two per window), after it; AdaGC's decision: after the folds, the block reduction's,
+/// after thread 0's call words.
 pub const BARRIERS: &[(&str, usize)] = &[
     ("gradclip_norm_l1", 3),
     ("gradclip_norm_l2", 3),
