@@ -344,6 +344,10 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
                 unsafe { element_f32::<P, G, S, N, U, T>(&c, j as u64, u, t, f.at(j as u64)) };
             }
         }
+        if T::ON && t.grads_again() {
+            // SAFETY: the chunk's gradient, read-only in the launch (the contract).
+            unsafe { grads_again::<G, T, F>(c.grad, len as u64, GROUP, t, f) };
+        }
     } else {
         // Rounds of UNROLL elements per thread, a run-time count (see the aligned path).
         let mut first = start + thread_idx() as u64;
@@ -366,6 +370,31 @@ unsafe fn chunk_f32<P: Element, G: Element, S: Element, const N: usize, U: Eleme
             }
             first += (UNROLL * BLOCK_THREADS as usize) as u64;
         }
+        if T::ON && t.grads_again() {
+            // SAFETY: as the aligned walk's.
+            unsafe { grads_again::<G, T, F>(d.grad + start * G::SIZE, end.max(start) - start, 1, t, f) };
+        }
+    }
+}
+
+/// A thread's gradients of a chunk taken again exactly ([`Tally::grads_again`]): the elements
+/// the walk gave it, in groups of `unit` elements (the aligned walk's `GROUP`, its last group
+/// partial; or 1) `BLOCK_THREADS` groups apart.
+///
+/// # Safety
+/// `grad` holds the chunk's `len` elements of a gradient of dtype `G`, not written during the
+/// launch, and `f`'s factors are readable for them.
+#[inline(always)]
+unsafe fn grads_again<G: Element, T: Tally, F: GradFactors>(grad: u64, len: u64, unit: u64, t: &mut T, f: &F) {
+    t.clear_grads();
+    let mut e = thread_idx() as u64 * unit;
+    while e < len {
+        for k in e..len.min(e + unit) {
+            // SAFETY: k < len (the contract).
+            let g = unsafe { factored::<G>(load::<G>(grad, k), f.at(k)) };
+            t.push_grad_exact(G::to_f32(g) as f64);
+        }
+        e += BLOCK_THREADS as u64 * unit;
     }
 }
 

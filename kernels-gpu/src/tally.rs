@@ -18,8 +18,17 @@
 //! and sums to 0: an update or parameter norm below about 1e-22 over a whole tensor may read 0.
 //! The GPU's tree of threads and the CPU's element order merge the same runs (bit for bit the
 //! same f32 arithmetic: rustc contracts nothing into an FMA), so the backends agree to f64
-//! rounding on aligned tensors. A thread keeps its largest f32 |g| in f32 ([`ThreadTally`]): a
-//! maximum is exact in any precision, and the conversion then costs a task, not an element.
+//! rounding on aligned tensors.
+//!
+//! The gradients' figures. A thread keeps the largest magnitude's bits of its f32 gradients
+//! ([`ThreadTally`]): one AND and one integer maximum an element (on an H100 or H200 one
+//! three-way maximum for two elements), where a finite test, a select, a float maximum and a
+//! count took five. The bits of finite magnitudes order as the magnitudes do, and every
+//! non-finite one is above them; so a maximum below infinity's bits is the largest |g| and says
+//! no gradient was non-finite. A thread that saw a non-finite gradient (rare: a step with a clip
+//! skips such a step and tallies it apart) takes its gradients again exactly
+//! ([`Tally::grads_again`]). A maximum is exact in any precision, so the figures are the plain
+//! tally's bit for bit.
 
 use crate::abi::Partial;
 use crate::accum::Reduce;
@@ -99,6 +108,12 @@ impl StepTally {
         let d = after - before;
         self.update_sq += d * d;
         self.param_sq += after * after;
+        self.push_grad(grad);
+    }
+
+    /// One gradient element: its |g| (when finite) or its count as non-finite.
+    #[inline(always)]
+    pub fn push_grad(&mut self, grad: f64) {
         if grad.is_finite() {
             let a = grad.abs();
             if a > self.grad_max_abs {
@@ -196,31 +211,50 @@ pub trait Tally: Copy + Default {
     }
     /// The gradient of one element in f32 opmath (its |g| and whether it is finite).
     fn push_grad_f32(&mut self, grad: f32);
+    /// Whether the gradients' figures are to be taken again: a [`ThreadTally`] saw a non-finite
+    /// gradient. The walk then calls [`Tally::clear_grads`] and [`Tally::push_grad_exact`] with
+    /// every gradient element it pushed, in any order.
+    #[inline(always)]
+    fn grads_again(&self) -> bool {
+        false
+    }
+    /// Forgets the gradients' figures (the sums are kept).
+    #[inline(always)]
+    fn clear_grads(&mut self) {}
+    /// One gradient element, its figures taken exactly ([`StepTally::push_grad`]).
+    #[inline(always)]
+    fn push_grad_exact(&mut self, _grad: f64) {}
     /// Two sums added to the tally's (`update_sq`, `param_sq`): one element's
     /// ([`Tally::push_sums_f32`]), or a full [`Run`]'s (its gradients pushed one by one), that is
     /// [`Run::sums`], or [`exact_sums`] where those lost precision.
     fn push_sums(&mut self, sums: (f64, f64));
 }
 
-/// A thread's tally: a [`StepTally`] whose f32 gradients' largest finite |g| stays in f32 until
-/// [`Tally::tally`] (the same maximum: one f64 conversion and compare per task, not per element).
+/// The bits of f32's infinity: a magnitude's bits at or above them are not finite.
+const F32_INF_BITS: u32 = 0x7f80_0000;
+
+/// A thread's tally: a [`StepTally`] beside the largest magnitude's bits of the f32 gradients
+/// pushed (see the module's note on the gradients' figures).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ThreadTally {
     sums: StepTally,
-    grad_max_abs_f32: f32,
-    /// Non-finite gradient elements of a task's thread (far below 2^32), added to the sums'
-    /// count by [`Tally::tally`].
-    nonfinite: u32,
+    /// The largest `|g|.to_bits()` of the f32 gradients pushed.
+    grad_abs_bits: u32,
 }
 
 impl Tally for ThreadTally {
     const ON: bool = true;
+    /// What was tallied. A thread that saw a non-finite f32 gradient and did not take its
+    /// gradients again ([`Tally::grads_again`]) reads a NaN largest |g|, never a wrong number.
     #[inline(always)]
     fn tally(self) -> StepTally {
         let mut t = self.sums;
-        t.nonfinite += self.nonfinite as u64;
-        let g = self.grad_max_abs_f32 as f64;
-        if g > t.grad_max_abs {
+        let g = if self.grad_abs_bits < F32_INF_BITS {
+            f32::from_bits(self.grad_abs_bits) as f64
+        } else {
+            f64::NAN
+        };
+        if g > t.grad_max_abs || g.is_nan() {
             t.grad_max_abs = g;
         }
         t
@@ -231,12 +265,21 @@ impl Tally for ThreadTally {
     }
     #[inline(always)]
     fn push_grad_f32(&mut self, grad: f32) {
-        let g = grad.abs();
-        // False for an infinity and a NaN. Selects, not branches: per element, a branch and its
-        // reconvergence cost the 16-bit step with telemetry more than the comparisons.
-        let finite = g <= f32::MAX;
-        self.grad_max_abs_f32 = self.grad_max_abs_f32.max(if finite { g } else { 0.0 });
-        self.nonfinite += (!finite) as u32;
+        // No branch and no select: per element, those cost the 16-bit step with telemetry more
+        // than its memory.
+        self.grad_abs_bits = self.grad_abs_bits.max(grad.to_bits() & 0x7fff_ffff);
+    }
+    #[inline(always)]
+    fn grads_again(&self) -> bool {
+        self.grad_abs_bits >= F32_INF_BITS
+    }
+    #[inline(always)]
+    fn clear_grads(&mut self) {
+        (self.sums.grad_max_abs, self.sums.nonfinite, self.grad_abs_bits) = (0.0, 0, 0);
+    }
+    #[inline(always)]
+    fn push_grad_exact(&mut self, grad: f64) {
+        self.sums.push_grad(grad)
     }
     #[inline(always)]
     fn push_sums(&mut self, (update_sq, param_sq): (f64, f64)) {
@@ -287,42 +330,46 @@ mod tests {
         assert_eq!(m.record(4)[4], 4.0);
     }
 
-    /// A thread's tally (the largest |g| kept in f32) is the plain tally, bit for bit, over
-    /// values of every kind: signs, magnitudes from subnormal to the largest, NaN, infinities.
+    /// A thread's tally is the plain tally, bit for bit, over values of every kind (signs,
+    /// magnitudes from subnormal to the largest): directly while every gradient is finite; with
+    /// a NaN or an infinity among them it asks for its gradients again, reads NaN until it has
+    /// them, and is the plain tally once it has.
     #[test]
     fn thread_tally_is_the_plain_tally() {
-        let specials = [
-            0.0f32,
-            -0.0,
-            1e-45,
-            -3.5e-39,
-            1.0,
-            -2.5,
-            3.0e38,
-            -f32::MAX,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-        ];
-        let mut x = 0x2545_f491u32;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            if x.is_multiple_of(7) {
-                specials[(x / 7) as usize % specials.len()]
-            } else {
-                f32::from_bits(x)
+        let finite = [0.0f32, -0.0, 1e-45, -3.5e-39, 1.0, -2.5, 3.0e38, -f32::MAX];
+        for nonfinite in [None, Some(f32::INFINITY), Some(f32::NEG_INFINITY), Some(f32::NAN), Some(-f32::NAN)] {
+            let mut x = 0x2545_f491u32;
+            let mut next = |k: usize| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                match nonfinite {
+                    Some(v) if k == 7_777 => v,
+                    _ if x.is_multiple_of(7) => finite[(x / 7) as usize % finite.len()],
+                    // Magnitudes below f32's infinity, either sign.
+                    _ => f32::from_bits(x % 0x7f80_0000 | x & 0x8000_0000),
+                }
+            };
+            let (mut plain, mut thread) = (StepTally::default(), ThreadTally::default());
+            let mut grads = [0f32; 10_000];
+            for (k, g) in grads.iter_mut().enumerate() {
+                let (b, a) = (next(0), next(0));
+                *g = next(k);
+                plain.push_f32(b, a, *g);
+                thread.push_f32(b, a, *g);
             }
-        };
-        let (mut plain, mut thread) = (StepTally::default(), ThreadTally::default());
-        for _ in 0..10_000 {
-            let (b, a, g) = (next(), next(), next());
-            plain.push_f32(b, a, g);
-            thread.push_f32(b, a, g);
+            assert_eq!(thread.grads_again(), nonfinite.is_some());
+            if nonfinite.is_some() {
+                assert!(thread.tally().grad_max_abs.is_nan());
+                thread.clear_grads();
+                for &g in grads.iter().rev() {
+                    thread.push_grad_exact(g as f64);
+                }
+                assert_eq!(plain.nonfinite, 1);
+            }
+            let t = thread.tally();
+            assert_eq!(t.encode().words, plain.encode().words, "{nonfinite:?}");
         }
-        let t = thread.tally();
-        assert_eq!(t.encode().words, plain.encode().words);
     }
 
     /// A run tallied as the walk does: its f32 sums, or element by element when they lost range.

@@ -123,6 +123,42 @@ def test_a_skipped_step_reports_its_nonfinite_gradients(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("nonfinite", ["propagate", "no clip"])
+def test_a_taken_step_counts_its_nonfinite_gradients(device, dtype, nonfinite):
+    """A step taken over NaN and infinite gradients (``nonfinite="propagate"``, or no clip):
+    each parameter's count of them and its largest finite |g| are exact, wherever the non-finite
+    elements lie (a walk's first and last groups, a tensor's partial tail, an unaligned
+    parameter, several in one thread's elements, one tensor all non-finite) and whichever the
+    largest finite |g| is (a large finite value beside them)."""
+    g = torch.Generator().manual_seed(5)
+    store = torch.randn(40_001, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    ps = [torch.nn.Parameter(t) for t in (store[:40_000].clone(), store[1:3_001], torch.randn(1031, generator=g).to(device, dtype), torch.zeros(9, device=device, dtype=dtype))]
+    assert ps[1].data_ptr() % 16 != 0, "the second parameter is to be unaligned"
+    kw = {"max_grad_norm": None} if nonfinite == "no clip" else {"max_grad_norm": 1.0, "nonfinite": "propagate"}
+    opt = optim.AdamW(ps, lr=1e-3, stats=True, **kw)
+    grads = [torch.randn(p.shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype) for p in ps]
+    nan, inf = float("nan"), float("inf")
+    for i, at in [(0, [0, 7, 8, 16_383, 16_384, 39_999]), (1, [0, 5, 2_999]), (2, [1024, 1030])]:
+        for k, j in enumerate(at):
+            grads[i][j] = (nan, inf, -inf)[k % 3]
+    grads[0][100] = 60_000.0  # the largest finite |g|, in a thread that also saw a NaN
+    grads[0][100 + 8 * 256] = nan
+    grads[3].fill_(nan)
+    for p, gr in zip(ps, grads):
+        p.grad = gr.clone()
+    opt.step()
+    per = opt.stats(per_param=True)["default"]
+    for i, gr in enumerate(grads):
+        finite = gr[torch.isfinite(gr)]
+        want_max = finite.abs().max().double().item() if finite.numel() else 0.0
+        assert per["nonfinite"][i].item() == int((~torch.isfinite(gr)).sum()), f"parameter {i}"
+        assert per["grad_max_abs"][i].item() == want_max, f"parameter {i}"
+    got = opt.stats(as_floats=True)["default"]
+    assert got["skipped"] is False and got["nonfinite"] == sum(int((~torch.isfinite(gr)).sum()) for gr in grads)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_named_clip_groups_each_report_their_own(device):
     """Two named clip groups (one clipped, one measured): each clip group's figures are its own
     parameters' float64 reference, its norm and coefficient its own."""

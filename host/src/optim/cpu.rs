@@ -750,4 +750,14 @@ unsafe fn update_range<
         }
         from = to;
     }
+    // A non-finite gradient seen by the thread tally: the piece's gradients taken again, exactly
+    // (the kernels' walk does the same for a thread's elements).
+    if Tl::ON && t.grads_again() {
+        t.clear_grads();
+        for i in p.start..p.end {
+            // SAFETY: i < len of the gradient (the caller's contract); telemetry reads it as
+            // stored (no factors).
+            t.push_grad_exact(G::widen_to(unsafe { *at::<G>(&parts.grad, i) }).into());
+        }
+    }
 }
