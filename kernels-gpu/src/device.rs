@@ -157,6 +157,17 @@ pub fn fence_gpu() {
     unsafe { asm!("fence.acq_rel.gpu;", options(nostack, preserves_flags)) }
 }
 
+/// `prefetch.global.L2`: asks for the line at `addr` to be brought into L2, with no register
+/// waiting for it (a walk that cannot hold its next group's loads in registers).
+///
+/// # Safety
+/// `addr` is a global address (a prefetch never faults, but it must name global memory).
+#[inline(always)]
+pub unsafe fn prefetch_l2(addr: u64) {
+    // SAFETY: the caller's contract; a prefetch writes nothing.
+    unsafe { asm!("prefetch.global.L2 [{a}];", a = in(reg64) addr, options(nostack, preserves_flags)) }
+}
+
 /// `x`, as a value LLVM cannot see through: an address computed from it again is not the one
 /// computed before from `x` (a walk's store addresses are recomputed from the base and the
 /// offset, not kept from its loads across the group's arithmetic: 64-bit registers the bf16
