@@ -347,7 +347,7 @@ mod tests {
                     Some(v) if k == 7_777 => v,
                     _ if x.is_multiple_of(7) => finite[(x / 7) as usize % finite.len()],
                     // Magnitudes below f32's infinity, either sign.
-                    _ => f32::from_bits(x % 0x7f80_0000 | x & 0x8000_0000),
+                    _ => f32::from_bits((x % 0x7f80_0000) | (x & 0x8000_0000)),
                 }
             };
             let (mut plain, mut thread) = (StepTally::default(), ThreadTally::default());
